@@ -1,0 +1,226 @@
+"""Phase events: the only interface between the trainer and the metric.
+
+A `PhaseEvent` says that one rank of one attempt of one run spent [start, end] (epoch
+seconds) in one phase. Markers (failure, detection, submission) are instants: start == end.
+Training steps carry the data cursor they started and ended at in `attrs`.
+
+Pure: no I/O here. `PhaseEvent.from_dict` is what readers of spools and warehouses call, so
+a bad record is rejected with the field and the event named.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# The six L2 components, in sweep priority (highest first). They partition the wall clock.
+COMPONENTS: tuple[str, ...] = (
+    "effective_training",
+    "wasted_training",
+    "pt2_compile",
+    "trainer_init",
+    "scheduling",
+    "shutdown",
+)
+UNATTRIBUTED = "unattributed"
+
+# Who can fix a regression in each component.
+OWNERS: dict[str, str] = {
+    "scheduling": "scheduler",
+    "trainer_init": "trainer",
+    "pt2_compile": "compiler",
+    "effective_training": "data",
+    "wasted_training": "storage",
+    "shutdown": "publishing",
+}
+
+INIT_STAGES: tuple[str, ...] = (
+    "device_init",
+    "process_group_init",
+    "preproc_creation",
+    "train_module_creation",
+    "init_plugins",
+    "pre_train",
+    "get_first_batch_data",
+)
+
+TRAIN_STEP = "train_step"  # effective or wasted, decided by the data cursor
+SUBMITTED = "submitted"  # marker: the job was submitted (wall clock starts)
+FAILURE = "failure"  # marker: the fault happened (kill, exception, start of a hang)
+FAILURE_DETECTED = "failure_detected"  # marker: the driver noticed (TTR starts)
+
+# phase -> the component its time belongs to. None: the phase is informational (a marker,
+# or work in the background that the critical path does not wait for).
+PHASE_COMPONENT: dict[str, str | None] = {
+    "scheduling": "scheduling",
+    **{stage: "trainer_init" for stage in INIT_STAGES},
+    "checkpoint_restore": "trainer_init",
+    "compile_cache_restore": "pt2_compile",
+    "pt2_compile": "pt2_compile",
+    "compile_cache_save": "pt2_compile",
+    TRAIN_STEP: None,  # resolved per step to effective_training or wasted_training
+    "checkpoint_save_blocking": "wasted_training",
+    "lost_in_flight": "wasted_training",
+    "anchor_checkpoint": "shutdown",
+    "publish": "shutdown",  # publishing while the trainer still holds its devices
+    "shutdown": "shutdown",
+    "checkpoint_save_background": None,
+    "publish_standalone": None,  # on CPU after the devices were released
+    SUBMITTED: None,
+    FAILURE: None,
+    FAILURE_DETECTED: None,
+}
+PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
+MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED})
+# Informational phases neither claim time nor stretch the wall clock.
+OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background"})
+
+FAILURE_CLASSES: tuple[str, ...] = ("infrastructure", "user", "publish")
+
+REQUIRED_FIELDS: tuple[str, ...] = ("run_id", "attempt", "rank", "phase", "start", "end")
+
+Cursor = tuple[int, ...]
+
+
+class EventError(ValueError):
+    """A phase event that cannot be used; the message names the field and the event."""
+
+
+def cursor_of(value: Any, *, what: str) -> Cursor:
+    """A data cursor as a comparable tuple of ints: an int, or a sequence such as
+    (window, file, row)."""
+    if isinstance(value, bool):
+        raise EventError(f"{what} must be an int or a sequence of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, str) and value:
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+    raise EventError(f"{what} must be an int or a sequence of ints, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseEvent:
+    run_id: str
+    attempt: int
+    rank: int  # -1 for the driver
+    phase: str
+    start: float
+    end: float
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    seq: int | None = None  # position in its spool file; part of the warehouse key
+
+    def __post_init__(self) -> None:
+        where = self.describe()
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise EventError(f"field 'run_id' must be a non-empty string in {where}")
+        for name in ("attempt", "rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise EventError(f"field '{name}' must be an int, got {value!r} in {where}")
+        if self.attempt < 0 or self.rank < -1:
+            raise EventError(f"fields 'attempt' >= 0 and 'rank' >= -1 required in {where}")
+        if self.phase not in PHASES:
+            raise EventError(
+                f"field 'phase' has unknown phase {self.phase!r} in {where}; "
+                f"known phases: {', '.join(sorted(PHASES))}"
+            )
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+            ):
+                raise EventError(f"field '{name}' must be a finite number, got {value!r} in {where}")
+        if self.end < self.start:
+            raise EventError(
+                f"field 'end' ({self.end}) is before 'start' ({self.start}) in {where}"
+            )
+        if self.phase in MARKERS and self.end != self.start:
+            raise EventError(f"field 'end' must equal 'start' for marker phase in {where}")
+        if not isinstance(self.attrs, Mapping):
+            raise EventError(f"field 'attrs' must be a mapping in {where}")
+        if self.phase == TRAIN_STEP:
+            for name in ("cursor_start", "cursor_end"):
+                if name not in self.attrs:
+                    raise EventError(f"field 'attrs.{name}' is missing in {where}")
+                cursor_of(self.attrs[name], what=f"field 'attrs.{name}' in {where}")
+            if self.cursor_end < self.cursor_start:
+                raise EventError(f"field 'attrs.cursor_end' is before 'cursor_start' in {where}")
+        if self.phase in (FAILURE, FAILURE_DETECTED):
+            klass = self.attrs.get("failure_class", "infrastructure")
+            if klass not in FAILURE_CLASSES:
+                raise EventError(
+                    f"field 'attrs.failure_class' is {klass!r} in {where}; "
+                    f"expected one of {', '.join(FAILURE_CLASSES)}"
+                )
+
+    def describe(self) -> str:
+        seq = "" if self.seq is None else f" seq={self.seq}"
+        return (
+            f"event(run={getattr(self, 'run_id', '?')!r} attempt={getattr(self, 'attempt', '?')} "
+            f"rank={getattr(self, 'rank', '?')} phase={getattr(self, 'phase', '?')!r}{seq})"
+        )
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def component(self) -> str | None:
+        return PHASE_COMPONENT[self.phase]
+
+    @property
+    def cursor_start(self) -> Cursor:
+        return cursor_of(self.attrs["cursor_start"], what="cursor_start")
+
+    @property
+    def cursor_end(self) -> Cursor:
+        return cursor_of(self.attrs["cursor_end"], what="cursor_end")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "run_id": self.run_id,
+            "attempt": self.attempt,
+            "rank": self.rank,
+            "phase": self.phase,
+            "start": self.start,
+            "end": self.end,
+            "attrs": dict(self.attrs),
+        }
+        if self.seq is not None:
+            out["seq"] = self.seq
+        return out
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any], *, where: str = "") -> PhaseEvent:
+        """Build an event from a plain record, naming the missing field and the event."""
+        if not isinstance(record, Mapping):
+            raise EventError(f"event record must be an object, got {type(record).__name__} {where}")
+        missing = [name for name in REQUIRED_FIELDS if name not in record]
+        if missing:
+            label = {k: record[k] for k in REQUIRED_FIELDS if k in record}
+            raise EventError(
+                f"field '{missing[0]}' is missing in event {label} {where}".rstrip()
+            )
+        try:
+            return cls(
+                run_id=record["run_id"],
+                attempt=record["attempt"],
+                rank=record["rank"],
+                phase=record["phase"],
+                start=record["start"],
+                end=record["end"],
+                attrs=record.get("attrs") or {},
+                seq=record.get("seq"),
+            )
+        except EventError as exc:
+            raise EventError(f"{exc} {where}".rstrip()) from None
+
+
+def marker(phase: str, *, run_id: str, attempt: int, rank: int, at: float, **attrs: Any) -> PhaseEvent:
+    """An instant event (submission, failure, detection)."""
+    return PhaseEvent(run_id=run_id, attempt=attempt, rank=rank, phase=phase, start=at, end=at, attrs=attrs)

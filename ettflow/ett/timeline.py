@@ -1,0 +1,247 @@
+"""Level 2: partition a run's wall clock into the six components by a sweep.
+
+Every on-clock event becomes one or more `Interval`s labelled with a component and a phase.
+Two labels are derived here, in the open, never silently:
+
+- a training step is effective where it advances the furthest data cursor its rank has
+  reached so far in the run (across attempts); the rest is replay (`train_step_replay`,
+  wasted training);
+- the work in flight when a fault happened (from the failed attempt's last finished activity
+  to the fault's detection) is `lost_in_flight` (wasted training once the attempt trained,
+  `failed_startup` in trainer init before that).
+
+The sweep then gives each instant of [wall start, wall end] to the highest-priority component
+covering it (effective > wasted > compile > init > scheduling > shutdown); an instant nothing
+covers is `unattributed`. Within the winning component, concurrent phases share the instant
+equally: that is each phase's exposed (critical-path) time. Raw time is the union of a
+phase's intervals. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .events import (
+    COMPONENTS,
+    FAILURE,
+    FAILURE_DETECTED,
+    MARKERS,
+    OFF_CLOCK,
+    TRAIN_STEP,
+    UNATTRIBUTED,
+    Cursor,
+    PhaseEvent,
+)
+
+REPLAY = "train_step_replay"
+LOST_IN_FLIGHT = "lost_in_flight"
+FAILED_STARTUP = "failed_startup"
+_PRIORITY = {name: i for i, name in enumerate(COMPONENTS)}
+
+
+@dataclass(frozen=True)
+class Interval:
+    start: float
+    end: float
+    component: str
+    phase: str
+    attempt: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    raw_s: float
+    exposed_s: float
+
+
+@dataclass(frozen=True)
+class Partition:
+    wall_start: float
+    wall_end: float
+    components: dict[str, float]  # the six components + unattributed, exposed seconds
+    phases: dict[str, PhaseTime]
+    effective: tuple[Interval, ...]  # effective step intervals, by start time
+    replayed_steps: int
+    effective_steps: int
+
+    @property
+    def wall_s(self) -> float:
+        return self.wall_end - self.wall_start
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One failure: the attempt it ended, when it happened and when the driver noticed."""
+
+    attempt: int
+    failed_at: float
+    detected_at: float
+    rank: int
+    failure_class: str
+    reason: str
+
+
+def _split_step(ev: PhaseEvent, furthest: Cursor | None) -> tuple[float, Cursor]:
+    """Fraction of the step that replays data already trained, and the new furthest cursor."""
+    c0, c1 = ev.cursor_start, ev.cursor_end
+    if furthest is None or c0 >= furthest:
+        return 0.0, c1
+    if c1 <= furthest:
+        return 1.0, furthest
+    # Partly new: split in proportion where the cursors differ only in their last coordinate
+    # (same window and file); otherwise the step advanced into data no step reached, and the
+    # whole step counts as new.
+    if c0[:-1] == c1[:-1] == furthest[:-1]:
+        return (furthest[-1] - c0[-1]) / (c1[-1] - c0[-1]), c1
+    return 0.0, c1
+
+
+def resolve_steps(events: Iterable[PhaseEvent]) -> tuple[list[Interval], int, int]:
+    """Label each training step (or its parts) effective or replay, per rank across attempts."""
+    by_rank: dict[int, list[PhaseEvent]] = defaultdict(list)
+    for ev in events:
+        if ev.phase == TRAIN_STEP:
+            by_rank[ev.rank].append(ev)
+    out: list[Interval] = []
+    effective_steps = replayed_steps = 0
+    for rank, steps in by_rank.items():
+        furthest: Cursor | None = None
+        for ev in sorted(steps, key=lambda e: (e.start, e.attempt, e.end)):
+            wasted_frac, furthest = _split_step(ev, furthest)
+            cut = ev.start + wasted_frac * ev.duration
+            if wasted_frac > 0:
+                out.append(Interval(ev.start, cut, "wasted_training", REPLAY, ev.attempt, rank))
+                replayed_steps += 1
+            if wasted_frac < 1:
+                out.append(Interval(cut, ev.end, "effective_training", TRAIN_STEP, ev.attempt, rank))
+                effective_steps += 1
+    return out, effective_steps, replayed_steps
+
+
+def faults(events: Sequence[PhaseEvent]) -> list[Fault]:
+    """One fault per failed attempt: the earliest failure marker and the earliest detection."""
+    failed: dict[int, list[PhaseEvent]] = defaultdict(list)
+    detected: dict[int, list[PhaseEvent]] = defaultdict(list)
+    for ev in events:
+        if ev.phase == FAILURE:
+            failed[ev.attempt].append(ev)
+        elif ev.phase == FAILURE_DETECTED:
+            detected[ev.attempt].append(ev)
+    out = []
+    for attempt in sorted(set(failed) | set(detected)):
+        f = min(failed.get(attempt) or detected[attempt], key=lambda e: e.start)
+        d = min(detected.get(attempt) or failed[attempt], key=lambda e: e.start)
+        first = f if f.phase == FAILURE else d
+        out.append(
+            Fault(
+                attempt=attempt,
+                failed_at=min(f.start, d.start),
+                detected_at=max(d.start, f.start),
+                rank=int(first.attrs.get("failed_rank", first.rank)),
+                failure_class=str(first.attrs.get("failure_class", "infrastructure")),
+                reason=str(first.attrs.get("reason", "")),
+            )
+        )
+    return out
+
+
+def lost_in_flight(events: Sequence[PhaseEvent], run_faults: Iterable[Fault]) -> list[Interval]:
+    """Work in flight at each fault: last finished activity of the attempt -> detection."""
+    out = []
+    for fault in run_faults:
+        done = [
+            ev
+            for ev in events
+            if ev.attempt == fault.attempt
+            and ev.phase not in MARKERS
+            and ev.phase not in OFF_CLOCK
+            and ev.end <= fault.failed_at
+        ]
+        if not done:
+            continue
+        last = max(ev.end for ev in done)
+        trained = any(ev.phase == TRAIN_STEP for ev in done)
+        if last < fault.detected_at:
+            component, phase = (
+                ("wasted_training", LOST_IN_FLIGHT) if trained else ("trainer_init", FAILED_STARTUP)
+            )
+            out.append(Interval(last, fault.detected_at, component, phase, fault.attempt, fault.rank))
+    return out
+
+
+def intervals_of(events: Sequence[PhaseEvent], run_faults: Iterable[Fault]) -> tuple[list[Interval], int, int]:
+    steps, n_eff, n_rep = resolve_steps(events)
+    plain = [
+        Interval(ev.start, ev.end, ev.component, ev.phase, ev.attempt, ev.rank)
+        for ev in events
+        if ev.component is not None and ev.end > ev.start
+    ]
+    return plain + steps + lost_in_flight(events, run_faults), n_eff, n_rep
+
+
+def sweep(intervals: Sequence[Interval], wall_start: float, wall_end: float) -> tuple[dict[str, float], dict[str, PhaseTime]]:
+    """Exposed seconds per component and per phase, and raw seconds per phase."""
+    deltas: dict[float, list[tuple[Interval, int]]] = defaultdict(list)
+    for iv in intervals:
+        s, e = max(iv.start, wall_start), min(iv.end, wall_end)
+        if e > s:
+            deltas[s].append((iv, 1))
+            deltas[e].append((iv, -1))
+    points = sorted(set(deltas) | {wall_start, wall_end})
+    comp_count: dict[str, int] = defaultdict(int)
+    phase_count: dict[tuple[str, str], int] = defaultdict(int)  # (component, phase)
+    components = {name: 0.0 for name in (*COMPONENTS, UNATTRIBUTED)}
+    raw: dict[str, float] = defaultdict(float)
+    exposed: dict[str, float] = defaultdict(float)
+    for left, right in zip(points, points[1:]):
+        for iv, d in deltas.get(left, ()):
+            comp_count[iv.component] += d
+            phase_count[(iv.component, iv.phase)] += d
+        span = right - left
+        active = [key for key, n in phase_count.items() if n > 0]
+        for phase in {p for _, p in active}:
+            raw[phase] += span
+        live = [c for c, n in comp_count.items() if n > 0]
+        if not live:
+            components[UNATTRIBUTED] += span
+            continue
+        winner = min(live, key=_PRIORITY.__getitem__)
+        components[winner] += span
+        sharing = sorted({p for c, p in active if c == winner})
+        for phase in sharing:
+            exposed[phase] += span / len(sharing)
+    phases = {p: PhaseTime(raw_s=raw[p], exposed_s=exposed.get(p, 0.0)) for p in raw}
+    return components, phases
+
+
+def union_length(spans: Iterable[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > reach:
+            total += e - max(s, reach)
+            reach = e
+    return total
+
+
+def partition(events: Sequence[PhaseEvent], run_faults: Sequence[Fault] | None = None) -> Partition:
+    on_clock = [ev for ev in events if ev.phase not in OFF_CLOCK]
+    if not on_clock:
+        raise ValueError("no on-clock events: cannot measure a run without a timeline")
+    run_faults = faults(events) if run_faults is None else run_faults
+    wall_start = min(ev.start for ev in on_clock)
+    wall_end = max(ev.end for ev in on_clock)
+    intervals, n_eff, n_rep = intervals_of(events, run_faults)
+    components, phases = sweep(intervals, wall_start, wall_end)
+    # Background work (async checkpoint writes, standalone publishing) claims no wall time:
+    # its raw duration is reported beside the partition.
+    for name in OFF_CLOCK:
+        spans = [(ev.start, ev.end) for ev in events if ev.phase == name]
+        if spans:
+            phases[name] = PhaseTime(raw_s=union_length(spans), exposed_s=0.0)
+    effective = tuple(
+        sorted((iv for iv in intervals if iv.component == "effective_training"), key=lambda iv: iv.start)
+    )
+    return Partition(wall_start, wall_end, components, phases, effective, n_rep, n_eff)
