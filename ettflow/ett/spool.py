@@ -1,0 +1,170 @@
+"""The event spool: append-only JSON lines, one file per (run, attempt, rank).
+
+Layout: ``<root>/<run_id>/attempt-<a>.rank-<r>.jsonl`` (rank -1, the driver, is
+``attempt-<a>.driver.jsonl``). Each event is written as one line, flushed and fsynced before
+`record` returns, so a process killed at any instant loses nothing already recorded. Each
+line carries its sequence number in the file, which with (run, attempt, rank) keys it in the
+warehouse, so archiving twice never duplicates.
+
+The reader keeps every good line: a torn last line (a write cut by a kill) is reported and
+skipped, and so is any corrupt line, each with its file and line number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .events import EventError, PhaseEvent
+
+
+def spool_file(root: Path | str, run_id: str, attempt: int, rank: int) -> Path:
+    who = "driver" if rank < 0 else f"rank-{rank}"
+    return Path(root) / run_id / f"attempt-{attempt:03d}.{who}.jsonl"
+
+
+class SpoolWriter:
+    """Durable appender for the events of one (run, attempt, rank). Thread-safe; safe
+    against another process appending to the same file (an exclusive lock per write)."""
+
+    def __init__(self, root: Path | str, run_id: str, attempt: int, rank: int) -> None:
+        self.run_id, self.attempt, self.rank = run_id, attempt, rank
+        self.path = spool_file(root, run_id, attempt, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._size = -1  # file size after our last write; another writer changes it
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def __enter__(self) -> SpoolWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _resync(self) -> None:
+        """Count the lines already in the file and end a torn last line, so new lines stay
+        whole and sequence numbers never repeat."""
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            os.write(self._fd, b"\n")
+            data += b"\n"
+        self._seq = data.count(b"\n")
+        self._size = len(data)
+
+    def record(self, phase: str, start: float, end: float, **attrs: Any) -> PhaseEvent:
+        with self._lock:
+            if self._fd < 0:
+                raise RuntimeError(f"spool writer for {self.path} is closed")
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(self._fd).st_size != self._size:
+                    self._resync()
+                event = PhaseEvent(
+                    run_id=self.run_id,
+                    attempt=self.attempt,
+                    rank=self.rank,
+                    phase=phase,
+                    start=float(start),
+                    end=float(end),
+                    attrs=attrs,
+                    seq=self._seq,
+                )
+                line = (json.dumps(event.to_dict(), separators=(",", ":")) + "\n").encode()
+                os.write(self._fd, line)
+                os.fsync(self._fd)
+                self._seq += 1
+                self._size += len(line)
+                return event
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def mark(self, phase: str, at: float | None = None, **attrs: Any) -> PhaseEvent:
+        at = time.time() if at is None else at
+        return self.record(phase, at, at, **attrs)
+
+    @contextlib.contextmanager
+    def span(self, phase: str, **attrs: Any) -> Iterator[dict[str, Any]]:
+        """Record `phase` around a block; the block may add attributes to the yielded dict.
+        A block that raises is still recorded, with its error."""
+        start = time.time()
+        extra: dict[str, Any] = dict(attrs)
+        try:
+            yield extra
+        except BaseException as exc:
+            extra["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            raise
+        finally:
+            self.record(phase, start, time.time(), **extra)
+
+
+@dataclass(frozen=True)
+class SpoolProblem:
+    path: str
+    line: int
+    message: str
+    torn: bool = False  # the last line of a file, cut by a kill mid-write
+
+    def __str__(self) -> str:
+        kind = "torn last line" if self.torn else "corrupt line"
+        return f"{self.path}:{self.line}: {kind}: {self.message}"
+
+
+@dataclass
+class SpoolRead:
+    events: list[PhaseEvent] = field(default_factory=list)
+    problems: list[SpoolProblem] = field(default_factory=list)
+
+
+def read_file(path: Path | str, into: SpoolRead | None = None) -> SpoolRead:
+    out = into if into is not None else SpoolRead()
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    complete = data.endswith(b"\n")
+    if complete:
+        lines = lines[:-1]
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        torn = not complete and number == len(lines)
+        try:
+            record = json.loads(raw)
+            out.events.append(PhaseEvent.from_dict(record, where=f"at {path}:{number}"))
+        except (ValueError, EventError) as exc:
+            message = str(exc) if isinstance(exc, EventError) else f"not valid JSON ({exc})"
+            out.problems.append(SpoolProblem(str(path), number, message, torn=torn))
+    return out
+
+
+def read_spool(root: Path | str, run_id: str) -> SpoolRead:
+    """Every event of a run, from all its files, ordered by start time."""
+    folder = Path(root) / run_id
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no spool for run {run_id!r} under {root} (expected {folder})")
+    out = SpoolRead()
+    for path in sorted(folder.glob("*.jsonl")):
+        read_file(path, out)
+    out.events.sort(key=lambda e: (e.start, e.end, e.attempt, e.rank, e.seq or 0))
+    return out
+
+
+def spooled_runs(root: Path | str) -> list[str]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.jsonl")))

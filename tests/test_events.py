@@ -1,0 +1,54 @@
+"""Bad input is rejected with the field and the event named."""
+
+import pytest
+
+from ettflow.ett.events import EventError, PhaseEvent
+
+
+def record(**over):
+    base = {"run_id": "r1", "attempt": 0, "rank": 1, "phase": "device_init", "start": 1.0, "end": 2.0}
+    base.update(over)
+    return base
+
+
+def test_end_before_start_names_field_and_event():
+    with pytest.raises(EventError, match=r"field 'end' \(1.0\) is before 'start' \(2.0\).*run='r1'.*rank=1.*device_init"):
+        PhaseEvent.from_dict(record(start=2.0, end=1.0))
+
+
+def test_unknown_phase_names_it():
+    with pytest.raises(EventError, match=r"field 'phase' has unknown phase 'warp_drive'.*run='r1'"):
+        PhaseEvent.from_dict(record(phase="warp_drive"))
+
+
+def test_missing_field_names_it_and_the_event():
+    rec = record()
+    del rec["start"]
+    with pytest.raises(EventError, match=r"field 'start' is missing in event .*'run_id': 'r1'.* at spool:7"):
+        PhaseEvent.from_dict(rec, where="at spool:7")
+
+
+def test_training_step_needs_its_cursors():
+    with pytest.raises(EventError, match=r"field 'attrs.cursor_end' is missing"):
+        PhaseEvent.from_dict(record(phase="train_step", attrs={"cursor_start": 0}))
+    with pytest.raises(EventError, match=r"cursor_end' is before"):
+        PhaseEvent.from_dict(record(phase="train_step", attrs={"cursor_start": [0, 2], "cursor_end": [0, 1]}))
+    with pytest.raises(EventError, match=r"sequence of ints"):
+        PhaseEvent.from_dict(record(phase="train_step", attrs={"cursor_start": "a", "cursor_end": 1}))
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [({"attempt": "0"}, "attempt"), ({"start": float("nan")}, "start"), ({"run_id": ""}, "run_id"),
+     ({"phase": "failure", "end": 3.0}, "end"), ({"attrs": [1]}, "attrs"),
+     ({"phase": "failure", "end": 1.0, "attrs": {"failure_class": "cosmic"}}, "attrs.failure_class")],
+)
+def test_other_bad_fields(over, field):
+    with pytest.raises(EventError, match=f"field '{field}'"):
+        PhaseEvent.from_dict(record(**over))
+
+
+def test_round_trip():
+    ev = PhaseEvent.from_dict(record(phase="train_step", attrs={"cursor_start": [0, 1, 2], "cursor_end": [0, 1, 66]}, seq=4))
+    assert PhaseEvent.from_dict(ev.to_dict()) == ev
+    assert ev.cursor_end == (0, 1, 66) and ev.component is None and ev.duration == 1.0
