@@ -1,0 +1,138 @@
+"""The data preprocessing pipeline (DPP): windows in, fixed-size batches out, with a cursor.
+
+Sharding rule. The files of the chosen windows form one stream of rows. From a start cursor,
+step g takes the global batch of `batch_size * world_size` rows at stream position
+`start + g * batch_size * world_size`; rank r takes its r-th `batch_size` rows. So ranks read
+disjoint rows, the cursor after a step is the same on every rank (`Batch.cursor_end`), and a
+restore from that cursor (even with another world size) trains every later row exactly once.
+The last, ragged global batch is dropped (its rows stay after the final cursor, so the next
+refresh that starts from that cursor trains them); every rank runs `num_batches()` steps.
+
+Building a pipeline reads only file footers and fails fast on a file that does not match the
+schema; rows are read when batches are made, one file at a time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ettflow.trainer.data.batch import Batch, table_to_batch
+from ettflow.trainer.data.prefetch import Prefetcher
+from ettflow.trainer.data.schema import DataError, FeatureSchema
+from ettflow.trainer.data.windows import Cursor, PartFile, StreamIndex
+
+CursorLike = Cursor | Mapping[str, Any] | Sequence[int] | None
+
+
+def full_batches(rows: int, batch_size: int, world_size: int = 1) -> int:
+    """Steps every rank runs over `rows` stream rows (the ragged last global batch dropped)."""
+    if batch_size < 1 or world_size < 1:
+        raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size}, {world_size}")
+    return max(rows, 0) // (batch_size * world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """root: folder of window folders; windows: names to read (None: all, in name order)."""
+
+    root: str | Path
+    schema: FeatureSchema
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    windows: tuple[str, ...] | None = None
+    cached_files: int = 2  # decoded files kept in memory per rank
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schema, Mapping):
+            object.__setattr__(self, "schema", FeatureSchema.from_dict(self.schema))
+        if not isinstance(self.schema, FeatureSchema):
+            raise ValueError(f"DataConfig.schema must be a FeatureSchema (or its dict), "
+                             f"got {type(self.schema).__name__}")
+        for name in ("batch_size", "world_size", "cached_files"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DataConfig.{name} must be an int >= 1, got {v!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"DataConfig.rank must be in [0, world_size={self.world_size}), "
+                             f"got {self.rank!r}")
+        if self.windows is not None:
+            if isinstance(self.windows, str):
+                raise ValueError("DataConfig.windows must be a list of window names, not a str")
+            object.__setattr__(self, "windows", tuple(self.windows))
+
+
+class DataPipeline:
+    def __init__(self, config: DataConfig):
+        self.config = config
+        self.schema = config.schema
+        self.index = StreamIndex(config.root, config.schema, config.windows)
+        self._tables: OrderedDict[Path, pa.Table] = OrderedDict()
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.batch_size * self.config.world_size
+
+    def num_batches(self, start: CursorLike = None) -> int:
+        """Steps every rank runs from `start` to the end of the chosen windows."""
+        pos = self.index.position(Cursor.of(start))
+        return full_batches(self.index.total_rows - pos, self.config.batch_size,
+                            self.config.world_size)
+
+    def end_cursor(self, start: CursorLike = None) -> Cursor:
+        """The cursor after the last full batch from `start`: where the next refresh starts."""
+        pos = self.index.position(Cursor.of(start))
+        return self.index.cursor(pos + self.num_batches(start) * self.global_batch)
+
+    def batches(self, start: CursorLike = None, *, prefetch: int = 0) -> Iterator[Batch]:
+        """This rank's batches from `start`; with prefetch > 0 a background thread keeps that
+        many ready (call `.close()` on the returned iterator to stop it early)."""
+        it = self._batches(self.index.position(Cursor.of(start)))
+        return Prefetcher(it, depth=prefetch) if prefetch > 0 else it
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.batches()
+
+    def _batches(self, pos: int) -> Iterator[Batch]:
+        b, gb = self.config.batch_size, self.global_batch
+        for _ in range(full_batches(self.index.total_rows - pos, b, self.config.world_size)):
+            mine = pos + self.config.rank * b
+            table, source = self._rows(mine, mine + b)
+            yield table_to_batch(table, self.schema, source=source,
+                                 cursor_start=self.index.cursor(pos),
+                                 cursor_end=self.index.cursor(pos + gb))
+            pos += gb
+
+    def _rows(self, start: int, stop: int) -> tuple[pa.Table, str]:
+        pieces = self.index.locate(start, stop)
+        tables = [self._table(part).slice(lo, hi - lo) for part, lo, hi in pieces]
+        source = ", ".join(str(part.path) for part, _, _ in pieces)
+        if len(tables) == 1:
+            return tables[0], source
+        try:
+            return pa.concat_tables(tables, promote_options="permissive"), source
+        except pa.ArrowException as e:
+            raise DataError(source, None, f"disagree on column types and cannot be read as "
+                            f"one batch ({e}); write all parts with the same types") from e
+
+    def _table(self, part: PartFile) -> pa.Table:
+        table = self._tables.get(part.path)
+        if table is None:
+            try:
+                table = pq.read_table(part.path, columns=list(self.schema.columns))
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(part.path, None, f"could not be read ({e})") from e
+            if table.num_rows != part.num_rows:
+                raise DataError(part.path, None, f"has {table.num_rows} rows, its footer said "
+                                f"{part.num_rows} when the run started; it changed underneath")
+            self._tables[part.path] = table
+            while len(self._tables) > self.config.cached_files:
+                self._tables.popitem(last=False)
+        return table
