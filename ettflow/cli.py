@@ -1,2 +1,101 @@
-def main(argv=None):
-    raise SystemExit("not yet")
+"""The `ettflow` command. Each sub-command is a thin shell over a component."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+
+from . import paths
+
+
+def _warehouse(url: str | None):
+    from .ett.warehouse import Warehouse
+
+    return Warehouse.open(url)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .ett import report
+    from .ett.warehouse import WarehouseError
+
+    try:
+        wh = _warehouse(args.url)
+        runs = wh.runs_frame(model=args.model, run_id=args.run, limit=args.last)
+    except WarehouseError as exc:
+        print(f"ettflow report: {exc}", file=sys.stderr)
+        return 2
+    if runs.empty:
+        what = f"run {args.run!r}" if args.run else (f"model {args.model!r}" if args.model else "any run")
+        print(
+            f"ettflow report: the warehouse at {wh.display_url} holds no data for {what}.\n"
+            "Run a refresh (or `ettflow demo` for a sample run) first, or point --url / "
+            "ETTFLOW_WAREHOUSE_URL at the warehouse that has your runs.",
+            file=sys.stderr,
+        )
+        return 1
+    if args.run:
+        row = runs.iloc[0]
+        detail = report.component_table(wh.components_frame(args.run), float(row["wall_s"]))
+        print(report.render(report.run_table(runs), args.format))
+        if args.format == "table":
+            print("\nWhere the wall time went (exposed = on the critical path):")
+        print(report.render(detail, args.format))
+        return 0
+    print(report.render(report.run_table(runs), args.format))
+    if args.format == "table":
+        print("\nPer model, over time:")
+    print(report.render(report.model_summary(runs), args.format))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Write a sample run through the spool, archive it, and print its report."""
+    from .ett.archive import archive_spooled_run
+    from .ett.sample import write_sample_run
+    from .ett.warehouse import RunInfo
+
+    run_id = args.run_id or f"sample-{uuid.uuid4().hex[:8]}"
+    spool = paths.spool_root()
+    write_sample_run(spool, run_id, seed=args.seed, start=time.time() - 3600)
+    wh = _warehouse(args.url)
+    archived = archive_spooled_run(
+        wh, spool, RunInfo(run_id=run_id, model="sample-dlrm", mode="sample", tags={"sample": True})
+    )
+    print(f"sample run {run_id}: {archived.events} events spooled under {spool / run_id}")
+    print(f"archived to {wh.display_url}\n")
+    return cmd_report(argparse.Namespace(url=args.url, run=run_id, model=None, last=None, format="table"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ettflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    rep = sub.add_parser("report", help="per-run L1/L2 and a per-model summary from the warehouse")
+    rep.add_argument("--url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the per-user SQLite file)")
+    rep.add_argument("--run", help="one run in detail: every component and phase, exposed and raw")
+    rep.add_argument("--model", help="only this model's runs")
+    rep.add_argument("--last", type=int, help="only the N most recent runs")
+    rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    rep.set_defaults(func=cmd_report)
+
+    demo = sub.add_parser("demo", help="write and archive a sample run, then report it")
+    demo.add_argument("--url", help="warehouse URL")
+    demo.add_argument("--run-id", help="id for the sample run (default: random)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_demo)
+
+    from .trainer.data import cli as data_cli
+
+    data_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

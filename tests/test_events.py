@@ -12,7 +12,8 @@ def record(**over):
 
 
 def test_end_before_start_names_field_and_event():
-    with pytest.raises(EventError, match=r"field 'end' \(1.0\) is before 'start' \(2.0\).*run='r1'.*rank=1.*device_init"):
+    pattern = r"field 'end' \(1.0\) is before 'start' \(2.0\).*run='r1'.*rank=1.*device_init"
+    with pytest.raises(EventError, match=pattern):
         PhaseEvent.from_dict(record(start=2.0, end=1.0))
 
 
@@ -49,6 +50,7 @@ def test_other_bad_fields(over, field):
 
 
 def test_round_trip():
-    ev = PhaseEvent.from_dict(record(phase="train_step", attrs={"cursor_start": [0, 1, 2], "cursor_end": [0, 1, 66]}, seq=4))
+    attrs = {"cursor_start": [0, 1, 2], "cursor_end": [0, 1, 66]}
+    ev = PhaseEvent.from_dict(record(phase="train_step", attrs=attrs, seq=4))
     assert PhaseEvent.from_dict(ev.to_dict()) == ev
     assert ev.cursor_end == (0, 1, 66) and ev.component is None and ev.duration == 1.0

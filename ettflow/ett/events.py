@@ -31,7 +31,7 @@ OWNERS: dict[str, str] = {
     "scheduling": "scheduler",
     "trainer_init": "trainer",
     "pt2_compile": "compiler",
-    "effective_training": "data",
+    "effective_training": "trainer",
     "wasted_training": "storage",
     "shutdown": "publishing",
 }
@@ -64,6 +64,7 @@ PHASE_COMPONENT: dict[str, str | None] = {
     "checkpoint_save_blocking": "wasted_training",
     "lost_in_flight": "wasted_training",
     "anchor_checkpoint": "shutdown",
+    "evaluation": "shutdown",  # held-out evaluation after training, devices still held
     "publish": "shutdown",  # publishing while the trainer still holds its devices
     "shutdown": "shutdown",
     "checkpoint_save_background": None,
@@ -76,6 +77,48 @@ PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
 MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background"})
+
+# Phases whose owner is not their component's owner (derived phases included).
+PHASE_OWNERS: dict[str, str] = {
+    "preproc_creation": "data",
+    "get_first_batch_data": "data",
+    "process_group_init": "scheduler",
+    "compile_cache_restore": "compiler",
+    "compile_cache_save": "compiler",
+    "checkpoint_restore": "storage",
+    "checkpoint_save_blocking": "storage",
+    "checkpoint_save_background": "storage",
+    "anchor_checkpoint": "storage",
+    "publish": "publishing",
+    "publish_standalone": "publishing",
+    "train_step": "trainer",
+    "train_step_replay": "storage",
+    "lost_in_flight": "storage",
+    "failed_startup": "trainer",
+}
+
+
+# Phases the sweep derives, and the component each belongs to.
+DERIVED_COMPONENT: dict[str, str] = {
+    TRAIN_STEP: "effective_training",
+    "train_step_replay": "wasted_training",
+    "failed_startup": "trainer_init",
+}
+
+
+def component_of(phase: str) -> str | None:
+    return PHASE_COMPONENT.get(phase) or DERIVED_COMPONENT.get(phase)
+
+
+def owner_of(name: str) -> str | None:
+    """Who can fix time lost in a component or phase."""
+    if name in OWNERS:
+        return OWNERS[name]
+    if name in PHASE_OWNERS:
+        return PHASE_OWNERS[name]
+    component = component_of(name)
+    return OWNERS.get(component) if component else None
+
 
 FAILURE_CLASSES: tuple[str, ...] = ("infrastructure", "user", "publish")
 

@@ -53,6 +53,7 @@ class RunMetrics:
     started_training: bool
     failures: tuple[FailureMetrics, ...]
     components: dict[str, float]  # exposed seconds: the six components + unattributed
+    components_raw: dict[str, float]  # raw seconds: union of each component's own intervals
     phases: dict[str, PhaseTime]
     attempts: tuple[AttemptMetrics, ...]
     effective_steps: int
@@ -181,6 +182,7 @@ def compute_run_metrics(events: Sequence[PhaseEvent]) -> RunMetrics:
         started_training=first_new is not None,
         failures=_failures(fs, part),
         components=part.components,
+        components_raw=part.components_raw,
         phases=part.phases,
         attempts=_attempts(events, fs),
         effective_steps=part.effective_steps,

@@ -62,6 +62,7 @@ class Partition:
     wall_start: float
     wall_end: float
     components: dict[str, float]  # the six components + unattributed, exposed seconds
+    components_raw: dict[str, float]  # union of each component's intervals, overlaps included
     phases: dict[str, PhaseTime]
     effective: tuple[Interval, ...]  # effective step intervals, by start time
     replayed_steps: int
@@ -182,8 +183,10 @@ def intervals_of(events: Sequence[PhaseEvent], run_faults: Iterable[Fault]) -> t
     return plain + steps + lost_in_flight(events, run_faults), n_eff, n_rep
 
 
-def sweep(intervals: Sequence[Interval], wall_start: float, wall_end: float) -> tuple[dict[str, float], dict[str, PhaseTime]]:
-    """Exposed seconds per component and per phase, and raw seconds per phase."""
+def sweep(
+    intervals: Sequence[Interval], wall_start: float, wall_end: float
+) -> tuple[dict[str, float], dict[str, float], dict[str, PhaseTime]]:
+    """Exposed and raw seconds per component, and per phase."""
     deltas: dict[float, list[tuple[Interval, int]]] = defaultdict(list)
     for iv in intervals:
         s, e = max(iv.start, wall_start), min(iv.end, wall_end)
@@ -194,6 +197,7 @@ def sweep(intervals: Sequence[Interval], wall_start: float, wall_end: float) -> 
     comp_count: dict[str, int] = defaultdict(int)
     phase_count: dict[tuple[str, str], int] = defaultdict(int)  # (component, phase)
     components = {name: 0.0 for name in (*COMPONENTS, UNATTRIBUTED)}
+    components_raw = dict.fromkeys(COMPONENTS, 0.0)
     raw: dict[str, float] = defaultdict(float)
     exposed: dict[str, float] = defaultdict(float)
     for left, right in zip(points, points[1:]):
@@ -205,6 +209,8 @@ def sweep(intervals: Sequence[Interval], wall_start: float, wall_end: float) -> 
         for phase in {p for _, p in active}:
             raw[phase] += span
         live = [c for c, n in comp_count.items() if n > 0]
+        for c in live:
+            components_raw[c] += span
         if not live:
             components[UNATTRIBUTED] += span
             continue
@@ -214,7 +220,8 @@ def sweep(intervals: Sequence[Interval], wall_start: float, wall_end: float) -> 
         for phase in sharing:
             exposed[phase] += span / len(sharing)
     phases = {p: PhaseTime(raw_s=raw[p], exposed_s=exposed.get(p, 0.0)) for p in raw}
-    return components, phases
+    components_raw[UNATTRIBUTED] = components[UNATTRIBUTED]
+    return components, components_raw, phases
 
 
 def union_length(spans: Iterable[tuple[float, float]]) -> float:
@@ -234,7 +241,7 @@ def partition(events: Sequence[PhaseEvent], run_faults: Sequence[Fault] | None =
     wall_start = min(ev.start for ev in on_clock)
     wall_end = max(ev.end for ev in on_clock)
     intervals, n_eff, n_rep = intervals_of(events, run_faults)
-    components, phases = sweep(intervals, wall_start, wall_end)
+    components, components_raw, phases = sweep(intervals, wall_start, wall_end)
     # Background work (async checkpoint writes, standalone publishing) claims no wall time:
     # its raw duration is reported beside the partition.
     for name in OFF_CLOCK:
@@ -244,4 +251,4 @@ def partition(events: Sequence[PhaseEvent], run_faults: Sequence[Fault] | None =
     effective = tuple(
         sorted((iv for iv in intervals if iv.component == "effective_training"), key=lambda iv: iv.start)
     )
-    return Partition(wall_start, wall_end, components, phases, effective, n_rep, n_eff)
+    return Partition(wall_start, wall_end, components, components_raw, phases, effective, n_rep, n_eff)

@@ -1,0 +1,90 @@
+"""`ettflow report`: per-run L1/L2 and a per-model summary over time, from any warehouse.
+
+The per-run table has the columns of the study's per-model bars: ETT%, TTS, NoF, TTR and
+the six L2 components as a share of wall time (plus unattributed). Pure formatting over
+pandas frames; the CLI reads the frames from the warehouse.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from .events import COMPONENTS, UNATTRIBUTED, component_of, owner_of
+
+L2_COLUMNS = (*COMPONENTS, UNATTRIBUTED)
+SHORT = {
+    "scheduling": "sched",
+    "trainer_init": "init",
+    "pt2_compile": "compile",
+    "effective_training": "effective",
+    "wasted_training": "wasted",
+    "shutdown": "shutdown",
+    "unattributed": "unattr",
+}
+
+
+def run_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: L1, then each L2 component as % of wall."""
+    out = pd.DataFrame(
+        {
+            "run": runs["run_id"],
+            "model": runs["model"],
+            "mode": runs["mode"],
+            "started": pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M"),
+            "wall_s": runs["wall_s"].round(1),
+            "ETT%": runs["ett_pct"].round(1),
+            "TTS_s": runs["tts_s"].round(1),
+            "NoF": runs["nof"].astype(int),
+            "TTR_mean_s": runs["ttr_mean_s"].round(1),
+        }
+    )
+    for c in L2_COLUMNS:
+        out[f"{SHORT[c]}%"] = (100 * runs[f"{c}_s"] / runs["wall_s"]).round(1)
+    return out.reset_index(drop=True)
+
+
+def model_summary(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per model and day: how many runs, their ETT% (mean, min, max), wall and failures."""
+    frame = runs.assign(day=pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d"))
+    grouped = frame.groupby(["model", "day"], sort=True)
+    out = grouped.agg(
+        runs=("run_id", "count"),
+        ett_mean=("ett_pct", "mean"),
+        ett_min=("ett_pct", "min"),
+        ett_max=("ett_pct", "max"),
+        wall_mean_s=("wall_s", "mean"),
+        tts_mean_s=("tts_s", "mean"),
+        failures=("nof", "sum"),
+    )
+    return out.round(1).reset_index()
+
+
+def component_table(components: pd.DataFrame, wall_s: float) -> pd.DataFrame:
+    """One run's L2 in detail: each component and phase, exposed and raw, with owners."""
+    frame = components.copy()
+    frame["owner"] = [owner_of(n) or "-" for n in frame["name"]]
+    frame["exposed_%"] = (100 * frame["exposed_s"] / wall_s).round(1) if wall_s > 0 else 0.0
+    order = {name: i for i, name in enumerate(L2_COLUMNS)}
+    # components first in sweep priority, then phases grouped under their component
+    frame["_k"] = [
+        (0, order[n], 0.0) if kind == "component"
+        else (1, order.get(component_of(n) or "", 99), -exposed)
+        for kind, n, exposed in zip(frame["kind"], frame["name"], frame["exposed_s"])
+    ]
+    frame = frame.sort_values("_k", kind="stable").drop(columns="_k")
+    cols = ["kind", "name", "owner", "exposed_s", "raw_s", "exposed_%"]
+    return frame[cols].round(3).reset_index(drop=True)
+
+
+def render(frame: pd.DataFrame, fmt: str) -> str:
+    if fmt == "csv":
+        return frame.to_csv(index=False)
+    if fmt == "json":
+        return json.dumps(json.loads(frame.to_json(orient="records")), indent=2)
+    if fmt == "table":
+        if frame.empty:
+            return "(no rows)"
+        return frame.to_string(index=False)
+    raise ValueError(f"unknown format {fmt!r}: use table, csv or json")

@@ -1,0 +1,85 @@
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+# ==============================================================================================
+# Warehouse fixtures (tests/test_warehouse.py): each warehouse test runs against a fresh SQLite
+# file and against the real local PostgreSQL. PostgreSQL gets a database made for this test
+# session (dropped at its end) and a fresh schema per test, so runs never collide. If
+# PostgreSQL is unreachable its tests FAIL; ETTFLOW_SKIP_POSTGRES=1 skips them instead.
+# ETTFLOW_TEST_POSTGRES_URL names another server (its database part is not used).
+# ==============================================================================================
+import os  # noqa: E402
+import uuid  # noqa: E402
+
+import pytest  # noqa: E402
+
+POSTGRES_TEST_URL = os.environ.get(
+    "ETTFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+def _pg_admin_engine():
+    from sqlalchemy import create_engine, make_url
+
+    url = make_url(POSTGRES_TEST_URL).set(database="postgres")
+    return create_engine(url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """URL of a PostgreSQL database created for this test session, dropped at its end."""
+    if os.environ.get("ETTFLOW_SKIP_POSTGRES") == "1":
+        pytest.skip("ETTFLOW_SKIP_POSTGRES=1: PostgreSQL tests skipped")
+    from sqlalchemy import make_url, text
+    from sqlalchemy.exc import DBAPIError
+
+    admin = _pg_admin_engine()
+    name = f"ettflow_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except DBAPIError as exc:
+        admin.dispose()
+        shown = admin.url.render_as_string(hide_password=True)
+        pytest.fail(
+            f"PostgreSQL at {shown} is unreachable or refused CREATE DATABASE: {exc.orig}\n"
+            "Start it (pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start), "
+            "point ETTFLOW_TEST_POSTGRES_URL at a server, or set ETTFLOW_SKIP_POSTGRES=1.",
+            pytrace=False,
+        )
+    url = make_url(POSTGRES_TEST_URL).set(database=name)
+    yield url.render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def postgres_schema_url(postgres_url):
+    """`postgres_url` with a fresh, empty schema first on the search_path (dropped after)."""
+    from sqlalchemy import create_engine, make_url, text
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    yield url.render_as_string(hide_password=False)
+    with engine.connect() as conn:
+        conn.execute(text("SET lock_timeout = '10s'"))
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def warehouse_url(request, tmp_path):
+    """A URL of a fresh, empty warehouse database: a SQLite file, then PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'warehouse.db'}"
+    return request.getfixturevalue("postgres_schema_url")
+
+
+# ============================================================================ end warehouse ===
