@@ -2,7 +2,12 @@ import math
 
 import pytest
 
-from ettflow.ett.checkpoint_interval import WasteModel, daly_interval, optimal_interval, young_interval
+from ettflow.ett.checkpoint_interval import (
+    WasteModel,
+    daly_interval,
+    optimal_interval,
+    young_interval,
+)
 
 
 def test_model_by_hand():
