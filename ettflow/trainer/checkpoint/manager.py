@@ -1,0 +1,284 @@
+"""CheckpointManager: save (sync or async), commit, keep the last K, and restore.
+
+    ckpt_group = dist.new_group(backend="gloo")           # every rank, same order
+    manager = CheckpointManager(CheckpointConfig(root=..., mode="async", keep_last=3),
+                                process_group=ckpt_group)
+    result = manager.save(step, train_state)   # blocks for the copy into host memory only
+    ...                                         # training continues while it writes
+    manager.wait()                              # or: the next save waits for this one
+    manager.restore_latest(fresh_train_state)   # newest committed, verified checkpoint
+
+A save writes `step_<n>.tmp` with DCP (`async_save` with PyTorch's DefaultStager in async
+mode). When DCP has finished on every rank, rank 0 checks the files, seals the folder
+(manifest + COMMITTED) and renames it to `step_<n>`: only then can a restart use it. It then
+deletes checkpoints beyond the newest `keep_last`, and tells every rank the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ettflow.trainer.checkpoint.catalog import CheckpointScan, prune, scan
+from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError
+from ettflow.trainer.checkpoint.group import CheckpointGroup
+from ettflow.trainer.checkpoint.layout import final_dir, publish, tmp_dir
+from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult
+from ettflow.trainer.checkpoint.staging import make_stager
+from ettflow.trainer.checkpoint.state import TrainState
+from ettflow.trainer.checkpoint.verify import CheckpointInfo, seal, verify
+
+log = logging.getLogger(__name__)
+
+
+def describe(error: BaseException) -> str:
+    """One line per failed rank for DCP's CheckpointException (its str holds tracebacks)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(error.failures.items())
+        )
+    return f"{type(error).__name__}: {error}"
+
+
+class CheckpointManager:
+    """Saves and restores `TrainState`s under `config.root` (see the module docstring).
+
+    process_group: the group for checkpoint collectives; required in async mode when
+        torch.distributed is initialized (see `group.py`), optional in sync mode.
+    on_commit: called with each CommitResult as a save finishes (from the background
+        thread in async mode), e.g. to record the `checkpoint_save_background` phase.
+    Failures of a save are raised as CheckpointError by `save` (sync mode), or by the
+    next `wait`/`save` call after it failed (async mode).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        on_commit: Callable[[CommitResult], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.group = CheckpointGroup(process_group, mode=config.mode)
+        self._on_commit = on_commit
+        self._async = config.mode == "async"
+        self._stager = make_stager() if self._async else None
+        self._executor = ThreadPoolExecutor(1, "ettflow-ckpt") if self._async else None
+        self._pending: SaveResult | None = None
+        self._closed = False
+        Path(config.root).mkdir(parents=True, exist_ok=True)
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState) -> SaveResult:
+        if self._closed:
+            raise CheckpointError("CheckpointManager.save after close(): build a new manager")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        start = time.time()
+        self.wait()
+        waited = time.time() - start
+        tmp = tmp_dir(self.config.root, step)
+        tmp.mkdir(parents=True, exist_ok=True)
+        cursor = state.cursor_json()
+        state_dict = state.to_state_dict(step=step, rank=self.group.rank)
+        writer = FileSystemWriter(str(tmp))
+        kwargs: dict[str, Any] = {
+            "storage_writer": writer,
+            "process_group": self.group.pg,
+            "no_dist": not self.group.distributed,
+        }
+        future: Future[CommitResult]
+        if self._async:
+            upload = dcp.async_save(state_dict, async_stager=self._stager, **kwargs)
+            end = time.time()
+            future = self._executor.submit(self._finish, step, tmp, cursor, upload, end)
+        else:
+            try:
+                dcp.save(state_dict, **kwargs)
+            except CheckpointException as e:  # a BaseException: would escape `except Exception`
+                raise CheckpointError(f"checkpoint of step {step}: DCP write failed: {describe(e)}") from e
+            commit = self._finish(step, tmp, cursor, None, start)
+            end = commit.background_end  # sync: nothing runs in the background
+            future = Future()
+            future.set_result(commit)
+        result = SaveResult(
+            step=step,
+            mode=self.config.mode,
+            blocking_start=start,
+            blocking_end=end,
+            waited_previous_s=waited,
+            commit_future=future,
+        )
+        self._pending = result
+        if not self._async:
+            self.wait()
+        return result
+
+    def wait(self) -> CommitResult | None:
+        """Finish the pending save; returns its CommitResult (None if there was none) and
+        raises CheckpointError if it failed (it is not retried)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        outcome = pending.commit_result()
+        if not outcome.committed:
+            raise CheckpointError(f"checkpoint of step {outcome.step} failed: {outcome.error}")
+        return outcome
+
+    def _finish(self, step: int, tmp: Path, cursor: str, upload: Future | None, start: float) -> CommitResult:
+        """On every rank: wait for DCP, then rank 0 verifies, seals, commits and prunes.
+
+        `upload` is DCP's write (None in sync mode, where it already finished and the
+        background span is empty); `start` is when the background part began."""
+        try:
+            error = None
+            if upload is not None:
+                try:
+                    upload.result()
+                except (Exception, CheckpointException) as e:  # reported to every rank below
+                    error = f"DCP write failed on rank {self.group.rank}: {describe(e)}"
+            reports = self.group.all_gather((error, cursor))
+            outcome: tuple[str | None, int | None, str | None] = (None, None, None)
+            if self.group.rank == 0:
+                outcome = self._commit(step, tmp, reports)
+            path, nbytes, error = self.group.broadcast_from_first(outcome)
+        except (Exception, CheckpointException) as e:  # a failed save must not kill the thread
+            path, nbytes, error = None, None, f"rank {self.group.rank}: {describe(e)}"
+        end = time.time()
+        result = CommitResult(
+            step=step,
+            committed=path is not None,
+            path=Path(path) if path else None,
+            nbytes=nbytes,
+            background_start=start if upload is not None else end,
+            background_end=end,
+            error=error,
+        )
+        if error:
+            log.error("checkpoint of step %d failed: %s", step, error)
+        if self._on_commit is not None:
+            try:
+                self._on_commit(result)
+            except Exception:  # the callback's bug must not fail the save
+                log.exception("checkpoint on_commit callback failed for step %d", step)
+        return result
+
+    def _commit(self, step: int, tmp: Path, reports: list) -> tuple[str | None, int | None, str | None]:
+        """Rank 0: (committed path, bytes, None) or (None, None, why it failed)."""
+        errors = [e for e, _ in reports if e]
+        if errors:
+            return None, None, "; ".join(errors)
+        try:
+            cursors = [json.loads(c) for _, c in reports]
+            nbytes = seal(
+                tmp,
+                step=step,
+                world_size=self.group.world_size,
+                cursors=cursors,
+                checksum_data_files=self.config.checksum_data_files,
+            )
+            final = final_dir(self.config.root, step)
+            publish(tmp, final)
+            verify(final)
+        except Exception as e:  # becomes the save's error on every rank
+            return None, None, f"commit of {tmp} failed: {describe(e)}"
+        try:
+            prune(self.config.root, self.config.keep_last)
+        except OSError as e:
+            log.warning("checkpoint prune under %s failed (will retry next save): %s", tmp, e)
+        return str(final), nbytes, None
+
+    # -- finding and restoring ----------------------------------------------------------
+
+    def scan(self) -> CheckpointScan:
+        """Committed, verified checkpoints and the problems (torn, partial) found beside them."""
+        found = scan(self.config.root)
+        for problem in found.problems:
+            log.warning("checkpoint skipped, %s", problem)
+        return found
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed, verified checkpoint; torn or partial ones are logged."""
+        return self.scan().latest
+
+    def load(self, state: TrainState, path: Path | str | CheckpointInfo) -> RestoreResult:
+        """Restore `state` (a freshly built model and optimizer) from a committed checkpoint.
+
+        Collective: every rank calls it with the same path."""
+        start = time.time()
+        self._wait_quietly()
+        path = Path(path.path if isinstance(path, CheckpointInfo) else path)
+        try:
+            info, problem = verify(path), None
+        except CheckpointError as e:
+            info, problem = None, str(e)
+        problems = [p for p in self.group.all_gather(problem) if p]
+        if problems:
+            raise CheckpointError(f"refusing to restore {path}: {problems[0]}")
+        if info.world_size != self.group.world_size:
+            raise CheckpointError(
+                f"{path} was written by {info.world_size} ranks, this job has "
+                f"{self.group.world_size}: per-rank data cursors and RNG state cannot be "
+                "mapped; restore with the same number of ranks"
+            )
+        template: Mapping[str, Any] = state.load_template(rank=self.group.rank)
+        dcp.load(
+            template,
+            storage_reader=FileSystemReader(str(path)),
+            # keep ShardedTensors without local shards (tables on other ranks) in the
+            # template; flattening exists for FSDP's nested ShardedTensors, not TorchRec's
+            planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
+            process_group=self.group.pg,
+            no_dist=not self.group.distributed,
+        )
+        state.apply(template, rank=self.group.rank)
+        return RestoreResult(checkpoint=info, start=start, end=time.time())
+
+    def restore_latest(self, state: TrainState) -> RestoreResult | None:
+        """Restore from the newest committed checkpoint rank 0 finds; None if there is none.
+
+        Collective: every rank calls it."""
+        chosen = None
+        if self.group.rank == 0:
+            latest = self.latest()
+            chosen = str(latest.path) if latest else None
+        chosen = self.group.broadcast_from_first(chosen)
+        return None if chosen is None else self.load(state, chosen)
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except CheckpointError as e:
+            log.error("%s", e)
+
+    def close(self) -> None:
+        """Finish the pending save (raising if it failed) and release the staging buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

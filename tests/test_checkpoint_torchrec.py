@@ -1,0 +1,251 @@
+"""Sharded TorchRec state through CheckpointManager, on 2 gloo ranks (CPU).
+
+A tiny DLRM (3 embedding tables, dim 8: two table-wise, one column-wise) in a
+DistributedModelParallel with a fused Adagrad embedding optimizer and a dense Adam (two
+set-ups, see `build`). One spawned run checks, for DTensor output (the preferred path) and
+for ShardedTensor output (through ShardedTensorStager): async save while training
+continues, sync save, restore into
+a fresh model (parameters and both optimizers' state equal to what was saved, step, cursor,
+RNG), bitwise continuation, and fallback past a torn newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+BATCH = 4
+TABLES = 3
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def build(output_dtensor: bool):
+    """The DLRM in one of two set-ups.
+
+    output_dtensor=True: DTensor state, fused exact rowwise Adagrad from the sharder's
+        fused_params, dense Adam in a KeyedOptimizerWrapper inside a CombinedOptimizer.
+    output_dtensor=False: ShardedTensor state (ShardingEnv.from_process_group), Adagrad
+        fused through apply_optimizer_in_backward, a plain torch Adam for the dense part.
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+    from ettflow.trainer.checkpoint import TrainState
+
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=20 + i, feature_names=[f"f{i}"])
+        for i in range(TABLES)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=4,
+        dense_arch_layer_sizes=[8],
+        over_arch_layer_sizes=[8, 1],
+    )
+    pg = dist.group.WORLD
+    if output_dtensor:
+        fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+        env = ShardingEnv(WORLD, dist.get_rank(), pg, output_dtensor=True)
+    else:
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.1})
+        sharder = EmbeddingBagCollectionSharder()
+        env = ShardingEnv.from_process_group(pg)
+    constraints = {
+        "t0": ParameterConstraints(sharding_types=["table_wise"]),
+        "t1": ParameterConstraints(sharding_types=["table_wise"]),
+        "t2": ParameterConstraints(sharding_types=["column_wise"]),
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=WORLD, compute_device="cpu"), constraints=constraints
+    )
+    plan = planner.collective_plan(model, [sharder], pg)
+    dmp = DistributedModelParallel(model, env=env, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_params = {k: v for k, v in dmp.named_parameters() if "embedding_bags" not in k}
+    if output_dtensor:
+        dense = KeyedOptimizerWrapper(dense_params, lambda params: torch.optim.Adam(params, lr=0.01))
+        optimizers = {"all": CombinedOptimizer([dmp.fused_optimizer, dense])}
+    else:
+        optimizers = {"sparse": dmp.fused_optimizer, "dense": torch.optim.Adam(dense_params.values(), lr=0.01)}
+    return TrainState(model=dmp, optimizers=optimizers)
+
+
+def batch(step: int, rank: int):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lengths = torch.randint(0, 3, (TABLES * BATCH,), generator=g)
+    values = torch.cat(
+        [torch.randint(0, 20, (int(lengths[i * BATCH : (i + 1) * BATCH].sum()),), generator=g) for i in range(TABLES)]
+    )
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(TABLES)], values=values, lengths=lengths)
+    return torch.rand(BATCH, 4, generator=g), kjt, torch.randint(0, 2, (BATCH,), generator=g)
+
+
+def train(state, steps: range) -> None:
+    for s in steps:
+        dense, kjt, label = batch(s, dist.get_rank())
+        for opt in state.optimizers.values():
+            opt.zero_grad()
+        logits = state.model(dense, kjt).squeeze(-1)
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, label.float()).backward()
+        for opt in state.optimizers.values():
+            opt.step()
+        state.step = s + 1
+        state.cursor = {"row": BATCH * (s + 1), "rank": dist.get_rank()}
+
+
+def flat(obj, prefix: str = "") -> dict:
+    """Every tensor (local shards of DTensor/ShardedTensor) and value, cloned, by path."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: v for key, sub in obj.items() for k, v in flat(sub, f"{prefix}/{key}").items()}
+    if isinstance(obj, list):
+        return {k: v for i, sub in enumerate(obj) for k, v in flat(sub, f"{prefix}/{i}").items()}
+    if isinstance(obj, ShardedTensor):
+        return {prefix: [s.tensor.clone() for s in obj.local_shards()]}
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        shards = local.local_shards() if hasattr(local, "local_shards") else [local]
+        return {prefix: [t.clone() for t in shards]}
+    if isinstance(obj, torch.Tensor):
+        return {prefix: [obj.detach().clone()]}
+    return {prefix: obj}
+
+
+def full_state(state) -> dict:
+    optim = {name: opt.state_dict() for name, opt in state.optimizers.items()}
+    return flat({"model": state.model.state_dict(), "optim": optim})
+
+
+def same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        if isinstance(a[k], list):
+            if len(a[k]) != len(b[k]) or not all(map(torch.equal, a[k], b[k])):
+                return False
+        elif a[k] != b[k]:
+            return False
+    return True
+
+
+def draws():
+    return torch.rand(2).tolist(), np.random.rand(2).tolist(), random.random()
+
+
+def gated_writer():
+    """A FileSystemWriter class whose data write waits until its `gate` is set."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class GatedWriter(FileSystemWriter):
+        gate = threading.Event()
+
+        def write_data(self, plan, planner):
+            assert self.gate.wait(timeout=120), "test gate never opened"
+            return super().write_data(plan, planner)
+
+    return GatedWriter
+
+
+def scenario(root: Path, ckpt_pg, output_dtensor: bool) -> dict:
+    import ettflow.trainer.checkpoint.manager as manager_mod
+    from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager
+
+    rank = dist.get_rank()
+    state = build(output_dtensor)
+    kinds = {type(v).__name__ for v in state.model.state_dict().values()}
+    assert ("DTensor" if output_dtensor else "ShardedTensor") in kinds, kinds
+    optim_state = flat({n: o.state_dict()["state"] for n, o in state.optimizers.items()})
+    assert any("momentum1" in k or "sum" in k for k in optim_state), optim_state.keys()
+
+    # uninterrupted run: async save at 3 (training continues during the write), sync at 6
+    train(state, range(3))
+    at3 = full_state(state)
+    async_mgr = CheckpointManager(CheckpointConfig(root=root, mode="async", keep_last=2), process_group=ckpt_pg)
+    plain_writer = manager_mod.FileSystemWriter
+    manager_mod.FileSystemWriter = writer = gated_writer()
+    saved = async_mgr.save(3, state)
+    manager_mod.FileSystemWriter = plain_writer
+    draws3 = draws()
+    train(state, range(3, 6))  # updates parameters and optimizer state in place
+    assert not same(at3, full_state(state))
+    assert not saved.done()  # save returned after staging; the write is still held back
+    writer.gate.set()
+    done = async_mgr.wait()
+    assert done.committed and done.background_start >= saved.blocking_end - 1e-6
+    async_mgr.close()
+    at6 = full_state(state)
+    sync_mgr = CheckpointManager(CheckpointConfig(root=root, mode="sync", keep_last=2), process_group=ckpt_pg)
+    assert sync_mgr.save(6, state).commit_result().committed
+    draws6 = draws()
+    train(state, range(6, 9))
+    at9 = full_state(state)
+
+    # restore the newest (step 6) into a fresh model, continue: bitwise the same run
+    fresh = build(output_dtensor)
+    restored = sync_mgr.restore_latest(fresh)
+    assert restored.checkpoint.step == 6 and fresh.step == 6
+    assert fresh.cursor == {"row": BATCH * 6, "rank": rank}
+    assert restored.checkpoint.cursors[rank] == fresh.cursor
+    assert same(at6, full_state(fresh)) and draws() == draws6
+    train(fresh, range(6, 9))
+    assert same(at9, full_state(fresh))
+
+    # tear the newest checkpoint: the restart falls back to step 3 and reports step 6
+    dist.barrier()
+    if rank == 0:
+        next(restored.checkpoint.path.glob("__1_*.distcp")).unlink()
+    dist.barrier()
+    problems = sync_mgr.scan().problems
+    assert [(p.step, "storage file" in p.reason) for p in problems] == [(6, True)], problems
+    fresh = build(output_dtensor)
+    assert sync_mgr.restore_latest(fresh).checkpoint.step == 3
+    assert same(at3, full_state(fresh)) and draws() == draws3
+    train(fresh, range(3, 9))
+    assert same(at9, full_state(fresh))
+    sync_mgr.close()
+    return {"blocking_s": saved.blocking_s, "background_s": done.background_s}
+
+
+def worker(rank: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=WORLD)
+    from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager
+
+    ckpt_pg = dist.new_group(backend="gloo")  # every rank, same order
+    with pytest.raises(ValueError, match="process group of its own"):
+        CheckpointManager(CheckpointConfig(root=f"{tmp}/x", mode="async"))
+    for output_dtensor in (True, False):
+        timing = scenario(Path(tmp) / f"dtensor_{output_dtensor}", ckpt_pg, output_dtensor)
+        print(f"rank {rank} output_dtensor={output_dtensor} {timing}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_sharded_dlrm_saves_async_and_sync_and_restores_bitwise():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(tmp,), nprocs=WORLD, join=True)
