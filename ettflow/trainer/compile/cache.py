@@ -1,0 +1,211 @@
+"""The reusable PT2 compile cache: an archive restored before compiling and saved after.
+
+    cache = CompileCache(CompileCacheConfig(root=cfg.compile_cache_dir, model=..., threads=1))
+    cache.prepare_env()          # before torch compiles anything in this process
+    restored = cache.restore()   # RestoreResult: hit or not, never raises on a bad archive
+    ... compile, first steps ...
+    saved = cache.save()         # SaveResult: written, or skipped with the reason
+    cache.stats()                # CompileStats: cache hits/misses, recompiles
+
+A failed restore or save never stops training: it is reported and the run compiles cold.
+
+What a warm CPU restart needs (measured by leaving each out): the FX-graph and AOTAutograd
+cache entries, the kernel libraries (`<xx>/<hash>.so`: without them all are rebuilt) and the
+precompiled header (`precompiled_headers/<hash>.h.gch`: rebuilt in ~10 s). Sources (.cpp,
+.py, .h) and the PGO state are regenerated cheaply. The mega-cache artifacts
+(`torch.compiler.save_cache_artifacts`) duplicate the FX-graph/AOTAutograd/PGO entries;
+they are stored too (`mega_cache=True`) so an archive from a torch that moved its folders
+still yields cache hits, but alone they leave every C++ kernel and the header to rebuild.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import archive, env
+from .config import CompileCacheConfig, cache_key, key_parts
+from .stats import CompileStats, compile_stats, process_recompile_counter, read_counters
+
+log = logging.getLogger(__name__)
+BUILT_SUFFIXES = (".so", ".gch", ".pch", ".cubin", ".hsaco")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreResult:
+    hit: bool
+    bytes: int = 0
+    seconds: float = 0.0
+    path: Path | None = None
+    files: int = 0
+    mega_cache: bool = False  # torch.compiler.load_cache_artifacts ran on stored artifacts
+    reason: str = ""  # why not a hit (no archive, disabled, the error of a corrupt one)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    bytes: int = 0
+    seconds: float = 0.0
+    path: Path | None = None
+    files: int = 0
+    skipped_reason: str | None = None
+
+    @property
+    def saved(self) -> bool:
+        return self.skipped_reason is None
+
+
+class CompileCache:
+    def __init__(self, config: CompileCacheConfig) -> None:
+        self.config = config
+        self.key_parts: dict[str, Any] = key_parts(config)
+        self.key = cache_key(self.key_parts)
+        self._owns_work_dir = config.work_dir is None
+        self.work_dir: Path | None = config.work_dir  # type: ignore[assignment]
+        self.env: dict[str, str] = {}
+        self._restored: set[str] = set()
+        self._restore_hit = False
+        self._baseline: dict[str, int] = {}
+        self._base_compiles = self._base_recompiles = 0
+
+    @property
+    def inductor_dir(self) -> Path:
+        return self._require_env() / env.INDUCTOR_SUBDIR
+
+    def prepare_env(self) -> dict[str, str]:
+        """Point inductor's folders into this process's working folder, set the PGO job id and
+        pin the thread count. Call before anything is compiled (raises CompileEnvError after)."""
+        if self.work_dir is None:
+            self.work_dir = env.make_work_dir()
+            atexit.register(self.cleanup)  # a SIGKILLed rank's folder goes at the next start
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.env = env.redirect_compile_dirs(self.work_dir)
+        env.set_job_id(f"ettflow-{self.key}")
+        env.pin_threads(self.config.threads)
+        counter = process_recompile_counter()
+        self._baseline = read_counters()
+        self._base_compiles, self._base_recompiles = counter.compiles, counter.recompiles
+        self._restored = set(self._built_files())
+        return dict(self.env)
+
+    def restore(self) -> RestoreResult:
+        t0 = time.perf_counter()
+        work = self._require_env()
+        if not self.config.enabled:
+            return RestoreResult(hit=False, reason="compile cache disabled")
+        path = archive.find_archive(self.config.root, self.key)
+        if path is None:
+            return RestoreResult(hit=False, seconds=time.perf_counter() - t0,
+                                 reason=f"no archive for key {self.key} in {self.config.root}")
+        size = 0
+        try:
+            size = path.stat().st_size
+            files, mega = archive.unpack(path, work)
+        except archive.UNPACK_ERRORS as e:
+            self._reset_inductor_dir()
+            reason = (f"archive {path} is unreadable ({type(e).__name__}: {e}); ignored, "
+                      "compiling cold; the next save replaces it")
+            log.warning("compile cache: %s", reason)
+            return RestoreResult(hit=False, bytes=size, seconds=time.perf_counter() - t0,
+                                 path=path, reason=reason)
+        loaded = self._load_mega_cache(mega)
+        self._restored = set(self._built_files())
+        self._restore_hit = True
+        return RestoreResult(hit=True, bytes=size, seconds=time.perf_counter() - t0, path=path,
+                             files=files, mega_cache=loaded)
+
+    def save(self, *, force: bool = False) -> SaveResult:
+        """Archive the working folder (+ the mega-cache artifacts) for this key. Skipped, with
+        the reason, when disabled, when nothing was compiled, when a warm restart added
+        nothing (unless `force`), or when the archive would pass max_bytes."""
+        t0 = time.perf_counter()
+        self._require_env()
+
+        def skipped(reason: str) -> SaveResult:
+            return SaveResult(seconds=time.perf_counter() - t0, skipped_reason=reason)
+
+        if not self.config.enabled:
+            return skipped("compile cache disabled")
+        if not (self.inductor_dir / "fxgraph").is_dir():
+            return skipped("nothing compiled in this working folder yet: save after the first "
+                           "compiled step")
+        stats = self.stats()
+        if not force and self._restore_hit and stats.fxgraph_miss == 0 and stats.aot_miss == 0 \
+                and stats.built_objects == 0:
+            return skipped("restored archive is up to date (no cache miss since restore)")
+        mega = self._mega_cache_bytes() if self.config.mega_cache else None
+        dest = archive.archive_path(self.config.root, self.key, self.config.codec)
+        try:
+            packed = archive.pack(self.inductor_dir, env.INDUCTOR_SUBDIR, dest,
+                                  codec=self.config.codec,
+                                  compresslevel=self.config.compresslevel,
+                                  max_bytes=self.config.max_bytes, mega_cache=mega)
+        except archive.ArchiveTooLarge as e:
+            return skipped(f"archive too large ({e}): raise CompileCacheConfig.max_bytes or "
+                           "use codec='gz'; the previous archive (if any) is kept")
+        except OSError as e:
+            return skipped(f"could not write {dest} ({e}): check free space and permissions "
+                           f"of {self.config.root}")
+        for other in archive.SUFFIX:  # drop an archive of this key in the other codec
+            if (stale := archive.archive_path(self.config.root, self.key, other)) != dest:
+                stale.unlink(missing_ok=True)
+        archive.prune(self.config.root, keep=self.config.keep_archives, protect=dest)
+        return SaveResult(bytes=packed.bytes, seconds=time.perf_counter() - t0, path=dest,
+                          files=packed.files)
+
+    def stats(self) -> CompileStats:
+        built = 0
+        if self.work_dir is not None:
+            built = len(set(self._built_files()) - self._restored)
+        return compile_stats(self._baseline, process_recompile_counter(), built,
+                             self._base_compiles, self._base_recompiles)
+
+    def cleanup(self) -> None:
+        """Remove the working folder if this cache made it (loaded kernels stay usable)."""
+        if self._owns_work_dir and self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _require_env(self) -> Path:
+        if self.work_dir is None or not self.env:
+            raise RuntimeError("CompileCache.prepare_env() must run first (before compiling)")
+        return self.work_dir
+
+    def _built_files(self) -> list[str]:
+        root = self.work_dir / env.INDUCTOR_SUBDIR if self.work_dir else None
+        if root is None or not root.is_dir():
+            return []
+        return [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
+                for f in fs if f.endswith(BUILT_SUFFIXES)]
+
+    def _reset_inductor_dir(self) -> None:
+        shutil.rmtree(self.inductor_dir, ignore_errors=True)
+        self.inductor_dir.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _load_mega_cache(mega: bytes | None) -> bool:
+        if not mega:
+            return False
+        try:
+            return torch.compiler.load_cache_artifacts(mega) is not None
+        except Exception as e:  # a stale or foreign blob: the folder alone still serves
+            log.warning("compile cache: load_cache_artifacts failed (%s); using the folder", e)
+            return False
+
+    @staticmethod
+    def _mega_cache_bytes() -> bytes | None:
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+        except Exception as e:
+            log.warning("compile cache: save_cache_artifacts failed (%s); archiving folder", e)
+            return None
+        return saved[0] if saved else None

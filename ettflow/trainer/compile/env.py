@@ -1,0 +1,121 @@
+"""Point every folder inductor writes compiled artifacts to into one working folder.
+
+On CPU a warm restart needs, besides the FX-graph and AOTAutograd cache entries, the built
+kernel libraries (`<cache>/<xx>/<hash>.so`, found by a hash of their source and flags) and the
+precompiled header (`<hash>.h.gch`, ~150 MB, rebuilt in ~10 s when missing). Inductor puts the
+header in `default_cache_dir()/precompiled_headers` (a folder under the temp dir computed at
+import, deliberately outside TORCHINDUCTOR_CACHE_DIR), so it is redirected here too. On CUDA,
+Triton's binaries land in TRITON_CACHE_DIR, also pointed inside the folder.
+
+Must run before torch compiles anything in the process: some paths are memoized on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+INDUCTOR_SUBDIR = "inductor"
+HEADER_SUBDIR = "precompiled_headers"  # inside the inductor folder
+TRITON_SUBDIR = "triton"
+
+
+class CompileEnvError(RuntimeError):
+    pass
+
+
+def already_compiled() -> bool:
+    """A frame was compiled, or inductor's compile workers (which keep the environment they
+    started with) are already up."""
+    from torch._dynamo.utils import counters
+
+    pools = getattr(sys.modules.get("torch._inductor.async_compile"), "_pool_set", ())
+    return counters["frames"]["total"] > 0 or len(pools) > 0
+
+
+def redirect_compile_dirs(work_dir: Path) -> dict[str, str]:
+    """Send inductor's cache, the precompiled headers and Triton's cache into `work_dir`.
+    Returns what was set (for logs and for child processes)."""
+    if already_compiled():
+        raise CompileEnvError(
+            "torch already compiled a frame in this process, so inductor's cache folders are "
+            "fixed: call CompileCache.prepare_env() before the first torch.compile call runs"
+        )
+    inductor = work_dir / INDUCTOR_SUBDIR
+    inductor.mkdir(parents=True, exist_ok=True)
+    env = {
+        # importing torchrec already sets it (to the default under the temp dir): override
+        "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+        "TRITON_CACHE_DIR": str(inductor / TRITON_SUBDIR),
+    }
+    os.environ.update(env)
+    header_dir = redirect_precompiled_headers(inductor / HEADER_SUBDIR)
+    return {**env, "precompiled_headers": header_dir}
+
+
+def redirect_precompiled_headers(header_dir: Path) -> str:
+    """Inductor keeps `_HEADER_DIR` as a module constant and memoizes `_precompile_header`.
+    Returns the folder in use, which says whether the redirect took (a torch that renamed
+    these would leave the header outside the archive: warm restarts then rebuild it)."""
+    from torch._inductor import codecache
+
+    if not hasattr(codecache, "_HEADER_DIR"):
+        return ""
+    codecache._HEADER_DIR = str(header_dir)
+    codecache._HEADER_LOCK_DIR = str(header_dir / "locks")
+    precompile = getattr(codecache, "_precompile_header", None)
+    if precompile is not None and hasattr(precompile, "cache_clear"):
+        precompile.cache_clear()
+    return codecache._HEADER_DIR
+
+
+def set_job_id(job_id: str) -> None:
+    """PGO (automatic dynamic shapes) state is only kept across processes under a job id."""
+    os.environ["TORCH_COMPILE_JOB_ID"] = job_id
+    torch.compiler.config.job_id = job_id  # the env var is only read when torch is imported
+
+
+WORK_PREFIX = "ettflow-pt2-"
+
+
+def make_work_dir(parent: str | None = None) -> Path:
+    """A fresh working folder named after this process (`ettflow-pt2-<pid>-<random>`), after
+    removing those of processes that are gone (a killed rank cannot clean up its ~150 MB)."""
+    parent_dir = Path(parent or tempfile.gettempdir())
+    sweep_orphan_work_dirs(parent_dir)
+    return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=parent_dir))
+
+
+def sweep_orphan_work_dirs(parent: Path) -> list[Path]:
+    """Remove working folders whose process no longer exists on this host. A folder whose
+    pid is alive (or unreadable) is kept: a reused pid only delays the cleanup."""
+    removed = []
+    for path in parent.glob(f"{WORK_PREFIX}*"):
+        pid_text = path.name[len(WORK_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but not ours
+        return True
+    return True
+
+
+def pin_threads(threads: int) -> None:
+    """The FX-graph cache key holds the intra-op thread count on CPU: pin it (every rank the
+    same) so a restart with another count does not miss."""
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -1,0 +1,178 @@
+"""Cold vs warm compile of the DLRM dense part, each in a fresh process.
+
+    python -m ettflow.trainer.compile.probe_cold_warm [--batch 256 --sparse 26 --dim 16 ...]
+
+Runs, each in its own interpreter (so no in-memory state helps): `cold` (empty archive root,
+compiles and saves), `mega-only` (only torch.compiler.load_cache_artifacts of the saved
+artifacts, no folder: what the artifacts alone buy) and `warm` (a new working folder, the
+archive restored). Prints one row per run: restore, first step (compile + forward +
+backward), save, and the cache counters. Timings are for information, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MODES = ("cold", "mega-only", "warm")
+RESULT_PREFIX = "PROBE_RESULT "
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseSize:
+    batch: int = 256
+    dense_in: int = 13
+    sparse: int = 26  # F: sparse features
+    dim: int = 16  # D: embedding dim (= last dense_arch layer)
+    dense_arch: tuple[int, ...] = (512, 256, 16)
+    over_arch: tuple[int, ...] = (512, 256, 1)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_arch", tuple(self.dense_arch))
+        object.__setattr__(self, "over_arch", tuple(self.over_arch))
+        if min(self.batch, self.dense_in, self.sparse, self.dim) < 1:
+            raise ValueError(f"batch, dense_in, sparse and dim must be >= 1, got {self}")
+        if self.dense_arch[-1] != self.dim or self.over_arch[-1] != 1:
+            raise ValueError(
+                f"dense_arch must end with dim={self.dim} and over_arch with 1, got {self}"
+            )
+
+
+def build_dense_forward(size: DenseSize):
+    """dense_forward(dense [B, dense_in], embedded [B, F, D]) -> logits [B], from torchrec's
+    DLRM DenseArch, InteractionArch and OverArch."""
+    import torch
+    from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+
+    class DenseForward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense_arch = DenseArch(size.dense_in, list(size.dense_arch))
+            self.inter_arch = InteractionArch(num_sparse_features=size.sparse)
+            pairs = (size.sparse + 1) * size.sparse // 2
+            self.over_arch = OverArch(size.dim + pairs, list(size.over_arch))
+
+        def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+            x = self.inter_arch(dense_features=self.dense_arch(dense), sparse_features=embedded)
+            return self.over_arch(x).squeeze(-1)
+
+    torch.manual_seed(0)
+    return DenseForward()
+
+
+def train_steps(model, size: DenseSize, steps: int) -> list[float]:
+    """Forward + backward `steps` times; seconds of each (the first includes compiling)."""
+    import torch
+
+    from .compiled import compile_module
+
+    fn = compile_module(model)
+    dense = torch.randn(size.batch, size.dense_in)
+    embedded = torch.randn(size.batch, size.sparse, size.dim, requires_grad=True)
+    labels = torch.randint(0, 2, (size.batch,)).float()
+    seconds = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = fn(dense, embedded)
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int) -> dict:
+    from . import archive
+    from .cache import CompileCache
+    from .config import CompileCacheConfig
+
+    cache = CompileCache(CompileCacheConfig(root=root, work_dir=work, threads=threads,
+                                            model=asdict(size)))
+    cache.prepare_env()
+    out: dict = {"mode": mode, "key": cache.key}
+    if mode == "mega-only":
+        import torch
+
+        t0 = time.perf_counter()
+        path = archive.find_archive(root, cache.key)
+        with tempfile.TemporaryDirectory() as scratch:
+            _, mega = archive.unpack(path, Path(scratch)) if path else (0, None)
+        out["mega_loaded"] = bool(mega) and torch.compiler.load_cache_artifacts(mega) is not None
+        out["restore_s"] = time.perf_counter() - t0
+    else:
+        restored = cache.restore()
+        out.update(restore_s=restored.seconds, hit=restored.hit, restore_bytes=restored.bytes,
+                   reason=restored.reason)
+    steps = train_steps(build_dense_forward(size), size, steps=2)
+    out.update(first_step_s=steps[0], next_step_s=steps[1])
+    if mode == "cold":
+        saved = cache.save()
+        out.update(save_s=saved.seconds, archive_bytes=saved.bytes, skipped=saved.skipped_reason)
+    out["stats"] = cache.stats().to_dict()
+    return out
+
+
+def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int) -> dict:
+    cmd = [sys.executable, "-m", "ettflow.trainer.compile.probe_cold_warm", "child", mode,
+           str(root), str(work), json.dumps(asdict(size)), str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probe child {mode} failed (rc {proc.returncode}):\n{proc.stderr}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'run':<10}{'restore s':>10}{'1st step s':>11}{'save s':>8}{'fx hit/miss':>12}" \
+           f"{'aot hit/miss':>13}{'built':>6}{'recomp':>7}"
+    lines = [head]
+    for r in rows:
+        s = r["stats"]
+        lines.append(
+            f"{r['mode']:<10}{r['restore_s']:>10.2f}{r['first_step_s']:>11.2f}"
+            f"{r.get('save_s', 0.0):>8.2f}{s['fxgraph_hit']:>6}/{s['fxgraph_miss']:<5}"
+            f"{s['aot_hit']:>7}/{s['aot_miss']:<5}{s['built_objects']:>6}{s['recompiles']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["child"]:
+        mode, root, work, size_json, threads = argv[1:6]
+        result = run_child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)),
+                           int(threads))
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in asdict(DenseSize()).items():
+        kind = _int_tuple if isinstance(default, tuple) else int
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
+    p.add_argument("--root", help="archive root (default: a fresh temporary folder)")
+    args = p.parse_args(argv)
+    size = DenseSize(**{k: getattr(args, k) for k in asdict(DenseSize())})
+    with tempfile.TemporaryDirectory(prefix="ettflow-probe-") as tmp:
+        root = Path(args.root) if args.root else Path(tmp) / "archives"
+        rows = []
+        for i, mode in enumerate(args.modes.split(",")):
+            if mode not in MODES:
+                p.error(f"unknown mode {mode!r}; choose from {MODES}")
+            rows.append(spawn(mode, root, Path(tmp) / f"work-{i}-{mode}", size, args.threads))
+            print(f"{mode}: done ({rows[-1]['first_step_s']:.1f} s first step)", flush=True)
+        print(f"size {asdict(size)}, threads {args.threads}, key {rows[0]['key']}")
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
