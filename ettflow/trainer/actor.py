@@ -1,0 +1,47 @@
+"""The Ray actor that hosts one rank. Its constructor only remembers who it is: a restarted
+or replaced actor gets everything else back from the checkpoint and the compile cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from .config import TrainerConfig
+
+
+class TrainerActor:
+    def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str) -> None:
+        from .session import process_start_time
+
+        self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
+        self.spool_root = Path(spool_root)
+        self.started_at = process_start_time()
+        logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
+        for noisy in ("torchrec", "root", "fbgemm_gpu", "torch.distributed"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        # before anything imports inductor: compile dirs, job id and thread count
+        from .plugins import prepare_compile_env
+
+        prepare_compile_env(config, rank)
+
+    def ready(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "created_at": self.started_at,
+                "ready_at": time.time()}
+
+    def rendezvous(self) -> tuple[str, int]:
+        import ray
+
+        from .session import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def train(self, master_addr: str, master_port: int) -> dict:
+        from .session import TrainerSession
+
+        session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
+                                 master_addr, master_port, process_started_at=self.started_at)
+        return session.run()

@@ -1,0 +1,141 @@
+"""A training run's config: data, model, the optimization switches, checkpoints, failures.
+
+Baseline and optimized are the same code with switches; each switch can be set alone so every
+optimization is measured by itself. A run's config is data (JSON-able through `to_dict`); the
+CLI and the flows only select and override it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .data.schema import FeatureSchema
+from .model import ModelConfig
+
+FAULT_KINDS = ("kill", "raise", "hang")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Switches:
+    parallel_init: bool = True  # independent init stages run concurrently
+    fast_batch: bool = True  # compile on a synthetic batch while the DPP warms up
+    compile: bool = True  # torch.compile the dense step (False: eager)
+    compile_cache: bool = True  # restore / save the compile-cache archive
+    async_checkpoint: bool = True  # DCP async_save with staging (False: synchronous save)
+
+    @classmethod
+    def baseline(cls) -> Switches:
+        return cls(parallel_init=False, fast_batch=False, compile_cache=False, async_checkpoint=False)
+
+    @classmethod
+    def optimized(cls) -> Switches:
+        return cls()
+
+    @classmethod
+    def preset(cls, mode: str) -> Switches:
+        if mode not in ("baseline", "optimized"):
+            raise ValueError(f"mode must be 'baseline' or 'optimized', got {mode!r}")
+        return cls.baseline() if mode == "baseline" else cls.optimized()
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailAt:
+    """Scripted fault: `kind` on `rank` at training step `step` (or `after_s` seconds after the
+    attempt started training: a SIGKILL sent by the driver), in attempt `attempt` only."""
+
+    kind: str = "kill"
+    rank: int = 0
+    step: int | None = None
+    after_s: float | None = None
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"FailAt.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        if (self.step is None) == (self.after_s is None):
+            raise ValueError("FailAt needs exactly one of step (a training step) or after_s (seconds)")
+        if self.after_s is not None and self.kind != "kill":
+            raise ValueError("FailAt.after_s is a SIGKILL from the driver: use kind='kill'")
+        if self.rank < 0 or self.attempt < 0 or (self.step is not None and self.step < 0):
+            raise ValueError(f"FailAt rank, attempt and step must be >= 0, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> FailAt:
+        """'kill:rank=1:step=30', 'hang:step=5', 'kill:after_s=12.5:attempt=1'."""
+        kind, *parts = text.split(":")
+        values: dict[str, Any] = {}
+        for part in parts:
+            key, _, raw = part.partition("=")
+            if key not in ("rank", "step", "after_s", "attempt"):
+                raise ValueError(f"failure spec {text!r}: unknown field {key!r}")
+            values[key] = float(raw) if key == "after_s" else int(raw)
+        return cls(kind=kind, **values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    data_root: str
+    schema: FeatureSchema
+    windows: tuple[str, ...] | None = None  # None: every window but the last, held out
+    eval_windows: tuple[str, ...] | None = None
+    work_dir: str  # checkpoints and compile cache live here, shared by attempts and runs
+    model: ModelConfig = field(default_factory=ModelConfig)
+    switches: Switches = field(default_factory=Switches)
+    world_size: int = 2
+    batch_size: int = 256  # per rank
+    max_steps: int | None = None  # None: every full batch of the windows
+    device: str = "auto"  # auto: cuda when available, else cpu
+    threads_per_rank: int = 1  # same on every rank: the compile-cache key holds it
+    checkpoint_every_steps: int | None = None  # None: from the metric core's optimizer
+    expected_failures: float = 1.0  # per job, for the interval optimizer
+    keep_checkpoints: int = 2
+    failures: tuple[FailAt, ...] = ()
+    max_failures: int = 3  # failure budget of the driver
+    watchdog_s: float = 60.0  # a rank that makes no step for this long is hung
+    eval_batches: int = 8  # held-out batches per rank for loss and AUC
+    eval_at_start: bool = False  # also evaluate before training (in pre_train)
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.batch_size < 1 or self.threads_per_rank < 1:
+            raise ValueError("world_size, batch_size and threads_per_rank must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
+            raise ValueError("checkpoint_every_steps must be >= 1 (or None for the optimizer)")
+        if self.keep_checkpoints < 1 or self.max_failures < 0 or self.watchdog_s <= 0:
+            raise ValueError("keep_checkpoints >= 1, max_failures >= 0 and watchdog_s > 0 required")
+        for f in self.failures:
+            if f.rank >= self.world_size:
+                raise ValueError(f"failure {f} targets rank {f.rank} but world_size is {self.world_size}")
+        for name in ("windows", "eval_windows"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not Path(self.data_root).is_dir():
+            raise ValueError(
+                f"data_root {self.data_root!r} is not a folder of data windows: create one with "
+                "`ettflow data generate --out DIR` or point at your Parquet windows"
+            )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.work_dir) / "checkpoints"
+
+    @property
+    def compile_cache_dir(self) -> Path:
+        return Path(self.work_dir) / "compile-cache"
+
+    def with_switches(self, **changes: bool) -> TrainerConfig:
+        return replace(self, switches=replace(self.switches, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["schema"] = self.schema.to_dict()
+        out["model"] = asdict(self.model)
+        out["switches"] = asdict(self.switches)
+        out["failures"] = [asdict(f) for f in self.failures]
+        return out

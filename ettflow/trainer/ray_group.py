@@ -1,0 +1,129 @@
+"""The real worker group: N Ray actors reserved together through a placement group.
+
+One bundle per rank ({CPU: threads} or {CPU, GPU: 1}), so the group starts whole or waits
+whole; the wait is the run's scheduling phase. The actors form one process group (gloo on
+CPU, nccl on GPU). Actors never restart on their own (max_restarts=0): the driver decides,
+and a new attempt restores from the checkpoint, since no state lives in actor memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .config import TrainerConfig
+from .driver import RankFailure
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join RAY_ADDRESS when set, else start a local Ray sized for this machine."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
+                 log_to_driver=True)
+
+
+def wants_gpu(config: TrainerConfig) -> bool:
+    if config.device == "cpu":
+        return False
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if config.device == "cuda" and gpus < config.world_size:
+        raise RuntimeError(
+            f"device='cuda' needs {config.world_size} GPUs in the Ray cluster, it has {gpus:g}; "
+            "use device='auto' or 'cpu', or a smaller world_size"
+        )
+    return gpus >= config.world_size
+
+
+class RayWorkerGroup:
+    def __init__(self, config: TrainerConfig, run_id: str, attempt: int, spool_root: Path | str,
+                 *, reserve_timeout_s: float = 600.0) -> None:
+        self.config, self.run_id, self.attempt = config, run_id, attempt
+        self.spool_root = str(spool_root)
+        self.reserve_timeout_s = reserve_timeout_s
+        self.pg = None
+        self.actors: list = []
+        self.info: list[dict] = []
+        self.refs: dict = {}
+
+    def reserve(self) -> None:
+        from .actor import TrainerActor
+
+        gpu = wants_gpu(self.config)
+        bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(self.config.world_size)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.reserve_timeout_s)
+        except GetTimeoutError as exc:
+            raise RuntimeError(
+                f"could not reserve {self.config.world_size} x {bundle} within "
+                f"{self.reserve_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}"
+            ) from exc
+        remote = ray.remote(TrainerActor)
+        self.actors = [
+            remote.options(
+                num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,
+                max_concurrency=2,  # a second thread answers calls while `train` runs
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(self.config, self.run_id, self.attempt, rank, self.spool_root)
+            for rank in range(self.config.world_size)
+        ]
+        self.info = ray.get([a.ready.remote() for a in self.actors])
+
+    def launch(self) -> None:
+        addr, port = ray.get(self.actors[0].rendezvous.remote())
+        self.refs = {a.train.remote(addr, port): rank for rank, a in enumerate(self.actors)}
+
+    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[RankFailure]]:
+        done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)
+        finished: dict[int, dict] = {}
+        failed: list[RankFailure] = []
+        for ref in done:
+            rank = self.refs.pop(ref)
+            try:
+                finished[rank] = ray.get(ref)
+            except RayActorError as exc:
+                failed.append(RankFailure(rank, died=True, error=_short(exc)))
+            except RayTaskError as exc:
+                user = not _is_collective_error(exc)
+                failed.append(RankFailure(rank, died=False, error=_short(exc), user_error=user))
+        return finished, failed
+
+    def kill(self, rank: int) -> None:
+        info = self.info[rank]
+        if info["node_ip"] == ray.util.get_node_ip_address():
+            os.kill(info["pid"], signal.SIGKILL)
+        else:
+            ray.kill(self.actors[rank], no_restart=True)
+
+    def teardown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors, self.refs = [], {}
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    tail = [line for line in text if line.strip()][-1:] or [type(exc).__name__]
+    return f"{type(exc).__name__}: {tail[0]}"[:400]
+
+
+def _is_collective_error(exc: RayTaskError) -> bool:
+    """A rank that failed because a peer died (gloo/nccl errors) is not a user error."""
+    text = str(exc)
+    return any(k in text for k in ("Gloo", "gloo", "NCCL", "DistBackendError", "Connection reset",
+                                    "Connection closed", "DistNetworkError"))

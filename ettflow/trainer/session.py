@@ -1,0 +1,221 @@
+"""One rank of one attempt: init (recorded stage by stage), compile, train, anchor checkpoint.
+
+The stages, and what each needs (so the concurrent mode can overlap them):
+
+    device_init ─> process_group_init ─> train_module_creation ─┐
+         └──────> init_plugins (compile cache, checkpoints) ────┴─> pre_train ─> checkpoint_restore
+    preproc_creation (open + validate every data file) ─┐
+    init_plugins (the resume cursor) ───────────────────┴─> get_first_batch_data (DPP warm-up)
+    pt2_compile needs pre_train/restore, and the first real batch unless the fast batch is on.
+
+Nothing here keeps state that a restart would need: it all comes back from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ettflow.ett.spool import SpoolWriter
+
+from .checkpoint import CheckpointInfo
+from .config import TrainerConfig
+from .data.batch import synthetic_batch
+from .data.pipeline import DataConfig, DataPipeline
+from .data.windows import list_windows
+from .evaluate import evaluate
+from .init_pipeline import InitPipeline, Stage
+from .loop import TrainLoop
+from .model import DenseStep, build_dlrm, dense_optimizer, shard
+from .plugins import TrainerPlugins, latest_checkpoint
+
+
+def pick_device(config: TrainerConfig) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but this rank sees no GPU (check CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
+    return torch.device("cuda", 0)
+
+
+def split_windows(config: TrainerConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Training windows and held-out windows: with no windows given, every window but the
+    last trains and the last is held out."""
+    if config.windows is not None:
+        return config.windows, tuple(config.eval_windows or ())
+    names = list_windows(config.data_root)
+    if len(names) < 2:
+        raise ValueError(
+            f"{config.data_root} has {len(names)} window(s): give `windows` explicitly, or at "
+            "least two windows so the last can be held out for evaluation"
+        )
+    return tuple(names[:-1]), tuple(config.eval_windows or names[-1:])
+
+
+class TrainerSession:
+    def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
+                 spool_root: Path | str, master_addr: str, master_port: int,
+                 *, process_started_at: float | None = None) -> None:
+        self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
+        self.master = (master_addr, master_port)
+        self.rec = SpoolWriter(spool_root, run_id, attempt, rank)
+        self.process_started_at = process_started_at
+        self.state: dict[str, Any] = {}
+        self.resume: CheckpointInfo | None = None
+
+    # ---- stages -------------------------------------------------------------------------
+    def device_init(self) -> torch.device:
+        torch.set_num_threads(self.config.threads_per_rank)
+        device = pick_device(self.config)
+        self.state["device"] = device
+        return device
+
+    def process_group_init(self) -> None:
+        backend = "nccl" if self.state["device"].type == "cuda" else "gloo"
+        addr, port = self.master
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
+            world_size=self.config.world_size, timeout=datetime.timedelta(seconds=300),
+        )
+        self.state["pg"] = dist.group.WORLD
+        # checkpoint collectives get a group of their own: sharing the training group with a
+        # background save aborts with a gloo collective mismatch
+        self.state["ckpt_pg"] = dist.new_group(backend="gloo")
+
+    def preproc_creation(self) -> None:
+        train, held_out = split_windows(self.config)
+        common = dict(root=self.config.data_root, schema=self.config.schema,
+                      batch_size=self.config.batch_size, rank=self.rank,
+                      world_size=self.config.world_size)
+        self.state["data"] = DataPipeline(DataConfig(windows=train, **common))
+        self.state["eval_data"] = DataPipeline(DataConfig(windows=held_out, **common)) if held_out else None
+
+    def train_module_creation(self) -> None:
+        device = self.state["device"]
+        dlrm = build_dlrm(self.config.model, self.config.schema, device=device)
+        dmp = shard(dlrm, self.config.model, self.state["pg"], device)
+        self.state["dmp"] = dmp
+        self.state["dense_step"] = DenseStep(dmp.module)
+        self.state["dense_opt"] = dense_optimizer(dmp, self.config.model)
+
+    def init_plugins(self) -> None:
+        self.state["plugins"] = TrainerPlugins(self.config, self.rank, self.rec, self.resume)
+
+    def pre_train(self) -> None:
+        self.state["plugins"].prepare_state(self.state)
+        if self.config.eval_at_start and self.resume is None:
+            self.state["eval_start"] = self.evaluate()
+
+    def evaluate(self) -> dict[str, float] | None:
+        data = self.state.get("eval_data")
+        if data is None or self.config.eval_batches < 1:
+            return None
+        batches = itertools.islice(data.batches(None), self.config.eval_batches)
+        return evaluate(self.state["dmp"].module.sparse_arch, self.state["dense_step"], batches,
+                        self.state["device"], self.state["pg"])
+
+    def checkpoint_restore(self) -> None:
+        self.state["plugins"].restore(self.state)
+
+    def get_first_batch_data(self):
+        start = self.state["plugins"].resume_cursor
+        it = self.state["data"].batches(start, prefetch=4)
+        self.state["batches"] = it
+        try:
+            first = next(it)
+        except StopIteration:
+            first = None
+        self.state["first_batch"] = first
+        return first
+
+    def pt2_compile(self) -> None:
+        plugins = self.state["plugins"]
+        if self.config.switches.fast_batch:
+            batch = synthetic_batch(self.config.schema, self.config.batch_size)
+        else:
+            batch = self.state["first_batch"]
+            if batch is None:
+                return
+        plugins.compile(self.state, batch)
+
+    # ---- the whole rank -----------------------------------------------------------------
+    def stages(self) -> list[Stage]:
+        sw = self.config.switches
+        first_needs = ("preproc_creation", "init_plugins")
+        first_batch = Stage("get_first_batch_data", self.get_first_batch_data, first_needs,
+                            background=sw.fast_batch)
+        restore = ("checkpoint_restore",) if self.resume is not None else ()
+        compile_needs = ("pre_train", *restore) + (() if sw.fast_batch else ("get_first_batch_data",))
+        out = [
+            Stage("device_init", self.device_init),
+            Stage("preproc_creation", self.preproc_creation),
+            Stage("process_group_init", self.process_group_init, ("device_init",)),
+            Stage("init_plugins", self.init_plugins, ("device_init",)),
+        ]
+        if sw.fast_batch:
+            out.append(first_batch)
+        out += [
+            Stage("train_module_creation", self.train_module_creation, ("process_group_init",)),
+            Stage("pre_train", self.pre_train, ("train_module_creation", "init_plugins")),
+        ]
+        if self.resume is not None:
+            out.append(Stage("checkpoint_restore", self.checkpoint_restore, ("pre_train",)))
+        if not sw.fast_batch:
+            out.append(first_batch)
+        if sw.compile:
+            out.append(Stage("pt2_compile", self.pt2_compile, compile_needs))
+        return out
+
+    def run(self) -> dict[str, Any]:
+        if self.process_started_at is not None:
+            # the process start and runtime import belong to device init
+            self.rec.record("device_init", self.process_started_at, time.time(), part="process_start")
+        self.resume = latest_checkpoint(self.config)
+        pipeline = InitPipeline(self.stages(), recorder=self.rec,
+                                concurrent=self.config.switches.parallel_init)
+        try:
+            pipeline.start().wait_all()
+            loop = TrainLoop(self.config, self.rank, self.attempt, self.state, self.rec, self.evaluate)
+            result = loop.run()
+            result["finished_at"] = time.time()
+            return result
+        finally:
+            pipeline.close()
+            self.close()
+
+    def close(self) -> None:
+        plugins = self.state.get("plugins")
+        if plugins is not None:
+            plugins.close()
+        it = self.state.get("batches")
+        if it is not None and hasattr(it, "close"):
+            it.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.rec.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def process_start_time() -> float:
+    try:
+        import psutil
+
+        return psutil.Process(os.getpid()).create_time()
+    except Exception:  # noqa: BLE001 - best effort, the stage timing still follows
+        return time.time()
+
