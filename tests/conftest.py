@@ -83,3 +83,18 @@ def warehouse_url(request, tmp_path):
 
 
 # ============================================================================ end warehouse ===
+
+
+# ---- Ray fixtures (one Ray instance per test session) ----------------------------------
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from ettflow.trainer.ray_group import ensure_ray
+
+    ensure_ray(num_cpus=4)
+    yield
+    ray.shutdown()

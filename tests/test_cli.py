@@ -23,7 +23,8 @@ def test_empty_warehouse_says_what_to_do(home, capsys):
 
 def test_unreachable_warehouse_names_it(home, capsys):
     assert main(["report", "--url", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == 2
-    assert "cannot reach the ettflow warehouse at postgresql+psycopg://nobody@127.0.0.1:1/none" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot reach the ettflow warehouse at postgresql+psycopg://nobody@127.0.0.1:1/none" in err
 
 
 def test_demo_then_report_in_every_format(home, capsys, warehouse_url):

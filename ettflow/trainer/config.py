@@ -81,6 +81,7 @@ class TrainerConfig:
     windows: tuple[str, ...] | None = None  # None: every window but the last, held out
     eval_windows: tuple[str, ...] | None = None
     work_dir: str  # checkpoints and compile cache live here, shared by attempts and runs
+    compile_cache_root: str | None = None  # None: <work_dir>/compile-cache
     model: ModelConfig = field(default_factory=ModelConfig)
     switches: Switches = field(default_factory=Switches)
     world_size: int = 2
@@ -127,7 +128,7 @@ class TrainerConfig:
 
     @property
     def compile_cache_dir(self) -> Path:
-        return Path(self.work_dir) / "compile-cache"
+        return Path(self.compile_cache_root or Path(self.work_dir) / "compile-cache")
 
     def with_switches(self, **changes: bool) -> TrainerConfig:
         return replace(self, switches=replace(self.switches, **changes))

@@ -31,6 +31,7 @@ class RankFailure:
     died: bool  # the process is gone (killed, crashed, node lost)
     error: str
     user_error: bool = False  # an exception raised by model or data code
+    fatal: bool = False  # retrying cannot help (bad data): the run stops at once
 
 
 class WorkerGroup(Protocol):
@@ -66,7 +67,7 @@ def classify(failures: list[RankFailure]) -> tuple[str, str, int]:
     dead = [f for f in failures if f.died]
     if dead:
         return "infrastructure", f"rank {dead[0].rank} process died: {dead[0].error}", dead[0].rank
-    user = [f for f in failures if f.user_error]
+    user = [f for f in failures if f.user_error or f.fatal]
     first = (user or failures)[0]
     return ("user" if user else "infrastructure"), f"rank {first.rank}: {first.error}", first.rank
 
@@ -100,6 +101,8 @@ class TrainingDriver:
                 result.ranks = outcome["ranks"]
                 return result
             result.failures.append(outcome["failure"])
+            if outcome["failure"]["fatal"]:
+                raise TrainingFailed(f"run {self.run_id} stopped: {outcome['failure']['reason']}")
             if len(result.failures) > self.config.max_failures:
                 lines = "; ".join(f"attempt {f['attempt']}: {f['reason']}" for f in result.failures)
                 raise TrainingFailed(
@@ -112,8 +115,11 @@ class TrainingDriver:
         rec = SpoolWriter(self.spool_root, self.run_id, attempt, -1)
         try:
             group = self.group_factory(attempt)
-            with rec.span("scheduling", world_size=self.config.world_size):
+            t0 = self.clock()
+            try:
                 group.reserve()
+            finally:
+                rec.record("scheduling", t0, self.clock(), world_size=self.config.world_size)
             group.launch()
             return self._watch(attempt, group, rec)
         finally:
@@ -156,6 +162,10 @@ class TrainingDriver:
             failed = failed + more
         klass, reason, rank = classify(failed)
         rec.mark("failure_detected", detected, failure_class=klass, reason=reason[:500], failed_rank=rank)
-        with rec.span("shutdown", failed=True):
+        try:
             group.teardown()
-        return {"failure": {"attempt": attempt, "failure_class": klass, "reason": reason, "rank": rank}}
+        finally:
+            rec.record("shutdown", detected, self.clock(), failed=True)
+        fatal = any(f.fatal for f in failed)
+        return {"failure": {"attempt": attempt, "failure_class": klass, "reason": reason, "rank": rank,
+                            "fatal": fatal}}

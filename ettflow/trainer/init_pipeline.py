@@ -4,7 +4,8 @@ Each stage names the stages it needs. Sequential mode runs them in list order (t
 concurrent mode starts every stage as soon as the stages it needs are done, each on its own
 thread. A stage marked `background` runs on a thread in either mode and is only waited for by
 the stages that need it (the DPP warm-up under the fast batch). Every stage is recorded as a
-phase, on the rank that runs it. The first error stops the pipeline and is raised as is.
+phase, on the rank that runs it (with the attributes a stage returns as a dict). The first
+error stops the pipeline and is raised as is.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class InitPipeline:
     def _run_stage(self, stage: Stage) -> Any:
         for name in stage.needs:
             self._futures[name].result()
-        with self.recorder.span(stage.name):
+        with self.recorder.span(stage.name) as attrs:
             value = stage.run()
+            if isinstance(value, dict):  # a stage may describe what it did
+                attrs.update(value)
         with self._lock:
             self.results[stage.name] = value
         return value

@@ -119,8 +119,8 @@ class TrainLoop:
             "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
         }
         with self.rec.span("anchor_checkpoint", step=step) as attrs:
-            attrs["path"] = str(self.plugins.save_anchor(self.state, step, last_cursor))
-            result["anchor"] = attrs["path"]
+            anchor = self.plugins.save_anchor(self.state, step, last_cursor, self.rec.run_id)
+            attrs["path"] = result["anchor"] = str(anchor) if anchor else None
         if self.state.get("eval_data") is not None and self.config.eval_batches > 0:
             with self.rec.span("evaluation") as attrs:
                 result["eval"] = self.evaluate()

@@ -24,7 +24,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -66,8 +67,9 @@ class ModelConfig:
 
 def table_configs(schema: FeatureSchema, dim: int) -> list[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(name=f"t_{f.name}", embedding_dim=dim, num_embeddings=f.num_embeddings,
-                           feature_names=[f.name])
+        EmbeddingBagConfig(
+            name=f"t_{f.name}", embedding_dim=dim, num_embeddings=f.num_embeddings, feature_names=[f.name]
+        )
         for f in schema.sparse
     ]
 
@@ -92,17 +94,21 @@ class _Replicated(DataParallelWrapper):
 
 
 def shard(model: DLRM, config: ModelConfig, pg: dist.ProcessGroup, device: torch.device) -> DistributedModelParallel:
-    apply_optimizer_in_backward(
-        torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": config.sparse_lr}
-    )
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": config.sparse_lr})
     # ShardedTensor state: checkpoint.staging stages its local shards (DTensor output fails in
     # torchrec 1.8 when a rank holds no shard of a table: DTensor.from_local of a [0, 0] shard)
     env = ShardingEnv.from_process_group(pg)
     topology = Topology(world_size=env.world_size, compute_device=device.type)
-    plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, pg=pg)
-    dmp = DistributedModelParallel(
-        module=model, env=env, device=device, plan=plan, data_parallel_wrapper=_Replicated()
-    )
+    # Model-parallel sharding only: a data-parallel table would need DDP to sync its gradients,
+    # and the dense part here is synced by `sync_dense_grads`, not by DDP.
+    sharded = [t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)]
+    constraints = {
+        cfg.name: ParameterConstraints(sharding_types=sharded)
+        for cfg in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+    }
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    plan = planner.collective_plan(model, pg=pg)
+    dmp = DistributedModelParallel(module=model, env=env, device=device, plan=plan, data_parallel_wrapper=_Replicated())
     broadcast_dense(dmp, pg)
     return dmp
 

@@ -7,8 +7,11 @@ compile), `checkpoint_save_blocking` (what the loop waits for) and
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +47,24 @@ def prepare_compile_env(config: TrainerConfig, rank: int) -> CompileCache:
         ))
         _CACHE.prepare_env()
     return _CACHE
+
+
+ANCHOR_FILE = "anchor.json"
+
+
+def write_anchor(checkpoint: Path, info: dict[str, Any]) -> None:
+    """Mark a committed checkpoint as a run's anchor (atomic: temp file, fsync, rename)."""
+    tmp = checkpoint / f".{ANCHOR_FILE}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(info, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, checkpoint / ANCHOR_FILE)
+
+
+def read_anchor(checkpoint: Path | str) -> dict[str, Any] | None:
+    path = Path(checkpoint) / ANCHOR_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def latest_checkpoint(config: TrainerConfig) -> CheckpointInfo | None:
@@ -90,10 +111,12 @@ class TrainerPlugins:
         )
         init_optimizer_state(state["dense_opt"])
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any]) -> dict[str, Any]:
         assert self.manager is not None and self.train_state is not None and self.resume is not None
         restored = self.manager.load(self.train_state, self.resume)
         log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
+        return {"step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
+                "cursor": list(self.resume_cursor.as_tuple()) if self.resume_cursor else None}
 
     def _on_commit(self, result: CommitResult) -> None:
         if result.background_end > result.background_start:
@@ -110,16 +133,23 @@ class TrainerPlugins:
                             step=step, mode=result.mode, waited_previous_s=result.waited_previous_s)
         return result.blocking_s
 
-    def save_anchor(self, state: dict[str, Any], step: int, cursor: Cursor | None):
-        """The final checkpoint, durable before this returns: a restart or a flow retry finds
-        it, and publishing reads it."""
+    def save_anchor(self, state: dict[str, Any], step: int, cursor: Cursor | None, run_id: str) -> Path | None:
+        """The final checkpoint, durable before this returns, marked with `anchor.json`: a
+        restart or a flow retry finds it, and publishing reads it."""
         assert self.manager is not None
         if cursor is None:  # nothing trained in this attempt: the restored checkpoint is it
             self.manager.wait()
-            return self.resume.path if self.resume else None
-        self.save(state, step, cursor, anchor=True)
-        commit = self.manager.wait()
-        return commit.path if commit is not None else None
+            path = self.resume.path if self.resume else None
+        else:
+            self.save(state, step, cursor, anchor=True)
+            commit = self.manager.wait()
+            path = commit.path if commit is not None else None
+        if path is not None and self.rank == 0:
+            write_anchor(Path(path), {"run_id": run_id, "step": step,
+                                      "cursor": cursor.to_dict() if cursor else None,
+                                      "world_size": self.config.world_size,
+                                      "model": asdict(self.config.model), "schema": self.config.schema.to_dict()})
+        return Path(path) if path is not None else None
 
     # ---- compilation --------------------------------------------------------------------
     def compile(self, state: dict[str, Any], batch: Batch) -> None:

@@ -18,6 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import TrainerConfig
+from .data.schema import DataError
 from .driver import RankFailure
 
 
@@ -97,7 +98,9 @@ class RayWorkerGroup:
                 failed.append(RankFailure(rank, died=True, error=_short(exc)))
             except RayTaskError as exc:
                 user = not _is_collective_error(exc)
-                failed.append(RankFailure(rank, died=False, error=_short(exc), user_error=user))
+                fatal = isinstance(getattr(exc, "cause", None), DataError)
+                error = str(exc.cause) if fatal else _short(exc)
+                failed.append(RankFailure(rank, died=False, error=error, user_error=user, fatal=fatal))
         return finished, failed
 
     def kill(self, rank: int) -> None:

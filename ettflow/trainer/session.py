@@ -122,8 +122,8 @@ class TrainerSession:
         return evaluate(self.state["dmp"].module.sparse_arch, self.state["dense_step"], batches,
                         self.state["device"], self.state["pg"])
 
-    def checkpoint_restore(self) -> None:
-        self.state["plugins"].restore(self.state)
+    def checkpoint_restore(self) -> dict[str, Any]:
+        return self.state["plugins"].restore(self.state)
 
     def get_first_batch_data(self):
         start = self.state["plugins"].resume_cursor
@@ -136,15 +136,16 @@ class TrainerSession:
         self.state["first_batch"] = first
         return first
 
-    def pt2_compile(self) -> None:
+    def pt2_compile(self) -> dict[str, Any]:
         plugins = self.state["plugins"]
         if self.config.switches.fast_batch:
-            batch = synthetic_batch(self.config.schema, self.config.batch_size)
+            batch, source = synthetic_batch(self.config.schema, self.config.batch_size), "synthetic fast batch"
         else:
-            batch = self.state["first_batch"]
+            batch, source = self.state["first_batch"], "first real batch"
             if batch is None:
-                return
+                return {"batch": "none: no data to train"}
         plugins.compile(self.state, batch)
+        return {"batch": source}
 
     # ---- the whole rank -----------------------------------------------------------------
     def stages(self) -> list[Stage]:

@@ -27,6 +27,9 @@ class DataError(ValueError):
         where = f"{self.file}: column {column!r}" if column else self.file
         super().__init__(f"{where} {what}")
 
+    def __reduce__(self):  # travels between processes (Ray) with its fields
+        return (DataError, (self.file, self.column, self.what))
+
 
 @dataclass(frozen=True, kw_only=True)
 class SparseFeature:

@@ -1,0 +1,140 @@
+"""The real trainer: 2 Ray actors, TorchRec DMP over gloo, compiled dense step, DCP
+checkpoints, a real SIGKILL. Tiny sizes; one Ray instance and one compile cache for all."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from ettflow.ett.run_metrics import compute_run_metrics
+from ettflow.ett.spool import read_spool
+from ettflow.trainer.config import FailAt, Switches, TrainerConfig
+from ettflow.trainer.data.schema import criteo_schema
+from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+from ettflow.trainer.driver import TrainingDriver, TrainingFailed
+from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.ray_group import RayWorkerGroup
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+STEPS = 24  # 2 windows x 768 rows / (2 ranks x 32): every step of the data
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, ray_session):
+    root = tmp_path_factory.mktemp("trainer")
+    generate_windows(root / "data", SyntheticConfig(windows=3, rows_per_window=768, files_per_window=2, seed=7))
+    return root
+
+
+def config(world, name: str, **over) -> TrainerConfig:
+    base = dict(
+        data_root=str(world / "data"), schema=criteo_schema(100), work_dir=str(world / name),
+        compile_cache_root=str(world / "compile-cache"), world_size=2, batch_size=32,
+        model=ModelConfig(embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1), dense_lr=0.02, sparse_lr=0.1),
+        checkpoint_every_steps=5, watchdog_s=60, eval_batches=8,
+    )
+    base.update(over)
+    return TrainerConfig(**base)
+
+
+def drive(world, cfg: TrainerConfig, run_id: str):
+    spool = world / "spool"
+    driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))
+    result = driver.run()
+    events = read_spool(spool, run_id).events
+    return result, events, compute_run_metrics(events)
+
+
+def model_tensors(anchor: str, out) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(anchor, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state["model"].items()}
+
+
+def by(events, phase, rank=None, attempt=None):
+    return [e for e in events if e.phase == phase and (rank is None or e.rank == rank)
+            and (attempt is None or e.attempt == attempt)]
+
+
+@pytest.fixture(scope="module")
+def clean_run(world):
+    cfg = config(world, "clean", eval_at_start=True)
+    return drive(world, cfg, "clean")
+
+
+def test_two_ranks_train_and_held_out_loss_falls(clean_run):
+    result, events, m = clean_run
+    assert result.attempts == 1 and m.nof == 0
+    r0 = result.rank0
+    assert r0["final_step"] == STEPS and m.effective_steps == 2 * STEPS and m.replayed_steps == 0
+    assert r0["eval"]["loss"] < r0["eval_start"]["loss"] - 0.01
+    assert r0["eval"]["auc"] > 0.6 and r0["steps_per_s"] > 0 and r0["examples_per_s"] > 0
+    assert r0["compile"]["recompiles"] == 0
+    m.check_partition()
+
+
+def test_fast_batch_compile_does_not_wait_for_real_data(clean_run):
+    # (the overlap itself, with a DPP slower than this tiny one: test_init_pipeline.py)
+    _, events, _ = clean_run
+    for rank in (0, 1):
+        (compile_ev,) = by(events, "pt2_compile", rank)
+        (warmup,) = by(events, "get_first_batch_data", rank)
+        assert compile_ev.attrs["batch"] == "synthetic fast batch"
+        assert warmup.start < compile_ev.start  # the DPP warm-up started in the background first
+
+
+def test_sigkill_recovers_exactly_and_restarts_warm(world, clean_run, tmp_path):
+    cfg = config(world, "killed", failures=(FailAt(kind="kill", rank=1, step=12),))
+    result, events, m = drive(world, cfg, "killed")
+    assert result.attempts == 2 and m.nof == 1 and m.failures[0].failure_class == "infrastructure"
+    m.check_partition()
+    # the restart resumed exactly at the restored checkpoint's cursor ...
+    (restore,) = by(events, "checkpoint_restore", rank=0, attempt=1)
+    first_step = min(by(events, "train_step", rank=0, attempt=1), key=lambda e: e.start)
+    assert list(first_step.cursor_start) == restore.attrs["cursor"]
+    assert restore.attrs["step"] in (5, 10)
+    # ... replayed what the kill lost, and trained every batch as new data exactly once
+    assert m.replayed_steps == 2 * (12 - restore.attrs["step"]) and m.effective_steps == 2 * STEPS
+    # the restart found the compile cache: no compilation, no recompile
+    compile_report = result.rank0["compile"]
+    assert compile_report["cache_hit"] and compile_report["fxgraph_miss"] == 0 and compile_report["recompiles"] == 0
+    # and it ends with the parameters of the run that was never killed
+    killed = model_tensors(result.rank0["anchor"], tmp_path / "killed.pt")
+    clean = model_tensors(clean_run[0].rank0["anchor"], tmp_path / "clean.pt")
+    assert killed.keys() == clean.keys() and len(killed) > 4
+    for key in clean:
+        assert torch.equal(killed[key], clean[key]), key
+
+
+def test_baseline_switches_compile_after_the_first_real_batch(world):
+    switches = Switches(parallel_init=False, fast_batch=False, compile_cache=True, async_checkpoint=False)
+    cfg = config(world, "baseline", switches=switches, max_steps=6, eval_batches=0)
+    result, events, m = drive(world, cfg, "baseline")
+    for rank in (0, 1):
+        (compile_ev,) = by(events, "pt2_compile", rank)
+        (warmup,) = by(events, "get_first_batch_data", rank)
+        assert compile_ev.start >= warmup.end and compile_ev.attrs["batch"] == "first real batch"
+        stages = sorted((e for e in events if e.rank == rank and e.phase in
+                         ("process_group_init", "preproc_creation", "train_module_creation")), key=lambda e: e.start)
+        assert all(a.end <= b.start for a, b in zip(stages, stages[1:]))  # sequential init
+    assert result.rank0["checkpoint"]["saves"] == 1 and by(events, "checkpoint_save_background") == []
+
+
+def test_bad_data_file_is_rejected_with_its_name_and_column(world):
+    data = world / "bad-data"
+    shutil.copytree(world / "data", data)
+    window = sorted(p for p in data.iterdir() if p.is_dir())[0]
+    part = sorted(window.glob("*.parquet"))[0]
+    table = pq.read_table(part)
+    broken = table.set_column(table.schema.get_field_index("int_3"), "int_3",
+                              pa.array(["x"] * table.num_rows, type=pa.string()))
+    pq.write_table(broken, part)
+    cfg = config(world, "bad", data_root=str(data))
+    with pytest.raises(TrainingFailed, match=rf"{part}.*int_3"):
+        drive(world, cfg, "bad")
