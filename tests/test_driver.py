@@ -165,3 +165,18 @@ def test_classify_prefers_the_dead_process():
     failures = [RankFailure(0, died=False, error="gloo: connection reset"), RankFailure(1, died=True, error="SIGKILL")]
     assert classify(failures) == ("infrastructure", "rank 1 process died: SIGKILL", 1)
     assert classify([RankFailure(0, died=False, error="ValueError", user_error=True)])[0] == "user"
+
+
+def test_in_trainer_publish_holds_the_devices(tmp_path):
+    run = Run(tmp_path, [finish_at(4)])
+
+    def publish(ranks):
+        run.clock.t += 3.0
+        return "snapshot"
+
+    driver = TrainingDriver(run.config, run.run_id, run.spool, run.factory, poll_s=0, grace_s=0, clock=run.clock,
+                            before_release=publish)
+    driver.run(submitted_at=run.clock.t)
+    m = run.metrics()
+    assert driver.released_with == "snapshot" and m.raw("publish") == 3.0
+    assert m.components["shutdown"] == 1.5 + 3.0  # the release waited for publishing

@@ -98,6 +98,8 @@ class TrainerConfig:
     eval_batches: int = 8  # held-out batches per rank for loss and AUC
     eval_at_start: bool = False  # also evaluate before training (in pre_train)
     log_every: int = 10
+    record_steps: bool = True  # False: no train_step events (to measure the recording's cost;
+    # the step watchdog and the metric then see no steps)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.batch_size < 1 or self.threads_per_rank < 1:

@@ -83,9 +83,14 @@ class TrainingDriver:
         poll_s: float = 0.25,
         grace_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        before_release: Callable[[dict[int, dict]], Any] | None = None,
     ) -> None:
+        """`before_release(rank_results)` runs after training while the group still holds
+        its devices (the baseline's in-trainer publishing); it is recorded as `publish`."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.group_factory = group_factory
+        self.before_release = before_release
+        self.released_with: Any = None  # what before_release returned
         self.poll_s, self.grace_s, self.clock = poll_s, grace_s, clock
 
     def run(self, *, first_attempt: int = 0, submitted_at: float | None = None) -> TrainingResult:
@@ -150,6 +155,12 @@ class TrainingDriver:
             if len(finished) == self.config.world_size:
                 # shutdown runs from the ranks' end of work until the devices are released
                 ended = min(min(r.get("finished_at", now) for r in finished.values()), now)
+                if self.before_release is not None:
+                    t0 = self.clock()
+                    try:
+                        self.released_with = self.before_release(finished)
+                    finally:
+                        rec.record("publish", t0, self.clock(), in_trainer=True)
                 group.teardown()
                 rec.record("shutdown", ended, self.clock(), failed=False)
                 return {"ranks": finished}

@@ -94,9 +94,10 @@ class TrainLoop:
             loss = self.train_step(batch)
             loss_value = float(loss)
             t1 = time.time()
-            self.rec.record("train_step", t0, t1, step=step, loss=loss_value, examples=batch.batch_size,
-                            cursor_start=list(batch.cursor_start.as_tuple()),
-                            cursor_end=list(batch.cursor_end.as_tuple()))
+            if self.config.record_steps:
+                self.rec.record("train_step", t0, t1, step=step, loss=loss_value, examples=batch.batch_size,
+                                cursor_start=list(batch.cursor_start.as_tuple()),
+                                cursor_end=list(batch.cursor_end.as_tuple()))
             step_times.append(t1 - t0)
             examples += batch.batch_size
             step += 1

@@ -1,0 +1,89 @@
+"""`ettflow publish`: anchor checkpoint -> validated inference snapshot, on the CPU.
+
+    ettflow publish --anchor WORK/checkpoints/step_0000000064 --data DATA_ROOT \\
+        [--windows window=2024010102 ...] [--out DIR] [--no-quantize] [--retries 3]
+
+`register(subparsers)` adds the command to `ettflow`'s sub-parsers; its `func` returns an exit
+code: 0 published, 2 refused (torn anchor, validation failed, bad arguments: retrying will not
+help), 1 failed after the retries. `main(argv)` runs it alone
+(`python -m ettflow.publish.cli --anchor ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def default_output_root() -> str:
+    from ettflow import paths
+
+    return str(paths.data_home() / "snapshots")
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from ettflow.publish.config import PublishConfig
+    from ettflow.publish.publisher import is_retryable, publish_with_retry
+
+    try:
+        config = PublishConfig(anchor=args.anchor, output_root=args.out or default_output_root(),
+                               data_root=args.data, windows=args.windows, batch_size=args.batch_size,
+                               validation_batches=args.batches, tolerance=args.tolerance,
+                               quantize=not args.no_quantize, run_id=args.run_id)
+        manifest = publish_with_retry(config, attempts=args.retries + 1, backoff_s=args.backoff)
+    except Exception as e:  # the message says what was wrong and what to do
+        print(f"ettflow publish: {e}", file=sys.stderr)
+        return 1 if is_retryable(e) else 2
+    if args.json:
+        print(json.dumps(manifest.to_dict(), indent=1, sort_keys=True))
+        return 0
+    m, t = manifest.metrics, manifest.timings_s
+    print(f"published {manifest.path} (run {manifest.run_id}, step {manifest.step}, "
+          f"{'int8' if manifest.quantization['enabled'] else 'float'} tables)")
+    print(f"  validated on {m['n_examples']} examples of {', '.join(manifest.data['windows'])}: "
+          f"max |p_snapshot - p_float| = {m['max_abs_diff']:.2g} <= {manifest.validation['tolerance']}, "
+          f"AUC float {m['auc_float']} snapshot {m['auc_snapshot']}")
+    print("  took " + ", ".join(f"{k} {v:.2f} s" for k, v in t.items()))
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ettflow.publish.config import DEFAULT_TOLERANCE
+
+    parser.add_argument("--anchor", required=True,
+                        help="the anchor checkpoint folder (<work_dir>/checkpoints/step_<n>)")
+    parser.add_argument("--data", required=True, help="folder of held-out data windows to validate on")
+    parser.add_argument("--windows", nargs="+", help="held-out window names (default: the last window of --data)")
+    parser.add_argument("--out", help="snapshot root; the snapshot goes to OUT/<run_id>/ "
+                        "(default: $ETTFLOW_HOME/snapshots)")
+    parser.add_argument("--batch-size", type=int, default=512, help="validation batch size (default 512)")
+    parser.add_argument("--batches", type=int, default=8, help="validation batches (default 8)")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help=f"largest allowed |p_snapshot - p_float| (default {DEFAULT_TOLERANCE})")
+    parser.add_argument("--no-quantize", action="store_true", help="keep float32 embedding tables")
+    parser.add_argument("--run-id", help="output folder name (default: the run id in anchor.json)")
+    parser.add_argument("--retries", type=int, default=2, help="retries of a failure that may pass (default 2)")
+    parser.add_argument("--backoff", type=float, default=5.0, help="seconds before the first retry (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    parser.set_defaults(func=_publish)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `publish` to `ettflow`'s sub-parsers."""
+    parser = subparsers.add_parser("publish", help="anchor checkpoint -> validated inference snapshot (CPU)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ettflow publish", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Anchor checkpoint -> validated inference snapshot, on the CPU, in one process.
+
+    manifest = publish_snapshot(PublishConfig(anchor=..., output_root=..., data_root=...))
+
+Steps (each timed into `manifest.timings_s`):
+  load      verify the checkpoint, read anchor.json, DCP-load the model into a plain DLRM
+  data      read the held-out batches
+  reference the float model's click probabilities on them
+  quantize  int8 row-wise tables (skipped when quantize=False)
+  script    torchrec.fx trace + torch.jit.script + save into a hidden staging folder
+  validate  score the saved file in a fresh process without ettflow/torchrec, compare
+  total     all of the above; then (milliseconds, untimed) checksums, the manifest, fsync,
+            and the atomic install as <output_root>/<run_id>/
+
+Nothing here trains. A failed attempt leaves no snapshot (the staging folder is removed) and
+can simply be run again: `publish_with_retry` does so for failures that may pass on a retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from importlib import metadata
+
+import torch
+
+from ettflow.publish.anchor import load_float_model, open_anchor
+from ettflow.publish.config import PublishConfig, PublishError
+from ettflow.publish.manifest import SnapshotManifest, install, staging_dir
+from ettflow.publish.snapshot import (
+    QUANT_FORMAT,
+    SnapshotModule,
+    quantize_tables,
+    save_snapshot,
+    script_snapshot,
+    signature,
+)
+from ettflow.publish.validate import compare, held_out, predict, score_in_fresh_process
+from ettflow.trainer.data.schema import DataError
+
+log = logging.getLogger("ettflow.publish")
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = round(time.perf_counter() - start, 4)
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name, dists in (("torchrec", ("torchrec",)), ("fbgemm_gpu", ("fbgemm-gpu-cpu", "fbgemm-gpu"))):
+        for dist in dists:
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
+    """Publish the anchor checkpoint as `<output_root>/<run_id>/` and return its manifest.
+
+    Raises AnchorError (torn or not an anchor: do not retry), SnapshotValidationError (the
+    snapshot disagrees with the trained model beyond the tolerance, or does not load without
+    the training code), PublishError or OSError (may pass on a retry)."""
+    started, timer = time.time(), _Timer()
+    with timer("load"):
+        anchor = open_anchor(config.anchor)
+        dlrm = load_float_model(anchor)
+    schema, run_id = anchor.schema, config.run_id or anchor.run_id
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        raise PublishError(f"anchor.json's run_id {run_id!r} is not a folder name: pass run_id explicitly")
+    with timer("data"):
+        data = held_out(config, schema)
+    with timer("reference"):
+        reference = predict(SnapshotModule(dlrm, list(schema.sparse_names)), data)
+    with timer("quantize"):
+        model = quantize_tables(dlrm) if config.quantize else dlrm
+    final = config.output_root / run_id
+    tmp = staging_dir(config.output_root, run_id)
+    try:
+        with timer("script"):
+            scripted = script_snapshot(model, schema)
+            model_file = save_snapshot(scripted, tmp)
+        with timer("validate"):
+            scored = score_in_fresh_process(model_file, data)
+            metrics = compare(reference, scored["probs"], data.labels, config.tolerance)
+        timer.timings["total"] = round(time.time() - started, 4)
+        draft = SnapshotManifest(
+            run_id=run_id, step=anchor.step, path=str(final), created_at=time.time(),
+            model=asdict(anchor.model), schema=schema.to_dict(),
+            data={"root": str(config.data_root), "windows": list(data.windows), "batch_size": config.batch_size,
+                  "batches": len(data.batches), "n_examples": data.n_examples},
+            source={"checkpoint": str(anchor.path.resolve()), "manifest_sha256": anchor.manifest_sha256,
+                    "step": anchor.step, "world_size": anchor.world_size, "cursor": anchor.cursor,
+                    "run_id": anchor.run_id},
+            quantization={"enabled": config.quantize, "format": QUANT_FORMAT if config.quantize else "float32"},
+            signature=signature(schema, config.quantize),
+            validation={"tolerance": config.tolerance, "passed": True,
+                        "bounds": "max |p_snapshot - p_float| over the held-out examples (click probability)",
+                        "loaded_without": ["ettflow", "torchrec"], "blocked_imports": scored["blocked_imports"]},
+            metrics=metrics, timings_s=timer.timings, versions=_versions(),
+        )
+        manifest = install(tmp, draft, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("published %s (step %d): max |dp| %.2g <= %.2g, AUC float %s snapshot %s, %.1f s",
+             final, anchor.step, metrics["max_abs_diff"], config.tolerance, metrics["auc_float"],
+             metrics["auc_snapshot"], timer.timings["total"])
+    return manifest
+
+
+def is_retryable(error: BaseException) -> bool:
+    """Whether another publish attempt may succeed (e.g. a Prefect task retry condition)."""
+    if isinstance(error, PublishError):
+        return error.retryable
+    return not isinstance(error, (DataError, ValueError, TypeError))
+
+
+def publish_with_retry(config: PublishConfig, *, attempts: int = 3, backoff_s: float = 5.0,
+                       sleep: Callable[[float], None] = time.sleep) -> SnapshotManifest:
+    """`publish_snapshot`, tried up to `attempts` times for retryable failures (never retrains)."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    for attempt in range(1, attempts + 1):
+        try:
+            return publish_snapshot(config)
+        except Exception as e:
+            if attempt == attempts or not is_retryable(e):
+                raise
+            log.warning("publish attempt %d/%d failed, retrying in %.0f s: %s", attempt, attempts,
+                        backoff_s * attempt, e)
+            sleep(backoff_s * attempt)
+    raise AssertionError("unreachable")
