@@ -86,11 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
 
+    from .bench import cli as bench_cli
     from .publish import cli as publish_cli
     from .trainer.data import cli as data_cli
 
     data_cli.register(sub)
     publish_cli.register(sub)
+    bench_cli.register(sub)
     return parser
 
 

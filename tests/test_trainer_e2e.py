@@ -18,6 +18,7 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.plugins import read_anchor
 from ettflow.trainer.ray_group import RayWorkerGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -124,6 +125,8 @@ def test_baseline_switches_compile_after_the_first_real_batch(world):
                          ("process_group_init", "preproc_creation", "train_module_creation")), key=lambda e: e.start)
         assert all(a.end <= b.start for a, b in zip(stages, stages[1:]))  # sequential init
     assert result.rank0["checkpoint"]["saves"] == 1 and by(events, "checkpoint_save_background") == []
+    anchor = result.rank0["anchor"]  # synchronous saves commit the anchor too
+    assert anchor and read_anchor(anchor)["run_id"] == "baseline" and read_anchor(anchor)["step"] == 6
 
 
 def test_bad_data_file_is_rejected_with_its_name_and_column(world):

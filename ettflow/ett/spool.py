@@ -1,10 +1,13 @@
 """The event spool: append-only JSON lines, one file per (run, attempt, rank).
 
 Layout: ``<root>/<run_id>/attempt-<a>.rank-<r>.jsonl`` (rank -1, the driver, is
-``attempt-<a>.driver.jsonl``). Each event is written as one line, flushed and fsynced before
-`record` returns, so a process killed at any instant loses nothing already recorded. Each
-line carries its sequence number in the file, which with (run, attempt, rank) keys it in the
-warehouse, so archiving twice never duplicates.
+``attempt-<a>.driver.jsonl``). Each event is written as one line with one write(2) before
+`record` returns, so a process killed at any instant loses nothing already recorded (the
+kernel holds it). Every event is also fsynced before `record` returns, against a machine
+crash, except those recorded with ``sync=False`` (training steps, hundreds per second): a
+background thread fsyncs those within ``lazy_fsync_s`` (group commit), which keeps the
+recording cost of a step small. Each line carries its sequence number in the file, which with
+(run, attempt, rank) keys it in the warehouse, so archiving twice never duplicates.
 
 The reader keeps every good line: a torn last line (a write cut by a kill) is reported and
 skipped, and so is any corrupt line, each with its file and line number.
@@ -35,8 +38,12 @@ class SpoolWriter:
     """Durable appender for the events of one (run, attempt, rank). Thread-safe; safe
     against another process appending to the same file (an exclusive lock per write)."""
 
-    def __init__(self, root: Path | str, run_id: str, attempt: int, rank: int) -> None:
+    def __init__(self, root: Path | str, run_id: str, attempt: int, rank: int, *, lazy_fsync_s: float = 0.2) -> None:
         self.run_id, self.attempt, self.rank = run_id, attempt, rank
+        self.lazy_fsync_s = lazy_fsync_s
+        self._dirty = False
+        self._flusher: threading.Thread | None = None
+        self._closing = threading.Event()
         self.path = spool_file(root, run_id, attempt, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -45,10 +52,20 @@ class SpoolWriter:
         self._size = -1  # file size after our last write; another writer changes it
 
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             if self._fd >= 0:
+                if self._dirty:
+                    os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = -1
+
+    def _flush_loop(self) -> None:
+        while not self._closing.wait(self.lazy_fsync_s):
+            with self._lock:
+                if self._dirty and self._fd >= 0:
+                    os.fsync(self._fd)
+                    self._dirty = False
 
     def __enter__(self) -> SpoolWriter:
         return self
@@ -66,7 +83,7 @@ class SpoolWriter:
         self._seq = data.count(b"\n")
         self._size = len(data)
 
-    def record(self, phase: str, start: float, end: float, **attrs: Any) -> PhaseEvent:
+    def record(self, phase: str, start: float, end: float, *, sync: bool = True, **attrs: Any) -> PhaseEvent:
         with self._lock:
             if self._fd < 0:
                 raise RuntimeError(f"spool writer for {self.path} is closed")
@@ -86,7 +103,15 @@ class SpoolWriter:
                 )
                 line = (json.dumps(event.to_dict(), separators=(",", ":")) + "\n").encode()
                 os.write(self._fd, line)
-                os.fsync(self._fd)
+                if sync:
+                    os.fsync(self._fd)
+                    self._dirty = False
+                else:
+                    self._dirty = True
+                    if self._flusher is None:
+                        self._flusher = threading.Thread(target=self._flush_loop, name="ettflow-spool-fsync",
+                                                         daemon=True)
+                        self._flusher.start()
                 self._seq += 1
                 self._size += len(line)
                 return event

@@ -12,12 +12,15 @@ from .config import TrainerConfig
 
 
 class TrainerActor:
-    def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str) -> None:
+    def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str,
+                 requested_at: float) -> None:
         from .session import process_start_time
 
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = Path(spool_root)
-        self.started_at = process_start_time()
+        # Ray may hand this actor a worker process it started earlier (its pool): the rank's
+        # own start counts from when the driver asked for it, never before.
+        self.started_at = max(process_start_time(), requested_at)
         logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
         for noisy in ("torchrec", "root", "fbgemm_gpu", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)

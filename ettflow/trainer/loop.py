@@ -95,7 +95,7 @@ class TrainLoop:
             loss_value = float(loss)
             t1 = time.time()
             if self.config.record_steps:
-                self.rec.record("train_step", t0, t1, step=step, loss=loss_value, examples=batch.batch_size,
+                self.rec.record("train_step", t0, t1, sync=False, step=step, loss=loss_value, examples=batch.batch_size,
                                 cursor_start=list(batch.cursor_start.as_tuple()),
                                 cursor_end=list(batch.cursor_end.as_tuple()))
             step_times.append(t1 - t0)
@@ -108,7 +108,7 @@ class TrainLoop:
                          rate, rate * batch.batch_size * self.config.world_size)
             due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
             if due_save and step < end:
-                self.blocking.append(self.plugins.save(self.state, step, last_cursor, anchor=False))
+                self.blocking.append(self.plugins.save(self.state, step, last_cursor))
                 if step == probe_at:
                     self._choose_interval(end, step_times)
         elapsed = max(time.time() - t_train, 1e-9)

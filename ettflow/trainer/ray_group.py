@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import ray
@@ -72,12 +73,13 @@ class RayWorkerGroup:
                 f"{self.reserve_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}"
             ) from exc
         remote = ray.remote(TrainerActor)
+        requested_at = time.time()
         self.actors = [
             remote.options(
                 num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,
                 max_concurrency=2,  # a second thread answers calls while `train` runs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(self.config, self.run_id, self.attempt, rank, self.spool_root)
+            ).remote(self.config, self.run_id, self.attempt, rank, self.spool_root, requested_at)
             for rank in range(self.config.world_size)
         ]
         self.info = ray.get([a.ready.remote() for a in self.actors])

@@ -1,0 +1,1 @@
+"""ettflow bench: the study's paired evaluation on this machine."""

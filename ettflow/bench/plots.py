@@ -1,0 +1,65 @@
+"""Pictures of the benchmark, where a person would rather look than read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ettflow.ett.events import COMPONENTS  # noqa: E402
+
+COLOURS = {"effective_training": "#2ca02c", "wasted_training": "#d62728", "pt2_compile": "#9467bd",
+           "trainer_init": "#1f77b4", "scheduling": "#7f7f7f", "shutdown": "#ff7f0e", "unattributed": "#dddddd"}
+
+
+def components_bars(pairs: dict[int, tuple], path: Path) -> None:
+    """Stacked L2 shares per job: baseline and optimized side by side at every length."""
+    labels, shares = [], []
+    for length, pair in pairs.items():
+        for job in pair:
+            m = job.metrics
+            labels.append(f"{job.mode[:4]}\nL{length}")
+            shares.append({c: 100 * m.components[c] / m.wall_s for c in (*COMPONENTS, "unattributed")})
+    frame = pd.DataFrame(shares, index=labels)
+    ax = frame.plot.bar(stacked=True, color=[COLOURS[c] for c in frame.columns], figsize=(8, 4.5), rot=0, width=0.7)
+    ax.set_ylabel("% of wall time")
+    ax.set_title("Where each job's wall time went (L2), baseline vs optimized")
+    ax.legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize=8)
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close()
+
+
+def ett_vs_length(frame: pd.DataFrame, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, group in frame.groupby("mode"):
+        ax.plot(group["train_s"], group["ETT%"], marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.set_xlabel("training data per job (seconds of effective training)")
+    ax.set_ylabel("ETT %")
+    ax.set_title("ETT grows with job length; short jobs pay the most")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close()
+
+
+def wasted_vs_interval(curve: pd.DataFrame, choice: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(curve["interval_s"], curve["wasted_s"], marker=".")
+    ax.axvline(choice["interval_s"], color="#d62728", linestyle="--",
+               label=f"optimizer: {choice['interval_s']:.1f} s ({choice['wasted_s']:.1f} s wasted)")
+    ax.axvline(choice["young_s"], color="#7f7f7f", linestyle=":", label=f"Young: {choice['young_s']:.1f} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("checkpoint interval, s")
+    ax.set_ylabel("expected wasted training, s")
+    ax.set_title("WTT = UTT + NoS x CSBT (measured blocking, 3 failures)")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close()

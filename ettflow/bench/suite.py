@@ -1,0 +1,182 @@
+"""The benchmark suite: each measurement of the paired evaluation as a table (pandas frame).
+
+Every number comes from real runs on this machine, side by side in one invocation; targets
+are ratios, reported with the margin by which they are met or missed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+
+from ettflow.ett.cascade import attribute
+from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.events import COMPONENTS
+from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+from ettflow.trainer.data.windows import list_windows
+
+from .compile_ablation import run_ablation
+from .jobs import JobResult, JobSpec, run_job, warm_compile_cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchPlan:
+    lengths: tuple[int, ...]  # training windows per job, shortest first; the first is the default pair
+    rows_per_window: int
+    batch_size: int = 256
+    num_embeddings: int = 20_000
+    checkpoint_every_steps: int = 50
+    kill_fractions: tuple[float, float] = (0.35, 0.7)  # of the default pair's steps
+    ablation_batches: int = 8
+    overhead_steps: int = 200
+    overhead_repeats: int = 2  # runs with and without recording, interleaved
+
+    @classmethod
+    def quick(cls) -> BenchPlan:
+        return cls(lengths=(1, 2), rows_per_window=16_384, batch_size=128, num_embeddings=5_000,
+                   checkpoint_every_steps=16, ablation_batches=4, overhead_steps=60, overhead_repeats=1)
+
+    @classmethod
+    def full(cls) -> BenchPlan:
+        return cls(lengths=(2, 8, 32), rows_per_window=65_536)
+
+    def steps(self, windows: int, world_size: int = 2) -> int:
+        return windows * self.rows_per_window // (self.batch_size * world_size)
+
+
+class Bench:
+    def __init__(self, plan: BenchPlan, out: Path, progress: Callable[[str], None] = print) -> None:
+        self.plan, self.out, self.say = plan, out, progress
+        self.data = out / "data"
+        self.spool = out / "spool"
+        self.cache = out / "compile-cache"
+        self.jobs: list[JobResult] = []
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def prepare_data(self) -> tuple[str, ...]:
+        need = max(self.plan.lengths) + 1
+        have = list_windows(self.data) if self.data.is_dir() else []
+        if len(have) < need:
+            self.say(f"generating {need} windows x {self.plan.rows_per_window} rows")
+            generate_windows(self.data, SyntheticConfig(windows=need, rows_per_window=self.plan.rows_per_window,
+                                                        files_per_window=2, seed=11, overwrite=True))
+        return tuple(list_windows(self.data))
+
+    def spec(self, windows: tuple[str, ...], length: int, kill_steps: tuple[int, ...]) -> JobSpec:
+        return JobSpec(data_root=self.data, train_windows=windows[:length], held_out=windows[-1:],
+                       work_root=self.out / "work", num_embeddings=self.plan.num_embeddings,
+                       batch_size=self.plan.batch_size, checkpoint_every_steps=self.plan.checkpoint_every_steps,
+                       kill_steps=kill_steps)
+
+    def job(self, spec: JobSpec, mode: str, label: str) -> JobResult:
+        run_id = f"bench-{self.stamp}-{label}-{mode}"
+        self.say(f"  {run_id} ...")
+        result = run_job(spec, mode, run_id, self.spool, cache_root=self.cache if mode == "optimized" else None)
+        self.say(f"  {run_id}: wall {result.metrics.wall_s:.1f} s, ETT {result.metrics.ett_pct:.1f}%, "
+                 f"NoF {result.metrics.nof}")
+        self.jobs.append(result)
+        return result
+
+    # ---- 1 + 2: ETT pairs at several job lengths ----------------------------------------
+    def pairs(self, windows: tuple[str, ...]) -> dict[int, tuple[JobResult, JobResult]]:
+        base_steps = self.plan.steps(self.plan.lengths[0])
+        kills = tuple(int(f * base_steps) for f in self.plan.kill_fractions)
+        warm_compile_cache(self.spec(windows, 1, ()), self.spool, self.cache, f"bench-{self.stamp}-cache-warmup")
+        out = {}
+        for length in self.plan.lengths:
+            self.say(f"pair at {length} window(s), killed at steps {kills}")
+            spec = self.spec(windows, length, kills)
+            out[length] = (self.job(spec, "baseline", f"L{length}"), self.job(spec, "optimized", f"L{length}"))
+        return out
+
+    # ---- 3: compile ablation ---------------------------------------------------------------
+    def ablation(self) -> pd.DataFrame:
+        self.say("compile ablation (three fresh processes)")
+        rows = run_ablation(self.data, batches=self.plan.ablation_batches, batch_size=self.plan.batch_size)
+        frame = pd.DataFrame(rows)
+        cold = frame.loc[frame["mode"] == "dense-step", "first_step_s"].iloc[0]
+        frame["compile_vs_cold_%"] = (100 * (frame["first_step_s"] + frame["restore_s"]) / cold).round(1)
+        return frame
+
+    # ---- 6: orchestration overhead ---------------------------------------------------------
+    def overhead(self, windows: tuple[str, ...]) -> pd.DataFrame:
+        self.say("overhead: recording on vs off, Prefect start")
+        spec = replace(self.spec(windows, 1, ()), max_steps=self.plan.overhead_steps)
+        rates = {}
+        for record in (True, False) * self.plan.overhead_repeats:  # interleaved
+            res = run_job(replace(spec, record_steps=record), "optimized",
+                          f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{len(rates)}", self.spool,
+                          cache_root=self.cache, publish=False)
+            rates.setdefault(record, []).append(res.training.rank0["examples_per_s"])
+        on, off = statistics.mean(rates[True]), statistics.mean(rates[False])
+        t0 = time.time()
+        subprocess.run([sys.executable, "-c", "from prefect import flow\n@flow\ndef f():\n    return 1\nf()"],
+                       check=True, capture_output=True)
+        prefect_s = time.time() - t0
+        return pd.DataFrame([
+            {"what": "examples/s with ETT recording", "value": round(on, 1)},
+            {"what": "examples/s without recording", "value": round(off, 1)},
+            {"what": "recording overhead %", "value": round(100 * (off - on) / off, 2)},
+            {"what": "Prefect: first flow run incl. ephemeral server, s", "value": round(prefect_s, 2)},
+        ])
+
+
+def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
+    rows = []
+    for job in pair:
+        m = job.metrics
+        row = {"mode": job.mode, "wall_s": m.wall_s, "TTS_s": m.tts_s, "NoF": m.nof,
+               **{f"TTR{i + 1}_s": f.ttr_s for i, f in enumerate(m.failures)}, "ETT%": m.ett_pct,
+               **{f"{c}_s": m.components[c] for c in (*COMPONENTS, "unattributed")}}
+        rows.append(row)
+    frame = pd.DataFrame(rows).set_index("mode")
+    frame.loc["difference"] = frame.loc["optimized"] - frame.loc["baseline"]
+    return frame.round(2).reset_index()
+
+
+def attribution_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
+    a = attribute(pair[0].metrics, pair[1].metrics)
+    rows = [("saved lost time, s", a.saved_lost_s), ("direct: startup (dTTS), s", a.saved_startup_s),
+            ("direct: recovery (d sum TTR), s", a.saved_recovery_s),
+            ("direct: checkpointing (d save blocking), s", a.saved_checkpointing_s),
+            ("direct: shutdown, s", a.saved_shutdown_s),
+            ("cascade bound (1 + NoF) x dTTS, s", a.startup_cascade_bound_s),
+            ("fast batch bound min(DPP warm-up, compile) per startup, s", a.fast_batch_saving_per_startup_s),
+            ("TTR reduction / TTS reduction", a.ttr_to_tts_ratio if a.ttr_to_tts_ratio is not None else float("nan")),
+            ("ETT gain, points", a.ett_gain_pts)]
+    return pd.DataFrame(rows, columns=["what", "value"]).round(2)
+
+
+def checkpoint_table(jobs: list[JobResult]) -> pd.DataFrame:
+    rows = []
+    for mode in ("baseline", "optimized"):
+        blocking = [e.duration for j in jobs if j.mode == mode for e in j.events
+                    if e.phase == "checkpoint_save_blocking" and e.rank == 0]
+        if blocking:
+            q = statistics.quantiles(blocking, n=10) if len(blocking) > 2 else [min(blocking), max(blocking)]
+            rows.append({"mode": "sync" if mode == "baseline" else "async", "saves": len(blocking),
+                         "median_s": statistics.median(blocking), "p10_s": q[0], "p90_s": q[-1],
+                         "max_s": max(blocking)})
+    return pd.DataFrame(rows).round(4)
+
+
+def wasted_curve(job_s: float, blocking_s: float, failures: float = 3) -> tuple[pd.DataFrame, dict]:
+    model = WasteModel(job_s=job_s, save_blocking_s=blocking_s, failures=failures)
+    choice = optimal_interval(model)
+    grid = sorted({job_s * f for f in (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0)} | {choice.interval_s})
+    frame = pd.DataFrame({"interval_s": grid, "wasted_s": [model.wasted_s(t) for t in grid]})
+    return frame, {"interval_s": choice.interval_s, "wasted_s": choice.expected_wasted_s, "young_s": choice.young_s,
+                   "daly_s": choice.daly_s}
+
+
+def shutdown_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
+    return pd.DataFrame([{"mode": j.mode, "publishing": "in trainer" if j.mode == "baseline" else "standalone (CPU)",
+                          "device_held_after_last_step_s": round(j.after_last_step_s, 2),
+                          "publish_s": round(j.publish_s, 2)} for j in pair])
