@@ -87,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     from .bench import cli as bench_cli
+    from .flows import cli as flows_cli
     from .publish import cli as publish_cli
     from .trainer.data import cli as data_cli
 
+    flows_cli.register(sub)
     data_cli.register(sub)
     publish_cli.register(sub)
     bench_cli.register(sub)

@@ -98,3 +98,43 @@ def ray_session():
     ensure_ray(num_cpus=4)
     yield
     ray.shutdown()
+
+
+# ==============================================================================================
+# Flow fixtures (tests/test_flow*.py): one Prefect test harness (a temporary API server and
+# database) for the whole session; Ray comes from `ray_session` above. A cold machine needs
+# more than Prefect's default 20-30 s to start the API server.
+# ==============================================================================================
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect API (SQLite) for the session; flows run against it."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def flow_data(tmp_path_factory):
+    """Tiny synthetic windows for flow runs: 2 training windows of 1920 rows give 60 steps of
+    2 ranks x 32; the third window is held out (evaluation and snapshot validation)."""
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    root = tmp_path_factory.mktemp("flow-data")
+    generate_windows(root, SyntheticConfig(windows=3, rows_per_window=1920, files_per_window=2, seed=3))
+    return root
+
+
+@pytest.fixture(scope="session")
+def flow_work_root(tmp_path_factory):
+    """Checkpoints and the compile cache of every flow run of the session: the cold compile
+    (about 25 s per rank here) is paid once, later runs restore the cache."""
+    return tmp_path_factory.mktemp("flow-work")
+
+
+# ================================================================================ end flow ===

@@ -10,7 +10,8 @@ import pytest
 from ettflow.cli import main
 from ettflow.ett.warehouse import Warehouse
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+# two baseline jobs compile cold three times each: minutes on two shared cores
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(1200)]
 
 
 def test_quick_bench_at_tiny_sizes(tmp_path, ray_session, capsys):

@@ -1,0 +1,128 @@
+"""`ettflow refresh`: run one refresh end to end, here, then print its ETT report.
+
+On embedded defaults (an ephemeral Prefect API, a local Ray, the SQLite warehouse, tiny
+synthetic data) and, unless told otherwise, with one induced SIGKILL so a first run shows a
+failure and its recovery. Progress is logged while it works; at the end come the run's
+L1/L2 report, the snapshot folder and the timeline picture.
+
+`register(subparsers)` adds the command to `ettflow`'s sub-parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+DEMO_FAILURE = "kill:rank=1:step=16"  # the default data gives 32 steps per rank
+
+
+def _env_defaults() -> None:
+    """Before Prefect is imported: a cold machine needs longer than 20 s for the ephemeral
+    API server; no analytics; no Ray usage stats."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parameters(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {"model": args.model, "mode": args.mode}
+    for name in ("data_root", "world_size", "batch_size", "max_steps", "checkpoint_every_steps", "warehouse_url"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
+    if args.window:
+        params["windows"] = args.window
+    if args.switch:
+        params["switches"] = {}
+        for item in args.switch:
+            key, _, raw = item.partition("=")
+            params["switches"][key] = _value(raw or "true")
+    params["fail_at"] = [] if args.no_failure else (args.fail_at or [DEMO_FAILURE])
+    for item in args.param or ():
+        key, _, raw = item.partition("=")
+        params[key] = _value(raw)
+    return params
+
+
+def print_report(run_id: str, url: str | None) -> bool:
+    from ettflow.ett import report
+    from ettflow.ett.warehouse import Warehouse
+
+    with Warehouse.open(url) as wh:
+        runs = wh.runs_frame(run_id=run_id)
+        if runs.empty:
+            print(f"run {run_id} is not in the warehouse at {wh.display_url}", file=sys.stderr)
+            return False
+        print(report.render(report.run_table(runs), "table"))
+        print("\nWhere the wall time went (exposed = on the critical path):")
+        print(report.render(report.component_table(wh.components_frame(run_id), float(runs.iloc[0]["wall_s"])),
+                            "table"))
+        tags = runs.iloc[0]["tags"] or {}
+        print(f"\nwarehouse: {wh.display_url}   (`ettflow report --run {run_id}` shows this again)")
+    if tags.get("snapshot"):
+        print(f"snapshot:  {tags['snapshot']}  (model.pt + manifest.json)")
+        print(f"timeline:  {tags['snapshot']}.ett-timeline.png")
+    return True
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    _env_defaults()
+    from ettflow.flows.refresh import refresh_model
+
+    params = parameters(args)
+    print(f"ettflow refresh: {json.dumps(params)}", flush=True)
+    state = refresh_model(**params, return_state=True)
+    run_id = str(state.state_details.flow_run_id)
+    print()
+    if not state.is_completed():
+        print(f"ettflow refresh: run {run_id} ended {state.name}: {state.message}", file=sys.stderr)
+    shown = print_report(run_id, params.get("warehouse_url"))
+    return 0 if state.is_completed() and shown else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="dlrm", help="model name (warehouse, checkpoints, snapshots)")
+    p.add_argument("--mode", choices=("baseline", "optimized"), default="optimized")
+    p.add_argument("--switch", action="append", metavar="NAME=BOOL",
+                   help="one switch over the mode: parallel_init, fast_batch, compile, compile_cache, "
+                        "async_checkpoint, publish_in_trainer (repeatable)")
+    p.add_argument("--data-root", help="folder of data windows (default: tiny synthetic windows, made once)")
+    p.add_argument("--window", action="append", help="a training window (repeatable; default: all but the last)")
+    p.add_argument("--world-size", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--checkpoint-every-steps", type=int, help="override the computed checkpoint interval")
+    p.add_argument("--fail-at", action="append", metavar="SPEC",
+                   help=f"injected failure, e.g. kill:rank=1:step=16, hang:step=5, publish:times=1 "
+                        f"(repeatable; default: {DEMO_FAILURE})")
+    p.add_argument("--no-failure", action="store_true", help="no injected failure")
+    p.add_argument("--warehouse-url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the SQLite file)")
+    p.add_argument("--param", action="append", metavar="KEY=JSON", help="any other flow parameter")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `refresh` to `ettflow`'s sub-parsers."""
+    p = subparsers.add_parser("refresh", help="run one refresh end to end here and print its ETT report",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=cmd_refresh)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ettflow")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

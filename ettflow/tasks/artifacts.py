@@ -1,0 +1,85 @@
+"""What the Prefect UI shows for a refresh: ETT table, timeline picture, snapshot link.
+
+Keys are stable per deployment (`ett-<slug>`, `ett-timeline-<slug>`, `snapshot-<slug>`; the
+progress artifact is `training-progress-<slug>`), so the UI's Artifacts page keeps each one's
+history across runs. Each artifact is attached to its flow run by id, never through the run
+context: the crash hook runs in another process, where there is none.
+"""
+
+from __future__ import annotations
+
+import base64
+import warnings
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from ettflow.ett.events import COMPONENTS, UNATTRIBUTED, owner_of
+from ettflow.ett.run_metrics import RunMetrics
+
+TIMELINE_SUFFIX = ".ett-timeline.png"
+
+
+def timeline_file(snapshot: str | None, spool_dir: Path) -> Path:
+    """Where the timeline picture is saved: beside the snapshot folder (`<run_id>.ett-timeline.png`;
+    not inside it, which its manifest's checksums cover), else in the run's spool folder."""
+    if snapshot and Path(snapshot).is_dir():
+        return Path(snapshot).with_name(Path(snapshot).name + TIMELINE_SUFFIX)
+    return spool_dir / ("run" + TIMELINE_SUFFIX)
+
+
+def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
+    """L1 then L2: each row has level, metric, exposed (s or %), raw, share of wall, owner."""
+    wall = m.wall_s or 1.0
+    rows = [
+        {"level": "L1", "metric": "ETT %", "exposed": round(m.ett_pct, 2), "raw": round(m.ett_l1_pct, 2),
+         "pct_of_wall": None, "owner": "-"},
+        {"level": "L1", "metric": "wall s", "exposed": round(m.wall_s, 3), "raw": None, "pct_of_wall": 100.0,
+         "owner": "-"},
+        {"level": "L1", "metric": "TTS s", "exposed": round(m.tts_s, 3), "raw": None,
+         "pct_of_wall": round(100 * m.tts_s / wall, 1), "owner": "-"},
+        {"level": "L1", "metric": "NoF", "exposed": m.nof, "raw": None, "pct_of_wall": None, "owner": "-"},
+        {"level": "L1", "metric": "TTR s (total)", "exposed": round(m.ttr_total_s, 3),
+         "raw": round(m.ttr_mean_s, 3), "pct_of_wall": round(100 * m.ttr_total_s / wall, 1), "owner": "-"},
+    ]
+    for name in (*COMPONENTS, UNATTRIBUTED):
+        rows.append({"level": "L2", "metric": name, "exposed": round(m.components[name], 3),
+                     "raw": round(m.components_raw[name], 3),
+                     "pct_of_wall": round(100 * m.components[name] / wall, 1), "owner": owner_of(name) or "-"})
+    return rows
+
+
+def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    lines = [
+        f"### ETT timeline of run `{run_id}`",
+        "",
+        f"ETT **{m.ett_pct:.1f}%** of {m.wall_s:.1f} s wall; TTS {m.tts_s:.1f} s; NoF {m.nof}; "
+        f"TTR {m.ttr_total_s:.1f} s. One row per attempt; red X: failure, black bar: detection.",
+        "",
+        f"![ETT timeline of run {run_id}]({uri})",
+    ]
+    if extra:
+        lines += ["", extra]
+    return "\n".join(lines)
+
+
+def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, metrics: RunMetrics, png: bytes,
+                         snapshot: str | None, summary: str) -> dict[str, UUID]:
+    """Create the three artifacts on the flow run `flow_run_id`; returns their ids."""
+    from prefect.artifacts import LinkArtifact, MarkdownArtifact, TableArtifact
+
+    fr = UUID(str(flow_run_id))
+    made: dict[str, UUID] = {}
+    with warnings.catch_warnings():  # outside a run context (crash hook): we pass the id ourselves
+        warnings.simplefilter("ignore", FutureWarning)
+        made["table"] = TableArtifact(key=f"ett-{slug}", table=table_rows(metrics), flow_run_id=fr,
+                                      description=summary).create(_sync=True).id
+        made["timeline"] = MarkdownArtifact(key=f"ett-timeline-{slug}", flow_run_id=fr,
+                                            markdown=timeline_markdown(run_id, png, metrics),
+                                            description=f"ETT timeline of run {run_id}").create(_sync=True).id
+        if snapshot:
+            made["snapshot"] = LinkArtifact(key=f"snapshot-{slug}", flow_run_id=fr,
+                                            link=Path(snapshot).resolve().as_uri(), link_text=str(snapshot),
+                                            description=f"Inference snapshot of run {run_id}").create(_sync=True).id
+    return made

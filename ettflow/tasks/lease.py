@@ -1,0 +1,114 @@
+"""The trainer's devices for one run, from reservation to release.
+
+`TrainerLease` is what `reserve_trainer` returns: the Ray placement for the next attempt,
+already reserved (its wait is the run's scheduling phase). The driver asks it for each
+attempt's group (`group_for`): the first is the reserved one, later ones (restarts after a
+failure) are reserved by the driver itself. A group whose ranks all finished is not torn down
+when the driver says so: the devices stay held through the anchor checkpoint (and, in
+baseline mode, publishing) until `release()`, which tears the group down and records that
+held time as `shutdown`. A failed attempt's group is torn down at once, as the driver asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ettflow.trainer.driver import RankFailure, WorkerGroup
+
+from . import run_spool
+
+log = logging.getLogger("ettflow.tasks")
+
+
+class HeldGroup:
+    """A worker group whose successful teardown waits for the lease's release."""
+
+    def __init__(self, group: WorkerGroup, attempt: int, world_size: int, *, reserved: bool = False) -> None:
+        self.group, self.attempt, self.world_size = group, attempt, world_size
+        self.reserved = reserved
+        self.finished: set[int] = set()
+        self.held_since: float | None = None  # the driver's teardown, deferred
+        self.released = False
+
+    def reserve(self) -> None:
+        if not self.reserved:
+            self.group.reserve()
+            self.reserved = True
+
+    def launch(self) -> None:
+        self.group.launch()
+
+    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[RankFailure]]:
+        done, failed = self.group.poll(timeout_s)
+        self.finished.update(done)
+        return done, failed
+
+    def kill(self, rank: int) -> None:
+        self.group.kill(rank)
+
+    def teardown(self) -> None:
+        if len(self.finished) == self.world_size and not self.released:
+            self.held_since = time.time()  # trained: hold the devices until release()
+            return
+        self.release()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.group.teardown()
+
+
+class TrainerLease:
+    def __init__(self, *, run_id: str, spool_root: Path | str, world_size: int,
+                 make_group: Callable[[int], WorkerGroup], first_attempt: int) -> None:
+        self.run_id, self.spool_root, self.world_size = run_id, Path(spool_root), world_size
+        self.make_group = make_group
+        self.first_attempt = first_attempt
+        self.groups: list[HeldGroup] = []
+        self._reserved: HeldGroup | None = None
+
+    def reserve(self) -> None:
+        """Reserve the first attempt's group now (placement + rank processes up)."""
+        group = HeldGroup(self.make_group(self.first_attempt), self.first_attempt, self.world_size)
+        self.groups.append(group)
+        group.reserve()
+        self._reserved = group
+
+    @property
+    def has_reserved(self) -> bool:
+        """A group is reserved and no attempt has used it yet."""
+        return self._reserved is not None and not self._reserved.released
+
+    def group_for(self, attempt: int) -> HeldGroup:
+        """The driver's group factory."""
+        if self._reserved is not None and attempt == self._reserved.attempt and not self._reserved.released:
+            group, self._reserved = self._reserved, None
+            return group
+        group = HeldGroup(self.make_group(attempt), attempt, self.world_size)
+        self.groups.append(group)
+        return group
+
+    @property
+    def holding(self) -> HeldGroup | None:
+        """The group that trained to the end and still holds its devices."""
+        return next((g for g in reversed(self.groups) if g.held_since is not None and not g.released), None)
+
+    def release(self) -> float:
+        """Tear down every group still up; record the time held after training as shutdown.
+        Idempotent. Returns the seconds the devices were held after the driver was done."""
+        held = self.holding
+        for group in self.groups:
+            if not group.released:
+                try:
+                    group.release()
+                except Exception:  # noqa: BLE001 - release the rest; Ray reclaims a dead driver's actors
+                    log.exception("tearing down attempt %d failed", group.attempt)
+        if held is None or held.held_since is None:
+            return 0.0
+        now = time.time()
+        run_spool.record(self.spool_root, self.run_id, held.attempt, "shutdown", held.held_since, now,
+                         failed=False, stage="release_trainer")
+        return now - held.held_since

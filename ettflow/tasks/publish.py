@@ -1,0 +1,103 @@
+"""The publish task: anchor checkpoint -> validated inference snapshot (`ettflow.publish`).
+
+Thin: one call to `publish_snapshot`, retried by Prefect for failures that may pass on a retry
+(`is_retryable`); a retry publishes again from the same anchor and never retrains. Each try is
+recorded on the run's spool: `publish` when the trainer still holds its devices (baseline:
+counted in shutdown), `publish_standalone` on the CPU after the release (off the device
+clock), with `outcome` published or failed (then `failure_class="publish"` and the error).
+A snapshot this run already published from this anchor is kept (a flow retry).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ettflow.flows.params import RefreshPlan
+
+from . import run_spool
+from .archive import archive_on_task_state
+
+KEEP_RUN_FOLDERS = 3  # finished runs' checkpoint folders kept per model (the snapshot is the product)
+VALIDATION_BATCHES = 4
+
+
+class InjectedPublishFailure(RuntimeError):
+    """A scripted publish failure (`fail_at=["publish:times=N"]`), for demos and tests."""
+
+
+def _retryable(task, task_run, state) -> bool:
+    from ettflow.publish import is_retryable
+
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001
+        return is_retryable(exc)
+    return False
+
+
+def already_published(plan: RefreshPlan, anchor: str) -> str | None:
+    from ettflow.publish import PublishError, verify_snapshot
+
+    folder = plan.snapshot_root / plan.run_id
+    if not folder.is_dir():
+        return None
+    try:
+        manifest = verify_snapshot(folder)
+    except PublishError:
+        return None
+    same = Path(manifest.source.get("checkpoint", "")) == Path(anchor).resolve()
+    return manifest.path if same and manifest.validation.get("passed") else None
+
+
+def prune_finished_runs(plan: RefreshPlan, keep: int = KEEP_RUN_FOLDERS) -> list[Path]:
+    """Delete the checkpoint folders of older finished runs of the model (newest `keep` stay;
+    a run without an anchor may still be training and is never touched)."""
+    runs = [p for p in plan.runs_root.iterdir() if p.is_dir() and p.name != plan.run_id]
+    finished = sorted((p for p in runs if any(p.glob("checkpoints/*/anchor.json"))), key=lambda p: p.stat().st_mtime)
+    doomed = finished[: max(len(finished) - (keep - 1), 0)]
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed
+
+
+@task(name="publish-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
+      retry_condition_fn=_retryable, on_failure=[archive_on_task_state])
+def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> str:
+    """Publish the anchor as `<snapshot_root>/<run_id>/`; returns the snapshot folder."""
+    from ettflow.publish import PublishConfig, is_retryable, publish_snapshot
+
+    logger = get_run_logger()
+    done = already_published(plan, anchor)
+    if done is not None:
+        logger.info("run %s already published %s from this anchor", plan.run_id, done)
+        return done
+    phase = "publish" if on_devices else "publish_standalone"
+    attempt = run_spool.last_attempt(plan.spool_root, plan.run_id)
+    injected = sum(1 for e in run_spool.publish_records(run_spool.events(plan.spool_root, plan.run_id))
+                   if e.attrs.get("injected"))
+    start = time.time()
+    logger.info("publishing %s %s", anchor, "while the trainer holds its devices" if on_devices else "on the CPU")
+    try:
+        if injected < plan.publish_failures:
+            raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {plan.publish_failures}")
+        manifest = publish_snapshot(PublishConfig(
+            anchor=anchor, output_root=plan.snapshot_root, data_root=plan.trainer.data_root,
+            windows=plan.trainer.eval_windows, batch_size=min(plan.trainer.batch_size, 512),
+            validation_batches=VALIDATION_BATCHES, run_id=plan.run_id))
+    except BaseException as exc:
+        run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome="failed",
+                         failure_class="publish", error=f"{type(exc).__name__}: {exc}"[:500],
+                         retryable=bool(isinstance(exc, Exception) and is_retryable(exc)),
+                         injected=isinstance(exc, InjectedPublishFailure))
+        raise
+    run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome="published",
+                     snapshot=manifest.path, step=manifest.step, max_abs_diff=manifest.metrics.get("max_abs_diff"))
+    pruned = prune_finished_runs(plan)
+    logger.info("published %s (step %d) in %.1f s%s", manifest.path, manifest.step, time.time() - start,
+                f"; removed {len(pruned)} old run folder(s)" if pruned else "")
+    return manifest.path

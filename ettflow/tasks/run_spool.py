@@ -1,0 +1,101 @@
+"""What the tasks read from and add to a run's spool, beside what the driver and ranks write.
+
+The tasks write on the driver's files (rank -1): the queueing before the first attempt
+(`scheduling`), the release of devices held after training (`shutdown`), failures that the
+driver never saw (a task that raised outside its loop, before a task retry), and publishing
+(`publish` while the devices are held, `publish_standalone` on the CPU after). Publish
+failures are kept as attributes of those spans (`outcome="failed"`, `failure_class="publish"`)
+and never as `failure` markers: NoF and TTR are about training (see the flows README notes).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ettflow.ett.events import FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
+from ettflow.ett.spool import SpoolWriter, read_spool
+
+_ATTEMPT = re.compile(r"attempt-(\d+)\.")
+PUBLISH_PHASES = ("publish", "publish_standalone")
+
+
+def attempts(root: Path | str, run_id: str) -> list[int]:
+    folder = Path(root) / run_id
+    if not folder.is_dir():
+        return []
+    found = {int(m.group(1)) for p in folder.glob("attempt-*.jsonl") if (m := _ATTEMPT.match(p.name))}
+    return sorted(found)
+
+
+def next_attempt(root: Path | str, run_id: str) -> int:
+    done = attempts(root, run_id)
+    return done[-1] + 1 if done else 0
+
+
+def last_attempt(root: Path | str, run_id: str) -> int:
+    done = attempts(root, run_id)
+    return done[-1] if done else 0
+
+
+def events(root: Path | str, run_id: str) -> list[PhaseEvent]:
+    folder = Path(root) / run_id
+    return read_spool(root, run_id).events if folder.is_dir() else []
+
+
+def on_clock_end(evs: list[PhaseEvent]) -> float | None:
+    ends = [e.end for e in evs if e.phase not in OFF_CLOCK]
+    return max(ends) if ends else None
+
+
+def record(root: Path | str, run_id: str, attempt: int, phase: str, start: float, end: float,
+           **attrs: Any) -> PhaseEvent:
+    with SpoolWriter(root, run_id, attempt, -1) as rec:
+        return rec.record(phase, start, end, **attrs)
+
+
+def classify_exception(exc: BaseException) -> str:
+    """A task's own exception: Ray and placement problems are infrastructure, the rest user."""
+    name = type(exc).__name__
+    module = type(exc).__module__ or ""
+    infra = module.startswith(("ray", "grpc")) or name in ("GetTimeoutError", "TimeoutError", "ConnectionError")
+    return "infrastructure" if infra or "could not reserve" in str(exc) else "user"
+
+
+def record_task_failure(root: Path | str, run_id: str, attempt: int, exc: BaseException, *,
+                        task: str, at: float) -> bool:
+    """Mark `attempt` failed unless the driver already did; True when a marker was added."""
+    evs = [e for e in events(root, run_id) if e.attempt == attempt]
+    if any(e.phase in (FAILURE, FAILURE_DETECTED) for e in evs):
+        return False
+    with SpoolWriter(root, run_id, attempt, -1) as rec:
+        rec.mark(FAILURE_DETECTED, at, failure_class=classify_exception(exc), task=task, task_retry=True,
+                 reason=f"{task} raised {type(exc).__name__}: {exc}"[:500])
+    return True
+
+
+def training_attempts(evs: list[PhaseEvent]) -> list[int]:
+    return sorted({e.attempt for e in evs if e.phase == "train_step"})
+
+
+def submitted(evs: list[PhaseEvent]) -> bool:
+    return any(e.phase == "submitted" for e in evs)
+
+
+def publish_records(evs: list[PhaseEvent]) -> list[PhaseEvent]:
+    return sorted((e for e in evs if e.phase in PUBLISH_PHASES), key=lambda e: e.start)
+
+
+def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
+    """Tries, failures and the published snapshot, as warehouse tags."""
+    tries = publish_records(evs)
+    failed = [e for e in tries if e.attrs.get("outcome") == "failed"]
+    ok = [e for e in tries if e.attrs.get("outcome") == "published"]
+    out: dict[str, Any] = {"publish_tries": len(tries), "publish_failures": len(failed)}
+    if failed:
+        out["publish_errors"] = [str(e.attrs.get("error", ""))[:200] for e in failed]
+    if ok:
+        out["snapshot"] = ok[-1].attrs.get("snapshot")
+        out["publish_phase"] = ok[-1].phase
+    return out

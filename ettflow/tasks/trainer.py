@@ -1,0 +1,167 @@
+"""The trainer's tasks, in flow order: reserve -> train -> anchor checkpoint -> release.
+
+Idempotent on the anchor: a run whose checkpoint folder already holds an anchor written by
+this run (a flow retry after training finished) reserves nothing and trains nothing; `train`
+returns that anchor. Attempt numbers continue where the run's spool stops, so a task retry
+or a flow retry never appends to an earlier attempt's files.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ettflow.flows.params import RefreshPlan
+from ettflow.trainer.driver import TrainingDriver, TrainingFailed
+from ettflow.trainer.plugins import latest_checkpoint, read_anchor
+
+from . import run_spool
+from .archive import archive_on_task_state
+from .lease import TrainerLease
+from .progress import ProgressReporter
+
+
+@dataclass(frozen=True)
+class Trained:
+    run_id: str
+    anchor: str
+    attempts: int  # attempts this task ran (0: the anchor was already there)
+    reused: bool  # training had finished before (flow retry): nothing was trained now
+    failures: list[dict] = field(default_factory=list)
+    rank0: dict[str, Any] = field(default_factory=dict)
+
+
+def finished_anchor(plan: RefreshPlan) -> Path | None:
+    """The anchor checkpoint this run already wrote, if training finished."""
+    latest = latest_checkpoint(plan.trainer)
+    if latest is None:
+        return None
+    info = read_anchor(latest.path)
+    return Path(latest.path) if info and info.get("run_id") == plan.run_id else None
+
+
+def record_queueing(plan: RefreshPlan, attempt: int, until: float, **attrs: Any) -> None:
+    """The wait before an attempt that no driver measured: from submission (attempt 0) or
+    from the end of the run's last recorded activity (a retry) to `until`."""
+    evs = run_spool.events(plan.spool_root, plan.run_id)
+    start = run_spool.on_clock_end(evs) if evs else (plan.submitted_at or until)
+    start = min(start or until, until)
+    run_spool.record(plan.spool_root, plan.run_id, attempt, "scheduling", start, until, **attrs)
+
+
+def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
+    from ettflow.trainer.ray_group import RayWorkerGroup
+
+    def make_group(attempt: int) -> RayWorkerGroup:
+        return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root)
+
+    return TrainerLease(run_id=plan.run_id, spool_root=plan.spool_root, world_size=plan.trainer.world_size,
+                        make_group=make_group, first_attempt=first_attempt)
+
+
+@task(name="reserve-trainer", cache_policy=NO_CACHE)
+def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
+    """Start (or join) Ray and reserve the placement for the next attempt; the wait from
+    submission to a ready group is recorded as scheduling."""
+    logger = get_run_logger()
+    anchor = finished_anchor(plan)
+    if anchor is not None:
+        logger.info("run %s already trained (anchor %s): nothing to reserve", plan.run_id, anchor)
+        return None
+    from ettflow.trainer.ray_group import ensure_ray
+
+    attempt = run_spool.next_attempt(plan.spool_root, plan.run_id)
+    lease = new_lease(plan, attempt)
+    t0 = time.time()
+    logger.info("reserving %d trainer slots on Ray for attempt %d", plan.trainer.world_size, attempt)
+    try:
+        ensure_ray()
+        lease.reserve()
+    except BaseException as exc:
+        record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False)
+        run_spool.record_task_failure(plan.spool_root, plan.run_id, attempt, exc, task="reserve-trainer",
+                                      at=time.time())
+        lease.release()
+        raise
+    ready = time.time()
+    record_queueing(plan, attempt, ready, stage="reserve_trainer", reserved=True, placement_s=ready - t0)
+    logger.info("trainer reserved in %.1f s", ready - t0)
+    return lease
+
+
+def _retry_training(task, task_run, state) -> bool:
+    """Retry the train task unless the data is bad (the driver stopped without retrying)."""
+    try:
+        state.result()
+    except TrainingFailed as exc:
+        return " stopped: " not in str(exc)
+    except Exception:  # noqa: BLE001 - any other error of the attempt: try again
+        return True
+    return False
+
+
+@task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2, retry_condition_fn=_retry_training,
+      on_failure=[archive_on_task_state])
+def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
+    """Run the training driver (restarts within its failure budget); a task retry goes on
+    with the next attempt. Returns with the devices still held (see `release_trainer`)."""
+    logger = get_run_logger()
+    anchor = finished_anchor(plan)
+    if anchor is not None:
+        logger.info("run %s already has its anchor checkpoint %s: not training again", plan.run_id, anchor)
+        return Trained(plan.run_id, str(anchor), attempts=0, reused=True)
+    if lease is not None and lease.has_reserved:
+        first = lease.first_attempt
+    else:  # a task retry (or nothing reserved): the driver reserves; the wait so far is queueing
+        first = run_spool.next_attempt(plan.spool_root, plan.run_id)
+        record_queueing(plan, first, time.time(), stage="train_retry")
+        lease = lease or new_lease(plan, first)
+    evs = run_spool.events(plan.spool_root, plan.run_id)
+    submitted_at = plan.submitted_at if first == 0 and not run_spool.submitted(evs) else None
+    driver = TrainingDriver(plan.trainer, plan.run_id, plan.spool_root, group_factory=lease.group_for)
+    try:
+        with ProgressReporter(plan, logger):
+            result = driver.run(first_attempt=first, submitted_at=submitted_at)
+    except TrainingFailed:
+        lease.release()
+        raise  # every failure is in the spool already, with its class
+    except BaseException as exc:
+        last = run_spool.last_attempt(plan.spool_root, plan.run_id)
+        run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
+        lease.release()
+        raise
+    rank0 = {k: result.rank0.get(k) for k in ("final_step", "loss", "eval", "steps_per_s", "examples_per_s")}
+    logger.info("trained to step %s in %d attempt(s); anchor %s", rank0["final_step"], result.attempts,
+                result.rank0.get("anchor"))
+    return Trained(plan.run_id, str(result.rank0.get("anchor")), attempts=result.attempts, reused=False,
+                   failures=result.failures, rank0=rank0)
+
+
+@task(name="anchor-checkpoint", cache_policy=NO_CACHE)
+def anchor_checkpoint(plan: RefreshPlan, trained: Trained) -> str:
+    """The run's anchor checkpoint, checked: committed, and written by this run."""
+    path = Path(trained.anchor) if trained.anchor not in ("", "None") else None
+    if path is None or not path.is_dir():
+        path = finished_anchor(plan)
+    info = read_anchor(path) if path is not None else None
+    if path is None or info is None or info.get("run_id") != plan.run_id:
+        raise RuntimeError(f"run {plan.run_id} has no anchor checkpoint of its own under "
+                           f"{plan.trainer.checkpoint_dir} (found {info!r} at {path})")
+    get_run_logger().info("anchor checkpoint %s (step %s)", path, info.get("step"))
+    return str(path)
+
+
+@task(name="release-trainer", cache_policy=NO_CACHE)
+def release_trainer(plan: RefreshPlan, lease: TrainerLease | None) -> float:
+    """Tear the trainer down and free its devices; the time they were held after training
+    is recorded as shutdown. Idempotent; nothing to do when nothing was reserved."""
+    if lease is None:
+        return 0.0
+    held = lease.release()
+    get_run_logger().info("trainer released (devices held %.2f s after training)", held)
+    return held

@@ -1,0 +1,104 @@
+"""The deployments against a real Prefect server: `prefect server start`, a process work
+pool, `prefect deploy --all` from prefect.yaml, a deployment run picked up by a process
+worker, and the run's ETT row in the warehouse. Slow (a server, a worker and a flow run in
+subprocesses), and it runs in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ettflow.ett.warehouse import Warehouse
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+POOL = "ettflow-process"
+TINY = {"embedding_dim": 8, "dense_arch": [16, 8], "over_arch": [16, 1]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefect(env: dict, *args: str, timeout: float = 300) -> str:
+    out = subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false", PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
+               PREFECT_CLI_PROMPT="false", PREFECT_WORKER_QUERY_SECONDS="2")
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    while True:
+        try:
+            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(1)
+    yield env, api
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+def test_deploy_run_and_archive_through_a_worker(server, tmp_path, flow_data, flow_work_root, ray_session):
+    import ray
+
+    env, api = server
+    prefect(env, "work-pool", "create", POOL, "--type", "process")
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
+    out = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(tmp_path / "prefect.yaml"))
+    assert "refresh-model/refresh-scheduled" in out and "refresh-model/refresh-adhoc" in out
+    warehouse = f"sqlite:///{tmp_path / 'warehouse.db'}"
+    params = {"data_root": str(flow_data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
+              "batch_size": 32, "max_steps": 20, "checkpoint_every_steps": 10, "eval_batches": 2,
+              "work_root": str(flow_work_root), "snapshot_root": str(tmp_path / "snapshots"),
+              "spool_root": str(tmp_path / "spool"), "warehouse_url": warehouse}
+    out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params", json.dumps(params))
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    # the worker's flow run joins this session's Ray (a second local cluster would also work)
+    worker_env = {**env, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "ETTFLOW_HOME": str(tmp_path / "home")}
+    prefect(worker_env, "worker", "start", "--pool", POOL, "--type", "process", "--run-once", "--limit", "1",
+            timeout=600)
+    flow_run = httpx.get(f"{api}/flow_runs/{flow_run_id}").json()
+    assert flow_run["state_type"] == "COMPLETED", flow_run["state"]
+    with Warehouse.open(warehouse) as wh:
+        runs = wh.runs_frame(run_id=flow_run_id)
+    assert len(runs) == 1
+    row = runs.iloc[0]
+    assert row["flow_run_id"] == flow_run_id and row["status"] == "completed" and row["effective_steps"] == 40
+    assert row["tags"]["snapshot"] and Path(row["tags"]["snapshot"]).is_dir()
+    found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    assert {"ett-refresh-adhoc", "ett-timeline-refresh-adhoc", "snapshot-refresh-adhoc"} <= {a["key"] for a in found}

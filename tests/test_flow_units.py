@@ -1,0 +1,189 @@
+"""The refresh flow's parts without Prefect or Ray: parameters, the lease, the spool notes,
+idempotent archiving (SQLite and PostgreSQL), the timeline picture, the CLI's parameters."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from ettflow.ett.sample import write_sample_run
+from ettflow.ett.spool import SpoolWriter, read_spool
+from ettflow.ett.warehouse import Warehouse
+from ettflow.flows.params import ParameterError, parse_failures, plan_refresh, resolve_switches, slug
+from ettflow.tasks import archive, run_spool
+from ettflow.tasks.lease import TrainerLease
+from ettflow.tasks.timeline_plot import render_timeline
+
+
+def params(data, tmp_path, **over):
+    base = dict(data_root=str(data), work_root=str(tmp_path / "work"), spool_root=str(tmp_path / "spool"),
+                snapshot_root=str(tmp_path / "snap"), max_embeddings=100, world_size=2, batch_size=32)
+    base.update(over)
+    return base
+
+
+def test_plan_builds_the_trainer_config(flow_data, tmp_path):
+    plan = plan_refresh(params(flow_data, tmp_path, fail_at=["kill:rank=1:step=30", "publish:times=2"]),
+                        run_id="r1", submitted_at=5.0, artifact_slug="Refresh Adhoc")
+    t = plan.trainer
+    assert t.work_dir == str(tmp_path / "work" / "dlrm" / "runs" / "r1")
+    assert t.compile_cache_dir == tmp_path / "work" / "dlrm" / "compile-cache"
+    assert {f.num_embeddings for f in t.schema.sparse} == {100}
+    assert len(t.failures) == 1 and t.failures[0].step == 30 and plan.publish_failures == 2
+    assert plan.artifact_slug == "refresh-adhoc" and not plan.publish_in_trainer and plan.mode == "optimized"
+
+
+def test_modes_and_single_switches():
+    sw, in_trainer = resolve_switches("baseline", None)
+    assert in_trainer and not sw.parallel_init and not sw.async_checkpoint
+    sw, in_trainer = resolve_switches("optimized", {"publish_in_trainer": True, "fast_batch": False})
+    assert in_trainer and not sw.fast_batch and sw.parallel_init
+
+
+@pytest.mark.parametrize(
+    ("over", "name", "text"),
+    [
+        ({"world_size": 0}, "world_size", ">= 1"),
+        ({"mode": "fast"}, "mode", "baseline, optimized"),
+        ({"switches": {"warp": True}}, "switches", "unknown switch 'warp'"),
+        ({"switches": {"compile": "yes"}}, "switches", "true or false"),
+        ({"fail_at": ["explode:step=3"]}, "fail_at", "explode"),
+        ({"fail_at": ["kill:rank=2:step=3"]}, "fail_at", "world_size is 2"),
+        ({"fail_at": ["publish:when=3"]}, "fail_at", "when"),
+        ({"windows": ["window=1999010100"]}, "windows", "not in the data"),
+        ({"architecture": {"embedding_dim": 8}}, "architecture", "dense_arch"),
+        ({"batch_size": True}, "batch_size", "int"),
+        ({"model": "My Model"}, "model", "lowercase"),
+        ({"device": "tpu"}, "device", "auto, cpu or cuda"),
+    ],
+)
+def test_a_bad_parameter_is_named(flow_data, tmp_path, over, name, text):
+    with pytest.raises(ParameterError, match=rf"parameter '{name}' .*{text}") as info:
+        plan_refresh(params(flow_data, tmp_path, **over), run_id="r1")
+    assert info.value.parameter == name
+
+
+def test_missing_data_root_is_named(tmp_path):
+    with pytest.raises(ParameterError, match="parameter 'data_root'"):
+        plan_refresh(params(tmp_path / "nowhere", tmp_path), run_id="r1")
+
+
+def test_failure_specs():
+    faults, publish = parse_failures(["hang:step=5", "publish", "publish:times=2"])
+    assert faults[0].kind == "hang" and publish == 3
+    assert slug("Refresh_Model v2") == "refresh-model-v2"
+
+
+class FakeGroup:
+    def __init__(self, log, attempt):
+        self.log, self.attempt = log, attempt
+
+    def reserve(self):
+        self.log.append(("reserve", self.attempt))
+
+    def launch(self):
+        pass
+
+    def poll(self, timeout_s):
+        return {0: {}, 1: {}}, []
+
+    def kill(self, rank):
+        pass
+
+    def teardown(self):
+        self.log.append(("teardown", self.attempt))
+
+
+def test_lease_holds_a_trained_group_until_release(tmp_path):
+    log = []
+    lease = TrainerLease(run_id="r1", spool_root=tmp_path, world_size=2,
+                         make_group=lambda a: FakeGroup(log, a), first_attempt=3)
+    lease.reserve()
+    assert lease.has_reserved and log == [("reserve", 3)]
+    failed = lease.group_for(3)  # the reserved group: reserving again is a no-op
+    failed.reserve()
+    failed.teardown()  # a failed attempt (no rank finished) is torn down at once
+    assert log == [("reserve", 3), ("teardown", 3)] and not lease.has_reserved
+    done = lease.group_for(4)
+    done.reserve()
+    done.poll(0)
+    done.teardown()  # trained: the devices stay held
+    assert log[-1] == ("reserve", 4) and lease.holding is done
+    held = lease.release()
+    assert log[-1] == ("teardown", 4) and held >= 0 and lease.release() == 0.0
+    (shutdown,) = read_spool(tmp_path, "r1").events
+    assert (shutdown.phase, shutdown.attempt, shutdown.rank) == ("shutdown", 4, -1)
+
+
+def test_task_failures_are_marked_once(tmp_path):
+    assert run_spool.next_attempt(tmp_path, "r1") == 0
+    with SpoolWriter(tmp_path, "r1", 0, -1) as rec:
+        rec.mark("failure_detected", 10.0, failure_class="infrastructure", reason="rank 1 died")
+    assert not run_spool.record_task_failure(tmp_path, "r1", 0, RuntimeError("x"), task="train", at=11.0)
+    assert run_spool.record_task_failure(tmp_path, "r1", 1, ValueError("bad"), task="train", at=12.0)
+    marks = [e for e in read_spool(tmp_path, "r1").events if e.attempt == 1]
+    assert marks[0].attrs["failure_class"] == "user" and marks[0].attrs["task_retry"]
+    assert run_spool.next_attempt(tmp_path, "r1") == 2
+
+
+def test_concurrent_hooks_archive_one_copy(warehouse_url, tmp_path):
+    spool = tmp_path / "spool"
+    write_sample_run(spool, "run-a", seed=1)
+    with SpoolWriter(spool, "run-a", 1, -1) as rec:  # a failed publish try, off the clock
+        rec.record("publish_standalone", 1_700_099_000.0, 1_700_099_001.0, outcome="failed",
+                   failure_class="publish", error="OSError: disk full")
+    p = {"spool_root": str(spool), "warehouse_url": warehouse_url, "model": "m", "mode": "baseline"}
+    errors = []
+
+    def hook(status):
+        try:
+            archive.archive_run("run-a", p, status=status, flow_run_id="run-a")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hook, args=(s,)) for s in ("train failed", "completed")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hook("completed")  # and once more, as a flow retry would
+    assert errors == []
+    with Warehouse.open(warehouse_url) as wh:
+        runs = wh.runs_frame(run_id="run-a")
+        events = wh.table_frame("events", "run-a")
+    n_spool = len(read_spool(spool, "run-a").events)
+    assert len(runs) == 1 and len(events) == n_spool and runs.iloc[0]["status"] == "completed"
+    assert runs.iloc[0]["nof"] == 1 and runs.iloc[0]["tags"]["publish_failures"] == 1
+
+
+def test_hooks_skip_a_run_without_spool(tmp_path):
+    flow_run = SimpleNamespace(id="0f0f", parameters={"spool_root": str(tmp_path)}, deployment_id=None,
+                               run_count=1)
+    archive.archive_on_flow_state(SimpleNamespace(name="refresh-model"), flow_run,
+                                  SimpleNamespace(type=SimpleNamespace(value="FAILED")))
+
+
+def test_timeline_picture(tmp_path):
+    from ettflow.ett.run_metrics import compute_run_metrics
+
+    write_sample_run(tmp_path, "run-b", seed=2)
+    events = read_spool(tmp_path, "run-b").events
+    png = render_timeline(events, compute_run_metrics(events))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_cli_parameters():
+    import argparse
+
+    from ettflow.flows import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["refresh", "--mode", "baseline", "--switch", "fast_batch=true",
+                              "--param", "max_embeddings=500", "--world-size", "2"])
+    p = cli.parameters(args)
+    assert p["mode"] == "baseline" and p["switches"] == {"fast_batch": True}
+    assert p["max_embeddings"] == 500 and p["fail_at"] == [cli.DEMO_FAILURE] and p["world_size"] == 2
+    assert cli.parameters(parser.parse_args(["refresh", "--no-failure"]))["fail_at"] == []
