@@ -31,6 +31,8 @@ fi
 echo "setup: creating $VENV ($FLAVOUR host)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip install --quiet --disable-pip-version-check"
+# this machine's pip config names local indexes that may be absent: drop those warnings only
+exec 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 # torch first and pinned, so nothing later pulls a multi-GB CUDA build on a CPU host.
 $PIP $TORCH_PKGS
 if [ "$FLAVOUR" = cpu ]; then
