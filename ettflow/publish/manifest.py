@@ -14,7 +14,6 @@ next attempt.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
 import json
 import os
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ettflow.publish.config import PublishError
+from ettflow.trainer.checkpoint.layout import fsync_dir
+from ettflow.trainer.checkpoint.verify import sha256_file
 
 FORMAT = "ettflow-snapshot/1"
 MANIFEST_FILE = "manifest.json"
@@ -61,26 +62,10 @@ class SnapshotManifest:
         return cls(**d)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def checksums(folder: Path) -> dict[str, dict[str, Any]]:
     """size and sha256 of every file of a snapshot folder but the manifest."""
     return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST_FILE}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def staging_dir(output_root: Path, run_id: str) -> Path:
@@ -111,14 +96,14 @@ def _exchange(a: Path, b: Path) -> bool:
 def install(tmp: Path, manifest: SnapshotManifest, final: Path) -> SnapshotManifest:
     """Checksum the files in `tmp`, write the manifest, fsync, and put `tmp` at `final`."""
     for p in tmp.iterdir():
-        _fsync(p)
+        fsync_dir(p)
     manifest = SnapshotManifest(**{**manifest.to_dict(), "files": checksums(tmp), "path": str(final)})
     text = json.dumps(manifest.to_dict(), indent=1, sort_keys=True, allow_nan=False)
     with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    _fsync(tmp)
+    fsync_dir(tmp)
     if final.exists() and _exchange(tmp, final):
         shutil.rmtree(tmp)  # now holds the previous snapshot
     else:
@@ -129,7 +114,7 @@ def install(tmp: Path, manifest: SnapshotManifest, final: Path) -> SnapshotManif
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync_dir(final.parent)
     return manifest
 
 

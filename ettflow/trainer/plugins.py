@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from ettflow.ett.spool import SpoolWriter
 from .checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult, TrainState
 from .checkpoint import init_lazy_optimizer_state as init_optimizer_state
 from .checkpoint.catalog import scan
+from .checkpoint.layout import atomic_write_text
 from .compile.cache import CompileCache
 from .compile.compiled import compile_module
 from .compile.config import CompileCacheConfig
@@ -57,12 +57,7 @@ ANCHOR_FILE = "anchor.json"
 
 def write_anchor(checkpoint: Path, info: dict[str, Any]) -> None:
     """Mark a committed checkpoint as a run's anchor (atomic: temp file, fsync, rename)."""
-    tmp = checkpoint / f".{ANCHOR_FILE}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(info, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, checkpoint / ANCHOR_FILE)
+    atomic_write_text(checkpoint / ANCHOR_FILE, json.dumps(info, indent=1, sort_keys=True))
 
 
 def read_anchor(checkpoint: Path | str) -> dict[str, Any] | None:
