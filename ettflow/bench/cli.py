@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     plots.ett_vs_length(tables["job_length"], out / "ett_vs_length.png")
     plots.wasted_vs_interval(curve, choice, out / "wasted_vs_interval.png")
     md = [f"# ettflow bench ({'quick' if args.quick else 'full'})", "",
-          f"Command: `ettflow {' '.join(sys.argv[1:])}`; "
+          f"Command: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
           f"machine: {platform.machine()}, {platform.processor() or ''} {__import__('os').cpu_count()} cores, "
           f"Python {sys.version.split()[0]}; took {time.time() - started:.0f} s.", ""]
     for name, frame in tables.items():
