@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,13 +95,33 @@ def _unreachable(url: URL, exc: Exception) -> WarehouseError:
     )
 
 
+def _enable_wal(cur) -> None:
+    """Switch a database file to WAL once (the mode persists). Switching needs the file to
+    itself and SQLite does not wait on the busy handler for it, so a first open that races
+    another connection's transaction retries until the busy timeout instead of failing."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.01
+    while True:
+        mode = cur.execute("PRAGMA journal_mode").fetchone()[0]
+        if str(mode).lower() in ("wal", "memory"):
+            return
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
 def _sqlite_events(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record) -> None:
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        cur.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(cur)
         cur.execute("PRAGMA foreign_keys = ON")
         cur.close()
 
