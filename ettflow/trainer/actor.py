@@ -27,7 +27,7 @@ class TrainerActor:
         # before anything imports inductor: compile dirs, job id and thread count
         from .plugins import prepare_compile_env
 
-        prepare_compile_env(config, rank)
+        prepare_compile_env(config)
 
     def ready(self) -> dict:
         import ray

@@ -108,7 +108,7 @@ class TrainLoop:
                          rate, rate * batch.batch_size * self.config.world_size)
             due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
             if due_save and step < end:
-                self.blocking.append(self.plugins.save(self.state, step, last_cursor))
+                self.blocking.append(self.plugins.save(step, last_cursor))
                 if step == probe_at:
                     self._choose_interval(end, step_times)
         elapsed = max(time.time() - t_train, 1e-9)
@@ -120,7 +120,7 @@ class TrainLoop:
             "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
         }
         with self.rec.span("anchor_checkpoint", step=step) as attrs:
-            anchor = self.plugins.save_anchor(self.state, step, last_cursor, self.rec.run_id)
+            anchor = self.plugins.save_anchor(step, last_cursor, self.rec.run_id)
             attrs["path"] = result["anchor"] = str(anchor) if anchor else None
         if self.state.get("eval_data") is not None and self.config.eval_batches > 0:
             with self.rec.span("evaluation") as attrs:

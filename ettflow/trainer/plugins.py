@@ -32,7 +32,7 @@ log = logging.getLogger("ettflow.trainer")
 _CACHE: CompileCache | None = None  # one per process: inductor's folders are process-wide
 
 
-def prepare_compile_env(config: TrainerConfig, rank: int) -> CompileCache:
+def prepare_compile_env(config: TrainerConfig) -> CompileCache:
     """Point inductor at a fresh per-process folder, key the archive, pin threads. Must run
     before anything compiles; every rank uses the same thread count (it is in the key)."""
     global _CACHE
@@ -76,7 +76,7 @@ class TrainerPlugins:
     def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None) -> None:
         self.config, self.rank, self.rec = config, rank, rec
         self.resume = resume
-        self.cache = prepare_compile_env(config, rank)
+        self.cache = prepare_compile_env(config)
         self.cache_hit = False
         self.manager: CheckpointManager | None = None
         self.train_state: TrainState | None = None
@@ -109,7 +109,7 @@ class TrainerPlugins:
         )
         init_optimizer_state(state["dense_opt"])
 
-    def restore(self, state: dict[str, Any]) -> dict[str, Any]:
+    def restore(self) -> dict[str, Any]:
         assert self.manager is not None and self.train_state is not None and self.resume is not None
         restored = self.manager.load(self.train_state, self.resume)
         log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
@@ -122,7 +122,7 @@ class TrainerPlugins:
                             step=result.step, committed=result.committed, bytes=result.nbytes,
                             path=str(result.path) if result.path else None, error=result.error)
 
-    def save(self, state: dict[str, Any], step: int, cursor: Cursor) -> float:
+    def save(self, step: int, cursor: Cursor) -> float:
         """A periodic checkpoint; returns the seconds the training loop was blocked."""
         result = self._save(step, cursor)
         self.rec.record("checkpoint_save_blocking", result.blocking_start, result.blocking_end,
@@ -134,7 +134,7 @@ class TrainerPlugins:
         self.train_state.step, self.train_state.cursor = step, cursor.to_dict()
         return self.manager.save(step, self.train_state)
 
-    def save_anchor(self, state: dict[str, Any], step: int, cursor: Cursor | None, run_id: str) -> Path | None:
+    def save_anchor(self, step: int, cursor: Cursor | None, run_id: str) -> Path | None:
         """The final checkpoint, durable before this returns, marked with `anchor.json`: a
         restart or a flow retry finds it, and publishing reads it."""
         assert self.manager is not None

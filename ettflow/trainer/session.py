@@ -123,7 +123,7 @@ class TrainerSession:
                         self.state["device"], self.state["pg"])
 
     def checkpoint_restore(self) -> dict[str, Any]:
-        return self.state["plugins"].restore(self.state)
+        return self.state["plugins"].restore()
 
     def get_first_batch_data(self):
         start = self.state["plugins"].resume_cursor
