@@ -24,12 +24,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.remote_device import _remote_device
 
+from ettflow.trainer import _torch_compat as compat
 from ettflow.trainer.checkpoint.config import CheckpointError
 
+Shard, ShardedTensor = compat.sharded_tensor_types()  # from torch's private _shard package
 Path_ = tuple[Any, ...]
 
 
@@ -46,25 +46,19 @@ def _strip(obj: Any, path: Path_, found: dict[Path_, ShardedTensor]) -> Any:
     return obj
 
 
-def _on_cpu(placement: _remote_device) -> _remote_device:
-    return _remote_device(f"rank:{placement.rank()}/cpu")
-
-
 def _rebuild(original: ShardedTensor, staged: list[torch.Tensor]) -> ShardedTensor:
     metadata = copy.deepcopy(original.metadata())
     for shard_md in metadata.shards_metadata:
-        shard_md.placement = _on_cpu(shard_md.placement)
+        shard_md.placement = compat.cpu_placement(shard_md.placement)
     if staged:
         metadata.tensor_properties.pin_memory = staged[0].is_pinned()
         metadata.tensor_properties.requires_grad = staged[0].requires_grad
     shards = []
     for shard, tensor in zip(original.local_shards(), staged, strict=True):
         shard_md = copy.deepcopy(shard.metadata)
-        shard_md.placement = _on_cpu(shard_md.placement)
+        shard_md.placement = compat.cpu_placement(shard_md.placement)
         shards.append(Shard(tensor, shard_md))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, metadata, process_group=original._process_group
-    )
+    return compat.sharded_tensor_like(original, shards, metadata)
 
 
 class ShardedTensorStager(DefaultStager):

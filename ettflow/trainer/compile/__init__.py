@@ -3,7 +3,7 @@
 See `cache.py` for the flow and `env.py` for what a warm restart needs on disk.
 """
 
-from .cache import CompileCache, RestoreResult, SaveResult
+from .cache import CompileCache, RestoreMiss, RestoreResult, SaveResult
 from .compiled import compile_module
 from .config import CompileCacheConfig, cache_key, key_parts
 from .env import CompileEnvError
@@ -15,6 +15,7 @@ __all__ = [
     "CompileEnvError",
     "CompileStats",
     "RecompileCounter",
+    "RestoreMiss",
     "RestoreResult",
     "SaveResult",
     "cache_key",

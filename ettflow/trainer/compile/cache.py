@@ -9,6 +9,11 @@
 
 A failed restore or save never stops training: it is reported and the run compiles cold.
 
+Trust: inductor unpickles its cache entries, so an archive is restored only when the archive
+root, the archive, its manifest and the working folder are owned by this user and not
+writable by others (`trust.py`), and the archive matches its manifest's SHA-256 (`archive.verify`);
+otherwise the restore is a miss (`RestoreMiss.UNTRUSTED` / `UNVERIFIED`), logged with the fix.
+
 What a warm CPU restart needs (measured by leaving each out): the FX-graph and AOTAutograd
 cache entries, the kernel libraries (`<xx>/<hash>.so`: without them all are rebuilt) and the
 precompiled header (`precompiled_headers/<hash>.h.gch`: rebuilt in ~10 s). Sources (.cpp,
@@ -26,17 +31,28 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import archive, env
+from . import archive, env, trust
 from .config import CompileCacheConfig, cache_key, key_parts
 from .stats import CompileStats, compile_stats, process_recompile_counter, read_counters
 
 log = logging.getLogger(__name__)
 BUILT_SUFFIXES = (".so", ".gch", ".pch", ".cubin", ".hsaco")
+
+
+class RestoreMiss(Enum):
+    """Why a restore did not load an archive."""
+
+    DISABLED = "disabled"
+    NO_ARCHIVE = "no_archive"
+    UNTRUSTED = "untrusted"  # a folder or file not owned by this user, or writable by others
+    UNVERIFIED = "unverified"  # no manifest, or the archive does not match it
+    UNREADABLE = "unreadable"  # verified, but unpacking failed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +63,8 @@ class RestoreResult:
     path: Path | None = None
     files: int = 0
     mega_cache: bool = False  # torch.compiler.load_cache_artifacts ran on stored artifacts
-    reason: str = ""  # why not a hit (no archive, disabled, the error of a corrupt one)
+    miss: RestoreMiss | None = None  # None on a hit
+    reason: str = ""  # why not a hit, for people (no archive, disabled, the error of a corrupt one)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +103,7 @@ class CompileCache:
         if self.work_dir is None:
             self.work_dir = env.make_work_dir()
             atexit.register(self.cleanup)  # a SIGKILLed rank's folder goes at the next start
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        trust.make_private_dir(self.work_dir)
         self.env = env.redirect_compile_dirs(self.work_dir)
         env.set_job_id(f"ettflow-{self.key}")
         env.pin_threads(self.config.threads)
@@ -97,25 +114,41 @@ class CompileCache:
         return dict(self.env)
 
     def restore(self) -> RestoreResult:
+        """Unpack this key's archive into the working folder if it can be trusted (see the module
+        docstring); a miss (with its `RestoreMiss` and reason) otherwise, never an exception."""
         t0 = time.perf_counter()
         work = self._require_env()
+        root = self.config.root
+
+        def miss(kind: RestoreMiss, reason: str, path: Path | None = None, size: int = 0) -> RestoreResult:
+            if kind in (RestoreMiss.UNTRUSTED, RestoreMiss.UNVERIFIED, RestoreMiss.UNREADABLE):
+                log.warning("compile cache: %s", reason)
+            return RestoreResult(hit=False, bytes=size, seconds=time.perf_counter() - t0, path=path,
+                                 miss=kind, reason=reason)
+
         if not self.config.enabled:
-            return RestoreResult(hit=False, reason="compile cache disabled")
-        path = archive.find_archive(self.config.root, self.key)
+            return RestoreResult(hit=False, miss=RestoreMiss.DISABLED, reason="compile cache disabled")
+        if root.is_dir() and (why := trust.first_untrusted(root, work)):
+            return miss(RestoreMiss.UNTRUSTED, why)
+        path = archive.find_archive(root, self.key)
         if path is None:
-            return RestoreResult(hit=False, seconds=time.perf_counter() - t0,
-                                 reason=f"no archive for key {self.key} in {self.config.root}")
+            return miss(RestoreMiss.NO_ARCHIVE, f"no archive for key {self.key} in {root}")
+        manifest = archive.manifest_path(path)
+        if why := trust.first_untrusted(path, *([manifest] if manifest.exists() else [])):
+            return miss(RestoreMiss.UNTRUSTED, why, path)
         size = 0
         try:
             size = path.stat().st_size
+            archive.verify(path)
+        except (archive.ArchiveUnverified, OSError) as e:
+            return miss(RestoreMiss.UNVERIFIED, f"{e}: not loaded, compiling cold; the next save replaces it",
+                        path, size)
+        try:
             files, mega = archive.unpack(path, work)
         except archive.UNPACK_ERRORS as e:
             self._reset_inductor_dir()
-            reason = (f"archive {path} is unreadable ({type(e).__name__}: {e}); ignored, "
-                      "compiling cold; the next save replaces it")
-            log.warning("compile cache: %s", reason)
-            return RestoreResult(hit=False, bytes=size, seconds=time.perf_counter() - t0,
-                                 path=path, reason=reason)
+            return miss(RestoreMiss.UNREADABLE, f"archive {path} is unreadable ({type(e).__name__}: {e}); "
+                        "ignored, compiling cold; the next save replaces it", path, size)
         loaded = self._load_mega_cache(mega)
         self._restored = set(self._built_files())
         self._restore_hit = True
@@ -189,7 +222,7 @@ class CompileCache:
 
     def _reset_inductor_dir(self) -> None:
         shutil.rmtree(self.inductor_dir, ignore_errors=True)
-        self.inductor_dir.mkdir(parents=True, exist_ok=True)
+        trust.make_private_dir(self.inductor_dir)
 
     @staticmethod
     def _load_mega_cache(mega: bytes | None) -> bool:
@@ -197,7 +230,7 @@ class CompileCache:
             return False
         try:
             return torch.compiler.load_cache_artifacts(mega) is not None
-        except Exception as e:  # a stale or foreign blob: the folder alone still serves
+        except Exception as e:  # noqa: BLE001 - a stale or foreign blob: the folder alone still serves
             log.warning("compile cache: load_cache_artifacts failed (%s); using the folder", e)
             return False
 
@@ -205,7 +238,7 @@ class CompileCache:
     def _mega_cache_bytes() -> bytes | None:
         try:
             saved = torch.compiler.save_cache_artifacts()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever torch raises, archiving the folder still helps
             log.warning("compile cache: save_cache_artifacts failed (%s); archiving folder", e)
             return None
         return saved[0] if saved else None

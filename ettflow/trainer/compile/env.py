@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+from ettflow.trainer import _torch_compat as compat
+
+from . import trust
 
 INDUCTOR_SUBDIR = "inductor"
 HEADER_SUBDIR = "precompiled_headers"  # inside the inductor folder
@@ -32,10 +35,7 @@ class CompileEnvError(RuntimeError):
 def already_compiled() -> bool:
     """A frame was compiled, or inductor's compile workers (which keep the environment they
     started with) are already up."""
-    from torch._dynamo.utils import counters
-
-    pools = getattr(sys.modules.get("torch._inductor.async_compile"), "_pool_set", ())
-    return counters["frames"]["total"] > 0 or len(pools) > 0
+    return compat.dynamo_counters()["frames"]["total"] > 0 or compat.compile_workers_started()
 
 
 def redirect_compile_dirs(work_dir: Path) -> dict[str, str]:
@@ -46,8 +46,7 @@ def redirect_compile_dirs(work_dir: Path) -> dict[str, str]:
             "torch already compiled a frame in this process, so inductor's cache folders are "
             "fixed: call CompileCache.prepare_env() before the first torch.compile call runs"
         )
-    inductor = work_dir / INDUCTOR_SUBDIR
-    inductor.mkdir(parents=True, exist_ok=True)
+    inductor = trust.make_private_dir(work_dir / INDUCTOR_SUBDIR)
     env = {
         # importing torchrec already sets it (to the default under the temp dir): override
         "TORCHINDUCTOR_CACHE_DIR": str(inductor),
@@ -59,19 +58,10 @@ def redirect_compile_dirs(work_dir: Path) -> dict[str, str]:
 
 
 def redirect_precompiled_headers(header_dir: Path) -> str:
-    """Inductor keeps `_HEADER_DIR` as a module constant and memoizes `_precompile_header`.
-    Returns the folder in use, which says whether the redirect took (a torch that renamed
-    these would leave the header outside the archive: warm restarts then rebuild it)."""
-    from torch._inductor import codecache
-
-    if not hasattr(codecache, "_HEADER_DIR"):
-        return ""
-    codecache._HEADER_DIR = str(header_dir)
-    codecache._HEADER_LOCK_DIR = str(header_dir / "locks")
-    precompile = getattr(codecache, "_precompile_header", None)
-    if precompile is not None and hasattr(precompile, "cache_clear"):
-        precompile.cache_clear()
-    return codecache._HEADER_DIR
+    """Inductor keeps the header folder as a module constant and memoizes the header build:
+    both are reset through `_torch_compat` (TorchCompatError on a torch that renamed them,
+    rather than a header silently left outside the archive). Returns the folder in use."""
+    return compat.redirect_precompiled_header_dir(header_dir)
 
 
 def set_job_id(job_id: str) -> None:

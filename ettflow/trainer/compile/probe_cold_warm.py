@@ -86,7 +86,7 @@ def train_steps(model, size: DenseSize, steps: int) -> list[float]:
 
 
 def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int) -> dict:
-    from . import archive
+    from . import archive, trust
     from .cache import CompileCache
     from .config import CompileCacheConfig
 
@@ -99,6 +99,10 @@ def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int) 
 
         t0 = time.perf_counter()
         path = archive.find_archive(root, cache.key)
+        if path is not None:  # the artifacts are unpickled: the same checks as a restore
+            if why := trust.first_untrusted(root, path, archive.manifest_path(path)):
+                raise RuntimeError(why)
+            archive.verify(path)
         with tempfile.TemporaryDirectory() as scratch:
             _, mega = archive.unpack(path, Path(scratch)) if path else (0, None)
         out["mega_loaded"] = bool(mega) and torch.compiler.load_cache_artifacts(mega) is not None

@@ -12,8 +12,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-from torch._dynamo.utils import counters
+from ettflow.trainer import _torch_compat as compat
 
 COUNTERS = {  # stats field -> (torch counter group, name)
     "fxgraph_hit": ("inductor", "fxgraph_cache_hit"),
@@ -28,6 +27,7 @@ COUNTERS = {  # stats field -> (torch counter group, name)
 
 
 def read_counters() -> dict[str, int]:
+    counters = compat.dynamo_counters()
     out = {name: int(counters[group][key]) for name, (group, key) in COUNTERS.items()}
     out["graph_breaks"] = int(sum(counters["graph_break"].values()))  # keyed by reason
     return out
@@ -35,7 +35,7 @@ def read_counters() -> dict[str, int]:
 
 class RecompileCounter:
     """Counts Dynamo compiles and recompiles. Install once per process, before compiling;
-    `torch._dynamo.reset()` drops the callback (call `install()` again after it)."""
+    `torch.compiler.reset()` drops the callback (call `install()` again after it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -44,28 +44,22 @@ class RecompileCounter:
         self.recompiled_ids: list[str] = []
 
     def _on_start(self, args: Any) -> None:
-        from torch._dynamo.callback import CallbackTrigger
-        from torch._guards import CompileId
-
-        if args.callback_trigger != CallbackTrigger.DYNAMO:
+        compile_id = compat.dynamo_compile_id(args)
+        if compile_id is None:
             return
-        compile_id = CompileId.from_string(args.compile_id)
+        recompile = compat.frame_compile_index(compile_id) > 0
         with self._lock:
             self.compiles += 1
-            if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
+            if recompile:
                 self.recompiles += 1
-                self.recompiled_ids.append(args.compile_id)
+                self.recompiled_ids.append(compile_id)
 
     def install(self) -> RecompileCounter:
-        handler = torch._dynamo.callback_handler
-        if self._on_start not in handler.start_callbacks:
-            handler.register_start_callback(self._on_start)
+        compat.add_compile_start_callback(self._on_start)
         return self
 
     def uninstall(self) -> None:
-        handler = torch._dynamo.callback_handler
-        if self._on_start in handler.start_callbacks:
-            handler.remove_start_callback(self._on_start)
+        compat.remove_compile_start_callback(self._on_start)
 
 
 _process_counter: RecompileCounter | None = None
@@ -81,9 +75,7 @@ def process_recompile_counter() -> RecompileCounter:
 
 def recompile_reasons(limit: int = 8) -> tuple[str, ...]:
     """Best effort: the reasons Dynamo recorded for its latest recompiles."""
-    from torch._dynamo.utils import get_compilation_metrics
-
-    reasons = [m.recompile_reason for m in get_compilation_metrics() if m.recompile_reason]
+    reasons = compat.recorded_recompile_reasons()
     return tuple(r[:300] for r in reasons[-limit:])
 
 
