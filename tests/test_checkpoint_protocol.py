@@ -4,7 +4,12 @@ test_checkpoint_torchrec.py."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import importlib
 import json
+import os
+import pickle
 import random
 import re
 import threading
@@ -20,6 +25,7 @@ from ettflow.trainer.checkpoint import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    CheckpointStorageError,
     TornCheckpointError,
     TrainState,
     verify,
@@ -237,19 +243,212 @@ def test_torn_checkpoint_is_reported_and_the_previous_one_is_used(tmp_path, tear
     assert_same(before, snapshot(fresh))
 
 
-def test_checksums_catch_a_flipped_byte_that_sizes_miss(tmp_path):
-    for checksum, root in ((False, tmp_path / "sizes"), (True, tmp_path / "sha")):
-        mgr = manager(root, checksum_data_files=checksum)
-        mgr.save(1, make_state())
-        f = next(final_dir(root, 1).glob("*.distcp"))
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
-        if checksum:
-            with pytest.raises(TornCheckpointError, match="does not match its sha256"):
-                verify(final_dir(root, 1))
-        else:
-            assert verify(final_dir(root, 1)).step == 1
+def test_every_file_is_checksummed_and_a_flipped_byte_is_caught(tmp_path):
+    mgr = manager(tmp_path)
+    mgr.save(1, make_state())
+    path = final_dir(tmp_path, 1)
+    listed = json.loads((path / MANIFEST).read_text())["files"]
+    on_disk = sorted(p.name for p in path.iterdir() if p.name not in (MANIFEST, COMMITTED))
+    assert sorted(listed) == on_disk and DCP_METADATA in listed and any(n.endswith(".distcp") for n in listed)
+    assert all(len(entry["sha256"]) == 64 for entry in listed.values())
+    f = next(path.glob("*.distcp"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(TornCheckpointError, match=r"__0_0.distcp sha256 mismatch") as caught:
+        verify(path)
+    assert caught.value.file == "__0_0.distcp"
+
+
+def make_wide_state(seed: int = 0) -> TrainState:
+    """A model whose DCP data file is well over 64 KiB (the fault matrix overwrites 64 KiB)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
+    return TrainState(model=model, optimizers={"dense": torch.optim.Adam(model.parameters(), lr=0.01)})
+
+
+def overwrite_64k(f: Path) -> None:
+    """Same-size damage: 64 KiB of 0xFF over the start of the file (what the user ran)."""
+    size = f.stat().st_size
+    with open(f, "r+b") as out:
+        out.write(b"\xff" * min(64 * 1024, size))
+    assert f.stat().st_size == size
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_same_size_damage_to_a_data_file_falls_back_to_the_previous_checkpoint(tmp_path, mode, caplog):
+    state = make_wide_state()
+    train_wide = [torch.rand(8, 128, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    with manager(tmp_path, mode) as mgr:
+        state.model(train_wide[0]).sum().backward()
+        state.optimizers["dense"].step()
+        mgr.save(20, state)
+        mgr.wait()
+        at20 = snapshot(state)
+        state.model(train_wide[1]).sum().backward()
+        state.optimizers["dense"].step()
+        mgr.save(40, state)
+        mgr.wait()
+    f = final_dir(tmp_path, 40) / "__0_0.distcp"
+    assert f.stat().st_size > 64 * 1024
+    overwrite_64k(f)
+
+    mgr = manager(tmp_path)
+    found = mgr.scan()
+    assert [i.step for i in found.committed] == [20]
+    (problem,) = found.problems
+    assert (problem.step, problem.file, problem.fallback) == (40, "__0_0.distcp", 20)
+    with caplog.at_level("WARNING"):
+        fresh = make_wide_state(seed=9)
+        assert mgr.restore_latest(fresh).checkpoint.step == 20
+    assert re.search(r"checkpoint step 40 \(.*step_0000000040\): __0_0.distcp sha256 mismatch.*: skipped, "
+                     r"restoring step 20", caplog.text), caplog.text
+    assert_same(at20, snapshot(fresh))
+    with pytest.raises(CheckpointError, match="refusing to restore .*__0_0.distcp sha256 mismatch"):
+        mgr.load(make_wide_state(), final_dir(tmp_path, 40))
+
+
+class Exploit:
+    """Unpickling this creates `marker`: stands for any code a forged pickle would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _reseal(path: Path) -> None:
+    """What an attacker who can write the folder does: recompute the manifest to match."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest.pop("manifest_sha256")
+    for rel, entry in manifest["files"].items():
+        entry["size"] = (path / rel).stat().st_size
+        entry["sha256"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
+    digest = _canonical_sha(manifest)
+    (path / MANIFEST).write_text(json.dumps({**manifest, "manifest_sha256": digest}))
+    (path / COMMITTED).write_text(digest)
+
+
+@pytest.mark.parametrize("resealed", [False, True])
+def test_a_tampered_metadata_file_is_refused_before_it_is_unpickled(tmp_path, resealed):
+    mgr = manager(tmp_path / "ckpt")
+    mgr.save(1, make_state())
+    path = final_dir(tmp_path / "ckpt", 1)
+    marker = tmp_path / "code-ran"
+    (path / DCP_METADATA).write_bytes(pickle.dumps(Exploit(marker)))
+    if resealed:  # the checksums match: the restricted reader still refuses the forged pickle
+        _reseal(path)
+        assert verify(path).step == 1
+        expected = r"refusing to read .*\.metadata: (io|builtins)\.open is not a type a DCP metadata file holds"
+    else:  # the checksum check comes first: the file is never opened as a pickle
+        assert [p.file for p in mgr.scan().problems] == [DCP_METADATA]
+        expected = r"refusing to restore .*\.metadata (sha256 mismatch|has \d+ bytes)"
+    with pytest.raises(CheckpointError, match=expected):
+        mgr.load(make_state(), path)
+    assert not marker.exists()
+
+
+def test_per_rank_state_is_json_and_tensors_and_loads_without_pickle(tmp_path, monkeypatch):
+    import ettflow.trainer.checkpoint.state as state_mod
+    from ettflow.trainer.checkpoint.reading import read_dcp_metadata
+
+    source = Path(state_mod.__file__).read_text()
+    assert "pickle" not in vars(state_mod) and "import pickle" not in source
+    state = make_state()
+    train(state, range(2))
+    random.random()  # python and numpy RNG states must round-trip through JSON exactly
+    np.random.normal()
+    saved = snapshot(state)
+    mgr = manager(tmp_path)
+    mgr.save(2, state)
+    draws = (torch.rand(2), np.random.rand(2), random.gauss(0, 1))
+    meta = read_dcp_metadata(final_dir(tmp_path, 2)).state_dict_metadata
+    assert {k for k in meta if k.startswith("rank_")} == {"rank_0_state", "rank_0_rng_torch"}
+    assert all(meta[k].properties.dtype == torch.uint8 for k in ("rank_0_state", "rank_0_rng_torch"))
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("pickle used while restoring a checkpoint")
+
+    weights_only = []
+    real_load = torch.load
+
+    def checked_load(*args, **kwargs):
+        weights_only.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    monkeypatch.setattr(pickle, "loads", no_pickle)
+    monkeypatch.setattr(torch, "load", checked_load)
+    fresh = make_state(seed=4)
+    mgr.restore_latest(fresh)
+    monkeypatch.undo()
+    assert weights_only and set(weights_only) == {True}  # tensors and the optimizer's param_groups
+    assert fresh.step == 2 and fresh.cursor == {"row": 16}
+    assert_same(saved, snapshot(fresh))
+    assert torch.equal(draws[0], torch.rand(2)) and np.array_equal(draws[1], np.random.rand(2))
+    assert draws[2] == random.gauss(0, 1)
+
+
+def test_leftover_tmp_folders_are_removed_at_the_next_start_and_committed_ones_kept(tmp_path, caplog):
+    mgr = manager(tmp_path)
+    mgr.save(1, make_state())
+    (tmp_path / "step_0000000002.tmp").mkdir()
+    (tmp_path / "step_0000000002.tmp" / "__0_0.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "step_0000000000.trash").mkdir()
+    with caplog.at_level("WARNING"):
+        manager(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final_dir(tmp_path, 1).name]
+    assert verify(final_dir(tmp_path, 1)).step == 1
+    assert "removing " + str(tmp_path / "step_0000000002.tmp") in caplog.text
+    assert "removing " + str(tmp_path / "step_0000000000.trash") in caplog.text
+
+
+def _fail_in_write(monkeypatch, path_holder: list) -> None:
+    class FullDiskWriter(manager_mod.FileSystemWriter):
+        def write_data(self, plan, planner):
+            target = Path(str(self.path)) / "__0_0.distcp"
+            target.write_bytes(b"half")  # what a full disk leaves: part of a file
+            path_holder.append(str(target))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+    monkeypatch.setattr(manager_mod, "FileSystemWriter", FullDiskWriter)
+
+
+def _fail_in_seal(monkeypatch, path_holder: list) -> None:
+    verify_mod = importlib.import_module("ettflow.trainer.checkpoint.verify")  # the package exports `verify`
+
+    def full_disk(path, text):
+        path_holder.append(str(path))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(verify_mod, "atomic_write_text", full_disk)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fail", [_fail_in_write, _fail_in_seal])
+def test_a_full_disk_is_a_storage_error_with_the_path_and_never_looks_committed(tmp_path, monkeypatch, mode, fail):
+    state = make_state()
+    mgr = manager(tmp_path, mode)
+    mgr.save(1, state)
+    mgr.wait()
+    failed_path: list[str] = []
+    fail(monkeypatch, failed_path)
+    with pytest.raises(CheckpointStorageError) as caught:
+        mgr.save(2, state)
+        mgr.wait()
+    error = caught.value
+    assert isinstance(error, OSError) and isinstance(error, CheckpointError)
+    assert error.errno == errno.ENOSPC and error.filename == failed_path[0]
+    assert failed_path[0] in str(error) and "step 2" in str(error)
+    # never torn: no folder of step 2 at all (the .tmp one is removed), step 1 untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final_dir(tmp_path, 1).name]
+    assert [i.step for i in mgr.scan().committed] == [1]
+    monkeypatch.undo()
+    assert mgr.save(3, state).commit_result().committed  # space came back: saves work again
+    mgr.close()
+    copy = pickle.loads(pickle.dumps(error))  # crosses Ray with errno and path
+    assert (type(copy), copy.errno, copy.filename) == (CheckpointStorageError, errno.ENOSPC, failed_path[0])
 
 
 def test_keep_last_k_deletes_older_checkpoints_and_stale_folders(tmp_path):

@@ -6,12 +6,22 @@ set-ups, see `build`). One spawned run checks, for DTensor output (the preferred
 for ShardedTensor output (through ShardedTensorStager): async save while training
 continues, sync save, restore into
 a fresh model (parameters and both optimizers' state equal to what was saved, step, cursor,
-RNG), bitwise continuation, and fallback past a torn newest checkpoint.
+RNG), bitwise continuation, fallback past a torn newest checkpoint and past one whose data
+file was overwritten in place (same size: only its sha256 tells), a forged `.metadata` refused
+on every rank, a full disk on one rank (a typed storage error on every rank, nothing
+committed) and the removal of a leftover `.tmp` folder at the next start.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import logging
+import os
+import pickle
 import random
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -171,6 +181,127 @@ def gated_writer():
     return GatedWriter
 
 
+def full_disk_writer(failing_rank: int):
+    """A FileSystemWriter that fails with ENOSPC on `failing_rank` (after writing part of a file)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class FullDiskWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if dist.get_rank() != failing_rank:
+                return super().write_data(plan, planner)
+            target = Path(str(self.path)) / f"__{failing_rank}_0.distcp"
+            target.write_bytes(b"half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+    return FullDiskWriter
+
+
+class Exploit:
+    """Unpickling this creates `marker` (stands for any code a forged pickle would run)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def forge_metadata(path: Path, marker: str) -> None:
+    """Replace `.metadata` with a malicious pickle and re-seal the manifest to match it."""
+    from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST
+    from ettflow.trainer.checkpoint.verify import _canonical_sha
+
+    (path / DCP_METADATA).write_bytes(pickle.dumps(Exploit(marker)))
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest.pop("manifest_sha256")
+    for rel, entry in manifest["files"].items():
+        entry["size"] = (path / rel).stat().st_size
+        entry["sha256"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
+    digest = _canonical_sha(manifest)
+    (path / MANIFEST).write_text(json.dumps({**manifest, "manifest_sha256": digest}))
+    (path / COMMITTED).write_text(digest)
+
+
+class ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def faults(root: Path, ckpt_pg, output_dtensor: bool, state, sync_mgr, at3: dict, at9: dict) -> None:
+    """Integrity and storage faults on top of `scenario`: committed are step 3 and 9 (`state`
+    is at 9), step 6 is torn."""
+    import ettflow.trainer.checkpoint.manager as manager_mod
+    from ettflow.trainer.checkpoint import (
+        CheckpointConfig,
+        CheckpointError,
+        CheckpointManager,
+        CheckpointStorageError,
+    )
+    from ettflow.trainer.checkpoint.layout import final_dir, tmp_dir
+
+    rank = dist.get_rank()
+    # same-size damage to a rank-1 data file of step 9: 64 KiB of 0xFF (the whole file when smaller)
+    damaged = sorted(final_dir(root, 9).glob("__1_*.distcp"))[0]
+    dist.barrier()
+    if rank == 0:
+        size = damaged.stat().st_size
+        with open(damaged, "r+b") as f:
+            f.write(b"\xff" * min(64 * 1024, size))
+        assert damaged.stat().st_size == size
+    dist.barrier()
+    logs = ListHandler()
+    logging.getLogger("ettflow.trainer.checkpoint").addHandler(logs)
+    fresh = build(output_dtensor)
+    restored = sync_mgr.restore_latest(fresh)
+    logging.getLogger("ettflow.trainer.checkpoint").removeHandler(logs)
+    assert restored.checkpoint.step == 3 and same(at3, full_state(fresh))
+    if rank == 0:  # rank 0 chooses (and says why)
+        pattern = rf"checkpoint step 9 \(.*\): {re.escape(damaged.name)} sha256 mismatch.*: skipped, restoring step 3"
+        assert any(re.search(pattern, m) for m in logs.messages), logs.messages
+    with pytest.raises(CheckpointError, match=f"refusing to restore .*{re.escape(damaged.name)} sha256 mismatch"):
+        sync_mgr.load(build(output_dtensor), final_dir(root, 9))
+
+    # a forged .metadata whose manifest was re-sealed to match: refused on every rank, unread
+    marker = str(root / "code-ran")
+    dist.barrier()
+    if rank == 0:
+        forge_metadata(final_dir(root, 3), marker)
+    dist.barrier()
+    with pytest.raises(CheckpointError, match="not a type a DCP metadata file holds"):
+        sync_mgr.load(build(output_dtensor), final_dir(root, 3))
+    assert not Path(marker).exists()
+
+    # a full disk on rank 1 during an async save: a storage error with the path on every rank
+    async_mgr = CheckpointManager(CheckpointConfig(root=root, mode="async", keep_last=2), process_group=ckpt_pg)
+    plain_writer = manager_mod.FileSystemWriter
+    manager_mod.FileSystemWriter = full_disk_writer(failing_rank=1)
+    try:
+        async_mgr.save(12, state)
+    finally:
+        manager_mod.FileSystemWriter = plain_writer
+    with pytest.raises(CheckpointStorageError) as caught:
+        async_mgr.wait()
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith("__1_0.distcp")
+    assert isinstance(caught.value, OSError) and caught.value.filename in str(caught.value)
+    async_mgr.close()
+    dist.barrier()
+    assert not final_dir(root, 12).exists() and not tmp_dir(root, 12).exists()  # never torn
+    assert 12 not in [i.step for i in sync_mgr.scan().committed]
+
+    # a .tmp folder left by a crash is removed when the next manager starts (rank 0)
+    if rank == 0:
+        tmp_dir(root, 15).mkdir()
+    dist.barrier()
+    CheckpointManager(CheckpointConfig(root=root, mode="sync"), process_group=ckpt_pg).close()
+    dist.barrier()
+    assert not tmp_dir(root, 15).exists() and final_dir(root, 9).exists()
+    assert same(at9, full_state(state))
+
+
 def scenario(root: Path, ckpt_pg, output_dtensor: bool) -> dict:
     import ettflow.trainer.checkpoint.manager as manager_mod
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager
@@ -227,6 +358,8 @@ def scenario(root: Path, ckpt_pg, output_dtensor: bool) -> dict:
     assert same(at3, full_state(fresh)) and draws() == draws3
     train(fresh, range(3, 9))
     assert same(at9, full_state(fresh))
+    assert sync_mgr.save(9, fresh).commit_result().committed
+    faults(root, ckpt_pg, output_dtensor, fresh, sync_mgr, at3, at9)
     sync_mgr.close()
     return {"blocking_s": saved.blocking_s, "background_s": done.background_s}
 

@@ -1,11 +1,13 @@
 """Checkpoints a restart can trust: DCP saves (sync, or async with host-memory staging) of
 the sharded TorchRec model, its fused and dense optimizer state, the step, the data cursor
-and RNG state, committed only once complete and verified. See `manager.py`."""
+and RNG state, committed only once complete, every file checksummed (sha256), verified
+before a restore and read without running code from the folder. See `manager.py`."""
 
 from ettflow.trainer.checkpoint.catalog import CheckpointProblem, CheckpointScan
 from ettflow.trainer.checkpoint.config import (
     CheckpointConfig,
     CheckpointError,
+    CheckpointStorageError,
     TornCheckpointError,
 )
 from ettflow.trainer.checkpoint.manager import CheckpointManager
@@ -21,6 +23,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointProblem",
     "CheckpointScan",
+    "CheckpointStorageError",
     "CommitResult",
     "RestoreResult",
     "SaveResult",

@@ -1,9 +1,15 @@
 """What a checkpoint root holds: committed checkpoints, and the problems found beside them.
 
-`scan` verifies every `step_<n>` folder and reports each one that is torn (with the path
-and why), each `.tmp` folder a save left uncommitted, and each half-deleted `.trash` folder.
-`prune` keeps the newest `keep_last` committed checkpoints and deletes what is older. Both
-assume one job writes to a root, and `prune` that no save is in flight.
+`scan` decides what a restart may restore: it verifies every `step_<n>` folder (marker,
+manifest, size and sha256 of every file) and reports each one that fails (with the path, the
+file and why), each `.tmp` folder a save left uncommitted, and each half-deleted `.trash`
+folder. Only verified checkpoints are in `committed`, so a damaged one is never chosen; each
+problem names the step restored instead (`CheckpointProblem.fallback`).
+
+`prune` keeps the newest `keep_last` committed checkpoints and deletes what is older.
+`remove_uncommitted` deletes `.tmp` and `.trash` folders left by a crash or a full disk
+(at the next start, never a committed folder). All assume one job writes to a root, and
+`prune` and `remove_uncommitted` that no save is in flight.
 """
 
 from __future__ import annotations
@@ -21,14 +27,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointProblem:
-    """A folder under the root that must not be restored, and why."""
+    """A folder under the root that must not be restored, and why.
+
+    file: the file that failed verification (relative to the folder), when one did.
+    fallback: the step a restore uses instead (the newest verified checkpoint), None when
+        there is none and training starts from scratch.
+    """
 
     path: Path
     step: int | None
     reason: str
+    file: str | None = None
+    fallback: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+        instead = f"restoring step {self.fallback}" if self.fallback is not None else "no checkpoint to restore"
+        return f"checkpoint step {self.step} ({self.path}): {self.reason}: skipped, {instead}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +56,11 @@ class CheckpointScan:
 
 
 def scan(root: Path) -> CheckpointScan:
+    """The verified checkpoints under `root` and the problems beside them (reads every byte
+    of every committed checkpoint; unpickles nothing)."""
     root = Path(root)
     committed: list[CheckpointInfo] = []
-    problems: list[CheckpointProblem] = []
+    found: list[tuple[Path, int, str, str | None]] = []
     if not root.is_dir():
         return CheckpointScan(committed=(), problems=())
     for child in sorted(root.iterdir()):
@@ -53,18 +69,40 @@ def scan(root: Path) -> CheckpointScan:
             continue
         step, kind = parsed
         if kind == "tmp":
-            reason = "incomplete: the save never committed (it crashed or is still writing)"
-            problems.append(CheckpointProblem(path=child, step=step, reason=reason))
+            found.append((child, step, "incomplete: the save never committed (it crashed or is still writing)", None))
         elif kind == "trash":
-            reason = "left over from an interrupted delete"
-            problems.append(CheckpointProblem(path=child, step=step, reason=reason))
+            found.append((child, step, "left over from an interrupted delete", None))
         else:
             try:
                 committed.append(verify(child))
             except TornCheckpointError as e:
-                problems.append(CheckpointProblem(path=child, step=step, reason=e.reason))
+                found.append((child, step, e.reason, e.file))
     committed.sort(key=lambda info: info.step)
-    return CheckpointScan(committed=tuple(committed), problems=tuple(problems))
+    fallback = committed[-1].step if committed else None
+    problems = tuple(
+        CheckpointProblem(path=path, step=step, reason=reason, file=file, fallback=fallback)
+        for path, step, reason, file in found
+    )
+    return CheckpointScan(committed=tuple(committed), problems=problems)
+
+
+def remove_uncommitted(root: Path) -> list[Path]:
+    """Delete the `.tmp` folders of saves that never committed and half-deleted `.trash`
+    folders under `root` (never a committed `step_<n>`); logs each. Call it at a start,
+    before any save of this job is in flight."""
+    root = Path(root)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for child in sorted(root.iterdir()):
+        parsed = parse_name(child.name)
+        if parsed is None or parsed[1] == "final" or not child.is_dir():
+            continue
+        why = "a save that never committed" if parsed[1] == "tmp" else "an interrupted delete"
+        log.warning("checkpoint cleanup: removing %s, left by %s", child, why)
+        remove_tree(child)
+        removed.append(child)
+    return removed
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

@@ -13,12 +13,31 @@ class CheckpointError(RuntimeError):
 
 
 class TornCheckpointError(CheckpointError):
-    """A checkpoint folder is not a complete, verified checkpoint: never restore it."""
+    """A checkpoint folder is not a complete, verified checkpoint: never restore it.
 
-    def __init__(self, path: Path, reason: str) -> None:
+    file: the file inside the folder that failed verification (relative to it), when one did.
+    """
+
+    def __init__(self, path: Path, reason: str, *, file: str | None = None) -> None:
         super().__init__(f"checkpoint {path} is torn or partial: {reason}")
         self.path = path
         self.reason = reason
+        self.file = file
+
+
+class CheckpointStorageError(CheckpointError, OSError):
+    """The storage under a checkpoint failed (ENOSPC, EIO, ...) while saving it.
+
+    An OSError with the failing call's `errno` and `filename` (the file, or the checkpoint
+    folder being written), so a failure classifier sorts it as `storage` by its errno and
+    never by its message. The save did not commit: nothing of it is ever restored.
+    """
+
+    def __init__(self, errno: int, message: str, path: Path | str) -> None:
+        OSError.__init__(self, errno, message, str(path))
+
+    def __reduce__(self):  # picklable across Ray with errno and path (OSError drops filename)
+        return (type(self), (self.errno, self.strerror, self.filename))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,14 +49,14 @@ class CheckpointConfig:
     mode: "sync" blocks the training loop for the whole write; "async" blocks only while
         the state is copied into host memory and writes in the background.
     keep_last: committed checkpoints kept; older ones are deleted after each commit.
-    checksum_data_files: also record and verify a sha256 of every storage file (catches
-        bit rot, not only torn writes; reads every byte at commit and at verification).
+
+    Every file of a checkpoint is checksummed (sha256) at commit and verified before a
+    restore (`verify.py`); there is no switch to turn that off.
     """
 
     root: Path | str
     mode: str = "async"
     keep_last: int = 3
-    checksum_data_files: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, Path)) or not str(self.root).strip():
@@ -55,5 +74,3 @@ class CheckpointConfig:
                 f"CheckpointConfig.keep_last must be >= 1 (a restart needs one committed "
                 f"checkpoint), got {self.keep_last}"
             )
-        if not isinstance(self.checksum_data_files, bool):
-            raise ValueError(f"CheckpointConfig.checksum_data_files must be a bool, got {self.checksum_data_files!r}")

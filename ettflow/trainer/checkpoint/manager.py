@@ -9,9 +9,16 @@
     manager.restore_latest(fresh_train_state)   # newest committed, verified checkpoint
 
 A save writes `step_<n>.tmp` with DCP (`async_save` with PyTorch's DefaultStager in async
-mode). When DCP has finished on every rank, rank 0 checks the files, seals the folder
-(manifest + COMMITTED) and renames it to `step_<n>`: only then can a restart use it. It then
-deletes checkpoints beyond the newest `keep_last`, and tells every rank the outcome.
+mode). When DCP has finished on every rank, rank 0 checks the files, hashes every one of them
+(sha256), seals the folder (manifest + COMMITTED) and renames it to `step_<n>`: only then can
+a restart use it. It then deletes checkpoints beyond the newest `keep_last`, and tells every
+rank the outcome. A save that fails is never committed: rank 0 removes its `.tmp` folder, and
+a failure of the storage (ENOSPC, EIO) is raised as `CheckpointStorageError`, an OSError with
+the errno and the path. `.tmp` folders a crash left behind are removed when the next
+manager starts.
+
+A restore verifies the checkpoint first (every file's sha256, `.metadata` included), and
+only then lets DCP read it, through `reading.py` (no code runs from the folder).
 """
 
 from __future__ import annotations
@@ -26,28 +33,21 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ettflow.trainer.checkpoint.catalog import CheckpointScan, prune, scan
-from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError
+from ettflow.trainer.checkpoint.catalog import CheckpointScan, prune, remove_uncommitted, scan
+from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError, CheckpointStorageError
 from ettflow.trainer.checkpoint.group import CheckpointGroup
-from ettflow.trainer.checkpoint.layout import final_dir, publish, tmp_dir
+from ettflow.trainer.checkpoint.layout import final_dir, publish, remove_tree, tmp_dir
+from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, SafeLoadPlanner
 from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult
+from ettflow.trainer.checkpoint.save_errors import Outcome, Report, describe, failure_report, save_error
 from ettflow.trainer.checkpoint.staging import make_stager
 from ettflow.trainer.checkpoint.state import TrainState
 from ettflow.trainer.checkpoint.verify import CheckpointInfo, seal, verify
 
 log = logging.getLogger(__name__)
-
-
-def describe(error: BaseException) -> str:
-    """One line per failed rank for DCP's CheckpointException (its str holds tracebacks)."""
-    if isinstance(error, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(error.failures.items())
-        )
-    return f"{type(error).__name__}: {error}"
 
 
 class CheckpointManager:
@@ -58,7 +58,10 @@ class CheckpointManager:
     on_commit: called with each CommitResult as a save finishes (from the background
         thread in async mode), e.g. to record the `checkpoint_save_background` phase.
     Failures of a save are raised as CheckpointError by `save` (sync mode), or by the
-    next `wait`/`save` call after it failed (async mode).
+    next `wait`/`save` call after it failed (async mode); CheckpointStorageError (also an
+    OSError, with errno and path) when the storage failed.
+    Starting a manager removes the `.tmp`/`.trash` folders a crash left under the root (rank
+    0, before any save of this job; committed checkpoints are never touched).
     """
 
     def __init__(
@@ -77,6 +80,8 @@ class CheckpointManager:
         self._pending: SaveResult | None = None
         self._closed = False
         Path(config.root).mkdir(parents=True, exist_ok=True)
+        if self.group.rank == 0:
+            remove_uncommitted(Path(config.root))
 
     # -- saving -------------------------------------------------------------------------
 
@@ -89,9 +94,12 @@ class CheckpointManager:
         self.wait()
         waited = time.time() - start
         tmp = tmp_dir(self.config.root, step)
-        tmp.mkdir(parents=True, exist_ok=True)
         cursor = state.cursor_json()
         state_dict = state.to_state_dict(step=step, rank=self.group.rank)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise save_error(f"checkpoint of step {step}: cannot create {tmp}: {e}", e, tmp) from e
         writer = FileSystemWriter(str(tmp))
         kwargs: dict[str, Any] = {
             "storage_writer": writer,
@@ -100,14 +108,19 @@ class CheckpointManager:
         }
         future: Future[CommitResult]
         if self._async:
-            upload = dcp.async_save(state_dict, async_stager=self._stager, **kwargs)
+            try:
+                upload = dcp.async_save(state_dict, async_stager=self._stager, **kwargs)
+            except (Exception, CheckpointException) as e:  # planning or staging failed (collective)
+                self._discard(tmp)
+                raise save_error(f"checkpoint of step {step}: DCP staging failed: {describe(e)}", e, tmp) from e
             end = time.time()
             future = self._executor.submit(self._finish, step, tmp, cursor, upload, end)
         else:
             try:
                 dcp.save(state_dict, **kwargs)
             except CheckpointException as e:  # a BaseException: would escape `except Exception`
-                raise CheckpointError(f"checkpoint of step {step}: DCP write failed: {describe(e)}") from e
+                self._discard(tmp)  # DCP raised on every rank: no rank is still writing
+                raise save_error(f"checkpoint of step {step}: DCP write failed: {describe(e)}", e, tmp) from e
             commit = self._finish(step, tmp, cursor, None, start)
             end = commit.background_end  # sync: nothing runs in the background
             future = Future()
@@ -133,8 +146,21 @@ class CheckpointManager:
             return None
         outcome = pending.commit_result()
         if not outcome.committed:
-            raise CheckpointError(f"checkpoint of step {outcome.step} failed: {outcome.error}")
+            message = f"checkpoint of step {outcome.step} failed: {outcome.error}"
+            if outcome.errno is not None:
+                raise CheckpointStorageError(outcome.errno, message, outcome.error_path or "")
+            raise CheckpointError(message)
         return outcome
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0: remove the `.tmp` folder of a save that failed on every rank (frees the
+        space a full disk needs back; never a committed folder)."""
+        if self.group.rank != 0:
+            return
+        try:
+            remove_tree(tmp)
+        except OSError as e:
+            log.warning("could not remove %s after a failed save (the next start will): %s", tmp, e)
 
     def _finish(self, step: int, tmp: Path, cursor: str, upload: Future | None, start: float) -> CommitResult:
         """On every rank: wait for DCP, then rank 0 verifies, seals, commits and prunes.
@@ -142,19 +168,21 @@ class CheckpointManager:
         `upload` is DCP's write (None in sync mode, where it already finished and the
         background span is empty); `start` is when the background part began."""
         try:
-            error = None
+            report: Report = (None, None, None, cursor)
             if upload is not None:
                 try:
                     upload.result()
-                except (Exception, CheckpointException) as e:  # reported to every rank below
-                    error = f"DCP write failed on rank {self.group.rank}: {describe(e)}"
-            reports = self.group.all_gather((error, cursor))
-            outcome: tuple[str | None, int | None, str | None] = (None, None, None)
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to every rank below
+                    why = f"DCP write failed on rank {self.group.rank}: {describe(e)}"
+                    report = failure_report(why, e, tmp, cursor)
+            reports = self.group.all_gather(report)
+            outcome: Outcome = (None, None, None, None, None)
             if self.group.rank == 0:
                 outcome = self._commit(step, tmp, reports)
-            path, nbytes, error = self.group.broadcast_from_first(outcome)
-        except (Exception, CheckpointException) as e:  # a failed save must not kill the thread
-            path, nbytes, error = None, None, f"rank {self.group.rank}: {describe(e)}"
+            path, nbytes, error, errno, error_path = self.group.broadcast_from_first(outcome)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a failed save must not kill the thread
+            error, errno, error_path, _ = failure_report(f"rank {self.group.rank}: {describe(e)}", e, tmp, cursor)
+            path, nbytes = None, None
         end = time.time()
         result = CommitResult(
             step=step,
@@ -164,6 +192,8 @@ class CheckpointManager:
             background_start=start if upload is not None else end,
             background_end=end,
             error=error,
+            errno=errno,
+            error_path=error_path,
         )
         if error:
             log.error("checkpoint of step %d failed: %s", step, error)
@@ -174,38 +204,41 @@ class CheckpointManager:
                 log.exception("checkpoint on_commit callback failed for step %d", step)
         return result
 
-    def _commit(self, step: int, tmp: Path, reports: list) -> tuple[str | None, int | None, str | None]:
-        """Rank 0: (committed path, bytes, None) or (None, None, why it failed)."""
-        errors = [e for e, _ in reports if e]
-        if errors:
-            return None, None, "; ".join(errors)
+    def _commit(self, step: int, tmp: Path, reports: list[Report]) -> Outcome:
+        """Rank 0, once every rank's DCP write ended: hash, seal and publish the folder.
+
+        Returns (committed path, bytes, None, None, None) or (None, None, why it failed,
+        errno, path); a failed save's folder is removed, so nothing torn looks committed."""
+        failed = [r for r in reports if r[0]]
+        if failed:
+            self._discard(tmp)
+            errno, path = next(((r[1], r[2]) for r in failed if r[1] is not None), (None, str(tmp)))
+            return None, None, "; ".join(r[0] for r in failed), errno, path
+        final = final_dir(self.config.root, step)
+        published = False
         try:
-            cursors = [json.loads(c) for _, c in reports]
-            nbytes = seal(
-                tmp,
-                step=step,
-                world_size=self.group.world_size,
-                cursors=cursors,
-                checksum_data_files=self.config.checksum_data_files,
-            )
-            final = final_dir(self.config.root, step)
+            cursors = [json.loads(r[3]) for r in reports]
+            nbytes = seal(tmp, step=step, world_size=self.group.world_size, cursors=cursors)
             publish(tmp, final)
+            published = True
             verify(final)
-        except Exception as e:  # becomes the save's error on every rank
-            return None, None, f"commit of {tmp} failed: {describe(e)}"
+        except Exception as e:  # noqa: BLE001 - becomes the save's error on every rank
+            error, errno, path, _ = failure_report(f"commit of {tmp} failed: {describe(e)}", e, tmp, "")
+            self._discard(final if published else tmp)
+            return None, None, error, errno, path
         try:
             prune(self.config.root, self.config.keep_last)
         except OSError as e:
             log.warning("checkpoint prune under %s failed (will retry next save): %s", tmp, e)
-        return str(final), nbytes, None
+        return str(final), nbytes, None, None, None
 
     # -- finding and restoring ----------------------------------------------------------
 
     def scan(self) -> CheckpointScan:
         """Committed, verified checkpoints and the problems (torn, partial) found beside them."""
         found = scan(self.config.root)
-        for problem in found.problems:
-            log.warning("checkpoint skipped, %s", problem)
+        for problem in found.problems:  # names the file that failed and the step used instead
+            log.warning("%s", problem)
         return found
 
     def latest(self) -> CheckpointInfo | None:
@@ -214,6 +247,13 @@ class CheckpointManager:
 
     def load(self, state: TrainState, path: Path | str | CheckpointInfo) -> RestoreResult:
         """Restore `state` (a freshly built model and optimizer) from a committed checkpoint.
+
+        In this order: `verify` on every rank (the sha256 of every file, `.metadata`
+        included, against the sealed manifest), refusing the checkpoint if any rank found a
+        problem; only then is `.metadata` parsed (`reading.read_dcp_metadata`, which builds
+        no type a DCP metadata file does not hold) and the data read by DCP through
+        `SafeFileSystemReader` and `SafeLoadPlanner` (tensors and plain values only). A
+        tampered file is refused before anything reads it.
 
         Collective: every rank calls it with the same path."""
         start = time.time()
@@ -232,16 +272,28 @@ class CheckpointManager:
                 f"{self.group.world_size}: per-rank data cursors and RNG state cannot be "
                 "mapped; restore with the same number of ranks"
             )
-        template: Mapping[str, Any] = state.load_template(rank=self.group.rank)
-        dcp.load(
-            template,
-            storage_reader=FileSystemReader(str(path)),
-            # keep ShardedTensors without local shards (tables on other ranks) in the
-            # template; flattening exists for FSDP's nested ShardedTensors, not TorchRec's
-            planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
-            process_group=self.group.pg,
-            no_dist=not self.group.distributed,
-        )
+        reader = SafeFileSystemReader(str(path))  # after verify: see the docstring
+        try:
+            saved = reader.read_metadata().state_dict_metadata
+            template: Mapping[str, Any] = state.load_template(rank=self.group.rank, saved=saved)
+            problem = None
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [p for p in self.group.all_gather(problem) if p]  # every rank refuses, none hangs in DCP
+        if problems:
+            raise CheckpointError(f"refusing to restore {path}: {problems[0]}")
+        try:
+            dcp.load(
+                template,
+                storage_reader=reader,
+                # keep ShardedTensors without local shards (tables on other ranks) in the
+                # template; flattening exists for FSDP's nested ShardedTensors, not TorchRec's
+                planner=SafeLoadPlanner(flatten_sharded_tensors=False),
+                process_group=self.group.pg,
+                no_dist=not self.group.distributed,
+            )
+        except CheckpointException as e:  # a BaseException: would escape `except Exception`
+            raise CheckpointError(f"restoring {path} failed: {describe(e)}") from e
         state.apply(template, rank=self.group.rank)
         return RestoreResult(checkpoint=info, start=start, end=time.time())
 

@@ -13,7 +13,8 @@ from ettflow.trainer.checkpoint.verify import CheckpointInfo
 class CommitResult:
     """The end of a save: the background write, commit and pruning (`checkpoint_save_background`).
 
-    In sync mode all of it happened while blocking, and the background span is empty.
+    In sync mode all of it happened while blocking, and the background span is empty. A save
+    that did not commit left no committed-looking folder (its `.tmp` folder is removed).
     """
 
     step: int
@@ -23,6 +24,8 @@ class CommitResult:
     background_start: float  # epoch seconds
     background_end: float
     error: str | None = None
+    errno: int | None = None  # the OSError errno behind `error` (ENOSPC, EIO, ...), if any
+    error_path: str | None = None  # the file or folder that failed (the `.tmp` folder at least)
 
     @property
     def background_s(self) -> float:

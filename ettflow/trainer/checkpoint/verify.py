@@ -1,10 +1,17 @@
 """Sealing a written checkpoint (manifest + COMMITTED marker) and verifying it before use.
 
 The manifest records what a complete checkpoint is: the step, the world size, every rank's
-data cursor, the DCP `.metadata` file's size and sha256, and the size (optionally sha256) of
-every storage file that metadata references. Its own sha256, over the canonical JSON of the
-rest, is stored inside it and in COMMITTED. `verify` re-checks all of that; a checkpoint that
-fails any check is torn and is never restored.
+data cursor, and the size and sha256 of EVERY file in the folder when it was sealed (DCP's
+`.metadata` and each `.distcp` storage file). Its own sha256, over the canonical JSON of the
+rest, is stored inside it and in COMMITTED. `verify` re-checks all of that, sizes first and
+then a streaming sha256 of each file; a checkpoint that fails any check is torn and is never
+restored. Files added after the commit (the anchor's `anchor.json`) are not part of it: no
+restore reads them as checkpoint data.
+
+Sealing runs after DCP has finished writing on every rank (in the background thread of an
+async save), so the checksums cover the bytes on disk, and before COMMITTED is written.
+Nothing here unpickles a file: `seal` reads the `.metadata` it checks through
+`reading.read_dcp_metadata`, and `verify` only hashes.
 """
 
 from __future__ import annotations
@@ -17,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
 from ettflow.trainer.checkpoint.layout import (
     COMMITTED,
@@ -27,8 +32,14 @@ from ettflow.trainer.checkpoint.layout import (
     atomic_write_text,
     parse_name,
 )
+from ettflow.trainer.checkpoint.reading import read_dcp_metadata
 
-FORMAT = "ettflow-checkpoint/1"
+FORMAT = "ettflow-checkpoint/2"
+# format 1 pickled per-rank state and checksummed only .metadata: refused with this advice
+_OLD_FORMATS = {
+    "ettflow-checkpoint/1": "it holds pickled per-rank state and unchecksummed data files, and is never "
+    "restored by this ettflow (loading it could run code): start from a newer checkpoint or from scratch",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +54,7 @@ class CheckpointInfo:
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file, read in `chunk`-byte blocks (memory stays flat)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -57,7 +69,7 @@ def _canonical_sha(body: Mapping[str, Any]) -> str:
 
 def _referenced_files(path: Path) -> dict[str, int]:
     """Storage files the DCP metadata references -> the bytes they must at least hold."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = read_dcp_metadata(path)
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = info.relative_path
@@ -67,23 +79,25 @@ def _referenced_files(path: Path) -> dict[str, int]:
     return need
 
 
-def seal(
-    path: Path,
-    *,
-    step: int,
-    world_size: int,
-    cursors: Sequence[Mapping[str, Any]],
-    checksum_data_files: bool,
-) -> int:
+def _folder_files(path: Path) -> list[str]:
+    """Every file under a checkpoint folder (relative, sorted) but the seal's own."""
+    files = []
+    for f in path.rglob("*"):
+        rel = f.relative_to(path).as_posix()
+        if f.is_file() and rel not in (MANIFEST, COMMITTED) and ".partial-" not in f.name:
+            files.append(rel)
+    return sorted(files)
+
+
+def seal(path: Path, *, step: int, world_size: int, cursors: Sequence[Mapping[str, Any]]) -> int:
     """Check a folder DCP finished writing, then write manifest.json and COMMITTED into it.
 
-    Returns the checkpoint's size in bytes (DCP metadata and storage files). Raises
-    CheckpointError (nothing sealed) if DCP's metadata is missing or a storage file it
-    references is missing or too short.
+    Returns the checkpoint's size in bytes (all its files). Raises CheckpointError (nothing
+    sealed) if DCP's metadata is missing or a storage file it references is missing or too
+    short; OSError (errno kept) if the disk fails while hashing or writing the seal.
     """
     if not (path / DCP_METADATA).is_file():
         raise CheckpointError(f"{path} has no DCP {DCP_METADATA}: the DCP save did not finish")
-    files: dict[str, dict[str, Any]] = {}
     for rel, need in sorted(_referenced_files(path).items()):
         f = path / rel
         if not f.is_file():
@@ -91,60 +105,80 @@ def seal(
         size = f.stat().st_size
         if size < need:
             raise CheckpointError(f"{path}: storage file {rel} has {size} bytes, DCP needs {need}")
-        files[rel] = {"size": size}
-        if checksum_data_files:
-            files[rel]["sha256"] = sha256_file(f)
-    meta = path / DCP_METADATA
+    files = {rel: {"size": (path / rel).stat().st_size, "sha256": sha256_file(path / rel)}
+             for rel in _folder_files(path)}
     body = {
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
         "cursors": [dict(c) for c in cursors],
         "created_at": time.time(),
-        "dcp_metadata": {"size": meta.stat().st_size, "sha256": sha256_file(meta)},
         "files": files,
     }
     digest = _canonical_sha(body)
     atomic_write_text(path / MANIFEST, json.dumps({**body, "manifest_sha256": digest}, indent=1))
     atomic_write_text(path / COMMITTED, digest + "\n")
-    return body["dcp_metadata"]["size"] + sum(f["size"] for f in files.values())
+    return sum(f["size"] for f in files.values())
 
 
-def _check_file(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
+def _check_size(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
     f = path / rel
     if not f.is_file():
-        raise TornCheckpointError(path, f"storage file {rel} is missing")
+        raise TornCheckpointError(path, f"storage file {rel} is missing", file=rel)
     size = f.stat().st_size
     if size != expect["size"]:
-        raise TornCheckpointError(path, f"storage file {rel} has {size} bytes, the manifest recorded {expect['size']}")
-    if "sha256" in expect and sha256_file(f) != expect["sha256"]:
-        raise TornCheckpointError(path, f"storage file {rel} does not match its sha256")
+        raise TornCheckpointError(
+            path, f"storage file {rel} has {size} bytes, the manifest recorded {expect['size']}", file=rel
+        )
+
+
+def _check_sha(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
+    if sha256_file(path / rel) != expect["sha256"]:
+        raise TornCheckpointError(path, f"{rel} sha256 mismatch (its bytes changed after the commit)", file=rel)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        recorded = manifest.pop("manifest_sha256")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        raise TornCheckpointError(path, f"{MANIFEST} is missing or unreadable ({e})", file=MANIFEST) from e
+    if _canonical_sha(manifest) != recorded:
+        raise TornCheckpointError(path, f"{MANIFEST} does not match its own sha256", file=MANIFEST)
+    if (path / COMMITTED).read_text(encoding="utf-8").strip() != recorded:
+        raise TornCheckpointError(path, f"{COMMITTED} does not name this {MANIFEST}", file=COMMITTED)
+    fmt = manifest.get("format")
+    if fmt in _OLD_FORMATS:
+        raise TornCheckpointError(path, f"format {fmt}: {_OLD_FORMATS[fmt]}", file=MANIFEST)
+    if fmt != FORMAT:
+        raise TornCheckpointError(path, f"unknown format {fmt!r} (this ettflow reads {FORMAT})", file=MANIFEST)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or DCP_METADATA not in files:
+        raise TornCheckpointError(path, f"{MANIFEST} lists no {DCP_METADATA}", file=MANIFEST)
+    for rel, expect in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(expect, dict):
+            raise TornCheckpointError(path, f"{MANIFEST} lists {rel!r}, not a file of the folder", file=MANIFEST)
+    return manifest
 
 
 def verify(path: Path | str) -> CheckpointInfo:
-    """Verify a committed checkpoint folder; raises TornCheckpointError saying what is wrong."""
+    """Verify a committed checkpoint folder: marker, manifest, and the size and sha256 of
+    every file it lists. Raises TornCheckpointError saying what is wrong (and `.file`, which
+    file). Reads every byte once; unpickles nothing."""
     path = Path(path)
     parsed = parse_name(path.name)
     if parsed is None or parsed[1] != "final":
         raise TornCheckpointError(path, "not a committed checkpoint folder name (step_<n>)")
     if not (path / COMMITTED).is_file():
-        raise TornCheckpointError(path, f"no {COMMITTED} marker: the save never committed")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        recorded = manifest.pop("manifest_sha256")
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise TornCheckpointError(path, f"{MANIFEST} is missing or unreadable ({e})") from e
-    if _canonical_sha(manifest) != recorded:
-        raise TornCheckpointError(path, f"{MANIFEST} does not match its own sha256")
-    if (path / COMMITTED).read_text(encoding="utf-8").strip() != recorded:
-        raise TornCheckpointError(path, f"{COMMITTED} does not name this {MANIFEST}")
-    if manifest.get("format") != FORMAT:
-        raise TornCheckpointError(path, f"unknown format {manifest.get('format')!r}")
+        raise TornCheckpointError(path, f"no {COMMITTED} marker: the save never committed", file=COMMITTED)
+    manifest = _read_manifest(path)
     if manifest["step"] != parsed[0]:
-        raise TornCheckpointError(path, f"manifest step {manifest['step']} != folder step")
-    _check_file(path, DCP_METADATA, manifest["dcp_metadata"])
-    for rel, expect in manifest["files"].items():
-        _check_file(path, rel, expect)
+        raise TornCheckpointError(path, f"manifest step {manifest['step']} != folder step", file=MANIFEST)
+    files = manifest["files"]
+    for rel in sorted(files):  # sizes first: a missing or cut file is found without hashing
+        _check_size(path, rel, files[rel])
+    for rel in sorted(files):
+        _check_sha(path, rel, files[rel])
     return CheckpointInfo(
         step=manifest["step"],
         path=path,

@@ -1,0 +1,112 @@
+"""The anchor marker: `anchor.json` inside the committed checkpoint a run ends with.
+
+An anchor is the checkpoint that publishing reads and that the next refresh continues from.
+The trainer's rank 0 writes the marker after the final checkpoint committed; it says which
+run wrote it, at which step and data cursor, and the model and schema to rebuild the model
+without the trainer's config. `AnchorInfo` is the typed content; the file is its JSON
+(`to_json`), with the same keys as ever: run_id, step, cursor, world_size, model, schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ettflow.trainer.checkpoint.layout import atomic_write_text
+from ettflow.trainer.data.schema import FeatureSchema
+from ettflow.trainer.model import ModelConfig
+
+ANCHOR_FILE = "anchor.json"
+REQUIRED = ("run_id", "step", "model", "schema")
+
+
+class AnchorFormatError(ValueError):
+    """An anchor.json that cannot be read as an `AnchorInfo` (the message names the file and field)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnchorInfo:
+    """What anchor.json says about its checkpoint.
+
+    run_id: the run that trained it. step: the training step it holds. cursor: each data
+    pipeline's next row at that step (`Cursor.to_dict`, rank 0's), None when nothing was
+    trained in the attempt that wrote it. world_size: the ranks that saved it. model,
+    schema: what builds the model again.
+    """
+
+    run_id: str
+    step: int
+    world_size: int | None = None
+    model: ModelConfig
+    schema: FeatureSchema
+    cursor: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise AnchorFormatError("AnchorInfo.run_id must not be empty")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise AnchorFormatError(f"AnchorInfo.step must be an int >= 0, got {self.step!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "step": self.step, "cursor": self.cursor, "world_size": self.world_size,
+                "model": asdict(self.model), "schema": self.schema.to_dict()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str = ANCHOR_FILE) -> AnchorInfo:
+        """Parse and check; `where` (the file) prefixes every error message."""
+        if not isinstance(data, Mapping):
+            raise AnchorFormatError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        missing = [k for k in REQUIRED if k not in data]
+        if missing:
+            raise AnchorFormatError(f"{where} lacks {missing}: it was not written by write_anchor")
+        try:
+            schema = FeatureSchema.from_dict(data["schema"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise AnchorFormatError(f"{where}: invalid schema ({e})") from e
+        model = _model_config(data["model"], where)
+        try:
+            return cls(run_id=str(data["run_id"]), step=data["step"], world_size=data.get("world_size"),
+                       model=model, schema=schema, cursor=data.get("cursor"))
+        except AnchorFormatError as e:  # the field checks of __post_init__
+            raise AnchorFormatError(f"{where}: {e}") from e
+
+
+def _model_config(raw: Any, where: str) -> ModelConfig:
+    if not isinstance(raw, Mapping):
+        raise AnchorFormatError(f"{where}: 'model' must be a ModelConfig dict, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        raise AnchorFormatError(f"{where}: model has fields {unknown} this ettflow's ModelConfig does not "
+                                "know; read it with the ettflow version that trained it")
+    try:
+        return ModelConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise AnchorFormatError(f"{where}: invalid model config ({e})") from e
+
+
+def write_anchor(checkpoint: Path | str, info: AnchorInfo | Mapping[str, Any]) -> None:
+    """Mark a committed checkpoint as a run's anchor (atomic: temp file, fsync, rename). A
+    mapping is checked as an `AnchorInfo` first, so a written marker always reads back."""
+    path = Path(checkpoint) / ANCHOR_FILE
+    if not isinstance(info, AnchorInfo):
+        info = AnchorInfo.from_json(info, where=str(path))
+    atomic_write_text(path, json.dumps(info.to_json(), indent=1, sort_keys=True))
+
+
+def read_anchor(checkpoint: Path | str) -> dict[str, Any] | None:
+    """The marker's raw JSON (None: the checkpoint is not an anchor); `load_anchor` checks it."""
+    path = Path(checkpoint) / ANCHOR_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_anchor(checkpoint: Path | str) -> AnchorInfo | None:
+    """The marker as an `AnchorInfo` (None: no marker); `AnchorFormatError` when it is malformed."""
+    path = Path(checkpoint) / ANCHOR_FILE
+    try:
+        raw = read_anchor(checkpoint)
+    except json.JSONDecodeError as e:
+        raise AnchorFormatError(f"{path}: not valid JSON ({e})") from e
+    return None if raw is None else AnchorInfo.from_json(raw, where=str(path))
