@@ -1,15 +1,23 @@
 """The driver's loop, stepped with a scripted group and no cluster: failures are scripted,
-and the lost time they cause is read back exactly from the spool."""
+and the lost time they cause is read back exactly from the spool. Failures are typed values
+and the policy's decisions are enums: the tests assert on those, not on messages."""
 
 from __future__ import annotations
 
 import pytest
 
+from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter, read_spool
+from ettflow.tasks import run_spool
+from ettflow.trainer.classify import primary_failure
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.driver import RankFailure, TrainingDriver, TrainingFailed, classify
+from ettflow.trainer.driver import TrainingDriver, TrainingFailed
+from ettflow.trainer.failure_policy import FailureDecision
+from ettflow.trainer.faults import due, pending_faults, record_fired
+
+INFRA, USER, DATA = FailureClass.INFRASTRUCTURE, FailureClass.USER, FailureClass.DATA
 
 
 class Clock:
@@ -20,16 +28,25 @@ class Clock:
         return self.t
 
 
+def died(rank: int) -> Failure:
+    return Failure(failure_class=INFRA, rank=rank, reason=f"rank {rank}: process died", detail="SIGKILL")
+
+
 class ScriptedGroup:
     """Each poll advances the clock one second; each rank trains one step per poll (written
-    to the spool like a real rank) until its script says finish, die, raise or hang."""
+    to the spool like a real rank, with its step) until its script says finish, die, raise or
+    hang. Scripted faults (`fail_at`) fire as in a real rank: the run's config less the items
+    that fired (`pending_faults`), each recorded with its index when it fires. With
+    `run.restore_step` set, a restart resumes every rank from that checkpointed step."""
 
     def __init__(self, run, attempt: int, script: dict) -> None:
         self.run, self.attempt, self.script = run, attempt, script
         self.polls = 0
         self.killed: list[int] = []
+        self.hung: set[int] = set()
         self.torn_down = False
         self.writers = {}
+        self.faults = pending_faults(run.config, run.spool, run.run_id).failures
 
     def reserve(self) -> None:
         self.run.clock.t += 2.0  # queueing for the placement
@@ -37,6 +54,10 @@ class ScriptedGroup:
     def launch(self) -> None:
         self.writers = {r: SpoolWriter(self.run.spool, self.run.run_id, self.attempt, r)
                         for r in range(self.run.config.world_size)}
+        if self.attempt > 0 and self.run.restore_step is not None:
+            for rank, w in self.writers.items():
+                self.run.cursor[rank] = self.run.restore_step
+                w.record("checkpoint_restore", self.run.clock.t, self.run.clock.t, step=self.run.restore_step)
 
     def poll(self, timeout_s: float):
         self.polls += 1
@@ -45,20 +66,36 @@ class ScriptedGroup:
         done, failed = {}, []
         for rank, w in self.writers.items():
             action = self.script.get((rank, self.polls), "step")
+            cursor = self.run.cursor[rank]
+            fault = due(self.faults, attempt=self.attempt, rank=rank, step=cursor) if action == "step" else None
             if rank in self.killed:
-                failed.append(RankFailure(rank, died=True, error="SIGKILL"))
+                failed.append(died(rank))
+            elif rank in self.hung:
+                continue
+            elif fault is not None:
+                record_fired(fault, w, rank=rank, step=cursor, at=t0)
+                self.faults = tuple(f for f in self.faults if f is not fault)
+                if fault.kind == "kill":
+                    self.killed.append(rank)
+                    failed.append(died(rank))
+                elif fault.kind == "raise":
+                    failed.append(Failure(failure_class=USER, rank=rank, reason="injected", injected=True))
+                else:
+                    self.hung.add(rank)
             elif action == "step":
-                cursor = self.run.cursor[rank]
-                w.record("train_step", t0, t0 + 1.0, cursor_start=cursor, cursor_end=cursor + 1)
+                w.record("train_step", t0, t0 + 1.0, step=cursor, cursor_start=cursor, cursor_end=cursor + 1)
                 self.run.cursor[rank] += 1
             elif action == "finish":
                 done[rank] = {"finished_at": t0}
             elif action == "die":
-                failed.append(RankFailure(rank, died=True, error="SIGKILL"))
+                failed.append(died(rank))
             elif action == "raise":
-                failed.append(RankFailure(rank, died=False, error="ValueError: bad row", user_error=True))
+                failed.append(Failure(failure_class=USER, rank=rank, reason=f"rank {rank}: ValueError: bad row"))
+            elif action == "peer-lost":
+                failed.append(Failure(failure_class=INFRA, rank=rank, reason="peer lost", secondary=True))
             elif action == "bad-data":
-                failed.append(RankFailure(rank, died=False, error="x.parquet: column 'cat_1' ...", fatal=True))
+                failed.append(Failure(failure_class=DATA, rank=rank, path="x.parquet",
+                                      reason=f"rank {rank}: x.parquet: column 'cat_1' is not integer"))
             # "hang": no step, no outcome
         return done, failed
 
@@ -71,7 +108,7 @@ class ScriptedGroup:
 
 
 class Run:
-    def __init__(self, tmp_path, scripts: list[dict], **cfg) -> None:
+    def __init__(self, tmp_path, scripts: list[dict], *, restore_step: int | None = None, **cfg) -> None:
         data = tmp_path / "data"
         data.mkdir(exist_ok=True)
         self.config = TrainerConfig(data_root=str(data), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
@@ -79,6 +116,7 @@ class Run:
         self.spool, self.run_id = tmp_path / "spool", "r1"
         self.clock = Clock()
         self.cursor = {0: 0, 1: 0}
+        self.restore_step = restore_step
         self.scripts = scripts
         self.groups: list[ScriptedGroup] = []
 
@@ -87,13 +125,18 @@ class Run:
         self.groups.append(group)
         return group
 
-    def drive(self):
-        driver = TrainingDriver(self.config, self.run_id, self.spool, self.factory, poll_s=0, grace_s=0,
-                                clock=self.clock)
-        return driver.run(submitted_at=self.clock.t)
+    def driver(self, **kw) -> TrainingDriver:
+        return TrainingDriver(self.config, self.run_id, self.spool, self.factory, poll_s=0, grace_s=0,
+                              clock=self.clock, **kw)
+
+    def drive(self, **kw):
+        return self.driver().run(submitted_at=self.clock.t, **kw)
 
     def metrics(self):
         return compute_run_metrics(read_spool(self.spool, self.run_id).events)
+
+    def markers(self, phase: str):
+        return [e for e in read_spool(self.spool, self.run_id).events if e.phase == phase]
 
 
 def finish_at(poll: int) -> dict:
@@ -116,8 +159,12 @@ def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):
     # attempt 0: rank 1 dies on the 3rd poll; attempt 1 replays from cursor 1 and finishes
     run = Run(tmp_path, [{(1, 3): "die"}, finish_at(4)])
     result = run.drive()
-    assert result.attempts == 2 and [f["failure_class"] for f in result.failures] == ["infrastructure"]
-    assert "rank 1 process died" in result.failures[0]["reason"] and run.groups[0].torn_down
+    (failure,) = result.failures
+    assert result.attempts == 2 and run.groups[0].torn_down
+    # typed: the class, the rank, the attempt, and the step it was at (two steps done)
+    assert (failure.failure_class, failure.rank, failure.attempt, failure.step) == (INFRA, 1, 0, 2)
+    (detected,) = run.markers("failure_detected")
+    assert Failure.from_attrs(detected.attrs, attempt=detected.attempt) == failure  # the marker is the failure
     m = run.metrics()
     assert m.nof == 1 and m.failures[0].failure_class == "infrastructure"
     # the 3rd poll of attempt 0 runs 1004 -> 1005 and reports the death: detected at 1005;
@@ -126,26 +173,80 @@ def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):
     assert m.exposed("lost_in_flight") == 0  # rank 1's last step ended when the fault was seen
 
 
-def test_user_error_is_classified_and_budget_enforced(tmp_path):
+def test_user_errors_spend_the_budget_and_the_message_counts_them(tmp_path):
+    # a user error at step 1, then one before any step of the restart: no progress -> RAISE,
+    # and with a budget of 1 the second failure is past it anyway
     run = Run(tmp_path, [{(0, 2): "raise"}, {(0, 1): "raise"}], max_failures=1)
-    with pytest.raises(TrainingFailed, match=r"2 failures exceed the budget of 1 .*ValueError: bad row"):
+    with pytest.raises(TrainingFailed) as caught:
         run.drive()
+    exc = caught.value
+    assert exc.decision is FailureDecision.RAISE and [f.failure_class for f in exc.failures] == [USER, USER]
+    assert [f.step for f in exc.failures] == [1, None] and [f.attempt for f in exc.failures] == [0, 1]
+    assert str(exc).startswith("run r1 stopped after 2 failures (user x2): 2 failures exceed the budget of 1")
     m = run.metrics()
     assert m.nof == 2 and {f.failure_class for f in m.failures} == {"user"}
 
 
+def test_message_counts_every_failure_by_class(tmp_path):
+    run = Run(tmp_path, [{(1, 2): "die"}, {(0, 2): "die"}, {(0, 3): "raise"}], max_failures=2)
+    with pytest.raises(TrainingFailed) as caught:
+        run.drive()
+    assert [f.failure_class for f in caught.value.failures] == [INFRA, INFRA, USER]
+    assert str(caught.value).startswith("run r1 stopped after 3 failures (infrastructure x2, user x1): ")
+
+
+def test_user_error_at_the_same_step_is_retried_once(tmp_path):
+    # every restart resumes from the checkpoint at step 0; rank 0 raises at step 2 each time
+    run = Run(tmp_path, [{(0, 3): "raise"}, {(0, 3): "raise"}, finish_at(8)], restore_step=0, max_failures=5)
+    with pytest.raises(TrainingFailed) as caught:
+        run.drive()
+    exc = caught.value
+    assert len(run.groups) == 2  # one retry from the previous checkpoint, then stop
+    assert [(f.failure_class, f.step) for f in exc.failures] == [(USER, 2), (USER, 2)]
+    assert exc.decision is FailureDecision.RAISE and "no progress past step 2" in exc.why
+
+
+def test_user_error_after_progress_is_retried_again(tmp_path):
+    # the second user error happens past the first one's step: the run progressed, restart
+    run = Run(tmp_path, [{(0, 3): "raise"}, {(0, 5): "raise"}, finish_at(3)], restore_step=0, max_failures=5)
+    result = run.drive()
+    assert result.attempts == 3 and [(f.failure_class, f.step) for f in result.failures] == [(USER, 2), (USER, 4)]
+
+
 def test_bad_data_stops_at_once(tmp_path):
     run = Run(tmp_path, [{(0, 1): "bad-data", (1, 1): "bad-data"}, finish_at(1)])
-    with pytest.raises(TrainingFailed, match=r"stopped: .*x.parquet: column 'cat_1'"):
+    with pytest.raises(TrainingFailed) as caught:
         run.drive()
+    exc = caught.value
     assert len(run.groups) == 1  # never retried
+    assert exc.decision is FailureDecision.RAISE and exc.failure.failure_class is DATA
+    assert exc.failure.path == "x.parquet" and "x.parquet: column 'cat_1'" in str(exc)  # says which file
+
+
+def test_a_dead_process_is_the_cause_not_its_peers_lost_collective(tmp_path):
+    # rank 0 reports a lost peer first; rank 1's death arrives in the grace period: infrastructure, rank 1
+    run = Run(tmp_path, [{(0, 2): "peer-lost", (1, 3): "die"}, finish_at(2)])
+    driver = TrainingDriver(run.config, run.run_id, run.spool, run.factory, poll_s=0, grace_s=5, clock=run.clock)
+    result = driver.run(submitted_at=run.clock.t)
+    (failure,) = result.failures
+    assert (failure.failure_class, failure.rank, failure.secondary) == (INFRA, 1, False)
+
+
+def test_primary_failure_prefers_the_dead_process():
+    lost = Failure(failure_class=INFRA, rank=0, reason="peer lost", secondary=True)
+    bug = Failure(failure_class=USER, rank=0, reason="ValueError")
+    assert primary_failure([lost, died(1)]) == died(1)
+    assert primary_failure([lost, bug]) == bug  # a lost peer is never the cause when one is known
+    assert primary_failure([bug, died(1)]) == died(1)
+    assert primary_failure([lost]) == lost
 
 
 def test_hang_is_caught_by_the_step_watchdog(tmp_path):
     script = {(1, p): "hang" for p in range(3, 100)}
     run = Run(tmp_path, [script, finish_at(2)], watchdog_s=5.0)
     result = run.drive()
-    assert result.attempts == 2 and "hang" in result.failures[0]["reason"]
+    (failure,) = result.failures
+    assert result.attempts == 2 and (failure.failure_class, failure.rank, failure.step) == (INFRA, 1, 2)
     m = run.metrics()
     # rank 1's last step ended at 1004; the watchdog fires when more than 5 s passed
     assert m.failures[0].detected_at > 1009.0 and m.failures[0].detected_at <= 1010.0
@@ -155,16 +256,59 @@ def test_timed_sigkill_is_sent_by_the_driver(tmp_path):
     run = Run(tmp_path, [{}, finish_at(2)], failures=(FailAt(kind="kill", rank=1, after_s=2.0),))
     run.scripts[0] = {}  # would train forever without the kill
     result = run.drive()
-    assert run.groups[0].killed == [1] and result.attempts == 2
-    events = read_spool(run.spool, run.run_id).events
-    injected = [e for e in events if e.phase == "failure"]
-    assert len(injected) == 1 and injected[0].attrs["injected"] and injected[0].attrs["failed_rank"] == 1
+    assert run.groups[0].killed == [1] and result.attempts == 2 and run.groups[1].killed == []
+    (injected,) = run.markers("failure")
+    assert injected.attrs["injected"] and injected.attrs["failed_rank"] == 1 and injected.attrs["fault_index"] == 0
 
 
-def test_classify_prefers_the_dead_process():
-    failures = [RankFailure(0, died=False, error="gloo: connection reset"), RankFailure(1, died=True, error="SIGKILL")]
-    assert classify(failures) == ("infrastructure", "rank 1 process died: SIGKILL", 1)
-    assert classify([RankFailure(0, died=False, error="ValueError", user_error=True)])[0] == "user"
+def test_fail_at_items_fire_once_each_in_whichever_attempt(tmp_path):
+    # kills at steps 4, 8, 12, 16; every restart resumes from step 0 and replays the steps
+    # whose fault already fired without firing it again: four failures, then the run ends
+    kills = tuple(FailAt(kind="kill", rank=1, step=s) for s in (4, 8, 12, 16))
+    run = Run(tmp_path, [{}, {}, {}, {}, finish_at(20)], restore_step=0, failures=kills, max_failures=4)
+    result = run.drive()
+    assert result.attempts == 5 and [f.failure_class for f in result.failures] == [INFRA] * 4
+    assert [(f.attempt, f.step) for f in result.failures] == [(0, 4), (1, 8), (2, 12), (3, 16)]
+    fired = run.markers("failure")
+    assert [(e.attempt, e.attrs["fault_index"], e.attrs["step"]) for e in fired] == [
+        (0, 0, 4), (1, 1, 8), (2, 2, 12), (3, 3, 16)]
+    assert run.metrics().nof == 4
+
+
+def test_fail_at_attempt_restricts_an_item(tmp_path):
+    # the kill at step 2 waits for attempt 1: attempt 0 passes step 2, then fails otherwise
+    run = Run(tmp_path, [{(0, 5): "die"}, {}, finish_at(6)], restore_step=0,
+              failures=(FailAt(kind="kill", rank=1, step=2, attempt=1),))
+    result = run.drive()
+    assert [(f.attempt, f.rank, f.step) for f in result.failures] == [(0, 0, 4), (1, 1, 2)]
+    assert [e.attempt for e in run.markers("failure")] == [1]
+
+
+def test_a_task_retry_shares_the_run_budget(tmp_path):
+    # budget 2: attempt 0 dies (1); the driver's process fails in attempt 1 and the task
+    # records it (2); the task's retry starts at attempt 2 and counts both: its first failure
+    # (3) exceeds the budget instead of starting a fresh one
+    run = Run(tmp_path, [{(1, 2): "die"}, None, {(1, 2): "die"}, finish_at(3)], max_failures=2)
+
+    def factory(attempt: int):
+        if attempt == 1:
+            raise ConnectionError("lost the Ray cluster")
+        return run.factory(attempt)
+
+    driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
+    with pytest.raises(ConnectionError) as crashed:
+        driver.run(submitted_at=run.clock.t)
+    recorded = run_spool.record_task_failure(run.spool, run.run_id, 1, crashed.value, task="train", at=run.clock.t)
+    assert recorded is not None and recorded.failure_class is INFRA  # typed from the exception
+    prior = run_spool.failures(run.spool, run.run_id)
+    assert [(f.attempt, f.failure_class) for f in prior] == [(0, INFRA), (1, INFRA)]
+
+    retry = run.driver()
+    with pytest.raises(TrainingFailed) as caught:
+        retry.run(first_attempt=run_spool.next_attempt(run.spool, run.run_id), prior_failures=prior)
+    exc = caught.value
+    assert exc.decision is FailureDecision.RAISE and len(exc.failures) == 3 and len(run.groups) == 2
+    assert [f.attempt for f in exc.failures] == [0, 1, 2] and "3 failures exceed the budget of 2" in exc.why
 
 
 def test_in_trainer_publish_holds_the_devices(tmp_path):

@@ -12,6 +12,7 @@ from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.trainer.config import Switches, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.init_pipeline import InitPipeline, Stage
+from ettflow.trainer.rank_state import SET_BY, RankState, StateNotReady
 from ettflow.trainer.session import TrainerSession
 
 
@@ -91,3 +92,36 @@ def test_fast_batch_compiles_while_the_dpp_warms_up(tmp_path, fast_batch):
     else:
         assert compile_ev.start >= warmup.end
     assert ev["train_module_creation"].start >= ev["process_group_init"].end  # sequential init either way
+
+
+def test_rank_state_names_the_stage_a_field_waits_for():
+    state = RankState()
+    with pytest.raises(StateNotReady, match="'dmp' was read before init stage 'train_module_creation'"):
+        state.dmp  # noqa: B018 - the read is the test
+    assert not state.is_set("dmp") and state.compiled_step is None and state.eval_start is None
+    state.eval_data = None  # a stage may set "nothing": no held-out windows
+    assert state.is_set("eval_data") and state.eval_data is None
+    with pytest.raises(AttributeError, match="no field 'dpm'"):
+        state.is_set("dpm")
+    assert set(SET_BY) <= {f for f in RankState.__dataclass_fields__}
+
+
+def test_every_stage_bound_field_is_set_by_a_stage_of_the_graph(tmp_path):
+    (tmp_path / "data").mkdir()
+    cfg = TrainerConfig(data_root=str(tmp_path / "data"), schema=criteo_schema(10), work_dir=str(tmp_path),
+                        world_size=1)
+    session = TrainerSession(cfg, "r", 0, 0, tmp_path, "127.0.0.1", 0)
+    session.rec.close()
+    assert set(SET_BY.values()) <= {s.name for s in session.stages()}
+
+
+@pytest.mark.parametrize("eval_at_start", [True, False])
+def test_evaluating_at_start_waits_for_the_held_out_pipeline(tmp_path, eval_at_start):
+    # concurrent init: pre_train reads eval_data, which preproc_creation sets
+    (tmp_path / "data").mkdir()
+    cfg = TrainerConfig(data_root=str(tmp_path / "data"), schema=criteo_schema(10), work_dir=str(tmp_path),
+                        world_size=1, eval_at_start=eval_at_start)
+    session = TrainerSession(cfg, "r", 0, 0, tmp_path, "127.0.0.1", 0)
+    (pre_train,) = [s for s in session.stages() if s.name == "pre_train"]
+    assert ("preproc_creation" in pre_train.needs) is eval_at_start
+    session.rec.close()

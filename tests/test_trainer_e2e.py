@@ -1,5 +1,5 @@
 """The real trainer: 2 Ray actors, TorchRec DMP over gloo, compiled dense step, DCP
-checkpoints, a real SIGKILL. Tiny sizes; one Ray instance and one compile cache for all."""
+checkpoints, a real SIGKILL, a NaN loss. Tiny sizes; one Ray instance and one compile cache for all."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import read_spool
+from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.model import ModelConfig
-from ettflow.trainer.plugins import read_anchor
 from ettflow.trainer.ray_group import RayWorkerGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -111,6 +111,28 @@ def test_sigkill_recovers_exactly_and_restarts_warm(world, clean_run, tmp_path):
     assert killed.keys() == clean.keys() and len(killed) > 4
     for key in clean:
         assert torch.equal(killed[key], clean[key]), key
+
+
+def test_nan_loss_stops_the_attempt_as_numerics_and_is_never_trained_on(world, tmp_path):
+    cfg = config(world, "nan", failures=(FailAt(kind="nan", rank=0, step=7),), eval_batches=0)
+    result, events, m = drive(world, cfg, "nan")
+    # the attempt ended at the NaN step with a numerics failure marker from rank 0 ...
+    (marker,) = by(events, "failure", rank=0, attempt=0)
+    assert marker.rank == 0 and marker.attrs["failure_class"] == "numerics" and marker.attrs["step"] == 7
+    assert marker.attrs["injected"] and marker.attrs["reason"] == "non-finite loss at step 7 on rank 0"
+    assert result.attempts == 2 and m.nof == 1 and m.failures[0].failure_class == "numerics"
+    # ... the NaN step was never recorded as a step, on any rank, and nothing was saved after it
+    assert max(e.attrs["step"] for e in by(events, "train_step", attempt=0)) == 6
+    assert all(e.attrs["loss"] == e.attrs["loss"] for e in by(events, "train_step"))  # no NaN loss anywhere
+    assert sorted({e.attrs["step"] for e in by(events, "checkpoint_save_blocking", attempt=0)}) == [5]
+    assert by(events, "anchor_checkpoint", attempt=0) == []
+    # the restart restored the last finite checkpoint, replayed 5 and 6, and trained every batch once
+    (restore,) = by(events, "checkpoint_restore", rank=0, attempt=1)
+    assert restore.attrs["step"] == 5
+    assert m.replayed_steps == 2 * (7 - 5) and m.effective_steps == 2 * STEPS
+    m.check_partition()
+    anchor = model_tensors(result.rank0["anchor"], tmp_path / "nan.pt")
+    assert all(torch.isfinite(t).all() for t in anchor.values() if t.is_floating_point())
 
 
 def test_baseline_switches_compile_after_the_first_real_batch(world):

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .failures import FAILURE_CLASSES  # the classes live with the Failure type
+
 # The six L2 components, in sweep priority (highest first). They partition the wall clock.
 COMPONENTS: tuple[str, ...] = (
     "effective_training",
@@ -25,6 +27,9 @@ COMPONENTS: tuple[str, ...] = (
     "shutdown",
 )
 UNATTRIBUTED = "unattributed"
+# Every L2 bucket in the order every table and picture shows it: the components in sweep
+# priority, then the time no event covers. Colours: `ett.palette.COLOURS`.
+L2_ORDER: tuple[str, ...] = (*COMPONENTS, UNATTRIBUTED)
 
 # Who can fix a regression in each component.
 OWNERS: dict[str, str] = {
@@ -120,7 +125,6 @@ def owner_of(name: str) -> str | None:
     return OWNERS.get(component) if component else None
 
 
-FAILURE_CLASSES: tuple[str, ...] = ("infrastructure", "user", "publish")
 
 REQUIRED_FIELDS: tuple[str, ...] = ("run_id", "attempt", "rank", "phase", "start", "end")
 

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ettflow.trainer.driver import RankFailure, WorkerGroup
+from ettflow.ett.failures import Failure
+from ettflow.trainer.driver import WorkerGroup
 
 from . import run_spool
 
@@ -41,7 +42,7 @@ class HeldGroup:
     def launch(self) -> None:
         self.group.launch()
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[RankFailure]]:
+    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
         done, failed = self.group.poll(timeout_s)
         self.finished.update(done)
         return done, failed

@@ -11,11 +11,14 @@ and never as `failure` markers: NoF and TTR are about training (see the flows RE
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ettflow.ett.events import FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
+from ettflow.ett.failures import Failure
 from ettflow.ett.spool import SpoolWriter, read_spool
+from ettflow.trainer.classify import failure_from_exception
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\.")
 PUBLISH_PHASES = ("publish", "publish_standalone")
@@ -55,24 +58,29 @@ def record(root: Path | str, run_id: str, attempt: int, phase: str, start: float
         return rec.record(phase, start, end, **attrs)
 
 
-def classify_exception(exc: BaseException) -> str:
-    """A task's own exception: Ray and placement problems are infrastructure, the rest user."""
-    name = type(exc).__name__
-    module = type(exc).__module__ or ""
-    infra = module.startswith(("ray", "grpc")) or name in ("GetTimeoutError", "TimeoutError", "ConnectionError")
-    return "infrastructure" if infra or "could not reserve" in str(exc) else "user"
+def failures(root: Path | str, run_id: str) -> list[Failure]:
+    """The run's failures so far, one per failed attempt, oldest first: the driver's (or a
+    task's) `failure_detected` marker, else the rank's own `failure` marker. What earlier
+    tries of the train task spent of the run's failure budget."""
+    by_attempt: dict[int, PhaseEvent] = {}
+    for ev in sorted(events(root, run_id), key=lambda e: (e.attempt, e.phase != FAILURE_DETECTED, e.start)):
+        if ev.phase in (FAILURE, FAILURE_DETECTED):
+            by_attempt.setdefault(ev.attempt, ev)
+    return [Failure.from_attrs(ev.attrs, attempt=a) for a, ev in sorted(by_attempt.items())]
 
 
 def record_task_failure(root: Path | str, run_id: str, attempt: int, exc: BaseException, *,
-                        task: str, at: float) -> bool:
-    """Mark `attempt` failed unless the driver already did; True when a marker was added."""
+                        task: str, at: float) -> Failure | None:
+    """Mark `attempt` failed unless the driver already did; the failure recorded (typed from
+    the exception, `failure_from_exception`), or None when the attempt had one already."""
     evs = [e for e in events(root, run_id) if e.attempt == attempt]
     if any(e.phase in (FAILURE, FAILURE_DETECTED) for e in evs):
-        return False
+        return None
+    failure = failure_from_exception(exc, rank=-1, attempt=attempt)
+    failure = replace(failure, reason=f"{task} raised {type(exc).__name__}: {exc}"[:500])
     with SpoolWriter(root, run_id, attempt, -1) as rec:
-        rec.mark(FAILURE_DETECTED, at, failure_class=classify_exception(exc), task=task, task_retry=True,
-                 reason=f"{task} raised {type(exc).__name__}: {exc}"[:500])
-    return True
+        rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True)
+    return failure
 
 
 def training_attempts(evs: list[PhaseEvent]) -> list[int]:

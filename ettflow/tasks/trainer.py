@@ -4,6 +4,9 @@ Idempotent on the anchor: a run whose checkpoint folder already holds an anchor 
 this run (a flow retry after training finished) reserves nothing and trains nothing; `train`
 returns that anchor. Attempt numbers continue where the run's spool stops, so a task retry
 or a flow retry never appends to an earlier attempt's files.
+
+One failure budget per run: the driver's restarts and the train task's own retry ask the same
+`FailurePolicy` (`failure_policy`), and a retry counts the failures already in the spool.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ettflow.flows.params import RefreshPlan
+from ettflow.ett.failures import Failure
+from ettflow.tasks.plan import RefreshPlan
+from ettflow.trainer.checkpoint.anchor import read_anchor
+from ettflow.trainer.checkpoint.latest import latest_checkpoint
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
-from ettflow.trainer.plugins import latest_checkpoint, read_anchor
+from ettflow.trainer.failure_policy import DefaultFailurePolicy, FailureDecision
 
 from . import run_spool
 from .archive import archive_on_task_state
@@ -32,7 +38,7 @@ class Trained:
     anchor: str
     attempts: int  # attempts this task ran (0: the anchor was already there)
     reused: bool  # training had finished before (flow retry): nothing was trained now
-    failures: list[dict] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)  # this try's, in order
     rank0: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,22 +100,30 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
     return lease
 
 
+def failure_policy(plan: RefreshPlan) -> DefaultFailurePolicy:
+    """The run's failure policy: the driver's restarts and the task's retries ask the same one."""
+    return DefaultFailurePolicy(max_failures=plan.trainer.max_failures)
+
+
 def _retry_training(task, task_run, state) -> bool:
-    """Retry the train task unless the data is bad (the driver stopped without retrying)."""
+    """Retry the train task when the failure policy said RESTART for the failure that ended
+    this try (`TrainingFailed.decision`); the budget is the run's, counted from the spool."""
     try:
         state.result()
     except TrainingFailed as exc:
-        return " stopped: " not in str(exc)
-    except Exception:  # noqa: BLE001 - any other error of the attempt: try again
-        return True
+        return exc.decision is FailureDecision.RESTART
+    except BaseException:  # noqa: BLE001 - not a training failure (cancelled, interrupted): never retried
+        return False
     return False
 
 
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2, retry_condition_fn=_retry_training,
       on_failure=[archive_on_task_state])
 def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
-    """Run the training driver (restarts within its failure budget); a task retry goes on
-    with the next attempt. Returns with the devices still held (see `release_trainer`)."""
+    """Run the training driver (restarts as the failure policy says); a task retry goes on
+    with the next attempt, and the failures of earlier tries count against the same budget.
+    Every error of a try leaves as `TrainingFailed`, with the policy's decision on it.
+    Returns with the devices still held (see `release_trainer`)."""
     logger = get_run_logger()
     anchor = finished_anchor(plan)
     if anchor is not None:
@@ -123,13 +137,27 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease = lease or new_lease(plan, first)
     evs = run_spool.events(plan.spool_root, plan.run_id)
     submitted_at = plan.submitted_at if first == 0 and not run_spool.submitted(evs) else None
-    driver = TrainingDriver(plan.trainer, plan.run_id, plan.spool_root, group_factory=lease.group_for)
+    policy = failure_policy(plan)
+    prior = run_spool.failures(plan.spool_root, plan.run_id)
+    if prior:
+        logger.info("run %s had %d failure(s) before this try; they count against its budget of %d",
+                    plan.run_id, len(prior), plan.trainer.max_failures)
+    driver = TrainingDriver(plan.trainer, plan.run_id, plan.spool_root, group_factory=lease.group_for,
+                            failure_policy=policy)
     try:
         with ProgressReporter(plan, logger):
-            result = driver.run(first_attempt=first, submitted_at=submitted_at)
+            result = driver.run(first_attempt=first, submitted_at=submitted_at, prior_failures=prior)
     except TrainingFailed:
         lease.release()
         raise  # every failure is in the spool already, with its class
+    except Exception as exc:
+        last = run_spool.last_attempt(plan.spool_root, plan.run_id)
+        run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
+        lease.release()
+        history = run_spool.failures(plan.spool_root, plan.run_id)
+        failure, earlier = history[-1], history[:-1]
+        raise TrainingFailed(plan.run_id, history, policy.decide(failure, earlier),
+                             policy.explain(failure, earlier)) from exc
     except BaseException as exc:
         last = run_spool.last_attempt(plan.spool_root, plan.run_id)
         run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())

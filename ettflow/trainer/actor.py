@@ -1,5 +1,7 @@
 """The Ray actor that hosts one rank. Its constructor only remembers who it is: a restarted
-or replaced actor gets everything else back from the checkpoint and the compile cache."""
+or replaced actor gets everything else back from the checkpoint and the compile cache.
+An exception that ends `train` leaves the actor as a `FailureError` (its `Failure` typed from
+the exception's type), so the driver never reads a message to classify it."""
 
 from __future__ import annotations
 
@@ -8,12 +10,18 @@ import os
 import time
 from pathlib import Path
 
+from ettflow.ett.failures import FailureError
+
+from .classify import failure_from_exception
 from .config import TrainerConfig
 
 
 class TrainerActor:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str,
                  requested_at: float) -> None:
+        from ettflow.console import quiet_third_party, verbose_from_env
+
+        quiet_third_party(verbose_from_env())  # before torch/torchrec/fbgemm are imported
         from .session import process_start_time
 
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
@@ -25,7 +33,7 @@ class TrainerActor:
         for noisy in ("torchrec", "root", "fbgemm_gpu", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         # before anything imports inductor: compile dirs, job id and thread count
-        from .plugins import prepare_compile_env
+        from .compile.process_cache import prepare_compile_env
 
         prepare_compile_env(config)
 
@@ -47,4 +55,9 @@ class TrainerActor:
 
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
                                  master_addr, master_port, process_started_at=self.started_at)
-        return session.run()
+        try:
+            return session.run()
+        except FailureError:
+            raise  # already typed (a scripted fault, a numerics check)
+        except Exception as exc:  # every error leaves the rank typed, its cause chained
+            raise FailureError(failure_from_exception(exc, rank=self.rank, attempt=self.attempt)) from exc

@@ -14,7 +14,7 @@ from typing import Any
 from .data.schema import FeatureSchema
 from .model import ModelConfig
 
-FAULT_KINDS = ("kill", "raise", "hang")
+FAULT_KINDS = ("kill", "raise", "hang", "nan")  # nan: a dense parameter turns NaN (trainer/loop.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,16 +40,39 @@ class Switches:
         return cls.baseline() if mode == "baseline" else cls.optimized()
 
 
+FAIL_AT_GRAMMAR = """\
+Scripted faults, one item each: KIND[:FIELD=VALUE]...
+  kinds:   kill     SIGKILL the rank's process (infrastructure)
+           raise    raise an exception before the step (user)
+           hang     stop making steps until the watchdog catches it (infrastructure)
+           nan      a dense parameter turns NaN, so the step's loss is not finite (numerics)
+           publish  fail a publish try (publish; training is not touched)
+  fields:  rank=R      the rank (default 0)
+           step=S      at training step S, before it is trained
+           after_s=T   kill only: T seconds after an attempt started training (sent by the driver)
+           attempt=A   only in attempt A (default: whichever attempt reaches it first)
+           times=N     publish only: the first N publish tries fail (default 1)
+  Each item fires once per run: the first time the run reaches its step (or its after_s), in
+  whichever attempt; a restart that replays that step does not fire it again.
+  Examples: kill:rank=1:step=30   hang:step=5   raise:rank=0:step=12:attempt=1
+            kill:after_s=12.5     nan:step=40   publish:times=2
+"""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FailAt:
-    """Scripted fault: `kind` on `rank` at training step `step` (or `after_s` seconds after the
-    attempt started training: a SIGKILL sent by the driver), in attempt `attempt` only."""
+    """Scripted fault: `kind` on `rank` at training step `step` (or `after_s` seconds after an
+    attempt started training: a SIGKILL sent by the driver). It fires once per run, the first
+    time the run reaches it, in any attempt, or only in `attempt` when given (FAIL_AT_GRAMMAR).
+    `index`: the item's place in the run's list, numbered by `TrainerConfig`; the `failure`
+    marker of a fired item records it, and later attempts drop the items that fired."""
 
     kind: str = "kill"
     rank: int = 0
     step: int | None = None
     after_s: float | None = None
-    attempt: int = 0
+    attempt: int | None = None  # None: any attempt
+    index: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -58,19 +81,23 @@ class FailAt:
             raise ValueError("FailAt needs exactly one of step (a training step) or after_s (seconds)")
         if self.after_s is not None and self.kind != "kill":
             raise ValueError("FailAt.after_s is a SIGKILL from the driver: use kind='kill'")
-        if self.rank < 0 or self.attempt < 0 or (self.step is not None and self.step < 0):
-            raise ValueError(f"FailAt rank, attempt and step must be >= 0, got {self}")
+        if any(v is not None and v < 0 for v in (self.rank, self.attempt, self.step, self.index)):
+            raise ValueError(f"FailAt rank, attempt, step and index must be >= 0, got {self}")
 
     @classmethod
     def parse(cls, text: str) -> FailAt:
-        """'kill:rank=1:step=30', 'hang:step=5', 'kill:after_s=12.5:attempt=1'."""
+        """'kill:rank=1:step=30', 'hang:step=5', 'kill:after_s=12.5:attempt=1' (FAIL_AT_GRAMMAR)."""
         kind, *parts = text.split(":")
         values: dict[str, Any] = {}
         for part in parts:
             key, _, raw = part.partition("=")
             if key not in ("rank", "step", "after_s", "attempt"):
-                raise ValueError(f"failure spec {text!r}: unknown field {key!r}")
-            values[key] = float(raw) if key == "after_s" else int(raw)
+                raise ValueError(f"failure spec {text!r}: unknown field {key!r} (fields: rank, step, after_s, "
+                                 "attempt)")
+            try:
+                values[key] = float(raw) if key == "after_s" else int(raw)
+            except ValueError:
+                raise ValueError(f"failure spec {text!r}: {key} must be a number, got {raw!r}") from None
         return cls(kind=kind, **values)
 
 
@@ -112,6 +139,10 @@ class TrainerConfig:
             raise ValueError("checkpoint_every_steps must be >= 1 (or None for the optimizer)")
         if self.keep_checkpoints < 1 or self.max_failures < 0 or self.watchdog_s <= 0:
             raise ValueError("keep_checkpoints >= 1, max_failures >= 0 and watchdog_s > 0 required")
+        numbered = tuple(f if f.index is not None else replace(f, index=i) for i, f in enumerate(self.failures))
+        if len({f.index for f in numbered}) != len(numbered):
+            raise ValueError(f"failures need distinct indexes, got {[f.index for f in numbered]}")
+        object.__setattr__(self, "failures", numbered)
         for f in self.failures:
             if f.rank >= self.world_size:
                 raise ValueError(f"failure {f} targets rank {f.rank} but world_size is {self.world_size}")

@@ -1,37 +1,36 @@
-"""The training driver: runs the rank group, watches it, recovers it, within a failure budget.
+"""The training driver: runs the rank group, watches it, recovers it, as its failure policy says.
 
 Per attempt: reserve the group (the wait is the `scheduling` phase), launch training on every
 rank, then watch. A rank whose process dies, whose code raises, or that stops making steps
-for `watchdog_s` (read from the spool) is a failure: the driver records its detection, tears
-the whole group down (`shutdown`), and starts the next attempt, which restores the latest
-checkpoint and the compile cache and replays from the checkpoint's cursor. Scripted SIGKILLs
-by time are sent from here.
+for `watchdog_s` (read from the spool) is a failure: a typed `Failure`. The driver records its
+detection (`failure_detected`, the failure's attributes), tears the whole group down
+(`shutdown`), and asks its `FailurePolicy` what to do with the failure and the run's history
+(failures of earlier tries of the task included, so the run has one budget): RESTART starts
+the next attempt, which restores the latest checkpoint and the compile cache and replays from
+the checkpoint's cursor; RAISE stops the run with `TrainingFailed`. Scripted SIGKILLs by time
+are sent from here, once per run (`faults.pending_faults`).
 
-The group is a collaborator (`group_factory(attempt) -> WorkerGroup`), so tests can step this
-loop with a dummy group and no cluster; `RayWorkerGroup` is the real one.
+The group is a collaborator (`group_factory(attempt) -> WorkerGroup`), and so is the policy,
+so tests can step this loop with a dummy group and no cluster; `RayWorkerGroup` is the real one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ettflow.ett.spool import SpoolWriter
+from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
+from ettflow.ett.failures import Failure, FailureClass
+from ettflow.ett.spool import SpoolWriter, read_file, spool_file
 
+from .classify import is_process_loss, primary_failure
 from .config import TrainerConfig
+from .failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
+from .faults import pending_faults, record_fired
 from .progress import SpoolTail
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    rank: int
-    died: bool  # the process is gone (killed, crashed, node lost)
-    error: str
-    user_error: bool = False  # an exception raised by model or data code
-    fatal: bool = False  # retrying cannot help (bad data): the run stops at once
 
 
 class WorkerGroup(Protocol):
@@ -39,37 +38,67 @@ class WorkerGroup(Protocol):
 
     def launch(self) -> None: ...  # start training on every rank
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[RankFailure]]: ...
+    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]: ...  # finished, failed
 
     def kill(self, rank: int) -> None: ...  # SIGKILL the rank's process
 
     def teardown(self) -> None: ...  # stop every rank and release the devices
 
 
+@dataclass(frozen=True)
+class AttemptSucceeded:
+    """Every rank finished; `ranks` holds what each returned."""
+
+    ranks: dict[int, dict]
+
+
+@dataclass(frozen=True)
+class AttemptFailed:
+    """The attempt ended with `failure` (its cause); `all_failures`: every rank's failure seen."""
+
+    failure: Failure
+    all_failures: tuple[Failure, ...]
+
+
+AttemptOutcome = AttemptSucceeded | AttemptFailed
+
+
 class TrainingFailed(RuntimeError):
-    """The failure budget is spent; the message lists every failure."""
+    """The run stopped, or a task's try ended, as the failure policy decided.
+
+    failures: every failure of the run, oldest first (earlier tries of the task included).
+    decision: the policy's decision on the last one (RAISE from the driver; RESTART when a
+        task's try failed outside the driver and the budget allows another try).
+    why: the policy's rule, one line.
+    """
+
+    def __init__(self, run_id: str, failures: Sequence[Failure], decision: FailureDecision, why: str) -> None:
+        self.run_id, self.failures, self.decision, self.why = run_id, list(failures), decision, why
+        n = len(self.failures)
+        lines = "; ".join(f"attempt {f.attempt}: {f.summary}" for f in self.failures)
+        verb = "stopped" if decision is FailureDecision.RAISE else "failed, to be restarted,"
+        super().__init__(f"run {run_id} {verb} after {n} failure{'s' if n != 1 else ''} "
+                         f"({failure_counts(self.failures)}): {why}. {lines}")
+
+    @property
+    def failure(self) -> Failure | None:
+        """The failure the decision was about."""
+        return self.failures[-1] if self.failures else None
+
+    def __reduce__(self):  # survives pickling (Prefect, Ray) with its attributes
+        return (type(self), (self.run_id, self.failures, self.decision, self.why))
 
 
 @dataclass
 class TrainingResult:
     run_id: str
     attempts: int
-    failures: list[dict] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)  # this run's, in order
     ranks: dict[int, dict] = field(default_factory=dict)  # what each rank returned
 
     @property
     def rank0(self) -> dict:
         return self.ranks.get(0, {})
-
-
-def classify(failures: list[RankFailure]) -> tuple[str, str, int]:
-    """(failure_class, reason, rank): a dead process is infrastructure; else a user error."""
-    dead = [f for f in failures if f.died]
-    if dead:
-        return "infrastructure", f"rank {dead[0].rank} process died: {dead[0].error}", dead[0].rank
-    user = [f for f in failures if f.user_error or f.fatal]
-    first = (user or failures)[0]
-    return ("user" if user else "infrastructure"), f"rank {first.rank}: {first.error}", first.rank
 
 
 class TrainingDriver:
@@ -80,21 +109,29 @@ class TrainingDriver:
         spool_root: Path | str,
         group_factory: Callable[[int], WorkerGroup],
         *,
+        failure_policy: FailurePolicy | None = None,
         poll_s: float = 0.25,
         grace_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         before_release: Callable[[dict[int, dict]], Any] | None = None,
     ) -> None:
-        """`before_release(rank_results)` runs after training while the group still holds
+        """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`.
+        `before_release(rank_results)` runs after training while the group still holds
         its devices (the baseline's in-trainer publishing); it is recorded as `publish`."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.group_factory = group_factory
+        self.policy = failure_policy or DefaultFailurePolicy(max_failures=config.max_failures)
         self.before_release = before_release
         self.released_with: Any = None  # what before_release returned
         self.poll_s, self.grace_s, self.clock = poll_s, grace_s, clock
 
-    def run(self, *, first_attempt: int = 0, submitted_at: float | None = None) -> TrainingResult:
+    def run(self, *, first_attempt: int = 0, submitted_at: float | None = None,
+            prior_failures: Sequence[Failure] = ()) -> TrainingResult:
+        """Train to the end or raise `TrainingFailed`. `prior_failures`: the run's failures
+        before this call (earlier tries of the task, from the spool); they count against the
+        same budget and history."""
         result = TrainingResult(self.run_id, attempts=0)
+        history = list(prior_failures)
         attempt = first_attempt
         if submitted_at is not None or first_attempt == 0:
             with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
@@ -102,21 +139,19 @@ class TrainingDriver:
         while True:
             result.attempts += 1
             outcome = self._attempt(attempt)
-            if outcome.get("ranks") is not None:
-                result.ranks = outcome["ranks"]
+            if isinstance(outcome, AttemptSucceeded):
+                result.ranks = outcome.ranks
                 return result
-            result.failures.append(outcome["failure"])
-            if outcome["failure"]["fatal"]:
-                raise TrainingFailed(f"run {self.run_id} stopped: {outcome['failure']['reason']}")
-            if len(result.failures) > self.config.max_failures:
-                lines = "; ".join(f"attempt {f['attempt']}: {f['reason']}" for f in result.failures)
-                raise TrainingFailed(
-                    f"run {self.run_id}: {len(result.failures)} failures exceed the budget of "
-                    f"{self.config.max_failures} ({lines})"
-                )
+            failure = outcome.failure
+            decision = self.policy.decide(failure, history)
+            why = self.policy.explain(failure, history)
+            history.append(failure)
+            result.failures.append(failure)
+            if decision is FailureDecision.RAISE:
+                raise TrainingFailed(self.run_id, history, decision, why)
             attempt += 1
 
-    def _attempt(self, attempt: int) -> dict[str, Any]:
+    def _attempt(self, attempt: int) -> AttemptOutcome:
         rec = SpoolWriter(self.spool_root, self.run_id, attempt, -1)
         try:
             group = self.group_factory(attempt)
@@ -130,9 +165,10 @@ class TrainingDriver:
         finally:
             rec.close()
 
-    def _watch(self, attempt: int, group: WorkerGroup, rec: SpoolWriter) -> dict[str, Any]:
+    def _watch(self, attempt: int, group: WorkerGroup, rec: SpoolWriter) -> AttemptOutcome:
         tail = SpoolTail(self.spool_root, self.run_id, attempt, self.config.world_size)
-        timed_kills = [f for f in self.config.failures if f.after_s is not None and f.attempt == attempt]
+        pending = pending_faults(self.config, self.spool_root, self.run_id).failures
+        timed_kills = [f for f in pending if f.after_s is not None and f.attempt in (None, attempt)]
         finished: dict[int, dict] = {}
         while True:
             done, failed = group.poll(self.poll_s)
@@ -143,13 +179,13 @@ class TrainingDriver:
             for fault in list(timed_kills):
                 if started is not None and now >= started + fault.after_s:
                     timed_kills.remove(fault)
-                    rec.mark("failure", failure_class="infrastructure", failed_rank=fault.rank,
-                             reason=f"injected SIGKILL of rank {fault.rank} after {fault.after_s} s", injected=True)
+                    record_fired(fault, rec, rank=fault.rank, step=None, at=now)
                     group.kill(fault.rank)
             if not failed and len(finished) < self.config.world_size:
                 stalled = tail.stalled_rank(self.config.watchdog_s, now)
                 if stalled is not None:
-                    failed = [RankFailure(stalled, died=False, error=f"no step for {self.config.watchdog_s} s (hang)")]
+                    failed = [Failure(failure_class=FailureClass.INFRASTRUCTURE, rank=stalled, attempt=attempt,
+                                      reason=f"rank {stalled}: no step for {self.config.watchdog_s} s (hang)")]
             if failed:
                 return self._recover(attempt, group, rec, failed)
             if len(finished) == self.config.world_size:
@@ -163,20 +199,35 @@ class TrainingDriver:
                         rec.record("publish", t0, self.clock(), in_trainer=True)
                 group.teardown()
                 rec.record("shutdown", ended, self.clock(), failed=False)
-                return {"ranks": finished}
+                return AttemptSucceeded(finished)
 
-    def _recover(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, failed: list[RankFailure]) -> dict:
+    def _recover(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, failed: list[Failure]) -> AttemptFailed:
         detected = self.clock()
-        deadline = detected + self.grace_s  # let the other ranks' outcomes arrive to classify
-        while not any(f.died for f in failed) and self.clock() < deadline:
+        deadline = detected + self.grace_s  # let a dead process's outcome arrive: it is the cause
+        while not any(is_process_loss(f) for f in failed) and self.clock() < deadline:
             _, more = group.poll(self.poll_s)
             failed = failed + more
-        klass, reason, rank = classify(failed)
-        rec.mark("failure_detected", detected, failure_class=klass, reason=reason[:500], failed_rank=rank)
+        failure = primary_failure(failed)
+        failure = replace(failure, attempt=attempt,
+                          step=failure.step if failure.step is not None else self._step_of(attempt, failure.rank))
+        rec.mark(FAILURE_DETECTED, detected, **failure.to_attrs())
         try:
             group.teardown()
         finally:
             rec.record("shutdown", detected, self.clock(), failed=True)
-        fatal = any(f.fatal for f in failed)
-        return {"failure": {"attempt": attempt, "failure_class": klass, "reason": reason, "rank": rank,
-                            "fatal": fatal}}
+        return AttemptFailed(failure, tuple(failed))
+
+    def _step_of(self, attempt: int, rank: int) -> int | None:
+        """The step `rank` was at when it failed: one past its last recorded step in the
+        attempt, else the step it restored (None: unknown, e.g. before its first step)."""
+        if rank < 0:
+            return None
+        last: int | None = None
+        restored: int | None = None
+        path = spool_file(self.spool_root, self.run_id, attempt, rank)
+        for ev in read_file(path).events if path.is_file() else ():
+            if ev.phase == TRAIN_STEP and isinstance(ev.attrs.get("step"), int):
+                last = max(last if last is not None else -1, ev.attrs["step"])
+            elif ev.phase == "checkpoint_restore" and isinstance(ev.attrs.get("step"), int):
+                restored = ev.attrs["step"]
+        return last + 1 if last is not None else restored

@@ -1,8 +1,13 @@
 """Scripted faults inside a rank: a real SIGKILL, an exception, or a hang, at a given step.
 
 The rank records the `failure` marker (durably, through the spool) at the instant the fault
-fires, so lost in-flight work is measured from a known time. Faults scripted by time
-(`FailAt.after_s`) are sent by the driver, which kills the rank's process from outside.
+fires, with the item's `fault_index`, so lost in-flight work is measured from a known time and
+later attempts know the item fired. Faults scripted by time (`FailAt.after_s`) are sent by the
+driver, which kills the rank's process from outside and records the same marker. The `nan`
+fault is carried out by the training loop (it poisons a parameter; `numerics.py` records it).
+
+Once per run: before each attempt, the items that already fired anywhere in the run are
+dropped (`pending_faults`), so a restart that replays a step does not fire its fault again.
 """
 
 from __future__ import annotations
@@ -10,33 +15,91 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
 
-from ettflow.ett.spool import SpoolWriter
+from ettflow.ett.events import FAILURE, PhaseEvent
+from ettflow.ett.failures import Failure, FailureClass, FailureError
+from ettflow.ett.spool import SpoolWriter, read_spool
 
-from .config import FailAt
+from .config import FailAt, TrainerConfig
+
+KIND_CLASS = {"kill": FailureClass.INFRASTRUCTURE, "hang": FailureClass.INFRASTRUCTURE,
+              "raise": FailureClass.USER, "nan": FailureClass.NUMERICS}
 
 
-class InjectedFailure(RuntimeError):
-    """Raised by a scripted `raise` fault: stands for a bug in model or data code."""
+class InjectedFailure(FailureError):
+    """Raised by a scripted `raise` fault: stands for a bug in model or data code (class user)."""
 
 
 def due(failures: Sequence[FailAt], *, attempt: int, rank: int, step: int) -> FailAt | None:
+    """The pending item that fires on `rank` before `step` in `attempt`, if any."""
     for f in failures:
-        if f.step == step and f.rank == rank and f.attempt == attempt:
+        if f.step == step and f.rank == rank and (f.attempt is None or f.attempt == attempt):
             return f
     return None
 
 
+def injected_failure(fault: FailAt, *, rank: int, attempt: int, step: int | None) -> Failure:
+    """The failure a fired item stands for."""
+    at = f"after {fault.after_s} s" if step is None else f"at step {step}"
+    return Failure(failure_class=KIND_CLASS[fault.kind], rank=rank, attempt=attempt, step=step,
+                   reason=f"injected {fault.kind} of rank {rank} {at}", injected=True)
+
+
+def record_fired(fault: FailAt, recorder: SpoolWriter, *, rank: int, step: int | None,
+                 at: float | None = None) -> Failure:
+    """Record that `fault` fired on `rank`: the `failure` marker, with the item's index."""
+    failure = injected_failure(fault, rank=rank, attempt=recorder.attempt, step=step)
+    recorder.mark(FAILURE, at, **failure.to_attrs(), fault_index=fault.index)
+    return failure
+
+
 def fire(fault: FailAt, recorder: SpoolWriter, *, step: int) -> None:
-    """Carry out a fault at `step`. `kill` and `hang` never return."""
-    klass = "user" if fault.kind == "raise" else "infrastructure"
-    recorder.mark("failure", failure_class=klass, reason=f"injected {fault.kind} at step {step}",
-                  failed_rank=recorder.rank, injected=True)
+    """Carry out a fault at `step`. `kill` and `hang` never return; `raise` raises."""
+    if fault.kind == "nan":
+        raise ValueError("the nan fault is carried out by the training loop (numerics.poison), not by fire()")
+    failure = record_fired(fault, recorder, rank=recorder.rank, step=step)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the signal is delivered asynchronously
     if fault.kind == "raise":
-        raise InjectedFailure(f"injected failure at step {step} on rank {recorder.rank}")
+        raise InjectedFailure(failure)
     while True:  # hang: stop making progress until the watchdog kills this process
         time.sleep(1)
+
+
+def fired_faults(failures: Sequence[FailAt], events: Iterable[PhaseEvent]) -> set[int]:
+    """Indexes of the items that fired in the run: a `failure` marker with their `fault_index`,
+    or (the `nan` fault, whose marker the numerics check writes) an injected failure of the
+    item's class on its rank at its step."""
+    fired: set[int] = set()
+    unindexed: list[PhaseEvent] = []
+    for ev in events:
+        if ev.phase != FAILURE:
+            continue
+        if ev.attrs.get("fault_index") is not None:
+            fired.add(int(ev.attrs["fault_index"]))
+        elif ev.attrs.get("injected"):
+            unindexed.append(ev)
+    for f in failures:
+        for ev in unindexed:
+            if (f.step is not None and ev.attrs.get("step") == f.step
+                    and int(ev.attrs.get("failed_rank", ev.rank)) == f.rank
+                    and ev.attrs.get("failure_class") == KIND_CLASS[f.kind].value):
+                fired.add(f.index)
+    return fired
+
+
+def pending(failures: Sequence[FailAt], fired: set[int]) -> tuple[FailAt, ...]:
+    return tuple(f for f in failures if f.index not in fired)
+
+
+def pending_faults(config: TrainerConfig, spool_root: Path | str, run_id: str) -> TrainerConfig:
+    """`config` with the items that already fired in the run (read from its spool) dropped:
+    what the next attempt's ranks and driver may still fire."""
+    if not config.failures or not (Path(spool_root) / run_id).is_dir():
+        return config
+    events = read_spool(spool_root, run_id).events
+    return replace(config, failures=pending(config.failures, fired_faults(config.failures, events)))

@@ -3,13 +3,15 @@
 Each action is recorded as a phase: `compile_cache_restore` and `compile_cache_save` (PT2
 compile), `checkpoint_save_blocking` (what the loop waits for) and
 `checkpoint_save_background` (the write that overlaps training), `checkpoint_restore`.
+A checkpoint or anchor is saved only from finite state: non-finite dense parameters (or a
+non-finite last loss) are refused as a `numerics` failure (see `numerics.py`).
+The anchor marker's format lives in `checkpoint/anchor.py`, the process's compile-cache
+handle in `compile/process_cache.py`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,57 +21,17 @@ from ettflow.ett.spool import SpoolWriter
 
 from .checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult, TrainState
 from .checkpoint import init_lazy_optimizer_state as init_optimizer_state
-from .checkpoint.catalog import scan
-from .checkpoint.layout import atomic_write_text
-from .compile.cache import CompileCache
+from .checkpoint.anchor import AnchorInfo, write_anchor
 from .compile.compiled import compile_module
-from .compile.config import CompileCacheConfig
+from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig
 from .data.batch import Batch
 from .data.windows import Cursor
+from .numerics import refuse_nonfinite
+from .rank_state import RankState
 
 log = logging.getLogger("ettflow.trainer")
-_CACHE: CompileCache | None = None  # one per process: inductor's folders are process-wide
-
-
-def prepare_compile_env(config: TrainerConfig) -> CompileCache:
-    """Point inductor at a fresh per-process folder, key the archive, pin threads. Must run
-    before anything compiles; every rank uses the same thread count (it is in the key)."""
-    global _CACHE
-    if _CACHE is None:
-        shapes = {"batch_size": config.batch_size, "dense": len(config.schema.dense),
-                  "sparse": len(config.schema.sparse)}
-        _CACHE = CompileCache(CompileCacheConfig(
-            root=config.compile_cache_dir, enabled=config.switches.compile_cache,
-            model={"model": asdict(config.model), "shapes": shapes},
-            device="cuda" if (config.device != "cpu" and torch.cuda.is_available()) else "cpu",
-            threads=config.threads_per_rank,
-            # uncompressed: a restart unpacks the 150 MB precompiled header in ~0.2 s instead of
-            # ~0.7 s gunzipping it; the archive is ~170 MB per model and key
-            codec="none", max_bytes=512 * 2**20,
-        ))
-        _CACHE.prepare_env()
-    return _CACHE
-
-
-ANCHOR_FILE = "anchor.json"
-
-
-def write_anchor(checkpoint: Path, info: dict[str, Any]) -> None:
-    """Mark a committed checkpoint as a run's anchor (atomic: temp file, fsync, rename)."""
-    atomic_write_text(checkpoint / ANCHOR_FILE, json.dumps(info, indent=1, sort_keys=True))
-
-
-def read_anchor(checkpoint: Path | str) -> dict[str, Any] | None:
-    path = Path(checkpoint) / ANCHOR_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def latest_checkpoint(config: TrainerConfig) -> CheckpointInfo | None:
-    found = scan(config.checkpoint_dir)
-    for problem in found.problems:
-        log.warning("checkpoint skipped: %s", problem)
-    return found.latest
+DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part of the DLRM
 
 
 class TrainerPlugins:
@@ -80,6 +42,7 @@ class TrainerPlugins:
         self.cache_hit = False
         self.manager: CheckpointManager | None = None
         self.train_state: TrainState | None = None
+        self.dense_named: list[tuple[str, torch.Tensor]] = []  # checked before every save
         if config.switches.compile and config.switches.compile_cache:
             with rec.span("compile_cache_restore") as attrs:
                 restored = self.cache.restore()
@@ -97,17 +60,25 @@ class TrainerPlugins:
         return Cursor.from_dict(self.resume.cursors[self.rank])
 
     # ---- checkpoints --------------------------------------------------------------------
-    def prepare_state(self, state: dict[str, Any]) -> None:
+    def prepare_state(self, state: RankState) -> None:
         """Build the checkpoint manager and the train state; create lazy optimizer state."""
         mode = "async" if self.config.switches.async_checkpoint else "sync"
         self.manager = CheckpointManager(
             CheckpointConfig(root=self.config.checkpoint_dir, mode=mode, keep_last=self.config.keep_checkpoints),
-            process_group=state["ckpt_pg"], on_commit=self._on_commit,
+            process_group=state.ckpt_pg, on_commit=self._on_commit,
         )
         self.train_state = TrainState(
-            model=state["dmp"], optimizers={"sparse": state["dmp"].fused_optimizer, "dense": state["dense_opt"]}
+            model=state.dmp, optimizers={"sparse": state.dmp.fused_optimizer, "dense": state.dense_opt}
         )
-        init_optimizer_state(state["dense_opt"])
+        dlrm = state.dmp.module
+        self.dense_named = [pair for name in DENSE_MODULES
+                            for pair in getattr(dlrm, name).named_parameters(prefix=name)]
+        init_optimizer_state(state.dense_opt)
+
+    def check_finite(self, step: int, *, loss: float | None, action: str) -> None:
+        """Raise (and record) a numerics failure unless the last loss and the dense parameters
+        are finite; `action` names what is refused ("checkpoint at step 10")."""
+        refuse_nonfinite(self.rec, self.dense_named, rank=self.rank, step=step, loss=loss, action=action)
 
     def restore(self) -> dict[str, Any]:
         assert self.manager is not None and self.train_state is not None and self.resume is not None
@@ -122,8 +93,10 @@ class TrainerPlugins:
                             step=result.step, committed=result.committed, bytes=result.nbytes,
                             path=str(result.path) if result.path else None, error=result.error)
 
-    def save(self, step: int, cursor: Cursor) -> float:
-        """A periodic checkpoint; returns the seconds the training loop was blocked."""
+    def save(self, step: int, cursor: Cursor, *, loss: float | None = None) -> float:
+        """A periodic checkpoint; returns the seconds the training loop was blocked. Refused
+        (a numerics failure) when `loss` or a dense parameter is not finite."""
+        self.check_finite(step, loss=loss, action=f"checkpoint at step {step}")
         result = self._save(step, cursor)
         self.rec.record("checkpoint_save_blocking", result.blocking_start, result.blocking_end,
                         step=step, mode=result.mode, waited_previous_s=result.waited_previous_s)
@@ -134,10 +107,12 @@ class TrainerPlugins:
         self.train_state.step, self.train_state.cursor = step, cursor.to_dict()
         return self.manager.save(step, self.train_state)
 
-    def save_anchor(self, step: int, cursor: Cursor | None, run_id: str) -> Path | None:
+    def save_anchor(self, step: int, cursor: Cursor | None, run_id: str, *, loss: float | None = None) -> Path | None:
         """The final checkpoint, durable before this returns, marked with `anchor.json`: a
-        restart or a flow retry finds it, and publishing reads it."""
+        restart or a flow retry finds it, and publishing reads it. Refused (a numerics
+        failure) when `loss` or a dense parameter is not finite: no NaN anchor is written."""
         assert self.manager is not None
+        self.check_finite(step, loss=loss, action=f"anchor at step {step}")
         if cursor is None:  # nothing trained in this attempt: the restored checkpoint is it
             self.manager.wait()
             path = self.resume.path if self.resume else None
@@ -149,26 +124,27 @@ class TrainerPlugins:
                 raise RuntimeError(f"the anchor checkpoint at step {step} did not commit: {commit.error}")
             path = commit.path
         if path is not None and self.rank == 0:
-            write_anchor(Path(path), {"run_id": run_id, "step": step,
-                                      "cursor": cursor.to_dict() if cursor else None,
-                                      "world_size": self.config.world_size,
-                                      "model": asdict(self.config.model), "schema": self.config.schema.to_dict()})
+            write_anchor(Path(path), AnchorInfo(run_id=run_id, step=step,
+                                                cursor=cursor.to_dict() if cursor else None,
+                                                world_size=self.config.world_size,
+                                                model=self.config.model, schema=self.config.schema))
         return Path(path) if path is not None else None
 
     # ---- compilation --------------------------------------------------------------------
-    def compile(self, state: dict[str, Any], batch: Batch) -> None:
+    def compile(self, state: RankState, batch: Batch) -> None:
         """Compile the dense step with one forward and backward on `batch` (the fast batch
-        or the first real one); nothing is updated: gradients are dropped."""
-        device = state["device"]
-        compiled = compile_module(state["dense_step"])
+        or the first real one); nothing is updated: gradients are dropped. Sets
+        `state.compiled_step`."""
+        device = state.device
+        compiled = compile_module(state.dense_step)
         b = batch.to(device)
         n_sparse, dim = len(self.config.schema.sparse), self.config.model.embedding_dim
         embedded = torch.randn(b.batch_size, n_sparse, dim, device=device, requires_grad=True)
         loss, _ = compiled(b.dense, embedded, b.labels)
         loss.backward()
-        for p in state["dense_step"].parameters():
+        for p in state.dense_step.parameters():
             p.grad = None
-        state["compiled_step"] = compiled
+        state.compiled_step = compiled
         if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
             # Saved at once, before training: a rank killed early must still leave a warm
             # cache for its restart (a background save was seen cut short by such a kill).

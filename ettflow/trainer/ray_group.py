@@ -4,6 +4,8 @@ One bundle per rank ({CPU: threads} or {CPU, GPU: 1}), so the group starts whole
 whole; the wait is the run's scheduling phase. The actors form one process group (gloo on
 CPU, nccl on GPU). Actors never restart on their own (max_restarts=0): the driver decides,
 and a new attempt restores from the checkpoint, since no state lives in actor memory.
+A rank's outcome is a typed `Failure`, mapped from the exception's type (`classify.py`).
+The ranks get the run's config less the scripted faults that already fired (`pending_faults`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ettflow.ett.failures import Failure, FailureClass, FailureError
+
+from .classify import failure_from_exception
 from .config import TrainerConfig
-from .data.schema import DataError
-from .driver import RankFailure
+from .faults import pending_faults
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -68,10 +72,11 @@ class RayWorkerGroup:
         try:
             ray.get(self.pg.ready(), timeout=self.reserve_timeout_s)
         except GetTimeoutError as exc:
-            raise RuntimeError(
-                f"could not reserve {self.config.world_size} x {bundle} within "
-                f"{self.reserve_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}"
-            ) from exc
+            raise FailureError(Failure(
+                failure_class=FailureClass.INFRASTRUCTURE, attempt=self.attempt,
+                reason=f"could not reserve {self.config.world_size} x {bundle} within "
+                       f"{self.reserve_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}")) from exc
+        config = pending_faults(self.config, self.spool_root, self.run_id)  # each fault fires once per run
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
         self.actors = [
@@ -79,7 +84,7 @@ class RayWorkerGroup:
                 num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,
                 max_concurrency=2,  # a second thread answers calls while `train` runs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-            ).remote(self.config, self.run_id, self.attempt, rank, self.spool_root, requested_at)
+            ).remote(config, self.run_id, self.attempt, rank, self.spool_root, requested_at)
             for rank in range(self.config.world_size)
         ]
         self.info = ray.get([a.ready.remote() for a in self.actors])
@@ -88,21 +93,16 @@ class RayWorkerGroup:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         self.refs = {a.train.remote(addr, port): rank for rank, a in enumerate(self.actors)}
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[RankFailure]]:
+    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
         done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)
         finished: dict[int, dict] = {}
-        failed: list[RankFailure] = []
+        failed: list[Failure] = []
         for ref in done:
             rank = self.refs.pop(ref)
             try:
                 finished[rank] = ray.get(ref)
-            except RayActorError as exc:
-                failed.append(RankFailure(rank, died=True, error=_short(exc)))
-            except RayTaskError as exc:
-                user = not _is_collective_error(exc)
-                fatal = isinstance(getattr(exc, "cause", None), DataError)
-                error = str(exc.cause) if fatal else _short(exc)
-                failed.append(RankFailure(rank, died=False, error=error, user_error=user, fatal=fatal))
+            except (RayActorError, RayTaskError) as exc:  # the process died, or the rank raised
+                failed.append(failure_from_exception(exc, rank=rank, attempt=self.attempt))
         return finished, failed
 
     def kill(self, rank: int) -> None:
@@ -120,15 +120,3 @@ class RayWorkerGroup:
             remove_placement_group(self.pg)
             self.pg = None
 
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    tail = [line for line in text if line.strip()][-1:] or [type(exc).__name__]
-    return f"{type(exc).__name__}: {tail[0]}"[:400]
-
-
-def _is_collective_error(exc: RayTaskError) -> bool:
-    """A rank that failed because a peer died (gloo/nccl errors) is not a user error."""
-    text = str(exc)
-    return any(k in text for k in ("Gloo", "gloo", "NCCL", "DistBackendError", "Connection reset",
-                                    "Connection closed", "DistNetworkError"))

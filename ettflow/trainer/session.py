@@ -7,6 +7,10 @@ The stages, and what each needs (so the concurrent mode can overlap them):
     preproc_creation (open + validate every data file) ─┐
     init_plugins (the resume cursor) ───────────────────┴─> get_first_batch_data (DPP warm-up)
     pt2_compile needs pre_train/restore, and the first real batch unless the fast batch is on.
+    pre_train also needs preproc_creation when it evaluates at start (the held-out pipeline).
+
+What the stages build is the rank's `RankState` (rank_state.py): each field is set by one
+stage, and reading it before that stage ran is an error naming both.
 
 Nothing here keeps state that a restart would need: it all comes back from the checkpoint.
 """
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from ettflow.ett.spool import SpoolWriter
 
 from .checkpoint import CheckpointInfo
+from .checkpoint.latest import latest_checkpoint
 from .config import TrainerConfig
 from .data.batch import synthetic_batch
 from .data.pipeline import DataConfig, DataPipeline
@@ -34,7 +39,8 @@ from .evaluate import evaluate
 from .init_pipeline import InitPipeline, Stage
 from .loop import TrainLoop
 from .model import DenseStep, build_dlrm, dense_optimizer, shard
-from .plugins import TrainerPlugins, latest_checkpoint
+from .plugins import TrainerPlugins
+from .rank_state import RankState
 
 
 def pick_device(config: TrainerConfig) -> torch.device:
@@ -68,80 +74,84 @@ class TrainerSession:
         self.master = (master_addr, master_port)
         self.rec = SpoolWriter(spool_root, run_id, attempt, rank)
         self.process_started_at = process_started_at
-        self.state: dict[str, Any] = {}
+        self.state = RankState()
         self.resume: CheckpointInfo | None = None
 
     # ---- stages -------------------------------------------------------------------------
     def device_init(self) -> torch.device:
         torch.set_num_threads(self.config.threads_per_rank)
         device = pick_device(self.config)
-        self.state["device"] = device
+        self.state.device = device
         return device
 
     def process_group_init(self) -> None:
-        backend = "nccl" if self.state["device"].type == "cuda" else "gloo"
+        backend = "nccl" if self.state.device.type == "cuda" else "gloo"
         addr, port = self.master
         dist.init_process_group(
             backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
             world_size=self.config.world_size, timeout=datetime.timedelta(seconds=300),
         )
-        self.state["pg"] = dist.group.WORLD
+        self.state.pg = dist.group.WORLD
         # checkpoint collectives get a group of their own: sharing the training group with a
         # background save aborts with a gloo collective mismatch
-        self.state["ckpt_pg"] = dist.new_group(backend="gloo")
+        self.state.ckpt_pg = dist.new_group(backend="gloo")
 
     def preproc_creation(self) -> None:
         train, held_out = split_windows(self.config)
         common = dict(root=self.config.data_root, schema=self.config.schema,
                       batch_size=self.config.batch_size, rank=self.rank,
                       world_size=self.config.world_size)
-        self.state["data"] = DataPipeline(DataConfig(windows=train, **common))
-        self.state["eval_data"] = DataPipeline(DataConfig(windows=held_out, **common)) if held_out else None
+        self.state.data = DataPipeline(DataConfig(windows=train, **common))
+        self.state.eval_data = DataPipeline(DataConfig(windows=held_out, **common)) if held_out else None
 
     def train_module_creation(self) -> None:
-        device = self.state["device"]
+        device = self.state.device
         dlrm = build_dlrm(self.config.model, self.config.schema, device=device)
-        dmp = shard(dlrm, self.config.model, self.state["pg"], device)
-        self.state["dmp"] = dmp
-        self.state["dense_step"] = DenseStep(dmp.module)
-        self.state["dense_opt"] = dense_optimizer(dmp, self.config.model)
+        dmp = shard(dlrm, self.config.model, self.state.pg, device)
+        self.state.dmp = dmp
+        self.state.dense_step = DenseStep(dmp.module)
+        self.state.dense_opt = dense_optimizer(dmp, self.config.model)
 
     def init_plugins(self) -> None:
-        self.state["plugins"] = TrainerPlugins(self.config, self.rank, self.rec, self.resume)
+        self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume)
 
     def pre_train(self) -> None:
-        self.state["plugins"].prepare_state(self.state)
-        if self.config.eval_at_start and self.resume is None:
-            self.state["eval_start"] = self.evaluate()
+        self.state.plugins.prepare_state(self.state)
+        if self.evaluates_at_start:
+            self.state.eval_start = self.evaluate()
+
+    @property
+    def evaluates_at_start(self) -> bool:
+        return self.config.eval_at_start and self.resume is None
 
     def evaluate(self) -> dict[str, float] | None:
-        data = self.state.get("eval_data")
+        data = self.state.eval_data
         if data is None or self.config.eval_batches < 1:
             return None
         batches = itertools.islice(data.batches(None), self.config.eval_batches)
-        return evaluate(self.state["dmp"].module.sparse_arch, self.state["dense_step"], batches,
-                        self.state["device"], self.state["pg"])
+        return evaluate(self.state.dmp.module.sparse_arch, self.state.dense_step, batches,
+                        self.state.device, self.state.pg)
 
     def checkpoint_restore(self) -> dict[str, Any]:
-        return self.state["plugins"].restore()
+        return self.state.plugins.restore()
 
     def get_first_batch_data(self):
-        start = self.state["plugins"].resume_cursor
-        it = self.state["data"].batches(start, prefetch=4)
-        self.state["batches"] = it
+        start = self.state.plugins.resume_cursor
+        it = self.state.data.batches(start, prefetch=4)
+        self.state.batches = it
         try:
             first = next(it)
         except StopIteration:
             first = None
-        self.state["first_batch"] = first
+        self.state.first_batch = first
         return first
 
     def pt2_compile(self) -> dict[str, Any]:
-        plugins = self.state["plugins"]
+        plugins = self.state.plugins
         if self.config.switches.fast_batch:
             batch, source = synthetic_batch(self.config.schema, self.config.batch_size), "synthetic fast batch"
         else:
-            batch, source = self.state["first_batch"], "first real batch"
+            batch, source = self.state.first_batch, "first real batch"
             if batch is None:
                 return {"batch": "none: no data to train"}
         plugins.compile(self.state, batch)
@@ -165,7 +175,9 @@ class TrainerSession:
             out.append(first_batch)
         out += [
             Stage("train_module_creation", self.train_module_creation, ("process_group_init",)),
-            Stage("pre_train", self.pre_train, ("train_module_creation", "init_plugins")),
+            # evaluating at start reads the held-out pipeline that preproc_creation opens
+            Stage("pre_train", self.pre_train, ("train_module_creation", "init_plugins")
+                  + (("preproc_creation",) if self.evaluates_at_start else ())),
         ]
         if self.resume is not None:
             out.append(Stage("checkpoint_restore", self.checkpoint_restore, ("pre_train",)))
@@ -193,12 +205,10 @@ class TrainerSession:
             self.close()
 
     def close(self) -> None:
-        plugins = self.state.get("plugins")
-        if plugins is not None:
-            plugins.close()
-        it = self.state.get("batches")
-        if it is not None and hasattr(it, "close"):
-            it.close()
+        if self.state.is_set("plugins"):
+            self.state.plugins.close()
+        if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
+            self.state.batches.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.rec.close()

@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
                              files_per_window=args.files_per_window,
                              row_group_size=args.row_group_size, seed=args.seed,
                              start=args.start, overwrite=args.overwrite)
-    folders = generate_windows(args.out, config)
+    folders = generate_windows(args.out, config, progress=True)
     print(f"wrote {len(folders)} windows x {config.rows_per_window} rows to {args.out} "
           f"({folders[0].name} .. {folders[-1].name}); schema in {args.out}/_schema.json")
     return 0

@@ -129,14 +129,18 @@ def write_window(table: pa.Table, folder: Path, *, files: int, row_group_size: i
     return folder
 
 
-def generate_windows(out: str | Path, config: SyntheticConfig | None = None) -> list[Path]:
-    """Write `config.windows` hourly windows under `out`; return their folders."""
+def generate_windows(out: str | Path, config: SyntheticConfig | None = None, *,
+                     progress: bool = False) -> list[Path]:
+    """Write `config.windows` hourly windows under `out`; return their folders.
+    `progress`: show a progress bar (one step per window) on stderr while a person waits."""
+    from tqdm import tqdm
+
     config = config or SyntheticConfig()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = HiddenModel(config.seed)
     folders = []
-    for name in window_names(config):
+    for name in tqdm(window_names(config), desc="windows", unit="window", disable=not progress):
         hour = int((datetime.strptime(name.split("=")[1], TIME_FORMAT) - EPOCH).total_seconds())
         rng = np.random.default_rng([config.seed, 1, hour // 3600])
         table = model.rows(config.rows_per_window, rng, config.null_fraction)
