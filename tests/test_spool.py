@@ -1,13 +1,21 @@
-"""The spool keeps everything recorded, even across a SIGKILL, and reports bad lines."""
+"""The spool keeps everything recorded, even across a SIGKILL, reports bad lines, and on a
+full disk raises a typed storage error without ever truncating what it had."""
 
+import errno
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
-from ettflow.ett.spool import SpoolWriter, read_spool, spool_file, spooled_runs
+import pytest
+
+from ettflow.ett import spool as spool_mod
+from ettflow.ett.failures import FailureClass, FailureError
+from ettflow.ett.spool import SpoolWriteError, SpoolWriter, read_spool, spool_bytes, spool_file, spooled_runs
 
 
 def test_write_and_read_back(tmp_path):
@@ -89,3 +97,81 @@ def test_sigkill_loses_nothing_already_recorded(tmp_path):
     assert starts == list(range(len(starts)))  # in order, no gaps, no duplicates
     assert len(starts) >= acknowledged + 1  # every acknowledged event is there
     assert all(p.torn for p in got.problems) and len(got.problems) <= 1
+
+
+# -- a full disk: typed storage errors, nothing truncated -------------------------------------
+
+def _full_disk_after(monkeypatch, nbytes: int):
+    """os.write writes `nbytes` more bytes in all, then fails with ENOSPC (a short write first)."""
+    real = os.write
+    left = {"n": nbytes}
+
+    def write(fd, data):
+        if left["n"] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = real(fd, bytes(data)[: left["n"]])
+        left["n"] -= n
+        return n
+
+    monkeypatch.setattr(spool_mod.os, "write", write)
+
+
+def test_enospc_is_a_typed_storage_error_and_never_truncates(tmp_path, monkeypatch):
+    with SpoolWriter(tmp_path, "full", 0, 0) as w:
+        for i in range(3):
+            w.record("device_init", i, i + 0.5)
+    path = spool_file(tmp_path, "full", 0, 0)
+    before = path.read_bytes()
+    _full_disk_after(monkeypatch, 10)  # the next line is cut after 10 bytes
+    w = SpoolWriter(tmp_path, "full", 0, 0)  # reopening an existing file keeps it whole
+    with pytest.raises(SpoolWriteError) as err:
+        w.record("device_init", 3, 3.5)
+    exc = err.value
+    assert isinstance(exc, OSError) and isinstance(exc, FailureError)
+    assert exc.errno == errno.ENOSPC and exc.filename == str(path)
+    assert exc.failure.failure_class is FailureClass.STORAGE and exc.failure.path == str(path)
+    assert str(path) in str(exc) and "No space left" in str(exc)
+    back = pickle.loads(pickle.dumps(exc))  # crosses Ray with its errno, path and failure
+    assert (back.errno, back.filename, back.failure) == (exc.errno, exc.filename, exc.failure)
+    with pytest.raises(SpoolWriteError):  # still full
+        w.record("device_init", 4, 4.5)
+    monkeypatch.undo()  # space is back
+    w.record("device_init", 5, 5.5)
+    w.close()
+    data = path.read_bytes()
+    assert data.startswith(before) and len(data) > len(before)  # what it had is all there
+    got = read_spool(tmp_path, "full")
+    assert [e.start for e in got.events] == [0, 1, 2, 5]
+    assert [(p.line, p.torn) for p in got.problems] == [(4, False)]  # the cut line, named
+    assert got.bytes == spool_bytes(tmp_path, "full") == len(data)
+
+
+def test_a_new_file_on_a_full_disk_raises_a_storage_error(tmp_path, monkeypatch):
+    def no_inode(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spool_mod.os, "open", no_inode)
+    with pytest.raises(SpoolWriteError) as err:
+        SpoolWriter(tmp_path, "r", 1, 0)
+    assert err.value.errno == errno.ENOSPC and err.value.filename.endswith("attempt-001.rank-0.jsonl")
+
+
+def test_group_commit_fsync_error_surfaces_on_the_next_record(tmp_path, monkeypatch):
+    w = SpoolWriter(tmp_path, "eio", 0, 0, lazy_fsync_s=0.01)
+    w.record("device_init", 0, 1)  # fsynced at once
+    failed = threading.Event()
+
+    def fsync(fd):
+        failed.set()
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(spool_mod.os, "fsync", fsync)
+    w.record("train_step", 1, 2, sync=False, cursor_start=0, cursor_end=1)  # the thread fsyncs it
+    assert failed.wait(30)
+    w._flusher.join(30)  # the thread stopped on the error
+    with pytest.raises(SpoolWriteError) as err:
+        w.record("train_step", 2, 3, sync=False, cursor_start=1, cursor_end=2)
+    assert err.value.errno == errno.EIO and err.value.failure.failure_class is FailureClass.STORAGE
+    monkeypatch.undo()
+    w.close()
+    assert [e.start for e in read_spool(tmp_path, "eio").events] == [0, 1]

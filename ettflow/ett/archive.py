@@ -1,13 +1,48 @@
-"""Spool -> metrics -> warehouse: the one I/O path every hook and command uses."""
+"""Spool -> metrics -> warehouse: the one I/O path every hook and command uses.
+
+`archive_spooled_run` reads a run's spool, computes its ETT and upserts it (idempotent). The
+row's tags record what the archive read: ``spool_bytes`` (the size of the spool it was given,
+so a later spool that grew is known to need archiving again) and, when lines could not be
+used, ``spool_problems`` (their count) and ``spool_problem_lines`` (the first few, each as
+``file:line: kind: message``).
+
+`archive_or_defer` does the same but survives a warehouse outage (refused connections, a
+wrong URL, a full disk under SQLite): the metrics are still computed, and the run's row waits
+as **pending**: a marker file ``<spool>/<run_id>/pending.json`` holds the run's `RunInfo`, why
+it waits and which warehouse (its URL with the password masked: never a secret) it waits for.
+`read_pending(spool, run_id)` returns it (`PendingRow.message` says how to retry), so a command
+can warn and still succeed when the run itself did. The next `ettflow archive --pending` (or the reconciliation at the
+start of every refresh) writes the row and removes the marker; the upserts make it exactly
+one row however often that runs.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy import make_url
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from .redact import redact_url
 from .run_metrics import RunMetrics, compute_run_metrics
-from .spool import SpoolProblem, read_spool
-from .warehouse import RunInfo, Warehouse
+from .spool import SpoolProblem, SpoolRead, read_spool
+from .warehouse import RunInfo, Warehouse, WarehouseError, default_url
+
+PENDING_FILE = "pending.json"
+PROBLEMS_KEPT = 5  # problem lines named in the row (all are counted)
+# What a warehouse outage raises: the run's row waits as pending instead of failing the run.
+OUTAGES: tuple[type[BaseException], ...] = (WarehouseError, OperationalError, InterfaceError, DBAPIError,
+                                            PoolTimeoutError, OSError)
+
+log = logging.getLogger("ettflow.ett")
 
 
 @dataclass(frozen=True)
@@ -17,14 +52,174 @@ class Archived:
     events: int
 
 
-def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunInfo) -> Archived:
-    """Compute a run's ETT from its spool and archive it; idempotent (upserts)."""
-    read = read_spool(spool_root, info.run_id)
+def problem_tags(problems: Sequence[SpoolProblem]) -> dict[str, Any]:
+    """The row's record of unusable spool lines (empty when there are none)."""
+    if not problems:
+        return {}
+    return {"spool_problems": len(problems),
+            "spool_problem_lines": [str(p)[:300] for p in problems[:PROBLEMS_KEPT]]}
+
+
+def describe_problems(problems: Sequence[SpoolProblem], limit: int = 3) -> str:
+    """`2 spool problems: a.jsonl:3 (corrupt line), b.jsonl:9 (torn last line)`, for log lines."""
+    if not problems:
+        return "no spool problems"
+    named = ", ".join(f"{p.path}:{p.line} ({'torn last line' if p.torn else 'corrupt line'})"
+                      for p in problems[:limit])
+    more = f" and {len(problems) - limit} more" if len(problems) > limit else ""
+    return f"{len(problems)} spool problem{'s' if len(problems) != 1 else ''}: {named}{more}"
+
+
+def _read(spool_root: Path | str, run_id: str) -> SpoolRead:
+    read = read_spool(spool_root, run_id)
     if not read.events:
         raise ValueError(
-            f"the spool of run {info.run_id!r} under {spool_root} holds no usable event"
+            f"the spool of run {run_id!r} under {spool_root} holds no usable event"
             + (f"; problems: {'; '.join(map(str, read.problems))}" if read.problems else "")
         )
+    return read
+
+
+def _with_read_tags(info: RunInfo, read: SpoolRead) -> RunInfo:
+    tags = {k: v for k, v in info.tags.items() if k not in ("spool_problems", "spool_problem_lines")}
+    return replace(info, tags={**tags, "spool_bytes": read.bytes, **problem_tags(read.problems)})
+
+
+def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunInfo) -> Archived:
+    """Compute a run's ETT from its spool and archive it; idempotent (upserts)."""
+    read = _read(spool_root, info.run_id)
     metrics = compute_run_metrics(read.events)
-    warehouse.archive_run(info, read.events, metrics)
+    warehouse.archive_run(_with_read_tags(info, read), read.events, metrics)
     return Archived(metrics, tuple(read.problems), len(read.events))
+
+
+# -- pending rows -------------------------------------------------------------------------
+
+
+def pending_file(spool_root: Path | str, run_id: str) -> Path:
+    return Path(spool_root) / run_id / PENDING_FILE
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingRow:
+    """A run whose row could not be written yet: who it is, and why it waits."""
+
+    info: RunInfo
+    reason: str  # the warehouse error, one line, password masked
+    since: float
+    warehouse: str = ""  # the warehouse it waits for, password masked
+
+    @property
+    def retry_command(self) -> str:
+        return f"ettflow archive --run {self.info.run_id}"
+
+    @property
+    def message(self) -> str:
+        where = f" at {self.warehouse}" if self.warehouse else ""
+        return (f"the ETT row of run {self.info.run_id} is pending: the warehouse{where} is unavailable "
+                f"({self.reason}). The spool keeps it; the next `ettflow archive --pending` or refresh "
+                f"writes it, or run `{self.retry_command}` (with --url or ETTFLOW_WAREHOUSE_URL naming "
+                "that warehouse) once it is back")
+
+
+def shown_url(url: str | None) -> str:
+    """A warehouse URL for messages and files: password masked (None: the default URL)."""
+    return redact_url(url if url is not None else default_url())
+
+
+def outage_reason(exc: BaseException, url: str | None = None) -> str:
+    """One line about a warehouse error, without SQL or parameters, and without the password
+    of `url` should a driver echo it (WarehouseError messages mask it already)."""
+    text = str(getattr(exc, "orig", None) or exc)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    try:
+        password = make_url(url).password if url else None
+    except Exception:  # noqa: BLE001 - an unparseable URL: nothing to take out
+        password = None
+    if password:
+        first = first.replace(str(password), "***")
+    return f"{type(exc).__name__}: {first}"[:500]
+
+
+def write_pending(spool_root: Path | str, info: RunInfo, reason: str, warehouse: str = "") -> PendingRow:
+    """Mark the run's row pending (replacing an older mark). A full disk may refuse the mark:
+    logged; the run is still found pending, by its missing row."""
+    row = PendingRow(info=info, reason=reason, since=time.time(), warehouse=warehouse)
+    data = {"run_id": info.run_id, "model": info.model, "mode": info.mode, "flow_run_id": info.flow_run_id,
+            "status": info.status, "tags": dict(info.tags), "reason": reason, "since": row.since,
+            "warehouse": warehouse}
+    path = pending_file(spool_root, info.run_id)
+    tmp = path.with_name(f".{PENDING_FILE}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, sort_keys=True, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write the pending mark %s (%s)", path, exc)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return row
+
+
+def read_pending(spool_root: Path | str, run_id: str) -> PendingRow | None:
+    """The run's pending mark, or None (no mark, or unreadable: logged)."""
+    path = pending_file(spool_root, run_id)
+    try:
+        data = json.loads(path.read_text())
+        info = RunInfo(run_id=data["run_id"], model=data["model"], mode=data["mode"],
+                       flow_run_id=data.get("flow_run_id"), status=data["status"], tags=data.get("tags") or {})
+        return PendingRow(info=info, reason=str(data.get("reason", "")), since=float(data.get("since", 0.0)),
+                          warehouse=str(data.get("warehouse") or ""))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("pending mark %s is unreadable (%s): ignored", path, exc)
+        return None
+
+
+def clear_pending(spool_root: Path | str, run_id: str) -> None:
+    pending_file(spool_root, run_id).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ArchiveResult:
+    """What archiving a run did: its row is written (`archived`), or it waits (`pending`).
+    `metrics` is computed either way (from the spool)."""
+
+    run_id: str
+    status: str
+    metrics: RunMetrics
+    problems: tuple[SpoolProblem, ...]
+    events: int
+    pending: PendingRow | None = None
+    warehouse: str | None = None  # where it was written (password masked)
+
+    @property
+    def archived(self) -> bool:
+        return self.pending is None
+
+
+def archive_or_defer(warehouse_url: str | None | Callable[[], str | None], spool_root: Path | str,
+                     info: RunInfo) -> ArchiveResult:
+    """Archive the run into the warehouse at `warehouse_url` (None: the default; or a callable
+    returning the URL, e.g. from a secret store, called inside the outage handling); on an
+    outage (`OUTAGES`, or the callable raising) mark its row pending instead of raising. A
+    spool without usable events still raises ValueError, and a spool that cannot be read
+    raises OSError, before anything else."""
+    read = _read(spool_root, info.run_id)
+    metrics = compute_run_metrics(read.events)
+    info = _with_read_tags(info, read)
+    common = (info.run_id, info.status, metrics, tuple(read.problems), len(read.events))
+    try:
+        url = warehouse_url() if callable(warehouse_url) else warehouse_url
+    except Exception as exc:  # noqa: BLE001 - the URL cannot be found now (a secret store down): the row waits
+        return ArchiveResult(*common, pending=write_pending(spool_root, info, outage_reason(exc)))
+    try:
+        with Warehouse.open(url) as wh:
+            wh.archive_run(info, read.events, metrics)
+            shown = wh.display_url
+    except OUTAGES as exc:
+        pending = write_pending(spool_root, info, outage_reason(exc, url), shown_url(url))
+        return ArchiveResult(*common, pending=pending)
+    clear_pending(spool_root, info.run_id)
+    return ArchiveResult(*common, warehouse=shown)

@@ -11,9 +11,8 @@ import json
 
 import pandas as pd
 
-from .events import COMPONENTS, UNATTRIBUTED, component_of, owner_of
+from .events import L2_ORDER, component_of, owner_of
 
-L2_COLUMNS = (*COMPONENTS, UNATTRIBUTED)
 SHORT = {
     "scheduling": "sched",
     "trainer_init": "init",
@@ -40,7 +39,7 @@ def run_table(runs: pd.DataFrame) -> pd.DataFrame:
             "TTR_mean_s": runs["ttr_mean_s"].round(1),
         }
     )
-    for c in L2_COLUMNS:
+    for c in L2_ORDER:
         out[f"{SHORT[c]}%"] = (100 * runs[f"{c}_s"] / runs["wall_s"]).round(1)
     return out.reset_index(drop=True)
 
@@ -61,12 +60,12 @@ def model_summary(runs: pd.DataFrame) -> pd.DataFrame:
     return out.round(1).reset_index()
 
 
-def component_table(components: pd.DataFrame, wall_s: float) -> pd.DataFrame:
-    """One run's L2 in detail: each component and phase, exposed and raw, with owners."""
-    frame = components.copy()
+def component_table(components: pd.DataFrame, wall_s: float, *, phases: bool = True) -> pd.DataFrame:
+    """One run's L2 in detail: each component and (`phases`) each phase, exposed and raw, with owners."""
+    frame = components.copy() if phases else components[components["kind"] == "component"].copy()
     frame["owner"] = [owner_of(n) or "-" for n in frame["name"]]
     frame["exposed_%"] = (100 * frame["exposed_s"] / wall_s).round(1) if wall_s > 0 else 0.0
-    order = {name: i for i, name in enumerate(L2_COLUMNS)}
+    order = {name: i for i, name in enumerate(L2_ORDER)}
     # components first in sweep priority, then phases grouped under their component
     frame["_k"] = [
         (0, order[n], 0.0) if kind == "component"

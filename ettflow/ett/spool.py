@@ -9,13 +9,23 @@ background thread fsyncs those within ``lazy_fsync_s`` (group commit), which kee
 recording cost of a step small. Each line carries its sequence number in the file, which with
 (run, attempt, rank) keys it in the warehouse, so archiving twice never duplicates.
 
+The spool never truncates what it had: files are only ever opened to append (``O_APPEND``,
+never ``O_TRUNC``), and a line cut short by a failed write stays as it is (the next writer ends
+it, the reader reports it). When the disk refuses a write or an fsync (ENOSPC, EIO, ...), the
+writer raises `SpoolWriteError`: an `OSError` that keeps the errno and the file, and a
+`FailureError` carrying a `storage` failure, so the rank or driver stops its attempt with that
+class. An fsync that fails in the group-commit thread is raised by the next `record` (and every
+one after it: the writer is broken once the kernel lost a write).
+
 The reader keeps every good line: a torn last line (a write cut by a kill) is reported and
-skipped, and so is any corrupt line, each with its file and line number.
+skipped, and so is any corrupt line, each with its file and line number. `SpoolRead.bytes`
+is how much it read, which the archive stores to tell later whether the spool grew.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -27,6 +37,33 @@ from pathlib import Path
 from typing import Any
 
 from .events import EventError, PhaseEvent
+from .failures import Failure, FailureClass, FailureError
+
+
+class SpoolWriteError(OSError, FailureError):
+    """The spool could not be written (a full disk, an I/O error). `errno` and `filename` are
+    the OS error's; `failure` is the `storage` failure that stops the attempt."""
+
+    def __init__(self, errno_: int | None, strerror: str | None, filename: str) -> None:
+        OSError.__init__(self, errno_, strerror, filename)
+        self.failure = Failure(
+            failure_class=FailureClass.STORAGE, path=filename,
+            reason=f"cannot append to the event spool {filename}: {strerror or 'write failed'}",
+            detail=f"errno {errno_}: {strerror}",
+        )
+
+    @classmethod
+    def of(cls, exc: OSError, path: Path | str) -> SpoolWriteError:
+        if isinstance(exc, SpoolWriteError):
+            return exc
+        return cls(exc.errno, exc.strerror or str(exc), str(path))
+
+    def __str__(self) -> str:
+        return (f"{self.failure.reason} (errno {self.errno}); the spool keeps every line it had. "
+                "Free space on that disk (or point ETTFLOW_SPOOL at one with room) and run again")
+
+    def __reduce__(self):  # picklable across Ray with its errno and path
+        return (type(self), (self.errno, self.strerror, self.filename))
 
 
 def spool_file(root: Path | str, run_id: str, attempt: int, rank: int) -> Path:
@@ -44,28 +81,60 @@ class SpoolWriter:
         self._dirty = False
         self._flusher: threading.Thread | None = None
         self._closing = threading.Event()
+        self._error: SpoolWriteError | None = None  # an fsync of the group-commit thread that failed
         self.path = spool_file(root, run_id, attempt, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # append only: never O_TRUNC, so reopening a file never loses a line it had
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise SpoolWriteError.of(exc, self.path) from exc
         self._lock = threading.Lock()
         self._seq = 0
         self._size = -1  # file size after our last write; another writer changes it
 
     def close(self) -> None:
+        """Fsync what is not yet durable and close; raises `SpoolWriteError` if that fsync fails."""
         self._closing.set()
         with self._lock:
-            if self._fd >= 0:
-                if self._dirty:
-                    os.fsync(self._fd)
+            if self._fd < 0:
+                return
+            try:
+                if self._dirty and self._error is None:
+                    self._fsync()
+            finally:
                 os.close(self._fd)
                 self._fd = -1
+
+    def _fsync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._error = SpoolWriteError.of(exc, self.path)
+            raise self._error from exc
+        self._dirty = False
+
+    def _write_all(self, data: bytes) -> None:
+        """One line, all of it (a short write goes on where it stopped); an OS error is a
+        `SpoolWriteError` and leaves what the file had untouched."""
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self._fd, view)
+            except OSError as exc:
+                raise SpoolWriteError.of(exc, self.path) from exc
+            if n <= 0:
+                raise SpoolWriteError(errno.EIO, "write returned no progress", str(self.path))
+            view = view[n:]
 
     def _flush_loop(self) -> None:
         while not self._closing.wait(self.lazy_fsync_s):
             with self._lock:
-                if self._dirty and self._fd >= 0:
-                    os.fsync(self._fd)
-                    self._dirty = False
+                if self._dirty and self._fd >= 0 and self._error is None:
+                    try:
+                        self._fsync()
+                    except SpoolWriteError:
+                        return  # kept in self._error: the next record() raises it
 
     def __enter__(self) -> SpoolWriter:
         return self
@@ -78,7 +147,7 @@ class SpoolWriter:
         whole and sequence numbers never repeat."""
         data = self.path.read_bytes()
         if data and not data.endswith(b"\n"):
-            os.write(self._fd, b"\n")
+            self._write_all(b"\n")
             data += b"\n"
         self._seq = data.count(b"\n")
         self._size = len(data)
@@ -87,6 +156,8 @@ class SpoolWriter:
         with self._lock:
             if self._fd < 0:
                 raise RuntimeError(f"spool writer for {self.path} is closed")
+            if self._error is not None:
+                raise self._error
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 if os.fstat(self._fd).st_size != self._size:
@@ -102,10 +173,9 @@ class SpoolWriter:
                     seq=self._seq,
                 )
                 line = (json.dumps(event.to_dict(), separators=(",", ":")) + "\n").encode()
-                os.write(self._fd, line)
+                self._write_all(line)
                 if sync:
-                    os.fsync(self._fd)
-                    self._dirty = False
+                    self._fsync()
                 else:
                     self._dirty = True
                     if self._flusher is None:
@@ -153,12 +223,14 @@ class SpoolProblem:
 class SpoolRead:
     events: list[PhaseEvent] = field(default_factory=list)
     problems: list[SpoolProblem] = field(default_factory=list)
+    bytes: int = 0  # total size of the files read, as read
 
 
 def read_file(path: Path | str, into: SpoolRead | None = None) -> SpoolRead:
     out = into if into is not None else SpoolRead()
     path = Path(path)
     data = path.read_bytes()
+    out.bytes += len(data)
     lines = data.split(b"\n")
     complete = data.endswith(b"\n")
     if complete:
@@ -186,6 +258,16 @@ def read_spool(root: Path | str, run_id: str) -> SpoolRead:
         read_file(path, out)
     out.events.sort(key=lambda e: (e.start, e.end, e.attempt, e.rank, e.seq or 0))
     return out
+
+
+def spool_bytes(root: Path | str, run_id: str) -> int:
+    """The total size of a run's spool files now (what `SpoolRead.bytes` would read)."""
+    folder = Path(root) / run_id
+    total = 0
+    for path in folder.glob("*.jsonl"):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
 
 
 def spooled_runs(root: Path | str) -> list[str]:

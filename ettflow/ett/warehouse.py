@@ -15,8 +15,8 @@ seq) (or the table's own key), all in one transaction, so archiving a run twice,
 several processes at once, leaves one copy. Archives of one run are serialized (PostgreSQL:
 a transaction advisory lock on the run; SQLite: BEGIN IMMEDIATE), and a run's rows that the
 new archive no longer has are deleted: the warehouse holds what the last archive was given.
-SQLite and PostgreSQL use native ``INSERT .. ON CONFLICT DO UPDATE``; other databases a
-select-then-update/insert, retried if a concurrent archive wins a race.
+Upserts are native ``INSERT .. ON CONFLICT DO UPDATE``: the warehouse is SQLite or
+PostgreSQL (archiving into another database raises `WarehouseError`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, Table, bindparam, select, text
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 
-from .events import COMPONENTS, UNATTRIBUTED, PhaseEvent
+from .events import L2_ORDER, PhaseEvent
 from .run_metrics import RunMetrics
 from .warehouse_db import WRITE, WarehouseError, default_url, masked, open_engine
 from .warehouse_models import CHILD_TABLES, Base, Event, Run, RunComponent
@@ -40,10 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RunInfo", "Warehouse", "WarehouseError", "default_url", "COMPONENT_COLUMNS"]
 
-COMPONENT_COLUMNS: tuple[str, ...] = tuple(f"{c}_s" for c in (*COMPONENTS, UNATTRIBUTED))
+COMPONENT_COLUMNS: tuple[str, ...] = tuple(f"{c}_s" for c in L2_ORDER)
 _RUNS: Table = Run.__table__
 _UPSERT_INSERT = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
-_RETRIES = 3
 _IN_CHUNK = 500
 
 
@@ -90,22 +88,19 @@ class Warehouse:
         self, info: RunInfo, events: Sequence[PhaseEvent], metrics: RunMetrics
     ) -> None:
         """Write one run (all attempts and ranks) in one transaction; idempotent."""
+        dialect = self.engine.dialect.name
+        if dialect not in _UPSERT_INSERT:
+            raise WarehouseError(
+                f"cannot archive into {self.display_url}: the warehouse supports SQLite and PostgreSQL "
+                f"(native upserts), not {dialect}; set ETTFLOW_WAREHOUSE_URL to one of them"
+            )
         rows = rows_for_run(info, events, metrics)
-        native = self.engine.dialect.name in _UPSERT_INSERT
-        for attempt in range(_RETRIES):
-            try:
-                with self.engine.connect() as conn:
-                    conn.execution_options(**{WRITE: True})
-                    with conn.begin():
-                        self._write(conn, info.run_id, rows, native)
-                return
-            except IntegrityError:
-                if native or attempt == _RETRIES - 1:
-                    raise
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                self._write(conn, info.run_id, rows)
 
-    def _write(
-        self, conn: Connection, run_id: str, rows: dict[str, list[dict]], native: bool
-    ) -> None:
+    def _write(self, conn: Connection, run_id: str, rows: dict[str, list[dict]]) -> None:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _run_lock_key(run_id)})
         for table in (_RUNS, *(model.__table__ for model in CHILD_TABLES)):
@@ -115,12 +110,8 @@ class Warehouse:
             stale = [key for key in existing if key not in keep]
             if stale:
                 conn.execute(self._by_key(table, table.delete()), self._key_params(table, stale))
-            if not table_rows:
-                continue
-            if native:
+            if table_rows:
                 self._upsert(conn, table, table_rows)
-            else:
-                self._update_or_insert(conn, table, table_rows, existing)
 
     @staticmethod
     def _key(table: Table, row: dict[str, Any]) -> tuple:
@@ -149,28 +140,6 @@ class Warehouse:
         )
         conn.execute(stmt, rows)  # executemany (batched VALUES on PostgreSQL)
 
-    def _update_or_insert(
-        self, conn: Connection, table: Table, rows: list[dict], existing: set[tuple]
-    ) -> None:
-        """Upsert for databases without ON CONFLICT: update the keys there, insert the rest."""
-        updates = [row for row in rows if self._key(table, row) in existing]
-        inserts = [row for row in rows if self._key(table, row) not in existing]
-        if updates:
-            values = [c for c in table.columns if not c.primary_key]
-            stmt = self._by_key(table, table.update()).values(
-                {c.name: bindparam(f"v_{c.name}") for c in values}
-            )
-            conn.execute(
-                stmt,
-                [
-                    {**self._key_params(table, [self._key(table, row)])[0],
-                     **{f"v_{c.name}": row[c.name] for c in values}}
-                    for row in updates
-                ],
-            )
-        if inserts:
-            conn.execute(table.insert(), inserts)
-
     # -- queries -------------------------------------------------------------------------
 
     def runs_frame(
@@ -198,7 +167,7 @@ class Warehouse:
                 )
                 exposed.update({(r.run_id, r.name): r.exposed_s for r in conn.execute(comp)})
         for run in runs:
-            for name in (*COMPONENTS, UNATTRIBUTED):
+            for name in L2_ORDER:
                 run[f"{name}_s"] = exposed.get((run["run_id"], name), 0.0)
         columns = [c.name for c in _RUNS.columns] + list(COMPONENT_COLUMNS)
         frame = pd.DataFrame(runs, columns=columns)
@@ -209,7 +178,7 @@ class Warehouse:
         """The run's components (priority order, then unattributed), then its phases (most
         exposed first): run_id, kind, name, exposed_s, raw_s, owner."""
         frame = self.table_frame(RunComponent.__tablename__, run_id)
-        order = {name: i for i, name in enumerate((*COMPONENTS, UNATTRIBUTED))}
+        order = {name: i for i, name in enumerate(L2_ORDER)}
         rank = [
             (0, order.get(name, len(order)), 0.0, name)
             if kind == "component"

@@ -193,7 +193,7 @@ def _pg_unlock(conn: Connection) -> None:
     try:
         conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATION_LOCK_KEY})
         conn.commit()
-    except Exception:  # a dead connection: dropping it releases the session lock
+    except Exception:  # noqa: BLE001 - a dead connection: dropping it releases the session lock
         conn.invalidate()
 
 

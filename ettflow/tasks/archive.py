@@ -10,20 +10,32 @@ Hooks may run in another process with a stale flow run and no run context (a wor
 `on_crashed` after the flow's process died): they take everything from their arguments (the
 flow run's id and parameters) and the spool, never from the context. A hook never raises
 for a run that has no spool (a parameter was rejected before anything ran): it logs.
+
+A run that Prefect marks CRASHED died without recording why: `on_crashed` first adds an
+`orchestrator` failure to its spool (`ett.orphans`: at the driver's last heartbeat, or the end
+of the last spooled event, detected now), so its row counts it (NoF) and its timeline shows it.
+
+A warehouse outage never fails a hook: the row waits as pending in the spool
+(`ett.archive.archive_or_defer`) and a warning says how to retry (`ettflow archive --run ID`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ettflow import paths
-from ettflow.ett.archive import Archived, archive_spooled_run
-from ettflow.ett.warehouse import RunInfo, Warehouse
+from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems
+from ettflow.ett.heartbeat import read_heartbeat
+from ettflow.ett.orphans import record_orchestrator_failure
+from ettflow.ett.spool import SpoolWriteError
+from ettflow.ett.warehouse import RunInfo
 
 from . import run_spool
+from .warehouse_url import resolve_warehouse_url
 
 log = logging.getLogger("ettflow.tasks")
 
@@ -40,10 +52,25 @@ def run_info(run_id: str, params: Mapping[str, Any], *, status: str, flow_run_id
                    flow_run_id=flow_run_id, status=status, tags=merged)
 
 
+def log_result(result: ArchiveResult) -> None:
+    """One log line per archive: the ETT and where it went, the spool's problems named; a
+    pending row is a warning that says how to retry."""
+    m = result.metrics
+    problems = f"; {describe_problems(result.problems)}" if result.problems else ""
+    if result.pending is not None:
+        log.warning("%s (ETT %.1f%%, NoF %d, %d events%s)", result.pending.message, m.ett_pct, m.nof,
+                    result.events, problems)
+        return
+    log.log(logging.WARNING if result.problems else logging.INFO,
+            "archived run %s (%s): ETT %.1f%%, NoF %d, %d events -> %s%s", result.run_id, result.status,
+            m.ett_pct, m.nof, result.events, result.warehouse, problems)
+
+
 def archive_run(run_id: str, params: Mapping[str, Any], *, status: str, flow_run_id: str | None = None,
-                tags: Mapping[str, Any] | None = None) -> Archived | None:
-    """Archive the run's spool to the warehouse (the `warehouse_url` parameter, else the
-    default); None when the run spooled nothing."""
+                tags: Mapping[str, Any] | None = None) -> ArchiveResult | None:
+    """Archive the run's spool to the warehouse its parameters name (`resolve_warehouse_url`,
+    else the default); None when the run spooled nothing. A warehouse outage leaves the row
+    pending (`ArchiveResult.pending`, logged as a warning) instead of raising."""
     spool = spool_of(params)
     evs = run_spool.events(spool, run_id)
     if not evs:
@@ -51,11 +78,25 @@ def archive_run(run_id: str, params: Mapping[str, Any], *, status: str, flow_run
         return None
     info = run_info(run_id, params, status=status, flow_run_id=flow_run_id,
                     tags={**run_spool.publish_summary(evs), **dict(tags or {})})
-    with Warehouse.open(params.get("warehouse_url")) as wh:
-        archived = archive_spooled_run(wh, spool, info)
-        log.info("archived run %s (%s): ETT %.1f%%, NoF %d, %d events -> %s", run_id, status,
-                 archived.metrics.ett_pct, archived.metrics.nof, archived.events, wh.display_url)
-    return archived
+    result = archive_or_defer(lambda: resolve_warehouse_url(params), spool, info)
+    log_result(result)
+    return result
+
+
+def record_crash(spool: Path, run_id: str, message: str | None) -> None:
+    """Add the orchestrator failure of a run Prefect marked CRASHED (once; see `ett.orphans`)."""
+    beat = read_heartbeat(spool, run_id)
+    try:
+        placed = record_orchestrator_failure(
+            spool, run_id, last_alive=beat.last_beat if beat is not None else None, detected_at=time.time(),
+            reason=f"Prefect marked the flow run CRASHED: {message or 'its process died'}"[:500],
+            detection="prefect_crashed")
+    except SpoolWriteError as exc:
+        log.error("cannot record the crash of run %s in its spool: %s", run_id, exc)
+        return
+    if placed is not None:
+        log.warning("run %s crashed: orchestrator failure recorded at %.3f (attempt %d), detected at %.3f",
+                    run_id, placed.failed_at, placed.attempt, placed.detected_at)
 
 
 def deployment_name(flow_run) -> str | None:
@@ -71,10 +112,9 @@ def deployment_name(flow_run) -> str | None:
         return None
 
 
-def publish_artifacts(flow_name: str, flow_run, archived: Archived) -> None:
-    from ettflow.flows.params import slug
-
+def publish_artifacts(flow_name: str, flow_run, archived: ArchiveResult) -> None:
     from .artifacts import create_run_artifacts, timeline_file
+    from .plan import slug
     from .timeline_plot import render_timeline
 
     params = dict(flow_run.parameters or {})
@@ -91,10 +131,15 @@ def publish_artifacts(flow_name: str, flow_run, archived: Archived) -> None:
 
 
 def archive_on_flow_state(flow, flow_run, state) -> None:
-    """Flow hook (completion, failure, crash, cancellation): archive, then the artifacts."""
+    """Flow hook (completion, failure, crash, cancellation): archive, then the artifacts (also
+    while the row is pending: they come from the spool). A crash is recorded first."""
     status = state.type.value.lower()
-    archived = archive_run(str(flow_run.id), dict(flow_run.parameters or {}), status=status,
-                           flow_run_id=str(flow_run.id), tags={"flow_run_count": flow_run.run_count})
+    params = dict(flow_run.parameters or {})
+    run_id = str(flow_run.id)
+    if status == "crashed" and run_spool.events(spool_of(params), run_id):
+        record_crash(spool_of(params), run_id, getattr(state, "message", None))
+    archived = archive_run(run_id, params, status=status, flow_run_id=run_id,
+                           tags={"flow_run_count": flow_run.run_count})
     if archived is not None:
         publish_artifacts(flow.name, flow_run, archived)
 

@@ -116,7 +116,7 @@ class ProgressReporter:
         s = self.poll()
         if s["step"] == 0 and not final:
             now = time.time()
-            if now - self._quiet_since >= 10.0:  # still starting: say so every 10 s
+            if now - self._quiet_since >= 30.0:  # still starting: say so every 30 s (a short console)
                 self._quiet_since = now
                 self.logger.info("attempt %d starting up for %.0f s (last finished phase: %s)", s["attempt"],
                                  now - self._started, s["last_phase"] or "-")

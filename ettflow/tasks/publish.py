@@ -17,10 +17,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ettflow.flows.params import RefreshPlan
-
 from . import run_spool
 from .archive import archive_on_task_state
+from .plan import RefreshPlan
 
 KEEP_RUN_FOLDERS = 3  # finished runs' checkpoint folders kept per model (the snapshot is the product)
 VALIDATION_BATCHES = 4

@@ -12,18 +12,9 @@ import io
 from collections.abc import Sequence
 
 from ettflow.ett.events import COMPONENTS, FAILURE, FAILURE_DETECTED, SUBMITTED, PhaseEvent
+from ettflow.ett.palette import COLOURS, DETECTED_COLOUR, FAILURE_COLOUR, PUBLISH_COLOUR
 from ettflow.ett.run_metrics import RunMetrics
 from ettflow.ett.timeline import faults, intervals_of
-
-COLORS = {
-    "effective_training": "#2ca02c",
-    "wasted_training": "#ff7f0e",
-    "pt2_compile": "#9467bd",
-    "trainer_init": "#1f77b4",
-    "scheduling": "#7f7f7f",
-    "shutdown": "#8c564b",
-}
-PUBLISH_COLOR = "#17becf"
 
 
 def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title: str = "") -> bytes:
@@ -45,32 +36,33 @@ def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title:
             spans = [(iv.start - t0, iv.end - iv.start) for iv in intervals
                      if iv.attempt == attempt and iv.component == component and iv.end > iv.start]
             if spans:
-                ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=COLORS[component], linewidth=0)
+                ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=COLOURS[component], linewidth=0)
     if publish:
         row = len(attempts)
         for e in publish:
             failed = e.attrs.get("outcome") == "failed"
             ax.broken_barh([(e.start - t0, max(e.duration, 1e-3))], (row - 0.35, 0.7),
-                           facecolors="none" if failed else PUBLISH_COLOR, edgecolors=PUBLISH_COLOR,
+                           facecolors="none" if failed else PUBLISH_COLOUR, edgecolors=PUBLISH_COLOUR,
                            hatch="//" if failed else None)
     for e in events:
         if e.phase in (FAILURE, FAILURE_DETECTED) and e.attempt in attempts:
             row = attempts.index(e.attempt)
-            style = dict(marker="X", color="red", markersize=11) if e.phase == FAILURE else dict(
-                marker="|", color="black", markersize=18, markeredgewidth=2)
+            style = dict(marker="X", color=FAILURE_COLOUR, markersize=11) if e.phase == FAILURE else dict(
+                marker="|", color=DETECTED_COLOUR, markersize=18, markeredgewidth=2)
             ax.plot([e.start - t0], [row], linestyle="none", zorder=5, **style)
         elif e.phase == SUBMITTED:
-            ax.plot([e.start - t0], [0], marker=">", color="black", linestyle="none", zorder=5)
+            ax.plot([e.start - t0], [0], marker=">", color=DETECTED_COLOUR, linestyle="none", zorder=5)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, max(metrics.wall_s, max((e.end - t0 for e in publish), default=0)) * 1.01 or 1)
     ax.set_xlabel("seconds since submission")
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(color=COLORS[c], label=c) for c in COMPONENTS]
-    handles += [plt.Line2D([], [], marker="X", color="red", linestyle="none", label="failure"),
-                plt.Line2D([], [], marker="|", color="black", linestyle="none", markersize=12, label="detected")]
+    handles = [Patch(color=COLOURS[c], label=c) for c in COMPONENTS]
+    handles += [plt.Line2D([], [], marker="X", color=FAILURE_COLOUR, linestyle="none", label="failure"),
+                plt.Line2D([], [], marker="|", color=DETECTED_COLOUR, linestyle="none", markersize=12,
+                           label="detected")]
     if publish:
-        handles.append(Patch(color=PUBLISH_COLOR, label="publish (off clock)"))
+        handles.append(Patch(color=PUBLISH_COLOUR, label="publish (off clock)"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.2),
               ncol=5, fontsize=8, frameon=False)
     ax.set_title(title or (f"run {metrics.run_id}: ETT {metrics.ett_pct:.1f}%, wall {metrics.wall_s:.1f} s, "

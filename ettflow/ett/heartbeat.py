@@ -1,0 +1,171 @@
+"""The driver's heartbeat in the spool: how a run whose process died is told from a live one.
+
+`RunHeartbeat` wraps the driver side of a run (the flow's body). On entry it writes the run
+record ``<spool>/<run_id>/heartbeat.json`` (the period, the process, the run's labels); then a
+daemon thread touches the file every `every_s` seconds (its mtime is the last beat: no byte is
+written, so a full disk does not stop it). On exit it rewrites the record with the outcome:
+``completed``, ``failed`` (the body raised an Exception) or ``crashed`` (a BaseException such
+as KeyboardInterrupt or SystemExit), and the time it ended.
+
+A run is orphaned when its record has no end and its last beat is older than
+`HeartbeatRecord.bound_s` (3 periods + `SLACK_S`). Its **detection** time is defined as the
+last beat + that bound: a fixed function of the spool, so archiving the run later, or twice,
+gives the same row. `read_heartbeat` returns None for a run that never had one (a bench job,
+a sample run, a spool from an older ettflow).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_FILE = "heartbeat.json"
+DEFAULT_EVERY_S = 2.0
+PERIODS = 3  # beats that may be missed before the run counts as orphaned
+SLACK_S = 2.0  # on top of the missed periods: a loaded machine, a slow file system
+OUTCOMES = ("completed", "failed", "crashed")
+
+log = logging.getLogger("ettflow.ett")
+
+
+def heartbeat_file(spool_root: Path | str, run_id: str) -> Path:
+    return Path(spool_root) / run_id / HEARTBEAT_FILE
+
+
+def stale_bound_s(every_s: float) -> float:
+    """How long after its last beat a run without an end counts as orphaned."""
+    return PERIODS * every_s + SLACK_S
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatRecord:
+    """What the heartbeat file says about a run.
+
+    last_beat: the file's mtime (epoch seconds): the last time the driver was known alive.
+    ended_at / outcome: set when the driver left its `RunHeartbeat` block (None: it never did).
+    labels: what the flow said about the run (model, mode, world_size, switches, tags).
+    """
+
+    run_id: str
+    every_s: float
+    started_at: float
+    last_beat: float
+    pid: int | None = None
+    host: str | None = None
+    ended_at: float | None = None
+    outcome: str | None = None
+    labels: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def bound_s(self) -> float:
+        return stale_bound_s(self.every_s)
+
+    @property
+    def detection_at(self) -> float:
+        """When an orphaned run counts as detected: its last beat + the bound."""
+        return self.last_beat + self.bound_s
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+    def is_orphaned(self, now: float | None = None) -> bool:
+        """No end recorded and no beat within the bound."""
+        now = time.time() if now is None else now
+        return not self.ended and now > self.detection_at
+
+    def is_live(self, now: float | None = None) -> bool:
+        return not self.ended and not self.is_orphaned(now)
+
+
+def read_heartbeat(spool_root: Path | str, run_id: str) -> HeartbeatRecord | None:
+    """The run's heartbeat record, or None when it has none (or it is unreadable: logged)."""
+    path = heartbeat_file(spool_root, run_id)
+    try:
+        last_beat = path.stat().st_mtime
+        data = json.loads(path.read_text())
+        return HeartbeatRecord(
+            run_id=str(data.get("run_id", run_id)), every_s=float(data["every_s"]),
+            started_at=float(data["started_at"]), last_beat=last_beat, pid=data.get("pid"),
+            host=data.get("host"), ended_at=data.get("ended_at"), outcome=data.get("outcome"),
+            labels=dict(data.get("labels") or {}),
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("heartbeat file %s is unreadable (%s): the run is treated as having none", path, exc)
+        return None
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Replace `path` atomically (write a temporary file, then rename it over)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class RunHeartbeat:
+    """Context manager: the driver of `run_id` is alive while the block runs (see the module)."""
+
+    def __init__(self, spool_root: Path | str, run_id: str, every_s: float = DEFAULT_EVERY_S, *,
+                 labels: Mapping[str, Any] | None = None) -> None:
+        if not every_s > 0:
+            raise ValueError(f"RunHeartbeat.every_s must be > 0 seconds, got {every_s!r}")
+        self.path = heartbeat_file(spool_root, run_id)
+        self.run_id, self.every_s = run_id, float(every_s)
+        self.labels = dict(labels or {})
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._record: dict[str, Any] = {}
+
+    def __enter__(self) -> RunHeartbeat:
+        self._record = {"run_id": self.run_id, "every_s": self.every_s, "started_at": time.time(),
+                        "pid": os.getpid(), "host": socket.gethostname(), "labels": self.labels}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _write_json(self.path, self._record)
+        except OSError as exc:  # the run goes on; it cannot be told orphaned if it dies
+            log.warning("cannot write the heartbeat %s (%s): if this run dies, archive it with "
+                        "`ettflow archive --run %s`", self.path, exc, self.run_id)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="ettflow-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        warned = False
+        while not self._stop.wait(self.every_s):
+            try:
+                os.utime(self.path)  # the mtime is the beat: no byte written
+                warned = False
+            except OSError as exc:
+                if not warned:
+                    log.warning("heartbeat %s not updated: %s", self.path, exc)
+                    warned = True
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.every_s + 1.0)
+        if exc_type is None:
+            outcome = "completed"
+        elif issubclass(exc_type, Exception):
+            outcome = "failed"
+        else:
+            outcome = "crashed"
+        try:
+            _write_json(self.path, {**self._record, "ended_at": time.time(), "outcome": outcome})
+        except OSError as exc_:
+            log.warning("cannot record the end of run %s in %s (%s): it may later be archived as "
+                        "crashed", self.run_id, self.path, exc_)

@@ -1,0 +1,95 @@
+"""A run whose driver died: the orchestrator failure that its spool must show.
+
+When the flow's process dies (SIGKILL, a lost node, a worker's flow process that Prefect
+marks CRASHED), nobody records the failure. This module writes it into the spool, once, as
+the two markers every failure has, on the driver's file (rank -1):
+
+- ``failure`` at `failed_at`: the last time the driver was known alive (its last heartbeat,
+  else the end of the last spooled on-clock event);
+- ``failure_detected`` at `detected_at`: when the death was noticed. For a run found by its
+  stale heartbeat this is the last beat + the heartbeat bound (`HeartbeatRecord.detection_at`,
+  a function of the spool, so re-archiving gives the same row); for Prefect's CRASHED state,
+  the time the hook ran. Never before the end of the last spooled on-clock event.
+
+Both carry `Failure(ORCHESTRATOR).to_attrs()`. The failure goes on the last attempt, or on the
+next one when the last attempt already failed (its failure was detected and the driver died
+before starting the restart), so NoF counts it. Nothing trains after it: its TTR runs to the
+wall end, which is the detection, and the time from the last finished work to the detection
+is lost in flight (`ett.timeline`). Idempotent: a run whose last attempt already holds an
+orchestrator failure gets none added, and two processes reconciling one run at once add one
+(they serialize on the lock file ``<spool>/<run_id>/.orphan.lock``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .events import FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
+from .failures import Failure, FailureClass
+from .spool import SpoolWriteError, SpoolWriter, read_spool
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrphanFailure:
+    """Where an orchestrator failure goes in a run's timeline."""
+
+    attempt: int
+    failed_at: float
+    detected_at: float
+
+
+def last_on_clock_end(events: Sequence[PhaseEvent]) -> float | None:
+    ends = [e.end for e in events if e.phase not in OFF_CLOCK]
+    return max(ends) if ends else None
+
+
+def has_orchestrator_failure(events: Sequence[PhaseEvent], attempt: int) -> bool:
+    return any(e.attempt == attempt and e.phase in (FAILURE, FAILURE_DETECTED)
+               and e.attrs.get("failure_class") == FailureClass.ORCHESTRATOR.value for e in events)
+
+
+def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | None,
+                         detected_at: float) -> OrphanFailure | None:
+    """Pure: the attempt and times of the failure to add, or None when it is already there
+    (or the run has no event to place it after)."""
+    if not events:
+        return None
+    last = max(e.attempt for e in events)
+    if has_orchestrator_failure(events, last):
+        return None
+    failed = any(e.attempt == last and e.phase in (FAILURE, FAILURE_DETECTED) for e in events)
+    end = last_on_clock_end(events)
+    failed_at = last_alive if last_alive is not None else end
+    if failed_at is None:
+        failed_at = max(e.end for e in events)
+    detected = max(detected_at, failed_at, end if end is not None else failed_at)
+    return OrphanFailure(attempt=last + 1 if failed else last, failed_at=failed_at, detected_at=detected)
+
+
+def record_orchestrator_failure(spool_root: Path | str, run_id: str, *, last_alive: float | None,
+                                detected_at: float, reason: str, detection: str,
+                                detail: str = "") -> OrphanFailure | None:
+    """Add the run's orchestrator failure to its spool unless it is there (see the module);
+    returns what was added, or None. `detection` says how it was found ("heartbeat",
+    "prefect_crashed"); raises `SpoolWriteError` when the spool cannot be written."""
+    lock = Path(spool_root) / run_id / ".orphan.lock"
+    try:
+        fh = open(lock, "a")  # noqa: SIM115 - held for the whole read-then-write below
+    except OSError as exc:
+        raise SpoolWriteError.of(exc, lock) from exc
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        events = read_spool(spool_root, run_id).events
+        placed = place_orphan_failure(events, last_alive=last_alive, detected_at=detected_at)
+        if placed is None:
+            return None
+        failure = Failure(failure_class=FailureClass.ORCHESTRATOR, rank=-1, attempt=placed.attempt,
+                          reason=reason, detail=detail)
+        attrs = {**failure.to_attrs(), "detection": detection}
+        with SpoolWriter(spool_root, run_id, placed.attempt, -1) as rec:
+            rec.mark(FAILURE, placed.failed_at, **attrs)
+            rec.mark(FAILURE_DETECTED, placed.detected_at, **attrs)
+        return placed

@@ -1,0 +1,257 @@
+"""A refresh's parameters -> a `RefreshPlan`: everything the tasks need, checked up front.
+
+The flow's parameters are plain JSON (the Prefect UI shows them as a form); the flow passes
+them by name as `RefreshParams`, and `plan_refresh` turns them into a `TrainerConfig` plus
+the flow-level settings, and rejects a bad one at once with a `ParameterError` (a
+`ValueError`) that names the parameter. The plan lives with the tasks (it is what they
+take), so the flow imports the tasks and nothing here imports a flow. Nothing is reserved or trained before this
+returns. Where things go (per user, `ettflow.paths.data_home()` unless a parameter says):
+
+- data: `data/synthetic` (tiny synthetic windows, generated on first use);
+- checkpoints: `checkpoints/<model>/runs/<run_id>` (per run: restarts and flow retries of the
+  run find them; the anchor's `anchor.json` names the run), compile cache
+  `checkpoints/<model>/compile-cache` (shared by every run of the model);
+- snapshots: `snapshots/<model>/<run_id>`; spool and warehouse: `ettflow.paths`; the
+  warehouse URL from a Prefect `Secret` block named by `warehouse_secret`, else the
+  `warehouse_url` parameter, else `ETTFLOW_WAREHOUSE_URL` (`tasks.warehouse_url`). Parameters
+  are stored in clear by Prefect, so a `warehouse_url` holding a password is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ettflow import paths
+from ettflow.trainer.config import FailAt, Switches, TrainerConfig
+from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
+from ettflow.trainer.model import ModelConfig
+
+from .errors import ParameterError
+from .warehouse_url import check_warehouse_params
+
+__all__ = ["ParameterError", "RefreshParams", "RefreshPlan", "plan_refresh", "parse_failures", "resolve_switches",
+           "slug"]
+
+MODES = ("baseline", "optimized")
+PUBLISH_IN_TRAINER = "publish_in_trainer"  # the flow's own switch (baseline: True)
+SWITCH_NAMES = (*(f.name for f in fields(Switches)), PUBLISH_IN_TRAINER)
+DEMO_DATA = {"windows": 3, "rows_per_window": 4096, "files_per_window": 2, "seed": 0}
+DEFAULT_MODEL_CONFIG = {"embedding_dim": 16, "dense_arch": [32, 16], "over_arch": [32, 1]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefreshParams:
+    """The `refresh-model` flow's parameters, by name, with the flow's defaults (see its
+    docstring); `plan_refresh` checks them. A test keeps the two lists equal."""
+
+    model: str = "dlrm"
+    mode: str = "optimized"
+    switches: Mapping[str, bool] | None = None
+    architecture: Mapping[str, Any] | None = None
+    data_root: str | None = None
+    windows: Sequence[str] | None = None
+    eval_windows: Sequence[str] | None = None
+    max_embeddings: int | None = 10_000
+    world_size: int = 2
+    batch_size: int = 128
+    max_steps: int | None = None
+    checkpoint_every_steps: int | None = None
+    eval_batches: int = 8
+    device: str = "auto"
+    fail_at: Sequence[str] | None = None
+    work_root: str | None = None
+    snapshot_root: str | None = None
+    spool_root: str | None = None
+    warehouse_url: str | None = None
+    warehouse_secret: str | None = None
+    tags: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_mapping(cls, params: Mapping[str, Any]) -> RefreshParams:
+        """The parameters given as a mapping (a deployment's, a test's); an unknown name is refused."""
+        known = {f.name for f in fields(cls)}
+        for name in params:
+            if name not in known:
+                raise ParameterError(name, f"is not a parameter of refresh-model; known: {', '.join(sorted(known))}")
+        return cls(**params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefreshPlan:
+    run_id: str  # the Prefect flow run id: the spool's and the warehouse's run id
+    model: str
+    mode: str
+    trainer: TrainerConfig
+    publish_in_trainer: bool
+    publish_failures: int  # injected: fail this many publish tries of the run
+    snapshot_root: Path
+    spool_root: Path
+    warehouse_url: str | None  # never holds a password (refused by `plan_refresh`)
+    warehouse_secret: str | None  # the Prefect Secret block holding the URL, if any
+    submitted_at: float | None
+    artifact_slug: str
+    tags: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.work_dir)
+
+    @property
+    def runs_root(self) -> Path:
+        return self.run_dir.parent
+
+    @property
+    def labels(self) -> dict[str, Any]:
+        """What the run's heartbeat keeps, so an orphaned run is archived under its own names."""
+        return {"model": self.model, "mode": self.mode, "world_size": self.trainer.world_size,
+                "switches": asdict(self.trainer.switches), "tags": dict(self.tags), "flow_run_id": self.run_id}
+
+    @property
+    def warehouse(self) -> dict[str, str | None]:
+        """Where the warehouse is named, as `tasks.warehouse_url.resolve_warehouse_url` takes it."""
+        return {"warehouse_url": self.warehouse_url, "warehouse_secret": self.warehouse_secret}
+
+
+def slug(text: str) -> str:
+    """A Prefect artifact key part: lowercase letters, digits and dashes."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-") or "refresh"
+
+
+def _int(name: str, value: Any, low: int, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ParameterError(name, f"must be an int >= {low}{' or null' if optional else ''}, got {value!r}")
+    return value
+
+
+def resolve_switches(mode: str, overrides: Mapping[str, Any] | None) -> tuple[Switches, bool]:
+    if mode not in MODES:
+        raise ParameterError("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+    values: dict[str, bool] = {PUBLISH_IN_TRAINER: mode == "baseline"}
+    values.update({f.name: getattr(Switches.preset(mode), f.name) for f in fields(Switches)})
+    for key, value in (overrides or {}).items():
+        if key not in SWITCH_NAMES:
+            raise ParameterError("switches", f"has unknown switch {key!r}; known: {', '.join(SWITCH_NAMES)}")
+        if not isinstance(value, bool):
+            raise ParameterError("switches", f"switch {key!r} must be true or false, got {value!r}")
+        values[key] = value
+    publish_in_trainer = values.pop(PUBLISH_IN_TRAINER)
+    return Switches(**values), publish_in_trainer
+
+
+def parse_failures(specs: Sequence[str] | None) -> tuple[tuple[FailAt, ...], int]:
+    """Trainer faults ('kill:rank=1:step=30', 'hang:step=5', 'kill:after_s=8') and publish
+    failures ('publish' or 'publish:times=2': the first N publish tries of the run fail)."""
+    faults: list[FailAt] = []
+    publish = 0
+    for spec in specs or ():
+        if not isinstance(spec, str):
+            raise ParameterError("fail_at", f"items must be strings like 'kill:rank=1:step=30', got {spec!r}")
+        try:
+            if spec.split(":")[0] == "publish":
+                times = dict(p.partition("=")[::2] for p in spec.split(":")[1:])
+                unknown = set(times) - {"times"}
+                if unknown:
+                    raise ValueError(f"unknown field {sorted(unknown)[0]!r} (publish takes times=N)")
+                publish += int(times.get("times", 1))
+            else:
+                faults.append(FailAt.parse(spec))
+        except ValueError as exc:
+            raise ParameterError("fail_at", f"item {spec!r}: {exc}") from None
+    return tuple(faults), publish
+
+
+def load_schema(data_root: Path, max_embeddings: int | None) -> FeatureSchema:
+    declared = data_root / "_schema.json"
+    schema = FeatureSchema.from_dict(json.loads(declared.read_text())) if declared.is_file() else criteo_schema()
+    if max_embeddings is None:
+        return schema
+    capped = tuple(replace(f, num_embeddings=min(f.num_embeddings, max_embeddings)) for f in schema.sparse)
+    return replace(schema, sparse=capped)
+
+
+def demo_data(root: Path) -> Path:
+    """The default data: tiny synthetic windows, written once per user."""
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    if not (root / "_schema.json").is_file():
+        generate_windows(root, SyntheticConfig(overwrite=True, **DEMO_DATA))
+    return root
+
+
+def _windows(name: str, value: Sequence[str] | None, known: Sequence[str]) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not value:
+        raise ParameterError(name, f"must be a non-empty list of window names, got {value!r}")
+    missing = [w for w in value if w not in known]
+    if missing:
+        raise ParameterError(name, f"names windows that are not in the data: {missing}; available: {list(known)}")
+    return tuple(value)
+
+
+def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,
+                 artifact_slug: str = "refresh-model") -> RefreshPlan:
+    """Check every parameter and build the plan; `params` are the flow's parameters."""
+    from ettflow.trainer.data.windows import list_windows
+
+    if not isinstance(params, RefreshParams):
+        params = RefreshParams.from_mapping(params)
+    p = asdict(params)
+    check_warehouse_params(p["warehouse_url"], p["warehouse_secret"])
+    model = p.get("model") or "dlrm"
+    if not isinstance(model, str) or slug(model) != model:
+        raise ParameterError("model", f"must be a name of lowercase letters, digits and dashes, got {model!r}")
+    mode = p.get("mode", "optimized")
+    switches, publish_in_trainer = resolve_switches(mode, p.get("switches"))
+    try:
+        model_config = ModelConfig(**{**DEFAULT_MODEL_CONFIG, **(p.get("architecture") or {})})
+    except (TypeError, ValueError) as exc:
+        raise ParameterError("architecture", f"is invalid: {exc}") from None
+    home = paths.data_home()
+    data_root = Path(p["data_root"]) if p.get("data_root") else demo_data(home / "data" / "synthetic")
+    if not data_root.is_dir():
+        raise ParameterError("data_root", f"is not a folder of data windows: {str(data_root)!r}")
+    known = list_windows(data_root)
+    windows = _windows("windows", p.get("windows"), known)
+    eval_windows = _windows("eval_windows", p.get("eval_windows"), known)
+    if windows is None and len(known) < 2:
+        raise ParameterError("windows", f"is needed: {data_root} has {len(known)} window(s), and without "
+                             "`windows` the last one is held out")
+    faults, publish_failures = parse_failures(p.get("fail_at"))
+    world_size = _int("world_size", p.get("world_size", 2), 1)
+    for f in faults:
+        if f.rank >= world_size:
+            raise ParameterError("fail_at", f"targets rank {f.rank} but world_size is {world_size}")
+    device = p.get("device") or "auto"
+    if device not in ("auto", "cpu", "cuda"):
+        raise ParameterError("device", f"must be auto, cpu or cuda, got {device!r}")
+    work_root = Path(p.get("work_root") or home / "checkpoints") / model
+    trainer = TrainerConfig(
+        data_root=str(data_root), schema=load_schema(data_root, _int("max_embeddings", p.get("max_embeddings"), 1,
+                                                                     optional=True)),
+        windows=windows, eval_windows=eval_windows, work_dir=str(work_root / "runs" / run_id),
+        compile_cache_root=str(work_root / "compile-cache"), model=model_config, switches=switches,
+        world_size=world_size, batch_size=_int("batch_size", p.get("batch_size", 128), 1),
+        max_steps=_int("max_steps", p.get("max_steps"), 1, optional=True),
+        checkpoint_every_steps=_int("checkpoint_every_steps", p.get("checkpoint_every_steps"), 1, optional=True),
+        failures=faults, device=device, eval_batches=_int("eval_batches", p.get("eval_batches", 8), 0),
+    )
+    tags = p.get("tags") or {}
+    if not isinstance(tags, Mapping):
+        raise ParameterError("tags", f"must be an object, got {tags!r}")
+    return RefreshPlan(
+        run_id=run_id, model=model, mode=mode, trainer=trainer, publish_in_trainer=publish_in_trainer,
+        publish_failures=publish_failures,
+        snapshot_root=Path(p.get("snapshot_root") or home / "snapshots" / model),
+        spool_root=Path(p["spool_root"]) if p.get("spool_root") else paths.spool_root(),
+        warehouse_url=p["warehouse_url"], warehouse_secret=p["warehouse_secret"], submitted_at=submitted_at,
+        artifact_slug=slug(artifact_slug),
+        tags=dict(tags),
+    )

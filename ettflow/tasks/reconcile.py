@@ -1,0 +1,234 @@
+"""Reconciliation: every run in the spool gets its right row, whatever died.
+
+`reconcile(spool_root, warehouse_url)` looks at the runs of one spool and archives those whose
+row is missing or wrong. It runs at the start of every refresh (`reconcile_before_refresh`, on
+the refresh's own spool and warehouse, skipping the run that starts) and as
+`ettflow archive --pending`; `ettflow archive --run ID` runs it for named runs.
+
+Which runs (`--pending`): those the flow started, i.e. with a heartbeat record
+(`ett.heartbeat`), and those with a pending mark (`ett.archive`). Spools without either (bench
+jobs, sample runs, an older ettflow) are archived only when named (`--run`).
+
+For each run, from what its spool says:
+
+- live (heartbeat within its bound, no end): left alone (named: archived as ``running``);
+- orphaned (no end, heartbeat older than its bound, no final status anywhere): an
+  `orchestrator` failure is added to its spool at the last heartbeat, detected at the last
+  heartbeat + the bound (`ett.orphans`), and it is archived as ``crashed``; a record that
+  ended ``crashed`` (the body died of a BaseException) gets the same, at its end;
+- otherwise its status is, first match wins: a final status (completed, failed, crashed,
+  cancelled: what a flow hook records) in its pending mark or its row, the heartbeat's
+  outcome, ``running`` (live, named), the pending mark's status, the row's status, ``unknown``.
+
+A run is archived when it has a pending mark, no row, a row with another status, or a row
+that read a different spool (`spool_bytes` differs: the spool grew). Archiving is idempotent,
+so reconciling twice, or from two refreshes at once, writes one row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ettflow.ett.archive import (
+    OUTAGES,
+    ArchiveResult,
+    PendingRow,
+    archive_or_defer,
+    outage_reason,
+    pending_file,
+    read_pending,
+)
+from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
+from ettflow.ett.orphans import record_orchestrator_failure
+from ettflow.ett.spool import spool_bytes, spooled_runs
+from ettflow.ett.warehouse import RunInfo, Warehouse
+from ettflow.ett.warehouse_models import Run
+
+from . import run_spool
+from .archive import log_result, run_info
+
+log = logging.getLogger("ettflow.tasks")
+
+FINAL_STATUSES = frozenset({"completed", "failed", "crashed", "cancelled"})  # Prefect's final state types
+_IN_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What reconciling one run did. action: archived, pending (the warehouse is down: the row
+    waits), skipped (live, or its row is right), or error (the run cannot be archived)."""
+
+    run_id: str
+    action: str
+    note: str
+    status: str | None = None
+    result: ArchiveResult | None = None
+
+
+@dataclass(frozen=True)
+class _Row:
+    status: str
+    info: RunInfo
+    spool_bytes: Any
+
+
+def _rows(url: str | None, run_ids: list[str]) -> dict[str, _Row]:
+    t = Run.__table__
+    out: dict[str, _Row] = {}
+    with Warehouse.open(url) as wh, wh.engine.connect() as conn:
+        for i in range(0, len(run_ids), _IN_CHUNK):
+            stmt = select(t.c.run_id, t.c.model, t.c.mode, t.c.flow_run_id, t.c.status, t.c.tags).where(
+                t.c.run_id.in_(run_ids[i : i + _IN_CHUNK]))
+            for r in conn.execute(stmt):
+                tags = dict(r.tags or {})
+                info = RunInfo(run_id=r.run_id, model=r.model, mode=r.mode, flow_run_id=r.flow_run_id,
+                               status=r.status, tags=tags)
+                out[r.run_id] = _Row(r.status, info, tags.get("spool_bytes"))
+    return out
+
+
+def candidates(spool_root: Path | str) -> list[str]:
+    """The runs `--pending` looks at: spooled, with a heartbeat record or a pending mark."""
+    return [r for r in spooled_runs(spool_root)
+            if heartbeat_file(spool_root, r).is_file() or pending_file(spool_root, r).is_file()]
+
+
+def _status(beat: HeartbeatRecord | None, mark: PendingRow | None, row: _Row | None, now: float) -> str:
+    if mark is not None and mark.info.status in FINAL_STATUSES:
+        return mark.info.status
+    if row is not None and row.status in FINAL_STATUSES:  # a hook archived the run's end
+        return row.status
+    if beat is not None and beat.ended and beat.outcome:
+        return beat.outcome
+    if beat is not None and beat.is_live(now):
+        return "running"
+    if mark is not None:
+        return mark.info.status
+    return row.status if row is not None else "unknown"
+
+
+def _crash_to_record(beat: HeartbeatRecord | None, mark: PendingRow | None, row: _Row | None,
+                     now: float) -> tuple[float, float, str] | None:
+    """(last alive, detected at, how) of the orchestrator failure the run needs, else None."""
+    final = {s for s in (mark.info.status if mark else None, row.status if row else None) if s in FINAL_STATUSES}
+    if beat is None or not final <= {"crashed"}:  # a hook recorded another end (e.g. cancelled): it stands
+        return None
+    if beat.ended:
+        return (beat.ended_at, beat.ended_at, "process_exit") if beat.outcome == "crashed" else None
+    if beat.is_orphaned(now):
+        return beat.last_beat, beat.detection_at, "heartbeat"
+    return None
+
+
+def _info(run_id: str, beat: HeartbeatRecord | None, mark: PendingRow | None, row: _Row | None) -> RunInfo:
+    if mark is not None:
+        return mark.info
+    if row is not None:
+        return row.info
+    labels = dict(beat.labels) if beat is not None else {}
+    return run_info(run_id, labels, status="unknown",
+                    flow_run_id=labels.get("flow_run_id", run_id) if beat is not None else None)
+
+
+def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Row | None, *,
+                  now: float, named: bool) -> Reconciled:
+    beat = read_heartbeat(spool_root, run_id)
+    mark = read_pending(spool_root, run_id)
+    if beat is not None and beat.is_live(now) and not named:
+        return Reconciled(run_id, "skipped", f"live: last heartbeat {now - beat.last_beat:.1f} s ago")
+    crash = _crash_to_record(beat, mark, row, now)
+    if crash is not None:
+        last_alive, detected_at, how = crash
+        try:
+            record_orchestrator_failure(
+                spool_root, run_id, last_alive=last_alive, detected_at=detected_at, detection=how,
+                reason=(f"the flow's process stopped heartbeating at {last_alive:.3f} (bound {beat.bound_s:.1f} s)"
+                        if how == "heartbeat" else "the flow's process died (it ended crashed)"))
+        except OSError as exc:  # SpoolWriteError: a full disk; the run stays orphaned until it has room
+            return Reconciled(run_id, "error", f"cannot record its crash in the spool: {exc}", "crashed")
+        status = "crashed"
+    else:
+        status = _status(beat, mark, row, now)
+    current = spool_bytes(spool_root, run_id)
+    if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
+        return Reconciled(run_id, "skipped", "its row is up to date", status)
+    evs = run_spool.events(spool_root, run_id)
+    base = _info(run_id, beat, mark, row)
+    info = replace(base, status=status, tags={**base.tags, **run_spool.publish_summary(evs)})
+    try:
+        result = archive_or_defer(url, spool_root, info)
+    except (ValueError, OSError) as exc:
+        return Reconciled(run_id, "error", str(exc), status)
+    log_result(result)
+    if result.pending is not None:
+        return Reconciled(run_id, "pending", result.pending.message, status, result)
+    why = "orphaned" if crash is not None else ("pending row" if mark is not None else "row missing or stale")
+    return Reconciled(run_id, "archived", why, status, result)
+
+
+def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_ids: Iterable[str] | None = None,
+              skip: Collection[str] = (), now: float | None = None) -> list[Reconciled]:
+    """Reconcile the named runs (archived whatever their state), or every candidate run of the
+    spool (`candidates`: live ones left alone); `skip` is never touched. Raises `OUTAGES`
+    (e.g. `WarehouseError`) when the warehouse cannot be read to compare rows."""
+    now = time.time() if now is None else now
+    named = run_ids is not None
+    runs = [r for r in (list(run_ids) if named else candidates(spool_root)) if r not in skip]
+    if not runs:
+        return []
+    rows = _rows(warehouse_url, runs)
+    out = []
+    for run_id in runs:
+        if not (Path(spool_root) / run_id).is_dir():
+            out.append(Reconciled(run_id, "error", f"no spool for run {run_id!r} under {spool_root}"))
+            continue
+        out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named))
+    return out
+
+
+def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, run_id: str,
+                             logger: logging.Logger | logging.LoggerAdapter | None = None) -> list[Reconciled]:
+    """The start of every refresh: archive the spool's pending and orphaned runs (not `run_id`,
+    the one starting). Never raises: a warehouse that is down leaves them for the next time."""
+    logger = logger or log
+    try:
+        done = reconcile(spool_root, warehouse_url, skip={run_id})
+    except OUTAGES as exc:
+        logger.warning("reconciliation skipped: the warehouse is unavailable (%s); pending runs wait for the "
+                       "next refresh or `ettflow archive --pending`", outage_reason(exc, warehouse_url))
+        return []
+    except Exception as exc:  # noqa: BLE001 - reconciling other runs never fails this one
+        logger.warning("reconciliation of %s failed: %s", spool_root, exc, exc_info=True)
+        return []
+    for r in done:
+        if r.action != "skipped":
+            logger.info("reconciled run %s: %s (%s)", r.run_id, r.action, r.note)
+    return done
+
+
+def summary(done: Iterable[Reconciled]) -> Mapping[str, int]:
+    counts: dict[str, int] = {}
+    for r in done:
+        counts[r.action] = counts.get(r.action, 0) + 1
+    return counts
+
+
+def reconcile_task():
+    """`reconcile-pending`, the Prefect task the refresh flow runs first (built lazily so this
+    module stays importable without Prefect's task machinery)."""
+    from prefect import get_run_logger, task
+    from prefect.cache_policies import NO_CACHE
+
+    @task(name="reconcile-pending", cache_policy=NO_CACHE)
+    def reconcile_pending(spool_root: str, warehouse_url: str | None, run_id: str) -> dict[str, int]:
+        """Archive this spool's pending and orphaned runs before the refresh starts."""
+        return dict(summary(reconcile_before_refresh(spool_root, warehouse_url, run_id, get_run_logger())))
+
+    return reconcile_pending
