@@ -11,9 +11,9 @@ import pytest
 from ettflow.ett.sample import write_sample_run
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.ett.warehouse import Warehouse
-from ettflow.flows.params import ParameterError, parse_failures, plan_refresh, resolve_switches, slug
 from ettflow.tasks import archive, run_spool
 from ettflow.tasks.lease import TrainerLease
+from ettflow.tasks.plan import ParameterError, RefreshParams, parse_failures, plan_refresh, resolve_switches, slug
 from ettflow.tasks.timeline_plot import render_timeline
 
 
@@ -187,3 +187,79 @@ def test_cli_parameters():
     assert p["mode"] == "baseline" and p["switches"] == {"fast_batch": True}
     assert p["max_embeddings"] == 500 and p["fail_at"] == [cli.DEMO_FAILURE] and p["world_size"] == 2
     assert cli.parameters(parser.parse_args(["refresh", "--no-failure"]))["fail_at"] == []
+
+
+def test_the_flow_passes_every_parameter_by_name():
+    """`RefreshParams` lists the flow's parameters with the flow's defaults (the flow builds
+    its plan from them by name); an unknown parameter is refused by name."""
+    import inspect
+    from dataclasses import fields
+
+    from ettflow.flows.refresh import refresh_model
+
+    flow_params = {n: p.default for n, p in inspect.signature(refresh_model.fn).parameters.items()}
+    assert flow_params == {f.name: f.default for f in fields(RefreshParams)}
+    with pytest.raises(ParameterError, match="parameter 'colour' is not a parameter") as info:
+        RefreshParams.from_mapping({"colour": "red"})
+    assert info.value.parameter == "colour"
+
+
+SECRET = "s3cret-pw"
+PASSWORD_URL = f"postgresql+psycopg://postgres:{SECRET}@127.0.0.1:5999/x"
+
+
+def test_a_warehouse_url_with_a_password_is_refused(flow_data, tmp_path):
+    with pytest.raises(ParameterError, match="parameter 'warehouse_url' holds a password") as info:
+        plan_refresh(params(flow_data, tmp_path, warehouse_url=PASSWORD_URL), run_id="r1")
+    assert "ETTFLOW_WAREHOUSE_URL" in str(info.value) and "warehouse_secret" in str(info.value)
+    assert SECRET not in str(info.value)
+    plan = plan_refresh(params(flow_data, tmp_path, warehouse_url="postgresql+psycopg://postgres@h/x",
+                               warehouse_secret="team-warehouse"), run_id="r1")
+    assert plan.warehouse == {"warehouse_url": "postgresql+psycopg://postgres@h/x",
+                              "warehouse_secret": "team-warehouse"}
+
+
+def test_redact_url():
+    from ettflow.ett.redact import has_password, redact_url
+
+    assert redact_url(PASSWORD_URL) == "postgresql+psycopg://postgres:***@127.0.0.1:5999/x"
+    assert redact_url("sqlite:////tmp/w.db") == "sqlite:////tmp/w.db"
+    assert redact_url(f"no scheme //u:{SECRET}@host") == "no scheme //u:***@host"
+    assert has_password(PASSWORD_URL) and not has_password("postgresql://u@h/db")
+
+
+def test_resolve_warehouse_url_without_a_secret(monkeypatch):
+    from ettflow.tasks.warehouse_url import resolve_warehouse_url, warehouse_source
+
+    monkeypatch.delenv("ETTFLOW_WAREHOUSE_URL", raising=False)
+    assert resolve_warehouse_url({}) is None
+    assert resolve_warehouse_url({"warehouse_url": "sqlite:////tmp/w.db"}) == "sqlite:////tmp/w.db"
+    assert warehouse_source({"warehouse_url": "sqlite:////tmp/w.db"}) == "the warehouse_url parameter"
+    with pytest.raises(ParameterError, match="parameter 'warehouse_url' holds a password") as info:
+        resolve_warehouse_url({"warehouse_url": PASSWORD_URL})
+    assert SECRET not in str(info.value)
+
+
+def test_an_unreachable_warehouse_is_named_redacted(monkeypatch):
+    from ettflow.tasks.warehouse_url import WarehouseUnavailable, open_check
+
+    monkeypatch.setenv("ETTFLOW_WAREHOUSE_URL", PASSWORD_URL)
+    with pytest.raises(WarehouseUnavailable) as info:
+        open_check({})
+    text = str(info.value)
+    assert text.startswith("warehouse postgresql+psycopg://postgres:***@127.0.0.1:5999/x is unreachable: ")
+    assert text.endswith("fix ETTFLOW_WAREHOUSE_URL") and SECRET not in text and "\n" not in text
+
+
+def test_cli_never_passes_or_prints_a_password():
+    import argparse
+
+    from ettflow.flows import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    for argv in (["--warehouse-url", PASSWORD_URL], ["--param", f"warehouse_url={PASSWORD_URL}"]):
+        args = parser.parse_args(["refresh", *argv])
+        assert "warehouse_url" not in cli.parameters(args) and cli.private_warehouse_url(args) == PASSWORD_URL
+    plain = parser.parse_args(["refresh", "--warehouse-url", "sqlite:////tmp/w.db"])
+    assert cli.parameters(plain)["warehouse_url"] == "sqlite:////tmp/w.db" and cli.private_warehouse_url(plain) is None

@@ -35,10 +35,10 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 def _train_worker(rank: int, root: str) -> None:
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState
+    from ettflow.trainer.checkpoint.anchor import write_anchor
     from ettflow.trainer.checkpoint.layout import final_dir
     from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
     from ettflow.trainer.model import DenseStep, build_dlrm, dense_optimizer, dense_parameters, shard, sync_dense_grads
-    from ettflow.trainer.plugins import write_anchor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=WORLD)
@@ -197,7 +197,7 @@ def test_cli_reports_a_refused_anchor(anchor, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["publish", "--anchor", str(torn), "--out", str(tmp_path / "out"),
-                              "--data", str(anchor.parent.parent / "data"), "--retries", "0"])
+                              "--data", str(anchor.parent.parent / "data")])
     assert args.func(args) == 2
     assert "torn or partial" in capsys.readouterr().err
 
@@ -212,27 +212,28 @@ def test_publish_config_rejects_bad_values(tmp_path):
             PublishConfig(**ok, **bad)
 
 
-def test_retry_only_failures_that_may_pass(monkeypatch, tmp_path):
-    from ettflow.publish import AnchorError, PublishConfig, PublishError, publisher
+def test_cli_publishes_once_and_says_whether_to_run_again(monkeypatch, tmp_path, capsys):
+    """`ettflow publish` tries once (retrying is the Prefect task's job); a failure that may
+    pass exits 1 and says to run the command again, a refusal exits 2 without that advice."""
+    from ettflow.publish import AnchorError, PublishError, cli, publisher
 
-    calls, sleeps = [], []
+    calls = []
 
-    def flaky(config):
-        calls.append(config)
-        if len(calls) == 1:
-            raise PublishError("scoring subprocess crashed")
-        return "manifest"
+    def failing(error):
+        def publish_snapshot(config):
+            calls.append(config)
+            raise error
 
-    monkeypatch.setattr(publisher, "publish_snapshot", flaky)
-    config = PublishConfig(anchor=tmp_path, output_root=tmp_path, data_root=tmp_path)
-    assert publisher.publish_with_retry(config, attempts=3, backoff_s=2, sleep=sleeps.append) == "manifest"
-    assert len(calls) == 2 and sleeps == [2]
+        return publish_snapshot
 
-    def torn(config):
-        calls.append(config)
-        raise AnchorError("torn")
-
-    monkeypatch.setattr(publisher, "publish_snapshot", torn)
-    with pytest.raises(AnchorError):
-        publisher.publish_with_retry(config, attempts=3, sleep=sleeps.append)
-    assert len(calls) == 3 and sleeps == [2]
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["publish", "--anchor", str(tmp_path), "--out", str(tmp_path / "out"),
+                              "--data", str(tmp_path)])
+    monkeypatch.setattr(publisher, "publish_snapshot", failing(PublishError("scoring subprocess crashed")))
+    assert args.func(args) == 1 and len(calls) == 1
+    err = capsys.readouterr().err
+    assert "scoring subprocess crashed" in err and "run the same command again" in err
+    monkeypatch.setattr(publisher, "publish_snapshot", failing(AnchorError("torn")))
+    assert args.func(args) == 2 and len(calls) == 2
+    assert "run the same command again" not in capsys.readouterr().err

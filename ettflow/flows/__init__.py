@@ -1,6 +1,6 @@
 """ettflow.flows: the Prefect flows (thin: a short list of task calls) and `ettflow refresh`.
 
-- params: the refresh's parameters -> `RefreshPlan` (a bad parameter is rejected by name)
-- refresh: `refresh_model`, the flow the deployments in prefect.yaml run
+- refresh: `refresh_model`, the flow the deployments in prefect.yaml run (its plan type and
+  parameter checks are `ettflow.tasks.plan`: imports run flows -> tasks, never back)
 - cli: `register(subparsers)` adds `ettflow refresh` (one refresh here, then its ETT report)
 """

@@ -34,7 +34,20 @@ def _value(text: str) -> Any:
         return text
 
 
+def private_warehouse_url(args: argparse.Namespace) -> str | None:
+    """The warehouse URL given (--warehouse-url, or --param warehouse_url=) when it holds a
+    password: this process passes it in ETTFLOW_WAREHOUSE_URL, never as a flow parameter
+    (Prefect stores parameters in clear)."""
+    from ettflow.ett.redact import has_password
+
+    given = [args.warehouse_url] + [_value(raw) for key, _, raw in (i.partition("=") for i in args.param or ())
+                                    if key == "warehouse_url"]
+    url = given[-1]
+    return url if isinstance(url, str) and has_password(url) else None
+
+
 def parameters(args: argparse.Namespace) -> dict[str, Any]:
+    """The flow's parameters; a warehouse URL with a password is left out (`private_warehouse_url`)."""
     params: dict[str, Any] = {"model": args.model, "mode": args.mode}
     for name in ("data_root", "world_size", "batch_size", "max_steps", "checkpoint_every_steps", "warehouse_url"):
         if getattr(args, name) is not None:
@@ -50,10 +63,13 @@ def parameters(args: argparse.Namespace) -> dict[str, Any]:
     for item in args.param or ():
         key, _, raw = item.partition("=")
         params[key] = _value(raw)
+    if private_warehouse_url(args) is not None:
+        params.pop("warehouse_url", None)
     return params
 
 
-def print_report(run_id: str, url: str | None) -> bool:
+def print_report(run_id: str, url: str | None, *, phases: bool = False) -> bool:
+    """Print the run's ETT report: its L1/L2 row and its components (and each phase when `phases`)."""
     from ettflow.ett import report
     from ettflow.ett.warehouse import Warehouse
 
@@ -64,10 +80,10 @@ def print_report(run_id: str, url: str | None) -> bool:
             return False
         print(report.render(report.run_table(runs), "table"))
         print("\nWhere the wall time went (exposed = on the critical path):")
-        print(report.render(report.component_table(wh.components_frame(run_id), float(runs.iloc[0]["wall_s"])),
-                            "table"))
+        print(report.render(report.component_table(wh.components_frame(run_id), float(runs.iloc[0]["wall_s"]),
+                                                    phases=phases), "table"))
         tags = runs.iloc[0]["tags"] or {}
-        print(f"\nwarehouse: {wh.display_url}   (`ettflow report --run {run_id}` shows this again)")
+        print(f"\nwarehouse: {wh.display_url}   (`ettflow report --run {run_id}` shows each phase too)")
     if tags.get("snapshot"):
         print(f"snapshot:  {tags['snapshot']}  (model.pt + manifest.json)")
         print(f"timeline:  {tags['snapshot']}.ett-timeline.png")
@@ -75,17 +91,39 @@ def print_report(run_id: str, url: str | None) -> bool:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    _env_defaults()
-    from ettflow.flows.refresh import refresh_model
+    from ettflow.flows import supervise
 
-    params = parameters(args)
-    print(f"ettflow refresh: {json.dumps(params)}", flush=True)
+    if supervise.should_supervise(args):  # the `ettflow refresh` process: the work runs in a child
+        return supervise.run_supervised(args.argv)
+    _env_defaults()
+    from ettflow.console import quiet_third_party
+
+    quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported
+    from ettflow.ett.redact import redact_url
+    from ettflow.ett.warehouse_db import ENV_URL
+    from ettflow.flows.refresh import refresh_model
+    from ettflow.tasks.errors import ParameterError
+    from ettflow.tasks.warehouse_url import WarehouseUnavailable, resolve_warehouse_url
+
+    params, private = parameters(args), private_warehouse_url(args)
+    if private is not None:
+        os.environ[ENV_URL] = private  # for this process and its hooks only
+    shown_params = {**params, **({"warehouse_url": redact_url(params["warehouse_url"])}
+                                 if isinstance(params.get("warehouse_url"), str) else {})}
+    print(f"ettflow refresh: {json.dumps(shown_params)}", flush=True)
+    if private is not None:
+        print(f"ettflow refresh: warehouse {redact_url(private)} (holds a password: passed in {ENV_URL}, "
+              "not as a flow parameter)", flush=True)
     state = refresh_model(**params, return_state=True)
     run_id = str(state.state_details.flow_run_id)
     print()
     if not state.is_completed():
+        refused = state.result(raise_on_failure=False)
+        if isinstance(refused, (ParameterError, WarehouseUnavailable)):  # refused before anything ran: no report
+            print(f"ettflow refresh: {refused}", file=sys.stderr)
+            return 1
         print(f"ettflow refresh: run {run_id} ended {state.name}: {state.message}", file=sys.stderr)
-    shown = print_report(run_id, params.get("warehouse_url"))
+    shown = print_report(run_id, resolve_warehouse_url(params), phases=getattr(args, "verbose", False))
     return 0 if state.is_completed() and shown else 1
 
 
@@ -105,8 +143,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"injected failure, e.g. kill:rank=1:step=16, hang:step=5, publish:times=1 "
                         f"(repeatable; default: {DEMO_FAILURE})")
     p.add_argument("--no-failure", action="store_true", help="no injected failure")
-    p.add_argument("--warehouse-url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the SQLite file)")
+    p.add_argument("--warehouse-url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the SQLite file); one "
+                   "with a password is passed to the run in ETTFLOW_WAREHOUSE_URL, never as a flow parameter")
     p.add_argument("--param", action="append", metavar="KEY=JSON", help="any other flow parameter")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every library's warnings and logs too (default: known third-party noise is "
+                        "filtered, see ettflow/console.py)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,7 @@
 """`refresh_model`: one refresh of a recommendation model, end to end.
 
-    reserve the trainer (Ray placement; the queueing is the scheduling phase)
+    check the warehouse (fail fast, before anything is reserved)
+    -> reserve the trainer (Ray placement; the queueing is the scheduling phase)
     -> train (the driver: restarts within its failure budget) -> anchor checkpoint
     -> [baseline: publish while the trainer holds its devices] -> release the devices
     -> publish on the CPU (optimized)
@@ -17,15 +18,18 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from ettflow.flows.params import RefreshPlan, plan_refresh
+from ettflow.ett.heartbeat import RunHeartbeat
 from ettflow.tasks.archive import archive_on_flow_state
+from ettflow.tasks.plan import RefreshParams, RefreshPlan, plan_refresh
 from ettflow.tasks.publish import publish
+from ettflow.tasks.reconcile import reconcile_task
 from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_trainer, train
+from ettflow.tasks.warehouse_url import check_warehouse, refusal, resolve_warehouse_url
 
 HOOKS = [archive_on_flow_state]
 
 
-def _plan(params: dict[str, Any]) -> RefreshPlan:
+def _plan(params: RefreshParams) -> RefreshPlan:
     ctx = FlowRunContext.get()
     fr = ctx.flow_run if ctx is not None else None
     from prefect.runtime import deployment
@@ -58,6 +62,7 @@ def refresh_model(
     snapshot_root: str | None = None,
     spool_root: str | None = None,
     warehouse_url: str | None = None,
+    warehouse_secret: str | None = None,
     tags: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Refresh `model` on the data windows and publish a validated inference snapshot.
@@ -68,13 +73,31 @@ def refresh_model(
     max_embeddings caps every embedding table (null: the data schema's sizes).
     fail_at: injected failures, e.g. ["kill:rank=1:step=16"], ["publish:times=1"].
     Paths default to the per-user ettflow folder; `data_root` defaults to tiny synthetic data.
+    Warehouse: `warehouse_secret` names a Prefect Secret block holding the URL; else
+    `warehouse_url` (without a password: parameters are stored in clear); else the worker's
+    ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file.
     """
-    plan = _plan(dict(locals()))  # first statement: locals() are exactly the parameters
+    plan = _plan(RefreshParams(
+        model=model, mode=mode, switches=switches, architecture=architecture, data_root=data_root, windows=windows,
+        eval_windows=eval_windows, max_embeddings=max_embeddings, world_size=world_size, batch_size=batch_size,
+        max_steps=max_steps, checkpoint_every_steps=checkpoint_every_steps, eval_batches=eval_batches,
+        device=device, fail_at=fail_at, work_root=work_root, snapshot_root=snapshot_root, spool_root=spool_root,
+        warehouse_url=warehouse_url, warehouse_secret=warehouse_secret, tags=tags))
+    checked = check_warehouse(plan, return_state=True)
+    if checked.is_failed():
+        return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
+    reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
+    with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
+        anchor, snapshot = _train_and_publish(plan)
+    return {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor, "snapshot": snapshot}
+
+
+def _train_and_publish(plan: RefreshPlan) -> tuple[str, str]:
+    """reserve -> train -> anchor -> [publish on the devices] -> release -> publish on the CPU."""
     lease = reserve_trainer(plan)
     try:
         anchor = anchor_checkpoint(plan, train(plan, lease))
         held = publish(plan, anchor, on_devices=True) if plan.publish_in_trainer else None
     finally:
         release_trainer(plan, lease)
-    snapshot = held or publish(plan, anchor)
-    return {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor, "snapshot": snapshot}
+    return anchor, held or publish(plan, anchor)

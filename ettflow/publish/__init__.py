@@ -5,7 +5,7 @@
 - snapshot: int8 tables, the (dense, values, lengths) TorchScript module
 - validate: held-out batches, scoring in a process without ettflow/torchrec, compare
 - manifest: SnapshotManifest, atomic install, verify_snapshot
-- publisher: publish_snapshot, publish_with_retry, is_retryable; cli: `ettflow publish`
+- publisher: publish_snapshot, is_retryable; cli: `ettflow publish`
 
 Names are imported lazily, so `ettflow --help` does not pay for importing torch.
 """
@@ -20,7 +20,7 @@ _EXPORTS = {
     "SnapshotValidationError": "config", "DEFAULT_TOLERANCE": "config",
     "AnchorCheckpoint": "anchor", "open_anchor": "anchor", "load_float_model": "anchor",
     "SnapshotManifest": "manifest", "read_manifest": "manifest", "verify_snapshot": "manifest",
-    "publish_snapshot": "publisher", "publish_with_retry": "publisher", "is_retryable": "publisher",
+    "publish_snapshot": "publisher", "is_retryable": "publisher",
 }
 __all__ = sorted(_EXPORTS)
 

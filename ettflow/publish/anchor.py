@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,18 @@ from torchrec.models.dlrm import DLRM
 
 from ettflow.publish.config import AnchorError, PublishError
 from ettflow.trainer.checkpoint import CheckpointError, verify
+from ettflow.trainer.checkpoint.anchor import ANCHOR_FILE, AnchorFormatError, load_anchor
 from ettflow.trainer.checkpoint.layout import MANIFEST
 from ettflow.trainer.data.schema import FeatureSchema
 from ettflow.trainer.model import ModelConfig, build_dlrm
-from ettflow.trainer.plugins import ANCHOR_FILE, read_anchor
 
 MODEL_PREFIX = "model."
+
+
+class NonFiniteCheckpointError(AnchorError):
+    """The anchor holds NaN or infinite values, or its float model computes them: a numerics
+    fault of training, not of publishing (quantization and the tolerance have nothing to do
+    with it). Not retryable: publish an earlier anchor, or retrain from a finite checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,20 +53,6 @@ class AnchorCheckpoint:
     manifest_sha256: str  # the checkpoint manifest's own sha256 (also in COMMITTED)
 
 
-def _model_config(raw: Any, path: Path) -> ModelConfig:
-    if not isinstance(raw, dict):
-        raise AnchorError(f"{path / ANCHOR_FILE}: 'model' must be a ModelConfig dict, got {type(raw).__name__}")
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise AnchorError(f"{path / ANCHOR_FILE}: model has fields {unknown} this ettflow's ModelConfig does "
-                          "not know; publish with the ettflow version that trained it")
-    try:
-        return ModelConfig(**raw)
-    except (TypeError, ValueError) as e:
-        raise AnchorError(f"{path / ANCHOR_FILE}: invalid model config ({e})") from e
-
-
 def open_anchor(path: Path | str) -> AnchorCheckpoint:
     """Verify the checkpoint (refusing a torn one) and read its anchor.json."""
     path = Path(path)
@@ -72,24 +64,19 @@ def open_anchor(path: Path | str) -> AnchorCheckpoint:
     except CheckpointError as e:
         raise AnchorError(f"refusing to publish: {e}. Publish another committed anchor; a torn one "
                           "is never read") from e
-    anchor = read_anchor(path)
+    try:
+        anchor = load_anchor(path)
+    except AnchorFormatError as e:
+        raise AnchorError(str(e)) from e
     if anchor is None:
         raise AnchorError(f"{path} is a committed checkpoint but not an anchor (no {ANCHOR_FILE}): "
                           "publish the checkpoint the trainer marked at the end of training")
-    missing = [k for k in ("run_id", "step", "model", "schema") if k not in anchor]
-    if missing:
-        raise AnchorError(f"{path / ANCHOR_FILE} lacks {missing}: it was not written by write_anchor")
-    if anchor["step"] != info.step:
-        raise AnchorError(f"{path / ANCHOR_FILE} names step {anchor['step']} but the checkpoint holds "
+    if anchor.step != info.step:
+        raise AnchorError(f"{path / ANCHOR_FILE} names step {anchor.step} but the checkpoint holds "
                           f"step {info.step}: the marker belongs to another checkpoint")
-    try:
-        schema = FeatureSchema.from_dict(anchor["schema"])
-    except (TypeError, ValueError, KeyError) as e:
-        raise AnchorError(f"{path / ANCHOR_FILE}: invalid schema ({e})") from e
     sha = json.loads((path / MANIFEST).read_text())["manifest_sha256"]  # verify() checked it
-    return AnchorCheckpoint(path=path, run_id=str(anchor["run_id"]), step=info.step,
-                            world_size=info.world_size, model=_model_config(anchor["model"], path),
-                            schema=schema, cursor=anchor.get("cursor"), manifest_sha256=sha)
+    return AnchorCheckpoint(path=path, run_id=anchor.run_id, step=info.step, world_size=info.world_size,
+                            model=anchor.model, schema=anchor.schema, cursor=anchor.cursor, manifest_sha256=sha)
 
 
 def load_float_model(anchor: AnchorCheckpoint) -> DLRM:
@@ -118,4 +105,11 @@ def load_float_model(anchor: AnchorCheckpoint) -> DLRM:
     dlrm.eval()
     for p in dlrm.parameters():
         p.requires_grad_(False)
+    bad = [name for name, t in dlrm.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteCheckpointError(
+            f"the anchor {anchor.path} holds non-finite values (NaN or inf) in {bad[:3]}"
+            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}: training diverged (a numerics failure) "
+            "before this checkpoint was saved. It is not published; publish an earlier anchor or retrain "
+            "from the last finite checkpoint")
     return dlrm

@@ -1,11 +1,12 @@
 """`ettflow publish`: anchor checkpoint -> validated inference snapshot, on the CPU.
 
     ettflow publish --anchor WORK/checkpoints/step_0000000064 --data DATA_ROOT \\
-        [--windows window=2024010102 ...] [--out DIR] [--no-quantize] [--retries 3]
+        [--windows window=2024010102 ...] [--out DIR] [--no-quantize]
 
-`register(subparsers)` adds the command to `ettflow`'s sub-parsers; its `func` returns an exit
-code: 0 published, 2 refused (torn anchor, validation failed, bad arguments: retrying will not
-help), 1 failed after the retries. `main(argv)` runs it alone
+It publishes once. `register(subparsers)` adds the command to `ettflow`'s sub-parsers; its
+`func` returns an exit code: 0 published, 2 refused (torn anchor, validation failed, bad
+arguments: running it again will not help), 1 failed in a way that may pass when the same
+command runs again (it says so). `main(argv)` runs it alone
 (`python -m ettflow.publish.cli --anchor ...`).
 """
 
@@ -25,17 +26,21 @@ def default_output_root() -> str:
 
 def _publish(args: argparse.Namespace) -> int:
     from ettflow.publish.config import PublishConfig
-    from ettflow.publish.publisher import is_retryable, publish_with_retry
+    from ettflow.publish.publisher import is_retryable, publish_snapshot
 
     try:
         config = PublishConfig(anchor=args.anchor, output_root=args.out or default_output_root(),
                                data_root=args.data, windows=args.windows, batch_size=args.batch_size,
                                validation_batches=args.batches, tolerance=args.tolerance,
                                quantize=not args.no_quantize, run_id=args.run_id)
-        manifest = publish_with_retry(config, attempts=args.retries + 1, backoff_s=args.backoff)
-    except Exception as e:  # the message says what was wrong and what to do
+        manifest = publish_snapshot(config)
+    except Exception as e:  # noqa: BLE001 - a command's last stop: the message says what was wrong and what to do
         print(f"ettflow publish: {e}", file=sys.stderr)
-        return 1 if is_retryable(e) else 2
+        if not is_retryable(e):
+            return 2
+        print("ettflow publish: this failure may pass on another try (nothing was published, nothing retrains): "
+              "run the same command again", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(manifest.to_dict(), indent=1, sort_keys=True))
         return 0
@@ -64,8 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest allowed |p_snapshot - p_float| (default {DEFAULT_TOLERANCE})")
     parser.add_argument("--no-quantize", action="store_true", help="keep float32 embedding tables")
     parser.add_argument("--run-id", help="output folder name (default: the run id in anchor.json)")
-    parser.add_argument("--retries", type=int, default=2, help="retries of a failure that may pass (default 2)")
-    parser.add_argument("--backoff", type=float, default=5.0, help="seconds before the first retry (default 5)")
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.set_defaults(func=_publish)
 

@@ -13,7 +13,8 @@ Steps (each timed into `manifest.timings_s`):
             and the atomic install as <output_root>/<run_id>/
 
 Nothing here trains. A failed attempt leaves no snapshot (the staging folder is removed) and
-can simply be run again: `publish_with_retry` does so for failures that may pass on a retry.
+can simply be run again; `is_retryable` says whether that may help. Retrying is the caller's
+policy: the refresh's publish task declares Prefect retries, `ettflow publish` tries once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import platform
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from importlib import metadata
@@ -131,19 +132,3 @@ def is_retryable(error: BaseException) -> bool:
         return error.retryable
     return not isinstance(error, (DataError, ValueError, TypeError))
 
-
-def publish_with_retry(config: PublishConfig, *, attempts: int = 3, backoff_s: float = 5.0,
-                       sleep: Callable[[float], None] = time.sleep) -> SnapshotManifest:
-    """`publish_snapshot`, tried up to `attempts` times for retryable failures (never retrains)."""
-    if attempts < 1:
-        raise ValueError(f"attempts must be >= 1, got {attempts}")
-    for attempt in range(1, attempts + 1):
-        try:
-            return publish_snapshot(config)
-        except Exception as e:
-            if attempt == attempts or not is_retryable(e):
-                raise
-            log.warning("publish attempt %d/%d failed, retrying in %.0f s: %s", attempt, attempts,
-                        backoff_s * attempt, e)
-            sleep(backoff_s * attempt)
-    raise AssertionError("unreachable")

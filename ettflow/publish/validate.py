@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ettflow.publish.anchor import NonFiniteCheckpointError
 from ettflow.publish.config import PublishConfig, PublishError, SnapshotValidationError
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
 from ettflow.trainer.data.schema import FeatureSchema
@@ -97,10 +98,18 @@ def _finite(x: float) -> float | None:
 
 def compare(reference: torch.Tensor, snapshot: torch.Tensor, labels: torch.Tensor,
             tolerance: float) -> dict[str, Any]:
-    """Metrics of the snapshot against the float model; raises beyond the tolerance."""
+    """Metrics of the snapshot against the float model; raises beyond the tolerance, and
+    `NonFiniteCheckpointError` when the float model's own predictions are not finite."""
     if snapshot.shape != reference.shape:
         raise SnapshotValidationError(f"the snapshot returned {tuple(snapshot.shape)} predictions, the "
                                       f"trained model {tuple(reference.shape)}: its signature is wrong")
+    if not bool(torch.isfinite(reference).all()):
+        bad = int((~torch.isfinite(reference)).sum())
+        raise NonFiniteCheckpointError(
+            f"the trained model itself predicts non-finite click probabilities for {bad} of "
+            f"{reference.numel()} held-out examples: the checkpoint holds non-finite values (a numerics "
+            "failure of training), not a quantization error. It is not published; publish an earlier "
+            "anchor or retrain from the last finite checkpoint")
     diff = (snapshot - reference).abs()
     y, ref, snap = labels.numpy(), reference.numpy(), snapshot.numpy()
     metrics = {
