@@ -6,26 +6,31 @@ import argparse
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from . import paths
 
-
-def _warehouse(url: str | None):
+if TYPE_CHECKING:
     from .ett.warehouse import Warehouse
-
-    return Warehouse.open(url)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .ett import report
-    from .ett.warehouse import WarehouseError
+    from .ett.warehouse import Warehouse, WarehouseError
 
     try:
-        wh = _warehouse(args.url)
-        runs = wh.runs_frame(model=args.model, run_id=args.run, limit=args.last)
+        with Warehouse.open(args.url) as wh:
+            return _report(wh, args)
     except WarehouseError as exc:
         print(f"ettflow report: {exc}", file=sys.stderr)
         return 2
+
+
+def _report(wh: Warehouse, args: argparse.Namespace) -> int:
+    """Print the runs `args` selects from an open warehouse: one in detail, or all with a
+    per-model summary. 1 when it holds none of them."""
+    from .ett import report
+
+    runs = wh.runs_frame(model=args.model, run_id=args.run, limit=args.last)
     if runs.empty:
         what = f"run {args.run!r}" if args.run else (f"model {args.model!r}" if args.model else "any run")
         print(
@@ -54,17 +59,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Write a sample run through the spool, archive it, and print its report."""
     from .ett.archive import archive_spooled_run
     from .ett.sample import write_sample_run
-    from .ett.warehouse import RunInfo
+    from .ett.warehouse import RunInfo, Warehouse
 
     run_id = args.run_id or f"sample-{uuid.uuid4().hex[:8]}"
     spool = paths.spool_root()
     write_sample_run(spool, run_id, seed=args.seed, start=time.time() - 3600)
-    wh = _warehouse(args.url)
-    archived = archive_spooled_run(
-        wh, spool, RunInfo(run_id=run_id, model="sample-dlrm", mode="sample", tags={"sample": True})
-    )
+    with Warehouse.open(args.url) as wh:
+        archived = archive_spooled_run(
+            wh, spool, RunInfo(run_id=run_id, model="sample-dlrm", mode="sample", tags={"sample": True})
+        )
+        where = wh.display_url
     print(f"sample run {run_id}: {archived.events} events spooled under {spool / run_id}")
-    print(f"archived to {wh.display_url}\n")
+    print(f"archived to {where}\n")
     return cmd_report(argparse.Namespace(url=args.url, run=run_id, model=None, last=None, format="table"))
 
 
@@ -89,9 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import cli as bench_cli
     from .flows import cli as flows_cli
     from .publish import cli as publish_cli
+    from .tasks import archive_cli
     from .trainer.data import cli as data_cli
 
     flows_cli.register(sub)
+    archive_cli.register(sub)
     data_cli.register(sub)
     publish_cli.register(sub)
     bench_cli.register(sub)

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    from .jobs import JobResult
+    from .suite import Bench
 
 
 def register(subparsers) -> None:
@@ -20,6 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="results", help="results folder (default: ./results)")
     p.add_argument("--url", help="warehouse URL for the benchmark runs (default: the per-user warehouse)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ablation,overhead")
+    p.add_argument("--verbose", action="store_true", help="show every library's warnings and logs too")
     sizes = p.add_argument_group("sizes (override the quick/full plan)")
     sizes.add_argument("--lengths", help="training windows per job, comma-separated, e.g. 2,8,32")
     sizes.add_argument("--rows-per-window", type=int)
@@ -79,24 +87,38 @@ def markdown(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from ettflow.ett.warehouse import Warehouse
-    from ettflow.ett.warehouse_rows import RunInfo
+@dataclass(frozen=True)
+class Measured:
+    """What the suite measured: the ETT pair per job length (shortest first), and the
+    compile ablation and orchestration overhead tables (None when skipped)."""
+
+    pairs: dict[int, tuple[JobResult, JobResult]]
+    ablation: pd.DataFrame | None
+    overhead: pd.DataFrame | None
+
+
+class Clock:
+    """The benchmark's progress lines, each stamped with the seconds since it started;
+    written above any progress bar (tqdm), so the bar stays at the bottom."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def say(self, msg: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(f"[{self.elapsed():7.1f} s] {msg}", file=sys.stdout)
+        sys.stdout.flush()
+
+
+def measure(bench: Bench, skip: set[str]) -> Measured:
+    """Run every measurement of the plan (ETT pairs, then the ablation and the overhead
+    unless skipped) on a local Ray."""
     from ettflow.trainer.ray_group import ensure_ray
 
-    from . import plots
-    from .suite import Bench, attribution_table, checkpoint_table, pair_table, shutdown_table, wasted_curve
-
-    plan = plan_from(args)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    skip = set(filter(None, args.skip.split(",")))
-    started = time.time()
-
-    def say(msg: str) -> None:
-        print(f"[{time.time() - started:7.1f} s] {msg}", flush=True)
-
-    bench = Bench(plan, out, say)
     windows = bench.prepare_data()
     t0 = time.time()
     ensure_ray(num_cpus=4)
@@ -110,7 +132,15 @@ def main(args: argparse.Namespace) -> int:
         init = min(e.start for e in first.events if e.phase == "device_init")
         overhead.loc[len(overhead)] = {"what": "job submission -> first trainer init event, s",
                                        "value": round(init - first.metrics.wall_start, 2)}
+    return Measured(pairs=pairs, ablation=ablation, overhead=overhead)
 
+
+def build_tables(jobs: list[JobResult], measured: Measured) -> tuple[dict[str, pd.DataFrame], pd.DataFrame, dict]:
+    """Every results table by name (in print order), and the sync wasted-training curve with
+    its optimal interval (for the picture)."""
+    from .suite import attribution_table, checkpoint_table, pair_table, shutdown_table, wasted_curve
+
+    pairs = measured.pairs
     tables: dict[str, pd.DataFrame] = {}
     default = pairs[min(pairs)]
     tables["ett_pair"] = pair_table(default)
@@ -119,40 +149,73 @@ def main(args: argparse.Namespace) -> int:
         {"windows": length, "mode": j.mode, "train_s": round(j.metrics.effective_s, 1),
          "wall_s": round(j.metrics.wall_s, 1), "ETT%": round(j.metrics.ett_pct, 1)}
         for length, pair in pairs.items() for j in pair])
-    if ablation is not None:
-        tables["compile_ablation"] = ablation.round(2)
-    tables["checkpoint_blocking"] = checkpoint_table(bench.jobs)
-    sync_blocking = tables["checkpoint_blocking"].set_index("mode")
-    blocking = {m: float(sync_blocking.loc[m, "median_s"]) for m in sync_blocking.index}
+    if measured.ablation is not None:
+        tables["compile_ablation"] = measured.ablation.round(2)
+    tables["checkpoint_blocking"] = checkpoint_table(jobs)
+    by_mode = tables["checkpoint_blocking"].set_index("mode")
+    blocking = {m: float(by_mode.loc[m, "median_s"]) for m in by_mode.index}
     curve, choice = wasted_curve(default[0].metrics.effective_s, blocking.get("sync", 1.0))
-    curve_async, choice_async = wasted_curve(default[1].metrics.effective_s, blocking.get("async", 0.1))
+    _, choice_async = wasted_curve(default[1].metrics.effective_s, blocking.get("async", 0.1))
     tables["wasted_vs_interval"] = curve.round(2)
     tables["interval_choice"] = pd.DataFrame([{"mode": "sync", **choice}, {"mode": "async", **choice_async}]).round(2)
     tables["shutdown"] = shutdown_table(default)
-    if overhead is not None:
-        tables["overhead"] = overhead
-    tables["targets"] = _targets(pairs, ablation, tables["checkpoint_blocking"], tables["shutdown"], overhead)
+    if measured.overhead is not None:
+        tables["overhead"] = measured.overhead
+    tables["targets"] = _targets(pairs, measured.ablation, tables["checkpoint_blocking"], tables["shutdown"],
+                                 measured.overhead)
+    return tables, curve, choice
+
+
+def save_results(out: Path, tables: dict[str, pd.DataFrame], pairs: dict[int, tuple[JobResult, JobResult]],
+                 curve: pd.DataFrame, choice: dict, *, header: str) -> None:
+    """Print every table, and write it as CSV and into `results.md`; draw the pictures."""
+    from . import plots
 
     plots.components_bars(pairs, out / "components.png")
     plots.ett_vs_length(tables["job_length"], out / "ett_vs_length.png")
     plots.wasted_vs_interval(curve, choice, out / "wasted_vs_interval.png")
-    md = [f"# ettflow bench ({'quick' if args.quick else 'full'})", "",
-          f"Command: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
-          f"machine: {platform.machine()}, {platform.processor() or ''} {__import__('os').cpu_count()} cores, "
-          f"Python {sys.version.split()[0]}; took {time.time() - started:.0f} s.", ""]
+    md = [header, ""]
     for name, frame in tables.items():
         frame.to_csv(out / f"{name}.csv", index=False)
         print(f"\n== {name} ==\n{frame.to_string(index=False)}")
         md += [f"## {name}", "", markdown(frame), ""]
     (out / "results.md").write_text("\n".join(md))
-    (out / "plan.json").write_text(json.dumps(plan.__dict__, default=list, indent=1))
 
-    wh = Warehouse.open(args.url)
-    for job in bench.jobs:
-        wh.archive_run(RunInfo(run_id=job.run_id, model="bench-dlrm", mode=job.mode,
-                               tags={"benchmark": True, "quick": bool(args.quick)}), job.events, job.metrics)
-    say(f"done: {len(bench.jobs)} jobs archived to {wh.display_url}; tables, CSV and PNG in {out}")
+
+def archive_jobs(url: str | None, jobs: list[JobResult], *, quick: bool) -> str:
+    """Archive every job to the warehouse, tagged as a benchmark run; return where (no password)."""
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.ett.warehouse_rows import RunInfo
+
+    with Warehouse.open(url) as wh:
+        for job in jobs:
+            wh.archive_run(RunInfo(run_id=job.run_id, model="bench-dlrm", mode=job.mode,
+                                   tags={"benchmark": True, "quick": quick}), job.events, job.metrics)
+        return wh.display_url
+
+
+def main(args: argparse.Namespace) -> int:
+    from ettflow.console import quiet_third_party
+
+    from .suite import Bench
+
+    quiet_third_party(verbose=getattr(args, "verbose", False))
+    plan = plan_from(args)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    clock = Clock()
+    bench = Bench(plan, out, clock.say)
+    measured = measure(bench, set(filter(None, args.skip.split(","))))
+    tables, curve, choice = build_tables(bench.jobs, measured)
+    header = (f"# ettflow bench ({'quick' if args.quick else 'full'})\n\n"
+              f"Command: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
+              f"machine: {platform.machine()}, {platform.processor() or ''} {os.cpu_count()} cores, "
+              f"Python {sys.version.split()[0]}; took {clock.elapsed():.0f} s.")
+    save_results(out, tables, measured.pairs, curve, choice, header=header)
+    (out / "plan.json").write_text(json.dumps(plan.__dict__, default=list, indent=1))
+    where = archive_jobs(args.url, bench.jobs, quick=bool(args.quick))
+    clock.say(f"done: {len(bench.jobs)} jobs archived to {where}; tables, CSV and PNG in {out}")
     met = tables["targets"]["met"]
-    say(f"targets met: {int(met.sum())}/{len(met)}; median ETT gain "
-        f"{statistics.median(p[1].metrics.ett_pct - p[0].metrics.ett_pct for p in pairs.values()):.1f} points")
+    gain = statistics.median(p[1].metrics.ett_pct - p[0].metrics.ett_pct for p in measured.pairs.values())
+    clock.say(f"targets met: {int(met.sum())}/{len(met)}; median ETT gain {gain:.1f} points")
     return 0

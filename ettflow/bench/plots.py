@@ -10,10 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ettflow.ett.events import COMPONENTS  # noqa: E402
-
-COLOURS = {"effective_training": "#2ca02c", "wasted_training": "#d62728", "pt2_compile": "#9467bd",
-           "trainer_init": "#1f77b4", "scheduling": "#7f7f7f", "shutdown": "#ff7f0e", "unattributed": "#dddddd"}
+from ettflow.ett.events import L2_ORDER  # noqa: E402
+from ettflow.ett.palette import COLOURS, MODE_COLOURS, REFERENCE_COLOUR  # noqa: E402
 
 
 def components_bars(pairs: dict[int, tuple], path: Path) -> None:
@@ -23,7 +21,7 @@ def components_bars(pairs: dict[int, tuple], path: Path) -> None:
         for job in pair:
             m = job.metrics
             labels.append(f"{job.mode[:4]}\nL{length}")
-            shares.append({c: 100 * m.components[c] / m.wall_s for c in (*COMPONENTS, "unattributed")})
+            shares.append({c: 100 * m.components[c] / m.wall_s for c in L2_ORDER})
     frame = pd.DataFrame(shares, index=labels)
     ax = frame.plot.bar(stacked=True, color=[COLOURS[c] for c in frame.columns], figsize=(8, 4.5), rot=0, width=0.7)
     ax.set_ylabel("% of wall time")
@@ -37,7 +35,7 @@ def components_bars(pairs: dict[int, tuple], path: Path) -> None:
 def ett_vs_length(frame: pd.DataFrame, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, group in frame.groupby("mode"):
-        ax.plot(group["train_s"], group["ETT%"], marker="o", label=mode)
+        ax.plot(group["train_s"], group["ETT%"], marker="o", label=mode, color=MODE_COLOURS.get(mode))
     ax.set_xscale("log")
     ax.set_xlabel("training data per job (seconds of effective training)")
     ax.set_ylabel("ETT %")
@@ -51,10 +49,10 @@ def ett_vs_length(frame: pd.DataFrame, path: Path) -> None:
 
 def wasted_vs_interval(curve: pd.DataFrame, choice: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(curve["interval_s"], curve["wasted_s"], marker=".")
-    ax.axvline(choice["interval_s"], color="#d62728", linestyle="--",
+    ax.plot(curve["interval_s"], curve["wasted_s"], marker=".", color=COLOURS["wasted_training"])
+    ax.axvline(choice["interval_s"], color=COLOURS["effective_training"], linestyle="--",
                label=f"optimizer: {choice['interval_s']:.1f} s ({choice['wasted_s']:.1f} s wasted)")
-    ax.axvline(choice["young_s"], color="#7f7f7f", linestyle=":", label=f"Young: {choice['young_s']:.1f} s")
+    ax.axvline(choice["young_s"], color=REFERENCE_COLOUR, linestyle=":", label=f"Young: {choice['young_s']:.1f} s")
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval, s")
     ax.set_ylabel("expected wasted training, s")

@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
 from ettflow.ett.cascade import attribute
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
-from ettflow.ett.events import COMPONENTS
+from ettflow.ett.events import L2_ORDER
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.data.windows import list_windows
 
@@ -66,7 +67,8 @@ class Bench:
         if len(have) < need:
             self.say(f"generating {need} windows x {self.plan.rows_per_window} rows")
             generate_windows(self.data, SyntheticConfig(windows=need, rows_per_window=self.plan.rows_per_window,
-                                                        files_per_window=2, seed=11, overwrite=True))
+                                                        files_per_window=2, seed=11, overwrite=True),
+                             progress=True)
         return tuple(list_windows(self.data))
 
     def spec(self, windows: tuple[str, ...], length: int, kill_steps: tuple[int, ...]) -> JobSpec:
@@ -90,10 +92,15 @@ class Bench:
         kills = tuple(int(f * base_steps) for f in self.plan.kill_fractions)
         warm_compile_cache(self.spec(windows, 1, ()), self.spool, self.cache, f"bench-{self.stamp}-cache-warmup")
         out = {}
-        for length in self.plan.lengths:
-            self.say(f"pair at {length} window(s), killed at steps {kills}")
-            spec = self.spec(windows, length, kills)
-            out[length] = (self.job(spec, "baseline", f"L{length}"), self.job(spec, "optimized", f"L{length}"))
+        with tqdm(total=2 * len(self.plan.lengths), desc="ETT pairs", unit="job") as bar:
+            for length in self.plan.lengths:
+                self.say(f"pair at {length} window(s), killed at steps {kills}")
+                spec = self.spec(windows, length, kills)
+                jobs = []
+                for mode in ("baseline", "optimized"):
+                    jobs.append(self.job(spec, mode, f"L{length}"))
+                    bar.update()
+                out[length] = (jobs[0], jobs[1])
         return out
 
     # ---- 3: compile ablation ---------------------------------------------------------------
@@ -134,7 +141,7 @@ def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
         m = job.metrics
         row = {"mode": job.mode, "wall_s": m.wall_s, "TTS_s": m.tts_s, "NoF": m.nof,
                **{f"TTR{i + 1}_s": f.ttr_s for i, f in enumerate(m.failures)}, "ETT%": m.ett_pct,
-               **{f"{c}_s": m.components[c] for c in (*COMPONENTS, "unattributed")}}
+               **{f"{c}_s": m.components[c] for c in L2_ORDER}}
         rows.append(row)
     frame = pd.DataFrame(rows).set_index("mode")
     frame.loc["difference"] = frame.loc["optimized"] - frame.loc["baseline"]

@@ -1,0 +1,136 @@
+"""Clean console output: ettflow's own progress and results stay visible; the known
+third-party noise is dropped at its source, by name, from one table (`KNOWN_NOISE`).
+
+`quiet_third_party(verbose)` installs that table in the calling process:
+
+- a Python warning (`category` set) gets a `warnings.filterwarnings("ignore", ...)` entry for
+  its category and message;
+- a log record (`logger` set) is dropped by a filter on exactly that logger, when its message
+  matches; the logger's other records pass;
+- a line a Ray worker or the raylet forwards to the driver is dropped by the driver through
+  Ray's own `RAY_DEDUP_LOGS_SKIP_REGEX` (every pattern of the table), which Ray reads when it
+  is imported: call `quiet_third_party` before anything imports `ray`.
+
+The CLI calls it first thing; each Ray trainer actor calls it in its constructor, with the
+verbosity the CLI left in `ETTFLOW_VERBOSE` (Ray's processes inherit the environment of the
+process that starts Ray). `verbose=True` installs nothing, so everything shows (and Ray stops
+folding repeated lines: `RAY_DEDUP_LOGS=0`).
+
+Prefect's own state-change lines ("Finished in state Completed()", "Beginning flow run",
+hook boilerplate) are dropped at their loggers in quiet mode, so a run started by a quiet CLI
+does not send them to the Prefect API either; states themselves are still recorded, and
+failed states still log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+
+VERBOSE_ENV = "ETTFLOW_VERBOSE"  # "1": show everything (set by the CLI, read by trainer processes)
+RAY_SKIP_ENV = "RAY_DEDUP_LOGS_SKIP_REGEX"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Noise:
+    """One known third-party message, and how it is recognised.
+
+    `source`: who emits it, for people reading the table. `message`: a regular expression
+    searched in the message text. `category`: it is a Python warning of this class; else
+    `logger`: it is a log record of exactly this logger; neither: it is a line Ray forwards
+    to the driver (a raylet message)."""
+
+    source: str
+    message: str
+    category: type[Warning] | None = None
+    logger: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.category is not None and self.logger is not None:
+            raise ValueError(f"Noise({self.source!r}) is a warning or a log record, not both: "
+                             "give category or logger")
+        try:
+            re.compile(self.message)
+        except re.error as exc:
+            raise ValueError(f"Noise({self.source!r}).message is not a regular expression: {exc}") from None
+
+
+KNOWN_NOISE: tuple[Noise, ...] = (
+    # TorchRec's sharding planner, once per rank and attempt
+    Noise(source="torchrec planner", logger="torchrec.distributed.planner.types",
+          message=r"topology was constructed directly rather than via TopologyFactory"),
+    Noise(source="torchrec planner", logger="torchrec.distributed.planner.storage_reservations",
+          message=r"known issue with TorchRec's dense tensor size calculation"),
+    Noise(source="torchrec planner", category=FutureWarning,
+          message=r"HeuristicalStorageReservation is known to cause issues"),
+    # torch: DCP on ShardedTensor, fx tracing
+    Noise(source="torch distributed checkpoint", category=FutureWarning,
+          message=r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    Noise(source="torch.fx", logger="torch.fx._symbolic_trace", message=r"is_fx_tracing will return true"),
+    # fbgemm_gpu's import-time deprecation banners
+    Noise(source="fbgemm_gpu", category=DeprecationWarning,
+          message=r"fbgemm_gpu\S* is now DEPRECATED|Failed to import: fbgemm_gpu"),
+    Noise(source="fbgemm_gpu", category=UserWarning, message=r"fbgemm_gpu\S* is now DEPRECATED"),
+    # Ray: its token and start messages in the driver; the raylet's note on a killed worker
+    Noise(source="ray auth", logger="ray._private.authentication.authentication_token_setup",
+          message=r"Token authentication is enabled|Generated new authentication token"),
+    Noise(source="ray init", logger="ray._private.worker",
+          message=r"Started a local Ray instance|Connected to Ray cluster"),
+    Noise(source="raylet", message=r"A worker died or was killed while executing a task"),
+    # Prefect: the ephemeral server's banner, and the engine's success boilerplate
+    Noise(source="prefect server", logger="prefect", message=r"(Starting|Stopping) temporary server"),
+    Noise(source="prefect engine", logger="prefect.flow_runs",
+          message=r"^(Beginning flow run|Finished in state Completed\(|Running hook |Hook '.*' finished running "
+                  r"successfully)"),
+    Noise(source="prefect engine", logger="prefect.task_runs",
+          message=r"^(Finished in state Completed\(|Running hook |Hook '.*' finished running successfully)"),
+)
+
+
+class KnownNoiseFilter(logging.Filter):
+    """Drops a logger's records whose message matches one of `patterns`."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except (TypeError, ValueError):  # a malformed record: let it through, its handler reports it
+            return True
+        return not self.pattern.search(text)
+
+
+def verbose_from_env() -> bool:
+    """The verbosity the CLI chose (`ETTFLOW_VERBOSE`), as seen by a trainer process."""
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def ray_skip_regex(noise: tuple[Noise, ...] = KNOWN_NOISE) -> str:
+    """One regular expression for every entry: what the driver drops from forwarded lines."""
+    return "|".join(f"(?:{n.message.lstrip('^')})" for n in noise)
+
+
+def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> None:
+    """Install `noise` (default: `KNOWN_NOISE`) in this process, unless `verbose`; record the
+    choice in `ETTFLOW_VERBOSE` for the processes this one starts. Safe to call again."""
+    os.environ[VERBOSE_ENV] = "1" if verbose else "0"
+    if verbose:
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        return
+    os.environ.setdefault(RAY_SKIP_ENV, ray_skip_regex(noise))
+    by_logger: dict[str, list[str]] = {}
+    for n in noise:
+        if n.category is not None:
+            warnings.filterwarnings("ignore", message=f"(?s).*(?:{n.message})", category=n.category)
+        elif n.logger is not None:
+            by_logger.setdefault(n.logger, []).append(n.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, KnownNoiseFilter)]:
+            logger.removeFilter(old)
+        logger.addFilter(KnownNoiseFilter(patterns))
