@@ -30,6 +30,8 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
     per-model summary. 1 when it holds none of them."""
     from .ett import report
 
+    if getattr(args, "lineage", False):
+        return _lineage(wh, args)
     runs = wh.runs_frame(model=args.model, run_id=args.run, limit=args.last)
     if runs.empty:
         what = f"run {args.run!r}" if args.run else (f"model {args.model!r}" if args.model else "any run")
@@ -52,6 +54,30 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
     if args.format == "table":
         print("\nPer model, over time:")
     print(report.render(report.model_summary(runs), args.format))
+    return 0
+
+
+def _lineage(wh: Warehouse, args: argparse.Namespace) -> int:
+    """Print the model's chain of refreshes; 2 without --model, 1 when it has none."""
+    from .ett import report
+
+    if not args.model:
+        print("ettflow report: --lineage needs --model M (the model whose refreshes to chain)", file=sys.stderr)
+        return 2
+    records = wh.lineage(args.model)
+    if args.last is not None:
+        records = records[-args.last:] if args.last > 0 else []
+    if not records:
+        print(f"ettflow report: the warehouse at {wh.display_url} holds no refresh of model {args.model!r}.\n"
+              "Run `ettflow refresh` for it first, or point --url / ETTFLOW_WAREHOUSE_URL at its warehouse.",
+              file=sys.stderr)
+        return 1
+    table = report.lineage_table(records, wh.runs_frame(model=args.model))
+    if args.format == "table":
+        mark = wh.watermark(args.model)
+        print(f"Refreshes of {args.model} (watermark: {mark or 'none, nothing published yet'}):")
+        table = table.astype({"ETT%": object}).fillna({"ETT%": "-"})
+    print(report.render(table, args.format))
     return 0
 
 
@@ -83,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--run", help="one run in detail: every component and phase, exposed and raw")
     rep.add_argument("--model", help="only this model's runs")
     rep.add_argument("--last", type=int, help="only the N most recent runs")
+    rep.add_argument("--lineage", action="store_true",
+                     help="with --model: the chain of its refreshes (run, windows, parent, outcome, ETT%%)")
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
     rep.set_defaults(func=cmd_report)
 

@@ -117,3 +117,25 @@ def test_cli_generate(tmp_path, capsys):
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["data", "movielens", "--out", "x", "--windows", "3"])
     assert args.windows == 3 and callable(args.func)
+
+
+def test_append_adds_the_next_hour_identical_to_a_longer_generation_and_drifts(tmp_path):
+    from ettflow.trainer.data.synthetic import append_window
+
+    cfg = SyntheticConfig(windows=2, rows_per_window=300, files_per_window=1, seed=4, drift=0.5)
+    generate_windows(tmp_path / "grown", cfg)
+    assert main(["append", "--root", str(tmp_path / "grown")]) == 0
+    folder = append_window(tmp_path / "grown")
+    assert folder.name == "window=2024010103"
+    longer = generate_windows(tmp_path / "long", SyntheticConfig(**{**cfg.__dict__, "windows": 4}))
+    for w in longer:
+        assert pq.read_table(w / "part-00000.parquet").equals(pq.read_table(tmp_path / "grown" / w.name /
+                                                                             "part-00000.parquet"))
+    # same rows and features, but the click model moved: labels differ from a drift-free root
+    still = generate_windows(tmp_path / "still", SyntheticConfig(**{**cfg.__dict__, "windows": 4, "drift": 0.0}))
+    first, last = (pq.read_table(w / "part-00000.parquet") for w in (still[0], still[3]))
+    assert first.equals(pq.read_table(longer[0] / "part-00000.parquet"))  # window 0 has not drifted
+    assert last.drop(["label"]).equals(pq.read_table(longer[3] / "part-00000.parquet").drop(["label"]))
+    assert not last.column("label").equals(pq.read_table(longer[3] / "part-00000.parquet").column("label"))
+    with pytest.raises(ValueError, match="no hourly synthetic windows"):
+        append_window(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else None)

@@ -16,6 +16,7 @@ from ettflow.ett.warehouse import COMPONENT_COLUMNS, Warehouse
 from ettflow.flows.refresh import refresh_model
 from ettflow.tasks import run_spool
 from ettflow.tasks.archive import archive_on_flow_state
+from ettflow.trainer.data.windows import list_windows
 
 # the first run pays the cold compile (about 25 s per rank) and Ray's start: over the default 300 s
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(900)]
@@ -32,6 +33,9 @@ def env(tmp_path_factory, flow_data, flow_work_root, prefect_harness, ray_sessio
         "batch_size": 32, "checkpoint_every_steps": 10, "eval_batches": 2, "work_root": str(flow_work_root),
         "snapshot_root": str(root / "snapshots"), "spool_root": str(root / "spool"),
         "warehouse_url": f"sqlite:///{root / 'warehouse.db'}",
+        # every run here refreshes the same 2 windows of one model from scratch (explicit windows win over
+        # the watermark: no run is skipped); continuous refresh is tested in its own file
+        "windows": list_windows(flow_data)[:2], "warm_start": False,
     }
 
 

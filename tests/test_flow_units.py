@@ -263,3 +263,38 @@ def test_cli_never_passes_or_prints_a_password():
         assert "warehouse_url" not in cli.parameters(args) and cli.private_warehouse_url(args) == PASSWORD_URL
     plain = parser.parse_args(["refresh", "--warehouse-url", "sqlite:////tmp/w.db"])
     assert cli.parameters(plain)["warehouse_url"] == "sqlite:////tmp/w.db" and cli.private_warehouse_url(plain) is None
+
+
+def test_retention_keeps_the_last_refreshes_the_current_and_the_parent():
+    from ettflow.ett.lineage import LineageRecord, Outcome
+    from ettflow.tasks.retention import doomed_runs
+
+    def rec(run, t, outcome=Outcome.PUBLISHED, anchor=True):
+        return LineageRecord(model="m", run_id=run, windows=("w",), outcome=outcome, created_at=t, finished_at=t + 1,
+                             anchor=f"/{run}" if anchor else None)
+
+    refreshes = [rec("r1", 1), rec("r2", 2), rec("r3", 3, Outcome.GATED), rec("r4", 4, Outcome.FAILED),
+                 rec("r5", 5, Outcome.SKIPPED, anchor=False), rec("r0", 0)]
+    folders = {"r0": True, "r1": True, "r2": True, "r3": True, "r4": True, "old": True, "training": False, "now": False}
+    # keep 2: r4, r3 (newest with anchors); r2 is current (last published); r0 the parent; no-anchor folders stay
+    assert doomed_runs(folders, refreshes, keep=2, protected={"now", "r0"}) == ["old", "r1"]
+    assert doomed_runs(folders, refreshes, keep=10, protected=set()) == ["old"]
+    assert doomed_runs(folders, [], keep=1, protected={"r1"}) == ["old", "r0", "r2", "r3", "r4"]
+
+
+def test_prune_task_removes_only_doomed_folders(tmp_path, flow_data, monkeypatch):
+    from ettflow.ett.lineage import LineageRecord, Outcome
+    from ettflow.tasks.retention import apply_retention
+
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    plan = plan_refresh(params(flow_data, tmp_path, warehouse_url=url, keep_refreshes=1), run_id="now")
+    for run in ("a", "b", "c"):
+        (plan.runs_root / run / "checkpoints" / "1").mkdir(parents=True)
+        (plan.runs_root / run / "checkpoints" / "1" / "anchor.json").write_text("{}")
+    with Warehouse.open(url) as wh:
+        for t, run in enumerate(("a", "b", "c")):
+            wh.record_lineage(LineageRecord(model="dlrm", run_id=run, windows=("w",), anchor=f"/{run}",
+                                            outcome=Outcome.PUBLISHED if run != "c" else Outcome.GATED,
+                                            created_at=t, finished_at=t))
+    assert apply_retention(plan) == (["a"], 2)  # c: the last refresh; b: the current anchor
+    assert sorted(p.name for p in plan.runs_root.iterdir()) == ["b", "c"]

@@ -1,17 +1,26 @@
 """`ettflow report`: per-run L1/L2 and a per-model summary over time, from any warehouse.
 
 The per-run table has the columns of the study's per-model bars: ETT%, TTS, NoF, TTR and
-the six L2 components as a share of wall time (plus unattributed). Pure formatting over
-pandas frames; the CLI reads the frames from the warehouse.
+the six L2 components as a share of wall time (plus unattributed). A refresh that trained
+nothing has status `skipped`: it shows without an ETT% and the daily means leave it out.
+`lineage_table` is a model's chain of refreshes (`ettflow report --model M --lineage`). Pure
+formatting over pandas frames; the CLI reads the frames from the warehouse.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from .events import L2_ORDER, component_of, owner_of
+
+if TYPE_CHECKING:
+    from .lineage import LineageRecord
+
+SKIPPED = "skipped"  # the status of a run that trained nothing (ett.lineage.Outcome.SKIPPED)
 
 SHORT = {
     "scheduling": "sched",
@@ -25,15 +34,16 @@ SHORT = {
 
 
 def run_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: L1, then each L2 component as % of wall."""
+    """One row per run: L1, then each L2 component as % of wall (a skipped run: no ETT%)."""
     out = pd.DataFrame(
         {
             "run": runs["run_id"],
             "model": runs["model"],
             "mode": runs["mode"],
+            "status": runs["status"],
             "started": pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M"),
             "wall_s": runs["wall_s"].round(1),
-            "ETT%": runs["ett_pct"].round(1),
+            "ETT%": runs["ett_pct"].where(runs["status"] != SKIPPED).round(1),
             "TTS_s": runs["tts_s"].round(1),
             "NoF": runs["nof"].astype(int),
             "TTR_mean_s": runs["ttr_mean_s"].round(1),
@@ -45,11 +55,16 @@ def run_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def model_summary(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per model and day: how many runs, their ETT% (mean, min, max), wall and failures."""
-    frame = runs.assign(day=pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d"))
+    """Per model and day: how many runs trained, their ETT% (mean, min, max), wall and
+    failures; skipped runs are counted apart and left out of the means."""
+    skipped = runs["status"] == SKIPPED
+    frame = runs.assign(day=pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d"),
+                        skipped=skipped.astype(int),
+                        **{c: runs[c].where(~skipped) for c in ("ett_pct", "wall_s", "tts_s")})
     grouped = frame.groupby(["model", "day"], sort=True)
     out = grouped.agg(
-        runs=("run_id", "count"),
+        runs=("ett_pct", "count"),
+        skipped=("skipped", "sum"),
         ett_mean=("ett_pct", "mean"),
         ett_min=("ett_pct", "min"),
         ett_max=("ett_pct", "max"),
@@ -75,6 +90,25 @@ def component_table(components: pd.DataFrame, wall_s: float, *, phases: bool = T
     frame = frame.sort_values("_k", kind="stable").drop(columns="_k")
     cols = ["kind", "name", "owner", "exposed_s", "raw_s", "exposed_%"]
     return frame[cols].round(3).reset_index(drop=True)
+
+
+def _span(windows: Sequence[str]) -> str:
+    if not windows:
+        return "-"
+    return windows[0] if len(windows) == 1 else f"{windows[0]}..{windows[-1]} ({len(windows)})"
+
+
+def lineage_table(records: Sequence[LineageRecord], runs: pd.DataFrame) -> pd.DataFrame:
+    """A model's chain, one row per refresh (oldest first): run, windows trained, parent,
+    outcome, ETT% (from its archived run row; none for a skipped or unarchived run), why."""
+    ett = dict(zip(runs["run_id"], runs["ett_pct"], strict=True)) if not runs.empty else {}
+    rows = [{"run": r.run_id,
+             "started": pd.to_datetime(r.created_at, unit="s", utc=True).strftime("%Y-%m-%d %H:%M"),
+             "windows": _span(r.windows), "parent": r.parent_run_id or "(cold)", "outcome": r.outcome.value,
+             "ETT%": None if r.outcome.value == SKIPPED or r.run_id not in ett else round(float(ett[r.run_id]), 1),
+             "reason": r.reason or ""}
+            for r in records]
+    return pd.DataFrame(rows, columns=["run", "started", "windows", "parent", "outcome", "ETT%", "reason"])
 
 
 def render(frame: pd.DataFrame, fmt: str) -> str:

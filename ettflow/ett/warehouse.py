@@ -3,6 +3,7 @@
     with Warehouse.open() as wh:                 # default_url(): see below
         wh.archive_run(RunInfo(run_id=..., model=..., mode=...), events, metrics)
         wh.runs_frame(model="dlrm")              # one row per run, components as columns
+        wh.watermark("dlrm")                     # lineage of the model's refreshes: `ett.lineage`
 
 Where it lives (`default_url()`, first match wins): `ETTFLOW_WAREHOUSE_URL` (PostgreSQL for
 a team, e.g. ``postgresql+psycopg://user@host:5432/ettflow``, or any SQLAlchemy URL); else
@@ -36,6 +37,8 @@ from .warehouse_rows import RunInfo, rows_for_run
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from .lineage import LineageRecord
 
 __all__ = ["RunInfo", "Warehouse", "WarehouseError", "default_url", "COMPONENT_COLUMNS"]
 
@@ -139,6 +142,32 @@ class Warehouse:
             set_={c.name: insert.excluded[c.name] for c in table.columns if not c.primary_key},
         )
         conn.execute(stmt, rows)  # executemany (batched VALUES on PostgreSQL)
+
+    # -- lineage (`ett.lineage`) -----------------------------------------------------------
+
+    def watermark(self, model: str) -> str | None:
+        """The last window of the model's last PUBLISHED refresh (None: never published)."""
+        from . import lineage
+
+        return lineage.watermark(self, model)
+
+    def last_published(self, model: str) -> LineageRecord | None:
+        """The model's last PUBLISHED refresh: the next refresh's parent."""
+        from . import lineage
+
+        return lineage.last_published(self, model)
+
+    def record_lineage(self, record: LineageRecord) -> None:
+        """Write a refresh's lineage record (upsert by run id)."""
+        from . import lineage
+
+        lineage.record_lineage(self, record)
+
+    def lineage(self, model: str) -> list[LineageRecord]:
+        """Every refresh of the model, oldest first."""
+        from . import lineage
+
+        return lineage.lineage(self, model)
 
     # -- queries -------------------------------------------------------------------------
 

@@ -8,6 +8,9 @@
 - `events`: every phase event, keyed like the spool: (run, attempt, rank, seq).
 - `failures`: one row per failed attempt with its TTR.
 - `checkpoints`: the checkpoint-save events with the step, path and size they recorded.
+- `refresh_lineage`: one row per refresh of a model: the windows it trained, its parent
+  (anchor and snapshot), its own anchor and snapshot, and its outcome (`ett.lineage`).
+- `window_claims`: which refresh holds (or has trained) which window of a model (`ett.lineage`).
 
 Times are epoch seconds (double precision) as in `PhaseEvent`; `archived_at` is a UTC
 timestamp. The Alembic migrations in `ett/migrations/versions` create exactly this schema
@@ -146,3 +149,37 @@ class Checkpoint(Base):
 
 # Child tables in the order an archive writes them (after `runs`).
 CHILD_TABLES = (Attempt, RunComponent, Event, Failure, Checkpoint)
+
+
+class RefreshLineage(Base):
+    """One refresh of a model (`ett.lineage.LineageRecord`); no foreign key to `runs`: the
+    lineage is written by the flow, the run row by its hooks, in either order."""
+
+    __tablename__ = "refresh_lineage"
+
+    run_id: Mapped[str] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(index=True)
+    windows: Mapped[list[str]] = mapped_column(JSON())
+    first_window: Mapped[str | None]
+    last_window: Mapped[str | None]
+    parent_run_id: Mapped[str | None]
+    parent_anchor: Mapped[str | None] = mapped_column(Text)
+    parent_snapshot: Mapped[str | None] = mapped_column(Text)
+    anchor: Mapped[str | None] = mapped_column(Text)
+    snapshot: Mapped[str | None] = mapped_column(Text)
+    outcome: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float]
+    finished_at: Mapped[float | None]
+
+
+class WindowClaim(Base):
+    """A window of a model that a refresh holds (`state` 'claimed') or has trained ('done')."""
+
+    __tablename__ = "window_claims"
+
+    model: Mapped[str] = mapped_column(primary_key=True)
+    window: Mapped[str] = mapped_column(primary_key=True)
+    run_id: Mapped[str] = mapped_column(index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    claimed_at: Mapped[float]

@@ -123,6 +123,10 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             print(f"ettflow refresh: {refused}", file=sys.stderr)
             return 1
         print(f"ettflow refresh: run {run_id} ended {state.name}: {state.message}", file=sys.stderr)
+    else:
+        done = state.result(raise_on_failure=False)
+        if isinstance(done, dict) and done.get("outcome") in ("skipped", "gated"):  # continuous refresh: say why
+            print(f"ettflow refresh: run {run_id} {done['outcome']}: {state.message}", flush=True)
     shown = print_report(run_id, resolve_warehouse_url(params), phases=getattr(args, "verbose", False))
     return 0 if state.is_completed() and shown else 1
 

@@ -1,10 +1,13 @@
 """`refresh_model`: one refresh of a recommendation model, end to end.
 
     check the warehouse (fail fast, before anything is reserved)
+    -> claim the windows past the model's watermark (none new, or another refresh holds them:
+       the run ends Completed as skipped, nothing reserved)
     -> reserve the trainer (Ray placement; the queueing is the scheduling phase)
     -> train (the driver: restarts within its failure budget) -> anchor checkpoint
     -> [baseline: publish while the trainer holds its devices] -> release the devices
-    -> publish on the CPU (optimized)
+    -> publish on the CPU (optimized; the gate may keep the current snapshot: gated)
+    -> record the lineage (published or gated; failed when anything raised) -> prune checkpoints
 
 Every state hook archives the run's ETT to the warehouse and attaches the artifacts (ETT
 table, timeline picture, snapshot link) to the flow run; the train task shows a progress
@@ -15,14 +18,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
+from prefect.states import Completed, State
 
 from ettflow.ett.heartbeat import RunHeartbeat
+from ettflow.ett.lineage import Outcome
 from ettflow.tasks.archive import archive_on_flow_state
+from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
 from ettflow.tasks.plan import RefreshParams, RefreshPlan, plan_refresh
 from ettflow.tasks.publish import publish
 from ettflow.tasks.reconcile import reconcile_task
+from ettflow.tasks.retention import prune_checkpoints
 from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_trainer, train
 from ettflow.tasks.warehouse_url import check_warehouse, refusal, resolve_warehouse_url
 
@@ -64,7 +71,14 @@ def refresh_model(
     warehouse_url: str | None = None,
     warehouse_secret: str | None = None,
     tags: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    max_windows: int = 4,
+    bootstrap_windows: int | None = None,
+    warm_start: bool = True,
+    claim_wait_s: float = 60.0,
+    keep_refreshes: int = 3,
+    gate_max_auc_drop: float | None = 0.01,
+    gate_max_logloss_increase: float | None = None,
+) -> dict[str, Any] | State:
     """Refresh `model` on the data windows and publish a validated inference snapshot.
 
     mode: baseline or optimized; `switches` sets single switches on top (parallel_init,
@@ -76,23 +90,48 @@ def refresh_model(
     Warehouse: `warehouse_secret` names a Prefect Secret block holding the URL; else
     `warehouse_url` (without a password: parameters are stored in clear); else the worker's
     ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file.
+    Windows: the oldest `max_windows` past the model's watermark, the newest held out; the
+    first refresh trains `bootstrap_windows` (null: max_windows); explicit `windows` win. A
+    refresh starts from its parent's anchor unless `warm_start` is false. With nothing new,
+    or another refresh holding the windows past `claim_wait_s`, it ends Completed, skipped.
+    gate_*: how much worse than the current snapshot a new one may be on the held-out window.
+    keep_refreshes: run checkpoint folders kept (besides the current and parent anchors).
     """
     plan = _plan(RefreshParams(
         model=model, mode=mode, switches=switches, architecture=architecture, data_root=data_root, windows=windows,
         eval_windows=eval_windows, max_embeddings=max_embeddings, world_size=world_size, batch_size=batch_size,
         max_steps=max_steps, checkpoint_every_steps=checkpoint_every_steps, eval_batches=eval_batches,
         device=device, fail_at=fail_at, work_root=work_root, snapshot_root=snapshot_root, spool_root=spool_root,
-        warehouse_url=warehouse_url, warehouse_secret=warehouse_secret, tags=tags))
+        warehouse_url=warehouse_url, warehouse_secret=warehouse_secret, tags=tags, max_windows=max_windows,
+        bootstrap_windows=bootstrap_windows, warm_start=warm_start, claim_wait_s=claim_wait_s,
+        keep_refreshes=keep_refreshes, gate_max_auc_drop=gate_max_auc_drop,
+        gate_max_logloss_increase=gate_max_logloss_increase))
     checked = check_warehouse(plan, return_state=True)
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
     reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
-    with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
-        anchor, snapshot = _train_and_publish(plan)
-    return {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor, "snapshot": snapshot}
+    claim = claim_windows(plan)
+    if claim.skipped is not None:  # nothing reserved or trained; archived as skipped
+        return Completed(message=claim.skipped, data={"run_id": plan.run_id, "model": plan.model,
+                                                      "outcome": Outcome.SKIPPED.value, "reason": claim.skipped})
+    plan = claim.plan
+    try:
+        with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
+            anchor, published = _train_and_publish(plan)
+        record = record_lineage(plan, anchor, published)
+    except BaseException as exc:
+        record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
+        raise
+    prune_checkpoints(plan)
+    result = {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor,
+              "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
+              "parent": record.parent_run_id}
+    if record.outcome is Outcome.GATED:  # the current snapshot stays; the state message says why
+        return Completed(message=f"gated: {record.reason}", data=result)
+    return result
 
 
-def _train_and_publish(plan: RefreshPlan) -> tuple[str, str]:
+def _train_and_publish(plan: RefreshPlan) -> tuple[str, Any]:
     """reserve -> train -> anchor -> [publish on the devices] -> release -> publish on the CPU."""
     lease = reserve_trainer(plan)
     try:

@@ -6,6 +6,8 @@
 - validate: held-out batches, scoring in a process without ettflow/torchrec, compare
 - manifest: SnapshotManifest, atomic install, verify_snapshot
 - publisher: publish_snapshot, is_retryable; cli: `ettflow publish`
+- current: the model's `current` snapshot pointer (read_current, move_current)
+- gate: GateConfig, PublishOutcome, gate_snapshot (compare with the current snapshot)
 
 Names are imported lazily, so `ettflow --help` does not pay for importing torch.
 """
@@ -21,6 +23,8 @@ _EXPORTS = {
     "AnchorCheckpoint": "anchor", "open_anchor": "anchor", "load_float_model": "anchor",
     "SnapshotManifest": "manifest", "read_manifest": "manifest", "verify_snapshot": "manifest",
     "publish_snapshot": "publisher", "is_retryable": "publisher",
+    "CurrentPointer": "current", "read_current": "current", "move_current": "current",
+    "GateConfig": "gate", "PublishOutcome": "gate", "gate_snapshot": "gate",
 }
 __all__ = sorted(_EXPORTS)
 

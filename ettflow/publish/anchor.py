@@ -50,6 +50,8 @@ class AnchorCheckpoint:
     model: ModelConfig
     schema: FeatureSchema
     cursor: dict[str, Any] | None
+    parent: str | None  # the anchor it was warm started from (None: a cold start)
+    windows: tuple[str, ...] | None  # the windows it trained
     manifest_sha256: str  # the checkpoint manifest's own sha256 (also in COMMITTED)
 
 
@@ -76,7 +78,8 @@ def open_anchor(path: Path | str) -> AnchorCheckpoint:
                           f"step {info.step}: the marker belongs to another checkpoint")
     sha = json.loads((path / MANIFEST).read_text())["manifest_sha256"]  # verify() checked it
     return AnchorCheckpoint(path=path, run_id=anchor.run_id, step=info.step, world_size=info.world_size,
-                            model=anchor.model, schema=anchor.schema, cursor=anchor.cursor, manifest_sha256=sha)
+                            model=anchor.model, schema=anchor.schema, cursor=anchor.cursor, parent=anchor.parent,
+                            windows=anchor.windows, manifest_sha256=sha)
 
 
 def load_float_model(anchor: AnchorCheckpoint) -> DLRM:

@@ -44,6 +44,8 @@ class PublishConfig:
         is the click probability; the snapshot is refused beyond it.
     quantize: int8 row-wise embedding tables (False: float tables, e.g. to isolate a diff).
     run_id: override anchor.json's run_id (the output folder name).
+    parent_snapshot: the snapshot this one follows (the model's current one), for the
+        manifest's lineage; None: the first of its model, or not known.
     """
 
     anchor: Path | str
@@ -55,6 +57,7 @@ class PublishConfig:
     tolerance: float = DEFAULT_TOLERANCE
     quantize: bool = True
     run_id: str | None = None
+    parent_snapshot: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("anchor", "output_root", "data_root"):

@@ -49,6 +49,9 @@ class SnapshotManifest:
     metrics: dict[str, Any]  # auc_float, auc_snapshot, max_abs_diff, ..., n_examples
     timings_s: dict[str, float]  # load, data, reference, quantize, script, validate, total
     versions: dict[str, str]
+    # parent_snapshot (the model's current snapshot when this one was published), parent_anchor
+    # (the checkpoint its training was warm started from), windows (trained), held_out
+    lineage: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
     format: str = FORMAT
 

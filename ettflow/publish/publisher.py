@@ -115,6 +115,9 @@ def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
                         "bounds": "max |p_snapshot - p_float| over the held-out examples (click probability)",
                         "loaded_without": ["ettflow", "torchrec"], "blocked_imports": scored["blocked_imports"]},
             metrics=metrics, timings_s=timer.timings, versions=_versions(),
+            lineage={"parent_snapshot": config.parent_snapshot, "parent_anchor": anchor.parent,
+                     "windows": list(anchor.windows) if anchor.windows is not None else None,
+                     "held_out": list(data.windows)},
         )
         manifest = install(tmp, draft, final)
     except BaseException:

@@ -87,7 +87,8 @@ def score_in_fresh_process(model_file: Path, data: HeldOut, *, timeout_s: float 
     return result
 
 
-def _logloss(labels: np.ndarray, probs: np.ndarray) -> float:
+def logloss(labels: np.ndarray, probs: np.ndarray) -> float:
+    """Mean binary cross-entropy of click probabilities (clipped to [1e-7, 1 - 1e-7])."""
     p = np.clip(probs.astype(np.float64), 1e-7, 1 - 1e-7)
     return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
 
@@ -118,8 +119,8 @@ def compare(reference: torch.Tensor, snapshot: torch.Tensor, labels: torch.Tenso
         "mean_abs_diff": float(diff.mean()),
         "auc_float": _finite(auc(y, ref)),
         "auc_snapshot": _finite(auc(y, snap)),
-        "logloss_float": round(_logloss(y, ref), 6),
-        "logloss_snapshot": round(_logloss(y, snap), 6),
+        "logloss_float": round(logloss(y, ref), 6),
+        "logloss_snapshot": round(logloss(y, snap), 6),
     }
     if not metrics["max_abs_diff"] <= tolerance:  # also catches NaN
         raise SnapshotValidationError(

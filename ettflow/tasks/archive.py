@@ -35,6 +35,7 @@ from ettflow.ett.spool import SpoolWriteError
 from ettflow.ett.warehouse import RunInfo
 
 from . import run_spool
+from .claims import skip_reason
 from .warehouse_url import resolve_warehouse_url
 
 log = logging.getLogger("ettflow.tasks")
@@ -76,6 +77,9 @@ def archive_run(run_id: str, params: Mapping[str, Any], *, status: str, flow_run
     if not evs:
         log.warning("run %s has no spooled events under %s: nothing to archive", run_id, spool)
         return None
+    skipped = skip_reason(evs)  # nothing was trained: a `skipped` row, not a 0% ETT run
+    if skipped is not None:
+        status, tags = "skipped", {**dict(tags or {}), "skip_reason": skipped}
     info = run_info(run_id, params, status=status, flow_run_id=flow_run_id,
                     tags={**run_spool.publish_summary(evs), **dict(tags or {})})
     result = archive_or_defer(lambda: resolve_warehouse_url(params), spool, info)
@@ -126,6 +130,8 @@ def publish_artifacts(flow_name: str, flow_run, archived: ArchiveResult) -> None
     timeline_file(snapshot, spool_of(params) / run_id).write_bytes(png)
     summary = (f"Run {run_id} ({params.get('model') or 'dlrm'}, {params.get('mode') or 'optimized'}): "
                f"ETT {m.ett_pct:.1f}%, wall {m.wall_s:.1f} s, TTS {m.tts_s:.1f} s, NoF {m.nof}")
+    if archived.status == "skipped":
+        summary = f"Run {run_id} ({params.get('model') or 'dlrm'}) skipped: {skip_reason(evs)}"
     create_run_artifacts(flow_run_id=flow_run.id, slug=slug(deployment_name(flow_run) or flow_name),
                          run_id=run_id, metrics=m, png=png, snapshot=snapshot, summary=summary)
 

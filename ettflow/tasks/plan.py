@@ -15,6 +15,12 @@ returns. Where things go (per user, `ettflow.paths.data_home()` unless a paramet
   warehouse URL from a Prefect `Secret` block named by `warehouse_secret`, else the
   `warehouse_url` parameter, else `ETTFLOW_WAREHOUSE_URL` (`tasks.warehouse_url`). Parameters
   are stored in clear by Prefect, so a `warehouse_url` holding a password is refused.
+
+Which windows a refresh trains depends on the model's lineage (`tasks.window_choice`): the
+plan `plan_refresh` returns is the first refresh's (no watermark: the bootstrap range, cold);
+`with_lineage(plan, watermark, parent)` re-chooses the windows past the model's watermark and
+warm-starts from the parent's anchor. The `claim-windows` task calls it with what it read
+from the warehouse while it claims those windows (`tasks.claims`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettflow import paths
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
@@ -33,9 +39,13 @@ from ettflow.trainer.model import ModelConfig
 
 from .errors import ParameterError
 from .warehouse_url import check_warehouse_params
+from .window_choice import WindowChoice, explicit_choice, select_windows
 
-__all__ = ["ParameterError", "RefreshParams", "RefreshPlan", "plan_refresh", "parse_failures", "resolve_switches",
-           "slug"]
+if TYPE_CHECKING:
+    from ettflow.ett.lineage import LineageRecord
+
+__all__ = ["ParameterError", "RefreshParams", "RefreshPlan", "WindowChoice", "plan_refresh", "parse_failures",
+           "resolve_switches", "select_windows", "slug", "with_lineage"]
 
 MODES = ("baseline", "optimized")
 PUBLISH_IN_TRAINER = "publish_in_trainer"  # the flow's own switch (baseline: True)
@@ -70,6 +80,13 @@ class RefreshParams:
     warehouse_url: str | None = None
     warehouse_secret: str | None = None
     tags: Mapping[str, Any] | None = None
+    max_windows: int = 4
+    bootstrap_windows: int | None = None
+    warm_start: bool = True
+    claim_wait_s: float = 60.0
+    keep_refreshes: int = 3
+    gate_max_auc_drop: float | None = 0.01
+    gate_max_logloss_increase: float | None = None
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> RefreshParams:
@@ -96,6 +113,20 @@ class RefreshPlan:
     submitted_at: float | None
     artifact_slug: str
     tags: Mapping[str, Any] = field(default_factory=dict)
+    # lineage (`with_lineage`): the windows chosen, the parent refresh (None: cold start)
+    known_windows: tuple[str, ...] = ()
+    explicit_windows: tuple[str, ...] | None = None
+    explicit_eval_windows: tuple[str, ...] | None = None
+    windows_choice: WindowChoice | None = None
+    parent: LineageRecord | None = None
+    watermark: str | None = None
+    max_windows: int = 4
+    bootstrap_windows: int | None = None
+    warm_start: bool = True
+    claim_wait_s: float = 60.0  # how long to wait for another refresh of the model to finish
+    keep_refreshes: int = 3  # retention: anchors of the last K refreshes of the model are kept
+    gate_max_auc_drop: float | None = 0.01  # publish gate (tasks/publish.py)
+    gate_max_logloss_increase: float | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -196,6 +227,30 @@ def _windows(name: str, value: Sequence[str] | None, known: Sequence[str]) -> tu
     return tuple(value)
 
 
+def _float(name: str, value: Any, low: float, *, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
+        raise ParameterError(name, f"must be a number >= {low}{' or null' if optional else ''}, got {value!r}")
+    return float(value)
+
+
+def with_lineage(plan: RefreshPlan, watermark: str | None, parent: LineageRecord | None) -> RefreshPlan:
+    """The plan for the model's lineage: the windows past `watermark` (explicit windows win),
+    warm-started from `parent`'s anchor unless the plan asks for a cold start (`warm_start`
+    false) or the parent has no anchor."""
+    if plan.explicit_windows is not None:
+        choice = explicit_choice(plan.explicit_windows, plan.explicit_eval_windows)
+    else:
+        choice = select_windows(plan.known_windows, watermark, max_windows=plan.max_windows,
+                                bootstrap=plan.bootstrap_windows)
+    warm = parent if plan.warm_start and parent is not None and parent.anchor else None
+    eval_windows = plan.explicit_eval_windows or ((choice.holdout,) if choice.holdout else None)
+    trainer = replace(plan.trainer, windows=choice.train, eval_windows=eval_windows,
+                      warm_start_from=warm.anchor if warm is not None else None)
+    return replace(plan, trainer=trainer, windows_choice=choice, parent=warm, watermark=watermark)
+
+
 def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,
                  artifact_slug: str = "refresh-model") -> RefreshPlan:
     """Check every parameter and build the plan; `params` are the flow's parameters."""
@@ -243,15 +298,25 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
         checkpoint_every_steps=_int("checkpoint_every_steps", p.get("checkpoint_every_steps"), 1, optional=True),
         failures=faults, device=device, eval_batches=_int("eval_batches", p.get("eval_batches", 8), 0),
     )
+    if not isinstance(p.get("warm_start", True), bool):
+        raise ParameterError("warm_start", f"must be true or false, got {p.get('warm_start')!r}")
     tags = p.get("tags") or {}
     if not isinstance(tags, Mapping):
         raise ParameterError("tags", f"must be an object, got {tags!r}")
-    return RefreshPlan(
+    plan = RefreshPlan(
         run_id=run_id, model=model, mode=mode, trainer=trainer, publish_in_trainer=publish_in_trainer,
         publish_failures=publish_failures,
         snapshot_root=Path(p.get("snapshot_root") or home / "snapshots" / model),
         spool_root=Path(p["spool_root"]) if p.get("spool_root") else paths.spool_root(),
         warehouse_url=p["warehouse_url"], warehouse_secret=p["warehouse_secret"], submitted_at=submitted_at,
         artifact_slug=slug(artifact_slug),
-        tags=dict(tags),
+        tags=dict(tags), known_windows=tuple(known), explicit_windows=windows, explicit_eval_windows=eval_windows,
+        max_windows=_int("max_windows", p.get("max_windows", 4), 1),
+        bootstrap_windows=_int("bootstrap_windows", p.get("bootstrap_windows"), 1, optional=True),
+        warm_start=p.get("warm_start", True), claim_wait_s=_float("claim_wait_s", p.get("claim_wait_s", 60.0), 0.0),
+        keep_refreshes=_int("keep_refreshes", p.get("keep_refreshes", 3), 1),
+        gate_max_auc_drop=_float("gate_max_auc_drop", p.get("gate_max_auc_drop", 0.01), 0.0, optional=True),
+        gate_max_logloss_increase=_float("gate_max_logloss_increase", p.get("gate_max_logloss_increase"), 0.0,
+                                         optional=True),
     )
+    return with_lineage(plan, None, None)

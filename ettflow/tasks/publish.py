@@ -6,13 +6,20 @@ recorded on the run's spool: `publish` when the trainer still holds its devices 
 counted in shutdown), `publish_standalone` on the CPU after the release (off the device
 clock), with `outcome` published or failed (then `failure_class="publish"` and the error).
 A snapshot this run already published from this anchor is kept (a flow retry).
+
+Then the publish gate (`ettflow.publish.gate`): the new snapshot is compared with the model's
+current one on the held-out window; only a snapshot that is not worse beyond the plan's
+`gate_max_auc_drop` / `gate_max_logloss_increase` moves the model's `current` pointer. The
+task returns a `PublishOutcome` (published or gated, and why); a gated try is recorded with
+`outcome="gated"` and its reason. The snapshot's manifest names its parent (the current
+snapshot it follows, and the anchor its training started from) and its windows.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -21,7 +28,9 @@ from . import run_spool
 from .archive import archive_on_task_state
 from .plan import RefreshPlan
 
-KEEP_RUN_FOLDERS = 3  # finished runs' checkpoint folders kept per model (the snapshot is the product)
+if TYPE_CHECKING:
+    from ettflow.publish.gate import PublishOutcome
+
 VALIDATION_BATCHES = 4
 
 
@@ -53,28 +62,33 @@ def already_published(plan: RefreshPlan, anchor: str) -> str | None:
     return manifest.path if same and manifest.validation.get("passed") else None
 
 
-def prune_finished_runs(plan: RefreshPlan, keep: int = KEEP_RUN_FOLDERS) -> list[Path]:
-    """Delete the checkpoint folders of older finished runs of the model (newest `keep` stay;
-    a run without an anchor may still be training and is never touched)."""
-    runs = [p for p in plan.runs_root.iterdir() if p.is_dir() and p.name != plan.run_id]
-    finished = sorted((p for p in runs if any(p.glob("checkpoints/*/anchor.json"))), key=lambda p: p.stat().st_mtime)
-    doomed = finished[: max(len(finished) - (keep - 1), 0)]
-    for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
-    return doomed
+def _outcome_of(plan: RefreshPlan, manifest, config) -> PublishOutcome:
+    """The gate's decision for an installed snapshot (moves `current` when it passes)."""
+    from ettflow.publish.gate import GateConfig, gate_snapshot
+
+    gate = GateConfig(max_auc_drop=plan.gate_max_auc_drop, max_logloss_increase=plan.gate_max_logloss_increase)
+    return gate_snapshot(manifest, config, gate)
 
 
 @task(name="publish-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
       retry_condition_fn=_retryable, on_failure=[archive_on_task_state])
-def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> str:
-    """Publish the anchor as `<snapshot_root>/<run_id>/`; returns the snapshot folder."""
-    from ettflow.publish import PublishConfig, is_retryable, publish_snapshot
+def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> PublishOutcome:
+    """Publish the anchor as `<snapshot_root>/<run_id>/` and gate it against the model's
+    current snapshot; returns the `PublishOutcome` (published: `current` moved to it; gated:
+    `current` stayed, `reason` says why)."""
+    from ettflow.publish import PublishConfig, is_retryable, publish_snapshot, read_current, read_manifest
 
     logger = get_run_logger()
+    current = read_current(plan.snapshot_root)
+    config = PublishConfig(
+        anchor=anchor, output_root=plan.snapshot_root, data_root=plan.trainer.data_root,
+        windows=plan.trainer.eval_windows, batch_size=min(plan.trainer.batch_size, 512),
+        validation_batches=VALIDATION_BATCHES, run_id=plan.run_id,
+        parent_snapshot=current.path if current is not None and Path(current.path).name != plan.run_id else None)
     done = already_published(plan, anchor)
     if done is not None:
         logger.info("run %s already published %s from this anchor", plan.run_id, done)
-        return done
+        return _outcome_of(plan, read_manifest(done), config)
     phase = "publish" if on_devices else "publish_standalone"
     attempt = run_spool.last_attempt(plan.spool_root, plan.run_id)
     injected = sum(1 for e in run_spool.publish_records(run_spool.events(plan.spool_root, plan.run_id))
@@ -84,19 +98,17 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> str:
     try:
         if injected < plan.publish_failures:
             raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {plan.publish_failures}")
-        manifest = publish_snapshot(PublishConfig(
-            anchor=anchor, output_root=plan.snapshot_root, data_root=plan.trainer.data_root,
-            windows=plan.trainer.eval_windows, batch_size=min(plan.trainer.batch_size, 512),
-            validation_batches=VALIDATION_BATCHES, run_id=plan.run_id))
+        manifest = publish_snapshot(config)
+        outcome = _outcome_of(plan, manifest, config)
     except BaseException as exc:
         run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome="failed",
                          failure_class="publish", error=f"{type(exc).__name__}: {exc}"[:500],
                          retryable=bool(isinstance(exc, Exception) and is_retryable(exc)),
                          injected=isinstance(exc, InjectedPublishFailure))
         raise
-    run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome="published",
-                     snapshot=manifest.path, step=manifest.step, max_abs_diff=manifest.metrics.get("max_abs_diff"))
-    pruned = prune_finished_runs(plan)
-    logger.info("published %s (step %d) in %.1f s%s", manifest.path, manifest.step, time.time() - start,
-                f"; removed {len(pruned)} old run folder(s)" if pruned else "")
-    return manifest.path
+    run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome=outcome.outcome.value,
+                     snapshot=manifest.path, step=manifest.step, max_abs_diff=manifest.metrics.get("max_abs_diff"),
+                     reason=outcome.reason, current=outcome.current)
+    logger.info("%s %s (step %d) in %.1f s: %s", outcome.outcome.value, manifest.path, manifest.step,
+                time.time() - start, outcome.reason)
+    return outcome

@@ -120,6 +120,7 @@ class TrainerConfig:
     expected_failures: float = 1.0  # per job, for the interval optimizer
     keep_checkpoints: int = 2
     failures: tuple[FailAt, ...] = ()
+    warm_start_from: str | None = None  # the parent refresh's anchor checkpoint (None: cold start)
     max_failures: int = 3  # failure budget of the driver
     watchdog_s: float = 60.0  # a rank that makes no step for this long is hung
     eval_batches: int = 8  # held-out batches per rank for loss and AUC

@@ -2,7 +2,9 @@
 
 Each action is recorded as a phase: `compile_cache_restore` and `compile_cache_save` (PT2
 compile), `checkpoint_save_blocking` (what the loop waits for) and
-`checkpoint_save_background` (the write that overlaps training), `checkpoint_restore`.
+`checkpoint_save_background` (the write that overlaps training), `checkpoint_restore` (attrs
+`source`: "own", the run's latest checkpoint after a restart; "parent", a warm start from the
+parent refresh's anchor, with the restored state's `fingerprint`).
 A checkpoint or anchor is saved only from finite state: non-finite dense parameters (or a
 non-finite last loss) are refused as a `numerics` failure (see `numerics.py`).
 The anchor marker's format lives in `checkpoint/anchor.py`, the process's compile-cache
@@ -22,6 +24,7 @@ from ettflow.ett.spool import SpoolWriter
 from .checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult, TrainState
 from .checkpoint import init_lazy_optimizer_state as init_optimizer_state
 from .checkpoint.anchor import AnchorInfo, write_anchor
+from .checkpoint.fingerprint import state_fingerprint
 from .compile.compiled import compile_module
 from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig
@@ -35,9 +38,15 @@ DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part
 
 
 class TrainerPlugins:
-    def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None) -> None:
+    def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None,
+                 parent: Path | None = None) -> None:
+        """resume: the run's own latest checkpoint (a restart), else None; parent: the anchor
+        to warm start from when there is no own checkpoint (model and optimizer state only:
+        the step counter starts at 0 and the data cursor at the start of the run's windows)."""
+        if resume is not None and parent is not None:
+            raise ValueError("a rank restores its run's own checkpoint or warm starts from a parent, not both")
         self.config, self.rank, self.rec = config, rank, rec
-        self.resume = resume
+        self.resume, self.parent = resume, parent
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
         self.manager: CheckpointManager | None = None
@@ -51,6 +60,7 @@ class TrainerPlugins:
 
     @property
     def resume_step(self) -> int:
+        """The step the run continues at: its own checkpoint's, 0 for a cold or warm start."""
         return self.resume.step if self.resume else 0
 
     @property
@@ -81,11 +91,24 @@ class TrainerPlugins:
         refuse_nonfinite(self.rec, self.dense_named, rank=self.rank, step=step, loss=loss, action=action)
 
     def restore(self) -> dict[str, Any]:
-        assert self.manager is not None and self.train_state is not None and self.resume is not None
+        """The `checkpoint_restore` stage: the run's own latest checkpoint, or the parent anchor."""
+        assert self.manager is not None and self.train_state is not None
+        if self.resume is None:
+            return self._warm_start()
         restored = self.manager.load(self.train_state, self.resume)
         log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
-        return {"step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
+        return {"source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
                 "cursor": list(self.resume_cursor.as_tuple()) if self.resume_cursor else None}
+
+    def _warm_start(self) -> dict[str, Any]:
+        assert self.manager is not None and self.train_state is not None and self.parent is not None
+        restored = self.manager.load_parent(self.train_state, self.parent)
+        parent = restored.checkpoint
+        fingerprint = state_fingerprint(self.train_state.model.state_dict())
+        log.info("warm start from %s (step %d of %d ranks)", parent.path, parent.step, parent.world_size)
+        return {"source": "parent", "path": str(parent.path), "parent_step": parent.step,
+                "parent_world_size": parent.world_size, "world_size": self.config.world_size,
+                "fingerprint": fingerprint}
 
     def _on_commit(self, result: CommitResult) -> None:
         if result.background_end > result.background_start:
@@ -127,8 +150,19 @@ class TrainerPlugins:
             write_anchor(Path(path), AnchorInfo(run_id=run_id, step=step,
                                                 cursor=cursor.to_dict() if cursor else None,
                                                 world_size=self.config.world_size,
-                                                model=self.config.model, schema=self.config.schema))
+                                                model=self.config.model, schema=self.config.schema,
+                                                parent=self._parent_anchor(), windows=self._windows()))
         return Path(path) if path is not None else None
+
+    def _parent_anchor(self) -> str | None:
+        """The anchor this run was warm started from (a restart reads it from its own
+        checkpoint's run: the config names it either way), None for a cold start."""
+        return self.config.warm_start_from or None
+
+    def _windows(self) -> tuple[str, ...]:
+        from .session import split_windows  # session builds the plugins: imported here, not at the top
+
+        return split_windows(self.config)[0]
 
     # ---- compilation --------------------------------------------------------------------
     def compile(self, state: RankState, batch: Batch) -> None:

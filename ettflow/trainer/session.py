@@ -13,6 +13,14 @@ What the stages build is the rank's `RankState` (rank_state.py): each field is s
 stage, and reading it before that stage ran is an error naming both.
 
 Nothing here keeps state that a restart would need: it all comes back from the checkpoint.
+
+Where the state comes from (decided in `run`, before any stage): the run's own latest
+checkpoint when it has one (a restart or a flow retry: step, cursor and RNG continue);
+otherwise the parent anchor when `warm_start_from` is set (a warm start: model and optimizer
+state only, possibly from another world size; the step counter starts at 0 and the data
+cursor at the start of this run's windows, since a cursor is relative to a run's windows, and
+RNG is fresh); otherwise a cold start. Both restores are the `checkpoint_restore` stage, its
+`source` attribute saying which ("own" or "parent").
 """
 
 from __future__ import annotations
@@ -66,6 +74,18 @@ def split_windows(config: TrainerConfig) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(names[:-1]), tuple(config.eval_windows or names[-1:])
 
 
+def parent_anchor(config: TrainerConfig) -> Path | None:
+    """The anchor a run without a checkpoint of its own warm starts from (None: cold start).
+    It is verified (checksums) by the restore itself, on every rank, before DCP reads it."""
+    if not config.warm_start_from:
+        return None
+    path = Path(config.warm_start_from)
+    if not path.is_dir():
+        raise FileNotFoundError(f"warm_start_from {path} is not a checkpoint folder: name the parent refresh's "
+                                "anchor (<work_dir>/checkpoints/step_<n>), or cold start without warm_start_from")
+    return path
+
+
 class TrainerSession:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
                  spool_root: Path | str, master_addr: str, master_port: int,
@@ -75,7 +95,8 @@ class TrainerSession:
         self.rec = SpoolWriter(spool_root, run_id, attempt, rank)
         self.process_started_at = process_started_at
         self.state = RankState()
-        self.resume: CheckpointInfo | None = None
+        self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint
+        self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
 
     # ---- stages -------------------------------------------------------------------------
     def device_init(self) -> torch.device:
@@ -113,7 +134,7 @@ class TrainerSession:
         self.state.dense_opt = dense_optimizer(dmp, self.config.model)
 
     def init_plugins(self) -> None:
-        self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume)
+        self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume, self.parent)
 
     def pre_train(self) -> None:
         self.state.plugins.prepare_state(self.state)
@@ -121,8 +142,14 @@ class TrainerSession:
             self.state.eval_start = self.evaluate()
 
     @property
+    def restores(self) -> bool:
+        """Whether the `checkpoint_restore` stage runs (own checkpoint or warm start)."""
+        return self.resume is not None or self.parent is not None
+
+    @property
     def evaluates_at_start(self) -> bool:
-        return self.config.eval_at_start and self.resume is None
+        """Only for a cold start: before a restore the model is not the one that trains."""
+        return self.config.eval_at_start and not self.restores
 
     def evaluate(self) -> dict[str, float] | None:
         data = self.state.eval_data
@@ -163,7 +190,7 @@ class TrainerSession:
         first_needs = ("preproc_creation", "init_plugins")
         first_batch = Stage("get_first_batch_data", self.get_first_batch_data, first_needs,
                             background=sw.fast_batch)
-        restore = ("checkpoint_restore",) if self.resume is not None else ()
+        restore = ("checkpoint_restore",) if self.restores else ()
         compile_needs = ("pre_train", *restore) + (() if sw.fast_batch else ("get_first_batch_data",))
         out = [
             Stage("device_init", self.device_init),
@@ -179,7 +206,7 @@ class TrainerSession:
             Stage("pre_train", self.pre_train, ("train_module_creation", "init_plugins")
                   + (("preproc_creation",) if self.evaluates_at_start else ())),
         ]
-        if self.resume is not None:
+        if self.restores:
             out.append(Stage("checkpoint_restore", self.checkpoint_restore, ("pre_train",)))
         if not sw.fast_batch:
             out.append(first_batch)
@@ -192,6 +219,7 @@ class TrainerSession:
             # the process start and runtime import belong to device init
             self.rec.record("device_init", self.process_started_at, time.time(), part="process_start")
         self.resume = latest_checkpoint(self.config)
+        self.parent = parent_anchor(self.config) if self.resume is None else None
         pipeline = InitPipeline(self.stages(), recorder=self.rec,
                                 concurrent=self.config.switches.parallel_init)
         try:

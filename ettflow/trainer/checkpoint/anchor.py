@@ -4,7 +4,9 @@ An anchor is the checkpoint that publishing reads and that the next refresh cont
 The trainer's rank 0 writes the marker after the final checkpoint committed; it says which
 run wrote it, at which step and data cursor, and the model and schema to rebuild the model
 without the trainer's config. `AnchorInfo` is the typed content; the file is its JSON
-(`to_json`), with the same keys as ever: run_id, step, cursor, world_size, model, schema.
+(`to_json`), with the same keys as ever: run_id, step, cursor, world_size, model, schema; and
+`parent` (the checkpoint a warm-started run began from) and `windows` (the windows it
+trained), both absent when not known (a cold start, an older marker).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class AnchorInfo:
     run_id: the run that trained it. step: the training step it holds. cursor: each data
     pipeline's next row at that step (`Cursor.to_dict`, rank 0's), None when nothing was
     trained in the attempt that wrote it. world_size: the ranks that saved it. model,
-    schema: what builds the model again.
+    schema: what builds the model again. parent: the anchor checkpoint this run was warm
+    started from (its model and optimizer state), None for a cold start. windows: the data
+    windows the run trained on.
     """
 
     run_id: str
@@ -43,6 +47,8 @@ class AnchorInfo:
     model: ModelConfig
     schema: FeatureSchema
     cursor: dict[str, Any] | None = None
+    parent: str | None = None
+    windows: tuple[str, ...] | None = None  # the data windows the run trained (None: not recorded)
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -51,8 +57,13 @@ class AnchorInfo:
             raise AnchorFormatError(f"AnchorInfo.step must be an int >= 0, got {self.step!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "step": self.step, "cursor": self.cursor, "world_size": self.world_size,
-                "model": asdict(self.model), "schema": self.schema.to_dict()}
+        out = {"run_id": self.run_id, "step": self.step, "cursor": self.cursor, "world_size": self.world_size,
+               "model": asdict(self.model), "schema": self.schema.to_dict()}
+        if self.parent is not None:
+            out["parent"] = self.parent
+        if self.windows is not None:
+            out["windows"] = list(self.windows)
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, where: str = ANCHOR_FILE) -> AnchorInfo:
@@ -69,7 +80,8 @@ class AnchorInfo:
         model = _model_config(data["model"], where)
         try:
             return cls(run_id=str(data["run_id"]), step=data["step"], world_size=data.get("world_size"),
-                       model=model, schema=schema, cursor=data.get("cursor"))
+                       model=model, schema=schema, cursor=data.get("cursor"), parent=data.get("parent"),
+                       windows=tuple(data["windows"]) if data.get("windows") is not None else None)
         except AnchorFormatError as e:  # the field checks of __post_init__
             raise AnchorFormatError(f"{where}: {e}") from e
 

@@ -257,6 +257,30 @@ class CheckpointManager:
 
         Collective: every rank calls it with the same path."""
         start = time.time()
+        info, template = self._read(path, lambda saved: state.load_template(rank=self.group.rank, saved=saved),
+                                    same_world=True)
+        state.apply(template, rank=self.group.rank)
+        return RestoreResult(checkpoint=info, start=start, end=time.time())
+
+    def load_parent(self, state: TrainState, path: Path | str | CheckpointInfo) -> RestoreResult:
+        """Warm start: restore only the model and optimizer state of `path` (another run's
+        committed checkpoint, e.g. the parent refresh's anchor) into `state`, verified as in
+        `load`. The parent may have had another world size: DCP reads every shard the new
+        sharding plan asks for from whichever rank file holds it (resharding). Step, data
+        cursor and RNG state (the per-rank `rank_<r>_*` keys) are not read: the new run
+        starts at step 0 with a fresh cursor over its own windows, and `state.step` and
+        `state.cursor` are left as they are.
+
+        Collective: every rank calls it with the same path."""
+        start = time.time()
+        info, template = self._read(path, lambda saved: state.weights_template(), same_world=False)
+        state.apply_weights(template)
+        return RestoreResult(checkpoint=info, start=start, end=time.time())
+
+    def _read(self, path: Path | str | CheckpointInfo, template_of: Callable[[Mapping[str, Any]], dict[str, Any]],
+              *, same_world: bool) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """Verify `path` on every rank, build the template from its DCP metadata and let DCP
+        load into it (see `load`); every rank refuses together, none hangs in DCP."""
         self._wait_quietly()
         path = Path(path.path if isinstance(path, CheckpointInfo) else path)
         try:
@@ -266,7 +290,7 @@ class CheckpointManager:
         problems = [p for p in self.group.all_gather(problem) if p]
         if problems:
             raise CheckpointError(f"refusing to restore {path}: {problems[0]}")
-        if info.world_size != self.group.world_size:
+        if same_world and info.world_size != self.group.world_size:
             raise CheckpointError(
                 f"{path} was written by {info.world_size} ranks, this job has "
                 f"{self.group.world_size}: per-rank data cursors and RNG state cannot be "
@@ -275,7 +299,7 @@ class CheckpointManager:
         reader = SafeFileSystemReader(str(path))  # after verify: see the docstring
         try:
             saved = reader.read_metadata().state_dict_metadata
-            template: Mapping[str, Any] = state.load_template(rank=self.group.rank, saved=saved)
+            template: dict[str, Any] = dict(template_of(saved))
             problem = None
         except CheckpointError as e:
             problem = str(e)
@@ -294,8 +318,7 @@ class CheckpointManager:
             )
         except CheckpointException as e:  # a BaseException: would escape `except Exception`
             raise CheckpointError(f"restoring {path} failed: {describe(e)}") from e
-        state.apply(template, rank=self.group.rank)
-        return RestoreResult(checkpoint=info, start=start, end=time.time())
+        return info, template
 
     def restore_latest(self, state: TrainState) -> RestoreResult | None:
         """Restore from the newest committed checkpoint rank 0 finds; None if there is none.

@@ -204,6 +204,19 @@ class TrainState:
             )
         return {**self._tensors(), **mine}
 
+    def weights_template(self) -> dict[str, Any]:
+        """The state dict a warm start loads into: model and optimizer state only, no
+        per-rank step, cursor or RNG (`CheckpointManager.load_parent`)."""
+        for opt in self.optimizers.values():
+            init_lazy_optimizer_state(opt)
+        return self._tensors()
+
+    def apply_weights(self, loaded: Mapping[str, Any]) -> None:
+        """Restore model and optimizer state from a template DCP loaded into (warm start)."""
+        self.model.load_state_dict(loaded["model"])
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(loaded["optim"][name])
+
     def apply(self, loaded: Mapping[str, Any], *, rank: int) -> None:
         """Restore from a template DCP loaded into (tensors were loaded in place)."""
         keys = rank_keys(rank)

@@ -1,4 +1,5 @@
-"""`ettflow data ...` commands: `generate` (synthetic Criteo-like windows) and `movielens`.
+"""`ettflow data ...` commands: `generate` (synthetic Criteo-like windows), `append` (the next
+hourly synthetic window of a root) and `movielens`.
 
 `register(subparsers)` adds the `data` command, with both under it, to the top-level
 sub-parsers of `ettflow`; `add_data_commands(subparsers)` adds the two directly. Each sets
@@ -36,10 +37,20 @@ def _generate(args: argparse.Namespace) -> int:
     config = SyntheticConfig(windows=args.windows, rows_per_window=args.rows_per_window,
                              files_per_window=args.files_per_window,
                              row_group_size=args.row_group_size, seed=args.seed,
-                             start=args.start, overwrite=args.overwrite)
+                             start=args.start, overwrite=args.overwrite, drift=args.drift)
     folders = generate_windows(args.out, config, progress=True)
     print(f"wrote {len(folders)} windows x {config.rows_per_window} rows to {args.out} "
           f"({folders[0].name} .. {folders[-1].name}); schema in {args.out}/_schema.json")
+    return 0
+
+
+@_reported
+def _append(args: argparse.Namespace) -> int:
+    from ettflow.trainer.data.synthetic import append_window
+
+    overrides = {"rows_per_window": args.rows_per_window} if args.rows_per_window else {}
+    folder = append_window(args.root, **overrides)
+    print(f"appended {folder.name} to {args.root}")
     return 0
 
 
@@ -56,13 +67,13 @@ def _movielens(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `data` (with `generate` and `movielens` under it) to `ettflow`'s sub-parsers."""
+    """Add `data` (with `generate`, `append` and `movielens` under it) to `ettflow`'s sub-parsers."""
     data = subparsers.add_parser("data", help="write data windows (synthetic or MovieLens)")
     add_data_commands(data.add_subparsers(dest="data_command", required=True))
 
 
 def add_data_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Add `generate` and `movielens` to `subparsers`."""
+    """Add `generate`, `append` and `movielens` to `subparsers`."""
     g = subparsers.add_parser("generate", help="write synthetic Criteo-like Parquet windows",
                               description="Write hourly windows (13 dense, 26 categorical "
                               "features, clicks from a hidden model) as Parquet.")
@@ -74,7 +85,16 @@ def add_data_commands(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--start", default="2024010100", help="first window's hour, YYYYMMDDHH")
     g.add_argument("--overwrite", action="store_true", help="replace existing windows")
+    g.add_argument("--drift", type=float, default=0.02,
+                   help="how far the click model moves per hourly window (0: a fixed relationship)")
     g.set_defaults(func=_generate)
+
+    a = subparsers.add_parser("append", help="add the next hourly window to a synthetic root",
+                              description="Write the window one hour after the root's last one, with the "
+                              "seed, sizes and drift the root was generated with (its _synthetic.json).")
+    a.add_argument("--root", required=True, help="the synthetic root (written by `ettflow data generate`)")
+    a.add_argument("--rows-per-window", type=int, default=None, help="default: the root's")
+    a.set_defaults(func=_append)
 
     m = subparsers.add_parser("movielens", help="write MovieLens-100K as time-ordered windows",
                               description="Download the recbole==1.2.1 wheel (no dependencies), "

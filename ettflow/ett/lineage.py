@@ -1,0 +1,242 @@
+"""A model's lineage: which refresh trained which windows, from which parent, and how it ended.
+
+    rec = LineageRecord(model="dlrm", run_id=..., windows=("w1", "w2"), outcome=Outcome.PUBLISHED,
+                        anchor=".../anchor", snapshot=".../snapshot", parent_run_id=None)
+    wh.record_lineage(rec)          # upsert by run_id
+    wh.watermark("dlrm")            # "w2": the last window of the last PUBLISHED refresh
+    wh.last_published("dlrm")       # rec: the next refresh's parent (its anchor and snapshot)
+
+The watermark advances only on success: it is the last window of the model's most recently
+finished refresh whose outcome is PUBLISHED. A GATED refresh (its snapshot lost to the current
+one on the held-out window) does not advance it, nor does a FAILED or SKIPPED one: their windows
+are trained again by the next refresh, from the same parent.
+
+Window claims (item 7 of issue 10): `claim_windows` reads the watermark and claims the windows
+a refresh will train in ONE write transaction, serialized per model (PostgreSQL: a transaction
+advisory lock on the model; SQLite: BEGIN IMMEDIATE), so two refreshes of one model never hold
+claims at once: while another run holds live claims of the model, the call returns `Busy` and
+claims nothing (the caller waits and asks again, `tasks.claims`). A run asking again gets its
+own claims back (a flow retry). `finish_refresh` records the outcome and, in the same
+transaction, marks the run's claims `done` (PUBLISHED) or releases them (any other outcome), so
+a later refresh trains those windows again. A claim older than `stale_after_s` (its refresh
+died without finishing) is not live.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Table, delete, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .warehouse_db import WRITE
+from .warehouse_models import RefreshLineage, WindowClaim
+
+if TYPE_CHECKING:
+    from .warehouse import Warehouse
+
+__all__ = ["Busy", "Claimed", "LineageRecord", "Outcome", "claim_windows", "finish_refresh", "last_published",
+           "lineage", "record_lineage", "release_claims", "watermark"]
+
+_LINEAGE: Table = RefreshLineage.__table__
+_CLAIMS: Table = WindowClaim.__table__
+_INSERT = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+CLAIMED, DONE = "claimed", "done"
+STALE_AFTER_S = 24 * 3600.0  # a claim this old belongs to a refresh that died without finishing
+
+
+class Outcome(str, enum.Enum):
+    """How a refresh ended. Only PUBLISHED advances the model's watermark."""
+
+    PUBLISHED = "published"  # its snapshot became the model's current one
+    GATED = "gated"  # trained and published, but kept out: it regressed on the held-out window
+    SKIPPED = "skipped"  # nothing new to train, or another refresh held the model's windows
+    FAILED = "failed"  # training or publishing failed
+
+
+@dataclass(frozen=True, kw_only=True)
+class LineageRecord:
+    """One refresh of `model`: the windows it trained (in order), its parent (the refresh it
+    started from: None for a cold start), its own anchor checkpoint and snapshot (the next
+    refresh's parent), and its outcome with the reason (gated, skipped, failed). Times are
+    epoch seconds."""
+
+    model: str
+    run_id: str
+    windows: tuple[str, ...] = ()
+    outcome: Outcome
+    parent_run_id: str | None = None
+    parent_anchor: str | None = None
+    parent_snapshot: str | None = None
+    anchor: str | None = None
+    snapshot: str | None = None
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model", "run_id"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"LineageRecord.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        object.__setattr__(self, "outcome", Outcome(self.outcome))
+        object.__setattr__(self, "windows", tuple(self.windows))
+
+    @property
+    def first_window(self) -> str | None:
+        return self.windows[0] if self.windows else None
+
+    @property
+    def last_window(self) -> str | None:
+        return self.windows[-1] if self.windows else None
+
+    def row(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "model": self.model, "windows": list(self.windows),
+                "first_window": self.first_window, "last_window": self.last_window,
+                "parent_run_id": self.parent_run_id, "parent_anchor": self.parent_anchor,
+                "parent_snapshot": self.parent_snapshot, "anchor": self.anchor, "snapshot": self.snapshot,
+                "outcome": self.outcome.value, "reason": self.reason, "created_at": self.created_at,
+                "finished_at": self.finished_at}
+
+    @classmethod
+    def from_row(cls, row: Any) -> LineageRecord:
+        return cls(model=row.model, run_id=row.run_id, windows=tuple(row.windows or ()), outcome=Outcome(row.outcome),
+                   parent_run_id=row.parent_run_id, parent_anchor=row.parent_anchor,
+                   parent_snapshot=row.parent_snapshot, anchor=row.anchor, snapshot=row.snapshot, reason=row.reason,
+                   created_at=row.created_at, finished_at=row.finished_at)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The run holds these windows of the model; `watermark` and `parent` were read in the
+    same transaction, and `choice` is what the caller's `choose` returned for them."""
+
+    windows: tuple[str, ...]
+    watermark: str | None
+    parent: LineageRecord | None
+    choice: Any
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Another refresh of the model holds live claims: nothing was claimed."""
+
+    holder: str  # its run id
+    windows: tuple[str, ...]
+    since: float
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def _published(model: str):
+    return (select(_LINEAGE).where(_LINEAGE.c.model == model, _LINEAGE.c.outcome == Outcome.PUBLISHED.value)
+            .order_by(_LINEAGE.c.finished_at.desc(), _LINEAGE.c.created_at.desc()).limit(1))
+
+
+def _last_published(conn: Connection, model: str) -> LineageRecord | None:
+    row = conn.execute(_published(model)).first()
+    return LineageRecord.from_row(row) if row is not None else None
+
+
+def last_published(wh: Warehouse, model: str) -> LineageRecord | None:
+    """The model's most recently finished PUBLISHED refresh: the next refresh's parent."""
+    with wh.engine.connect() as conn:
+        return _last_published(conn, model)
+
+
+def watermark(wh: Warehouse, model: str) -> str | None:
+    """The last window of the model's last PUBLISHED refresh (None: never published)."""
+    last = last_published(wh, model)
+    return last.last_window if last is not None else None
+
+
+def lineage(wh: Warehouse, model: str) -> list[LineageRecord]:
+    """Every refresh of the model, oldest first."""
+    stmt = select(_LINEAGE).where(_LINEAGE.c.model == model).order_by(_LINEAGE.c.created_at, _LINEAGE.c.run_id)
+    with wh.engine.connect() as conn:
+        return [LineageRecord.from_row(r) for r in conn.execute(stmt)]
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def _write(wh: Warehouse) -> Connection:
+    if wh.engine.dialect.name not in _INSERT:
+        from .warehouse_db import WarehouseError
+
+        raise WarehouseError(f"cannot record lineage in {wh.display_url}: the warehouse supports SQLite and "
+                             "PostgreSQL; set ETTFLOW_WAREHOUSE_URL to one of them")
+    return wh.engine.connect().execution_options(**{WRITE: True})
+
+
+def _upsert(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+    insert = _INSERT[conn.dialect.name](table)
+    conn.execute(insert.on_conflict_do_update(
+        index_elements=[c.name for c in table.primary_key.columns],
+        set_={c.name: insert.excluded[c.name] for c in table.columns if not c.primary_key}), rows)
+
+
+def _lock_model(conn: Connection, model: str) -> None:
+    if conn.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.sha256(f"lineage:{model}".encode()).digest()[:8], "big", signed=True)
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+
+
+def record_lineage(wh: Warehouse, record: LineageRecord) -> None:
+    """Write the record (upsert by run id)."""
+    with _write(wh) as conn, conn.begin():
+        _upsert(conn, _LINEAGE, [record.row()])
+
+
+def finish_refresh(wh: Warehouse, record: LineageRecord) -> None:
+    """Record how the refresh ended and, in the same transaction, settle its claims: `done`
+    when PUBLISHED, released otherwise (a later refresh claims those windows again)."""
+    with _write(wh) as conn, conn.begin():
+        _lock_model(conn, record.model)
+        _upsert(conn, _LINEAGE, [record.row()])
+        mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
+        if record.outcome is Outcome.PUBLISHED:
+            conn.execute(update(_CLAIMS).where(mine).values(state=DONE))
+        else:
+            conn.execute(delete(_CLAIMS).where(mine))
+
+
+def release_claims(wh: Warehouse, model: str, run_id: str) -> int:
+    """Drop the run's live claims (not its done ones); returns how many."""
+    with _write(wh) as conn, conn.begin():
+        _lock_model(conn, model)
+        gone = conn.execute(delete(_CLAIMS).where(_CLAIMS.c.model == model, _CLAIMS.c.run_id == run_id,
+                                                  _CLAIMS.c.state == CLAIMED))
+        return gone.rowcount or 0
+
+
+def claim_windows(wh: Warehouse, model: str, run_id: str,
+                  choose: Callable[[str | None, LineageRecord | None], tuple[Sequence[str], Any]], *,
+                  now: float | None = None, stale_after_s: float = STALE_AFTER_S) -> Claimed | Busy:
+    """Claim the windows `choose(watermark, parent)` returns (as `(windows, choice)`) for the
+    run, unless another run of the model holds live claims (`Busy`). Serialized per model;
+    the run's own earlier claims are replaced by the new choice."""
+    now = time.time() if now is None else now
+    with _write(wh) as conn, conn.begin():
+        _lock_model(conn, model)
+        live = conn.execute(select(_CLAIMS).where(
+            _CLAIMS.c.model == model, _CLAIMS.c.state == CLAIMED, _CLAIMS.c.run_id != run_id,
+            _CLAIMS.c.claimed_at > now - stale_after_s).order_by(_CLAIMS.c.window)).all()
+        if live:
+            return Busy(holder=live[0].run_id, windows=tuple(r.window for r in live if r.run_id == live[0].run_id),
+                        since=min(r.claimed_at for r in live))
+        parent = _last_published(conn, model)
+        mark = parent.last_window if parent is not None else None
+        windows, choice = choose(mark, parent)
+        windows = tuple(windows)
+        conn.execute(delete(_CLAIMS).where(_CLAIMS.c.model == model, _CLAIMS.c.run_id == run_id,
+                                           _CLAIMS.c.state == CLAIMED))
+        if windows:
+            _upsert(conn, _CLAIMS, [{"model": model, "window": w, "run_id": run_id, "state": CLAIMED,
+                                     "claimed_at": now} for w in windows])
+        return Claimed(windows=windows, watermark=mark, parent=parent, choice=choice)

@@ -1,0 +1,160 @@
+"""The `claim-windows` task: choose the refresh's windows from the model's lineage and claim
+them in the warehouse, or end the refresh as skipped.
+
+Two refreshes of one model never train the same windows and never both advance the watermark:
+`ett.lineage.claim_windows` reads the watermark and the parent and claims the chosen windows in
+one transaction serialized per model, and refuses (`Busy`) while another refresh of the model
+holds live claims. This task asks again every `POLL_S` until it gets them or `claim_wait_s`
+passed; then the refresh is skipped, with the reason. A refresh whose choice is empty (no window
+newer than the watermark) is skipped too: it reserves no trainer.
+
+A skipped refresh leaves one event in its spool, so its hooks archive it with status
+`skipped` (`skip_reason`): the `scheduling` time from submission to the decision, with
+`stage="claim_windows"`, `outcome="skipped"` and the reason; and a SKIPPED lineage record.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ettflow.ett import lineage
+from ettflow.ett.events import PhaseEvent
+from ettflow.ett.lineage import Busy, LineageRecord, Outcome
+from ettflow.ett.warehouse import Warehouse
+
+from . import run_spool
+from .plan import RefreshPlan, with_lineage
+from .warehouse_url import resolve_warehouse_url
+
+SKIP_STAGE = "claim_windows"
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The plan bound to the model's lineage (its windows claimed), or why the refresh is
+    skipped (`skipped`: then nothing is claimed and nothing will be reserved)."""
+
+    plan: RefreshPlan
+    skipped: str | None = None
+
+
+def skip_reason(evs: Sequence[PhaseEvent]) -> str | None:
+    """Why the run was skipped, from its spool (None: it was not)."""
+    for e in evs:
+        if e.attrs.get("stage") == SKIP_STAGE and e.attrs.get("outcome") == Outcome.SKIPPED.value:
+            return str(e.attrs.get("reason") or "skipped")
+    return None
+
+
+def busy_reason(plan: RefreshPlan, busy: Busy, waited_s: float) -> str:
+    span = f"{busy.windows[0]}..{busy.windows[-1]}" if len(busy.windows) > 1 else ", ".join(busy.windows)
+    return (f"model {plan.model} is being refreshed by run {busy.holder} (it holds windows {span}); waited "
+            f"{waited_s:.0f} s (claim_wait_s={plan.claim_wait_s:g}) and left those windows to it")
+
+
+def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log: Any = None) -> Claim:
+    """Claim the plan's windows in the warehouse `wh`, waiting up to `plan.claim_wait_s`."""
+    start = time.monotonic()
+    announced = False
+    while True:
+        got = lineage.claim_windows(wh, plan.model, plan.run_id,
+                                    lambda mark, parent: _bound(plan, mark, parent))
+        if not isinstance(got, Busy):
+            bound: RefreshPlan = got.choice
+            if bound.windows_choice.nothing_new:
+                return Claim(bound, f"nothing new to train for model {plan.model}: {bound.windows_choice.reason}")
+            return Claim(bound)
+        waited = time.monotonic() - start
+        if waited >= plan.claim_wait_s:
+            return Claim(plan, busy_reason(plan, got, waited))
+        if log is not None and not announced:
+            log.info("model %s: run %s holds its windows; waiting up to %g s", plan.model, got.holder,
+                     plan.claim_wait_s)
+            announced = True
+        time.sleep(min(poll_s, max(plan.claim_wait_s - waited, 0.0)))
+
+
+def _bound(plan: RefreshPlan, mark: str | None, parent: LineageRecord | None) -> tuple[tuple[str, ...], RefreshPlan]:
+    bound = with_lineage(plan, mark, parent)
+    return bound.trainer.windows or (), bound
+
+
+def record_skip(plan: RefreshPlan, reason: str, decided_at: float) -> None:
+    """The skipped run's one spool event (its wait, as scheduling)."""
+    start = min(plan.submitted_at or decided_at, decided_at)
+    run_spool.record(plan.spool_root, plan.run_id, run_spool.next_attempt(plan.spool_root, plan.run_id),
+                     "scheduling", start, decided_at, stage=SKIP_STAGE, outcome=Outcome.SKIPPED.value,
+                     reason=reason[:500])
+
+
+@task(name="claim-windows", cache_policy=NO_CACHE)
+def claim_windows(plan: RefreshPlan) -> Claim:
+    """Choose the windows past the model's watermark and claim them, or skip the refresh."""
+    logger = get_run_logger()
+    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+        claim = take_claim(plan, wh, log=logger)
+        if claim.skipped is not None:
+            now = time.time()
+            lineage.finish_refresh(wh, LineageRecord(model=plan.model, run_id=plan.run_id, outcome=Outcome.SKIPPED,
+                                                     reason=claim.skipped, created_at=now, finished_at=now))
+    if claim.skipped is not None:
+        record_skip(plan, claim.skipped, time.time())
+        logger.info("refresh %s skipped: %s", plan.run_id, claim.skipped)
+        return claim
+    p = claim.plan
+    start = f"warm from run {p.parent.run_id} ({p.parent.anchor})" if p.parent else "cold"
+    logger.info("model %s: training %s (%s); %s start", p.model, ", ".join(p.trainer.windows),
+                p.windows_choice.reason, start)
+    return claim
+
+
+def publication(result: Any) -> tuple[Outcome, str | None, str | None]:
+    """(outcome, snapshot, reason) of what the publish task returned: a snapshot folder, or an
+    outcome of the publish gate (`.snapshot`, `.gated`, `.reason`)."""
+    if result is None or isinstance(result, str | Path):
+        return Outcome.PUBLISHED, None if result is None else str(result), None
+    gated = bool(getattr(result, "gated", False))
+    return (Outcome.GATED if gated else Outcome.PUBLISHED), getattr(result, "snapshot", None), \
+        getattr(result, "reason", None)
+
+
+def settle(plan: RefreshPlan, outcome: Outcome, *, anchor: str | None = None, snapshot: str | None = None,
+           reason: str | None = None) -> LineageRecord:
+    """Record how the refresh ended and settle its claims (`ett.lineage.finish_refresh`)."""
+    parent = plan.parent
+    record = LineageRecord(
+        model=plan.model, run_id=plan.run_id, windows=plan.trainer.windows or (), outcome=outcome,
+        parent_run_id=parent.run_id if parent else None, parent_anchor=parent.anchor if parent else None,
+        parent_snapshot=parent.snapshot if parent else None, anchor=anchor, snapshot=snapshot,
+        reason=None if reason is None else reason[:2000], created_at=plan.submitted_at or time.time(),
+        finished_at=time.time())
+    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+        lineage.finish_refresh(wh, record)
+    return record
+
+
+@task(name="record-lineage", cache_policy=NO_CACHE)
+def record_lineage(plan: RefreshPlan, anchor: str, published: Any) -> LineageRecord:
+    """The refresh's lineage record: published (the watermark advances) or gated."""
+    outcome, snapshot, reason = publication(published)
+    record = settle(plan, outcome, anchor=anchor, snapshot=snapshot, reason=reason)
+    get_run_logger().info("model %s: refresh %s %s windows %s..%s%s", plan.model, plan.run_id, outcome.value,
+                          record.first_window, record.last_window, f" ({reason})" if reason else "")
+    return record
+
+
+def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
+    """Record a FAILED refresh and release its claims; a warehouse error is logged (its claims
+    then go stale), never raised over the refresh's own error."""
+    try:
+        settle(plan, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001 - the refresh's own error is the one to raise
+        log.warning("could not record the failed refresh %s in the lineage", plan.run_id, exc_info=True)

@@ -1,0 +1,69 @@
+"""The `prune-checkpoints` task: the retention policy for a model's run checkpoint folders.
+
+Policy (`doomed_runs`, pure): of the folders under `<work_root>/<model>/runs/`, keep
+
+- the folders of the model's last `keep_refreshes` refreshes that wrote an anchor (lineage,
+  newest first);
+- the current anchor's run (the last PUBLISHED refresh: its snapshot is the current one) and
+  this refresh's parent, whatever their age;
+- this run, and any folder without an anchor (a refresh that may still be training);
+
+and remove every other folder that holds an anchor. It runs after the lineage is recorded, as
+its own task with its own log line (never inside publishing).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ettflow.ett.lineage import LineageRecord, Outcome
+
+from .plan import RefreshPlan
+from .warehouse_url import resolve_warehouse_url
+
+
+def doomed_runs(folders: Mapping[str, bool], refreshes: Sequence[LineageRecord], *, keep: int,
+                protected: Collection[str]) -> list[str]:
+    """Run ids whose folders go: `folders` maps run id -> holds an anchor; `refreshes` is the
+    model's lineage (any order); `protected` are run ids never removed (this run, the parent)."""
+    newest = sorted((r for r in refreshes if r.anchor), key=lambda r: (r.created_at, r.run_id), reverse=True)
+    kept = {r.run_id for r in newest[:keep]} | set(protected)
+    published = [r for r in newest if r.outcome is Outcome.PUBLISHED]
+    if published:
+        kept.add(max(published, key=lambda r: (r.finished_at or r.created_at, r.created_at)).run_id)
+    return sorted(run for run, anchored in folders.items() if anchored and run not in kept)
+
+
+def run_folders(runs_root: Path) -> dict[str, bool]:
+    if not runs_root.is_dir():
+        return {}
+    return {p.name: any(p.glob("checkpoints/*/anchor.json")) for p in runs_root.iterdir() if p.is_dir()}
+
+
+def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
+    """Remove the run folders the policy dooms; returns (removed run ids, folders kept)."""
+    from ettflow.ett.warehouse import Warehouse
+
+    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+        refreshes = wh.lineage(plan.model)
+    protected = {plan.run_id} | ({plan.parent.run_id} if plan.parent is not None else set())
+    folders = run_folders(plan.runs_root)
+    doomed = doomed_runs(folders, refreshes, keep=plan.keep_refreshes, protected=protected)
+    for run in doomed:
+        shutil.rmtree(plan.runs_root / run, ignore_errors=True)
+    return doomed, len(folders) - len(doomed)
+
+
+@task(name="prune-checkpoints", cache_policy=NO_CACHE)
+def prune_checkpoints(plan: RefreshPlan) -> list[str]:
+    """Apply the retention policy to the model's run folders; returns the run ids removed."""
+    doomed, kept = apply_retention(plan)
+    get_run_logger().info("prune-checkpoints: model %s keeps %d run folder(s) (the last %d refreshes, the current "
+                          "and the parent anchor), removed %d%s", plan.model, kept, plan.keep_refreshes, len(doomed),
+                          f": {', '.join(doomed)}" if doomed else "")
+    return doomed

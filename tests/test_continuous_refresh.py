@@ -1,0 +1,155 @@
+"""Continuous refresh end to end (Prefect test harness, Ray, TorchRec, the warehouse), tiny sizes.
+
+A data root grows one hourly window at a time (`ettflow data append`); refreshes of one model:
+
+    r1  windows w0 (w1 held out)        cold                      published
+    +w2
+    r2  w1 (w2 held out)                warm from r1's anchor     published
+    +w3
+    r3  w2, killed 4 times (budget 3)                             failed: the watermark stays at w1
+    r4  w2 (w3 held out)                warm from r2's anchor     published
+    r5  nothing new                                               skipped
+
+Checked: each trains only its new windows (every step's cursor is in them, the step counter
+starts at 0); r2's parameters just before its first step are bitwise r1's anchor (the
+sha256 of every piece each rank restored, against the anchor read whole); the watermark; the
+lineage and the manifests' parents. The gate is off here (a 128-example held-out AUC is
+noisy): tests/test_gate.py gates a shuffled-label snapshot. Two concurrent refreshes of one
+model: tests/test_flow_skipped.py (a refresh finding the windows claimed ends skipped) and
+tests/test_claims.py (the claim itself, SQLite and PostgreSQL): a second flow-level training
+run here would double this file's time.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ettflow.ett.lineage import Outcome
+from ettflow.ett.spool import read_spool
+from ettflow.ett.warehouse import Warehouse
+from ettflow.flows.refresh import refresh_model
+from ettflow.trainer.data.cli import main as data_cli
+from ettflow.trainer.data.windows import list_windows
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(1800)]
+
+TINY = {"embedding_dim": 8, "dense_arch": [16, 8], "over_arch": [16, 1]}
+MODEL = "grow"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, flow_work_root, prefect_harness, ray_session):
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    root = tmp_path_factory.mktemp("continuous")
+    generate_windows(root / "data", SyntheticConfig(windows=2, rows_per_window=640, files_per_window=1, seed=11))
+    return {
+        "model": MODEL, "data_root": str(root / "data"), "architecture": TINY, "max_embeddings": 100,
+        "world_size": 2, "batch_size": 32, "checkpoint_every_steps": 100, "eval_batches": 2,
+        "work_root": str(flow_work_root), "snapshot_root": str(root / "snapshots"),
+        "spool_root": str(root / "spool"), "warehouse_url": f"sqlite:///{root / 'warehouse.db'}",
+        "gate_max_auc_drop": None,
+    }
+
+
+def run(env, **over):
+    state = refresh_model(**{**env, **over}, return_state=True)
+    return state, str(state.state_details.flow_run_id)
+
+
+def events(env, run_id, phase, attempt=None):
+    return [e for e in read_spool(env["spool_root"], run_id).events
+            if e.phase == phase and (attempt is None or e.attempt == attempt)]
+
+
+def watermark(env):
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        return wh.watermark(MODEL)
+
+
+def trained_window_indexes(env, run_id) -> set[int]:
+    return {e.attrs["cursor_start"][0] for e in events(env, run_id, "train_step")}
+
+
+def restored_matches_anchor(restores, anchor: str) -> list[str]:
+    from ettflow.publish.anchor import load_float_model, open_anchor
+    from ettflow.trainer.checkpoint.fingerprint import fingerprint_mismatches
+
+    whole = load_float_model(open_anchor(anchor)).state_dict()
+    bad: list[str] = []
+    for e in restores:
+        bad += fingerprint_mismatches(e.attrs["fingerprint"], whole)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def sequence(env):
+    data = env["data_root"]
+    out = {}
+    out["r1"] = run(env)
+    out["mark1"] = watermark(env)
+    assert data_cli(["append", "--root", data]) == 0
+    out["r2"] = run(env)
+    out["mark2"] = watermark(env)
+    assert data_cli(["append", "--root", data]) == 0
+    out["r3"] = run(env, fail_at=[f"kill:rank=1:step={s}" for s in (1, 2, 3, 4)])
+    out["mark3"] = watermark(env)
+    out["r4"] = run(env)
+    out["r5"] = run(env)
+    out["windows"] = list_windows(data)
+    return out
+
+
+def test_each_refresh_trains_only_its_new_windows_from_its_parent(env, sequence):
+    w = sequence["windows"]
+    (s1, r1), (s2, r2), (s4, r4) = sequence["r1"], sequence["r2"], sequence["r4"]
+    for state in (s1, s2, s4):
+        assert state.is_completed(), state.message
+    res1, res2, res4 = s1.result(), s2.result(), s4.result()
+    assert (res1["windows"], res2["windows"], res4["windows"]) == ([w[0]], [w[1]], [w[2]])
+    assert [r["outcome"] for r in (res1, res2, res4)] == ["published"] * 3
+    assert res1["parent"] is None and res2["parent"] == r1 and res4["parent"] == r2
+    assert trained_window_indexes(env, r1) == {0}
+    assert trained_window_indexes(env, r2) == {1} and trained_window_indexes(env, r4) == {2}
+    for run_id in (r2, r4):
+        assert min(e.attrs["step"] for e in events(env, run_id, "train_step")) == 0  # the counter restarts
+    assert (sequence["mark1"], sequence["mark2"]) == (w[0], w[1])
+    # the snapshot's manifest names its parent (snapshot and anchor) and its windows
+    from ettflow.publish import read_current, read_manifest
+
+    lineage = read_manifest(res2["snapshot"]).lineage
+    assert lineage["parent_anchor"] == res1["anchor"] and lineage["parent_snapshot"] == res1["snapshot"]
+    assert lineage["windows"] == [w[1]] and lineage["held_out"] == [w[2]]
+    assert read_current(env["snapshot_root"]).path == res4["snapshot"]
+
+
+def test_the_warm_start_begins_bitwise_at_the_parent_anchor(env, sequence):
+    (s1, _), (_, r2) = sequence["r1"], sequence["r2"]
+    restores = events(env, r2, "checkpoint_restore", attempt=0)
+    assert sorted(e.rank for e in restores) == [0, 1]
+    for e in restores:
+        assert e.attrs["source"] == "parent" and e.attrs["path"] == s1.result()["anchor"]
+        assert e.attrs["parent_world_size"] == 2 and len(e.attrs["fingerprint"]) > 4
+    # every piece each rank held just before its first step (restore -> compile -> step 0;
+    # the compile drops its gradients) is bitwise the parent anchor's
+    assert restored_matches_anchor(restores, s1.result()["anchor"]) == []
+    (first,) = [e for e in events(env, r2, "train_step", attempt=0) if e.attrs["step"] == 0 and e.rank == 0]
+    assert first.start >= max(e.end for e in restores)
+
+
+def test_a_failed_refresh_leaves_the_watermark_and_the_next_one_trains_its_windows(env, sequence):
+    w = sequence["windows"]
+    s3, r3 = sequence["r3"]
+    assert s3.is_failed()
+    assert sequence["mark3"] == w[1]  # not advanced by the failure
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        records = {r.run_id: r for r in wh.lineage(MODEL)}
+    assert records[r3].outcome is Outcome.FAILED and records[r3].windows == (w[2],)
+    assert {e.attempt for e in events(env, r3, "train_step")} == {0, 1, 2, 3}
+    assert watermark(env) == w[2]  # r4 trained w2 again and published
+
+
+def test_a_refresh_with_nothing_new_is_skipped(env, sequence):
+    s5, r5 = sequence["r5"]
+    assert s5.is_completed() and "nothing new to train" in s5.message
+    assert s5.result()["outcome"] == "skipped" and events(env, r5, "train_step") == []

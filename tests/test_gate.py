@@ -1,0 +1,138 @@
+"""The publish gate and the model's `current` snapshot pointer.
+
+Pure: `decide` (AUC drop and log-loss rise limits), `GateConfig` validation, the pointer's
+atomic moves. Real: two tiny DLRMs trained by a spawned gloo rank, one on the real labels and
+one on the same rows with shuffled labels; the first is published (the model's first
+snapshot: `current` points at it), the shuffled one is installed but GATED (its held-out AUC
+is far worse) and `current` does not move; a snapshot as good as the current one passes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ettflow.ett.lineage import Outcome
+from ettflow.publish.gate import GateConfig, PublishOutcome, Scores, decide
+from ettflow.trainer.data.schema import criteo_schema
+from ettflow.trainer.model import ModelConfig
+
+SCHEMA = criteo_schema(64)
+MODEL = ModelConfig(embedding_dim=4, dense_arch=(8, 4), over_arch=(8, 1), dense_lr=0.02, sparse_lr=0.1)
+GOOD, HELD_OUT, SHUFFLED = "window=2024010100", "window=2024010101", "window=2024010102"
+BATCH = 128
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+# ---- pure -----------------------------------------------------------------------------------
+def test_decide_gates_on_an_auc_drop_or_a_log_loss_rise_beyond_the_limits():
+    current = Scores(auc=0.70, logloss=0.50)
+    assert decide(Scores(auc=0.695, logloss=0.9), current, GateConfig())[0] is Outcome.PUBLISHED
+    outcome, reason = decide(Scores(auc=0.68, logloss=0.5), current, GateConfig(max_auc_drop=0.01))
+    assert outcome is Outcome.GATED and "gate_max_auc_drop 0.01" in reason and "0.6800" in reason
+    both = GateConfig(max_auc_drop=None, max_logloss_increase=0.01)
+    assert decide(Scores(auc=0.5, logloss=0.505), current, both)[0] is Outcome.PUBLISHED
+    outcome, reason = decide(Scores(auc=0.9, logloss=0.52), current, both)
+    assert outcome is Outcome.GATED and "gate_max_logloss_increase" in reason
+    assert decide(Scores(auc=0.9, logloss=float("nan")), current, both)[0] is Outcome.GATED
+    assert decide(Scores(auc=None, logloss=0.5), current, GateConfig())[0] is Outcome.PUBLISHED  # one class
+    with pytest.raises(ValueError, match="max_auc_drop"):
+        GateConfig(max_auc_drop=-0.1)
+    with pytest.raises(ValueError, match="published or gated"):
+        PublishOutcome(snapshot="s", outcome=Outcome.SKIPPED, reason="r")
+
+
+# ---- real -----------------------------------------------------------------------------------
+def _train_worker(rank: int, root: str, window: str, name: str) -> None:
+    from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState
+    from ettflow.trainer.checkpoint.anchor import write_anchor
+    from ettflow.trainer.checkpoint.layout import final_dir
+    from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
+    from ettflow.trainer.model import DenseStep, build_dlrm, dense_optimizer, dense_parameters, shard, sync_dense_grads
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg-{name}", rank=rank, world_size=1)
+    cpu = torch.device("cpu")
+    dmp = shard(build_dlrm(MODEL, SCHEMA, device=cpu), MODEL, dist.group.WORLD, cpu)
+    step_fn, opt, params = DenseStep(dmp.module), dense_optimizer(dmp, MODEL), dense_parameters(dmp)
+    data = DataPipeline(DataConfig(root=f"{root}/data", schema=SCHEMA, batch_size=BATCH, windows=(window,)))
+    step, cursor = 0, None
+    for _ in range(3):  # epochs over the window
+        for batch in data.batches():
+            opt.zero_grad(set_to_none=True)
+            loss, _ = step_fn(batch.dense, dmp.module.sparse_arch(batch.sparse), batch.labels)
+            loss.backward()
+            sync_dense_grads(params, dist.group.WORLD)
+            opt.step()
+            step, cursor = step + 1, batch.cursor_end
+    manager = CheckpointManager(CheckpointConfig(root=f"{root}/{name}", mode="sync"),
+                                process_group=dist.new_group(backend="gloo"))
+    state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": opt})
+    state.step, state.cursor = step, cursor.to_dict()
+    manager.save(step, state)
+    manager.close()
+    write_anchor(final_dir(Path(root) / name, step),
+                 {"run_id": name, "step": step, "cursor": cursor.to_dict(), "world_size": 1,
+                  "model": asdict(MODEL), "schema": SCHEMA.to_dict(), "windows": [window]})
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def anchors(tmp_path_factory):
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows, write_window
+
+    root = tmp_path_factory.mktemp("gate")
+    generate_windows(root / "data", SyntheticConfig(windows=2, rows_per_window=4096, files_per_window=1, seed=5))
+    good = pq.read_table(next((root / "data" / GOOD).glob("*.parquet")))
+    labels = np.random.default_rng(0).permutation(good.column("label").to_numpy())
+    shuffled = good.set_column(good.schema.get_field_index("label"), "label", pa.array(labels))
+    write_window(shuffled, root / "data" / SHUFFLED, files=1, row_group_size=None, overwrite=False)
+    for window, name in ((GOOD, "good"), (SHUFFLED, "shuffled")):
+        mp.spawn(_train_worker, args=(str(root), window, name), nprocs=1, join=True)
+    return root, {name: next((root / name).glob("step_*")) for name in ("good", "shuffled")}
+
+
+def _publish(root: Path, anchor: Path, run_id: str, out: Path) -> PublishOutcome:
+    from ettflow.publish import PublishConfig, publish_snapshot
+    from ettflow.publish.gate import gate_snapshot
+
+    config = PublishConfig(anchor=anchor, output_root=out, data_root=root / "data", windows=(HELD_OUT,),
+                           batch_size=256, validation_batches=4, run_id=run_id)
+    return gate_snapshot(publish_snapshot(config), config, GateConfig(max_auc_drop=0.01))
+
+
+def test_a_snapshot_trained_on_shuffled_labels_is_gated_and_current_stays(anchors, tmp_path):
+    from ettflow.publish import read_current, read_manifest
+
+    root, anchor = anchors
+    out = tmp_path / "snapshots"
+    first = _publish(root, anchor["good"], "good", out)
+    assert first.outcome is Outcome.PUBLISHED and "first snapshot" in first.reason
+    pointer = read_current(out)
+    assert pointer.path == first.snapshot == first.current and pointer.anchor == str(anchor["good"].resolve())
+    assert read_manifest(first.snapshot).lineage["windows"] == [GOOD]
+    before = (out / "current").read_bytes()
+
+    bad = _publish(root, anchor["shuffled"], "shuffled", out)
+    assert bad.gated and bad.outcome is Outcome.GATED, bad.reason
+    assert bad.metrics["new"]["auc"] < bad.metrics["current"]["auc"] - 0.01
+    assert "gate_max_auc_drop" in bad.reason and bad.message.startswith("gated: ")
+    assert bad.current == first.snapshot and Path(bad.snapshot).is_dir()  # installed, not current
+    assert (out / "current").read_bytes() == before and read_current(out) == pointer
+
+    # a snapshot as good as the current one passes, and `current` moves to it atomically
+    again = _publish(root, anchor["good"], "good-again", out)
+    assert again.outcome is Outcome.PUBLISHED and "vs current" in again.reason
+    assert read_current(out).path == again.snapshot and json.loads((out / "current").read_text())["snapshot"] \
+        == "good-again"
+    assert not list(out.glob(".current.tmp-*"))

@@ -1,0 +1,135 @@
+"""Lineage in the warehouse (SQLite and PostgreSQL): records, the watermark, claims settled
+by the outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+from ettflow.ett import lineage
+from ettflow.ett.lineage import Busy, Claimed, LineageRecord, Outcome
+from ettflow.ett.warehouse import Warehouse
+
+
+@pytest.fixture
+def wh(warehouse_url):
+    with Warehouse.open(warehouse_url) as w:
+        yield w
+
+
+def rec(run_id, windows, outcome, t, **kw):
+    return LineageRecord(model="m", run_id=run_id, windows=windows, outcome=outcome, created_at=t,
+                         finished_at=t + 1, **kw)
+
+
+def test_round_trip_and_upsert(wh):
+    r = rec("r1", ("w1", "w2"), Outcome.FAILED, 10.0, parent_run_id="r0", parent_anchor="/a0", parent_snapshot="/s0",
+            reason="killed past the budget")
+    wh.record_lineage(r)
+    assert wh.lineage("m") == [r]
+    assert (r.first_window, r.last_window) == ("w1", "w2")
+    done = rec("r1", ("w1", "w2"), "published", 10.0, anchor="/a1", snapshot="/s1")
+    wh.record_lineage(done)  # the same run again: one row, the latest
+    assert wh.lineage("m") == [done] and done.outcome is Outcome.PUBLISHED
+    assert wh.lineage("other") == []
+
+
+def test_the_watermark_advances_only_on_success(wh):
+    assert wh.watermark("m") is None and wh.last_published("m") is None
+    wh.record_lineage(rec("r1", ("w1", "w2"), Outcome.PUBLISHED, 10.0, anchor="/a1", snapshot="/s1"))
+    wh.record_lineage(rec("r2", ("w3",), Outcome.GATED, 20.0, reason="AUC regressed"))
+    wh.record_lineage(rec("r3", ("w3",), Outcome.FAILED, 30.0))
+    wh.record_lineage(rec("r4", (), Outcome.SKIPPED, 40.0, reason="nothing new"))
+    assert wh.watermark("m") == "w2"
+    parent = wh.last_published("m")
+    assert (parent.run_id, parent.anchor, parent.snapshot) == ("r1", "/a1", "/s1")
+    wh.record_lineage(rec("r5", ("w3", "w4"), Outcome.PUBLISHED, 50.0, parent_run_id="r1"))
+    assert wh.watermark("m") == "w4"
+    assert [r.run_id for r in wh.lineage("m")] == ["r1", "r2", "r3", "r4", "r5"]
+
+
+def test_a_bad_record_is_refused():
+    with pytest.raises(ValueError, match="model"):
+        LineageRecord(model="", run_id="r", outcome=Outcome.FAILED)
+    with pytest.raises(ValueError, match="'done'"):
+        LineageRecord(model="m", run_id="r", outcome="done")
+
+
+def choose_after(known):
+    def choose(mark, parent):
+        new = tuple(w for w in known if mark is None or w > mark)
+        return new, {"parent": parent.run_id if parent else None}
+    return choose
+
+
+def test_claims_are_held_then_settled_by_the_outcome(wh):
+    known = ("w1", "w2", "w3")
+    first = lineage.claim_windows(wh, "m", "r1", choose_after(known), now=100.0)
+    assert isinstance(first, Claimed) and first.windows == known and first.watermark is None
+    busy = lineage.claim_windows(wh, "m", "r2", choose_after(known), now=101.0)
+    assert isinstance(busy, Busy) and busy.holder == "r1" and busy.windows == known
+    assert isinstance(lineage.claim_windows(wh, "other", "r2", choose_after(known), now=101.0), Claimed)
+    again = lineage.claim_windows(wh, "m", "r1", choose_after(known), now=102.0)  # a flow retry
+    assert isinstance(again, Claimed) and again.windows == known
+    lineage.finish_refresh(wh, rec("r1", known, Outcome.PUBLISHED, 103.0, anchor="/a1"))
+    after = lineage.claim_windows(wh, "m", "r2", choose_after(known + ("w4",)), now=104.0)
+    assert isinstance(after, Claimed) and after.windows == ("w4",) and after.watermark == "w3"
+    assert after.parent.run_id == "r1" and after.choice == {"parent": "r1"}
+    lineage.finish_refresh(wh, rec("r2", ("w4",), Outcome.GATED, 105.0))  # released: retried later
+    retry = lineage.claim_windows(wh, "m", "r3", choose_after(known + ("w4",)), now=106.0)
+    assert isinstance(retry, Claimed) and retry.windows == ("w4",)
+    assert lineage.release_claims(wh, "m", "r3") == 1
+    assert wh.watermark("m") == "w3"
+
+
+def test_a_stale_claim_is_not_live(wh):
+    lineage.claim_windows(wh, "m", "dead", choose_after(("w1",)), now=0.0)
+    late = lineage.claim_windows(wh, "m", "r2", choose_after(("w1",)), now=lineage.STALE_AFTER_S + 1)
+    assert isinstance(late, Claimed) and late.windows == ("w1",)
+
+
+def test_report_lineage_shows_the_chain(warehouse_url, capsys, tmp_path, monkeypatch):
+    from ettflow.cli import main
+    from ettflow.ett.archive import archive_spooled_run
+    from ettflow.ett.sample import write_sample_run
+    from ettflow.ett.warehouse import RunInfo
+
+    monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
+    write_sample_run(tmp_path / "spool", "r1", seed=1)
+    with Warehouse.open(warehouse_url) as wh:
+        archived = archive_spooled_run(wh, tmp_path / "spool", RunInfo(run_id="r1", model="m", mode="optimized"))
+        wh.record_lineage(rec("r1", ("w1", "w2"), Outcome.PUBLISHED, 10.0, anchor="/a1"))
+        wh.record_lineage(rec("r2", ("w3",), Outcome.GATED, 20.0, parent_run_id="r1", reason="AUC 0.61 < 0.70"))
+        wh.record_lineage(rec("r3", (), Outcome.SKIPPED, 30.0, parent_run_id=None, reason="nothing new"))
+    assert main(["report", "--url", warehouse_url, "--model", "m", "--lineage"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Refreshes of m (watermark: w2):"
+    r1, r2, r3 = out[2:]
+    assert r1.split()[:6] == ["r1", "1970-01-01", "00:00", "w1..w2", "(2)", "(cold)"]
+    assert "published" in r1 and f"{archived.metrics.ett_pct:.1f}" in r1
+    assert r2.split()[3:6] == ["w3", "r1", "gated"] and r2.split()[6] == "-" and "AUC 0.61 < 0.70" in r2
+    assert "skipped" in r3 and "nothing new" in r3
+    assert main(["report", "--url", warehouse_url, "--model", "m", "--lineage", "--format", "json"]) == 0
+    import json
+
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["outcome"] for r in rows] == ["published", "gated", "skipped"]
+    assert rows[1]["ETT%"] is None and rows[2]["ETT%"] is None and rows[0]["parent"] == "(cold)"
+    assert main(["report", "--url", warehouse_url, "--lineage"]) == 2
+    assert main(["report", "--url", warehouse_url, "--model", "none", "--lineage"]) == 1
+
+
+def test_skipped_runs_show_as_skipped_and_stay_out_of_the_means():
+    import pandas as pd
+
+    from ettflow.ett import report
+    from ettflow.ett.warehouse import COMPONENT_COLUMNS
+
+    runs = pd.DataFrame({"run_id": ["a", "b", "c"], "model": "m", "mode": "optimized",
+                         "status": ["completed", "skipped", "completed"], "wall_start": [0.0, 10.0, 20.0],
+                         "wall_s": [100.0, 1.0, 50.0], "ett_pct": [60.0, 0.0, 80.0], "tts_s": [10.0, 0.5, 5.0],
+                         "nof": [1, 0, 0], "ttr_mean_s": 0.0, **{c: 1.0 for c in COMPONENT_COLUMNS}})
+    table = report.run_table(runs)
+    assert list(table["status"]) == ["completed", "skipped", "completed"] and pd.isna(table["ETT%"][1])
+    (day,) = report.model_summary(runs).to_dict("records")
+    got = (day["runs"], day["skipped"], day["ett_mean"], day["ett_min"], day["wall_mean_s"])
+    assert got == (2, 1, 70.0, 60.0, 75.0)
