@@ -16,6 +16,7 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.failure_policy import FailureDecision
 from ettflow.trainer.faults import due, pending_faults, record_fired
+from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
 INFRA, USER, DATA = FailureClass.INFRASTRUCTURE, FailureClass.USER, FailureClass.DATA
 
@@ -35,7 +36,8 @@ def died(rank: int) -> Failure:
 class ScriptedGroup:
     """Each poll advances the clock one second; each rank trains one step per poll (written
     to the spool like a real rank, with its step) until its script says finish, die, raise or
-    hang. Scripted faults (`fail_at`) fire as in a real rank: the run's config less the items
+    hang. Each rank's heartbeat says it trains since its last step's end, like a real rank's
+    (a hung rank's stops moving). Scripted faults (`fail_at`) fire as in a real rank: the run's config less the items
     that fired (`pending_faults`), each recorded with its index when it fires. With
     `run.restore_step` set, a restart resumes every rank from that checkpointed step."""
 
@@ -46,6 +48,7 @@ class ScriptedGroup:
         self.hung: set[int] = set()
         self.torn_down = False
         self.writers = {}
+        self.training_since: dict[int, float] = {}
         self.faults = pending_faults(run.config, run.spool, run.run_id).failures
 
     def reserve(self) -> None:
@@ -85,6 +88,7 @@ class ScriptedGroup:
             elif action == "step":
                 w.record("train_step", t0, t0 + 1.0, step=cursor, cursor_start=cursor, cursor_end=cursor + 1)
                 self.run.cursor[rank] += 1
+                self.beat(rank, since=t0 + 1.0)
             elif action == "finish":
                 done[rank] = {"finished_at": t0}
             elif action == "die":
@@ -98,6 +102,12 @@ class ScriptedGroup:
                                       reason=f"rank {rank}: x.parquet: column 'cat_1' is not integer"))
             # "hang": no step, no outcome
         return done, failed
+
+    def beat(self, rank: int, *, since: float) -> None:
+        started = self.training_since.setdefault(rank, since - 1.0)
+        write_beat(beat_file(self.run.spool, self.run.run_id, self.attempt, rank),
+                   RankBeat(rank=rank, pid=0, beat=since, phases={TRAINING: since}, training_since=started,
+                            step=self.run.cursor[rank]))
 
     def kill(self, rank: int) -> None:
         self.killed.append(rank)
@@ -243,10 +253,11 @@ def test_primary_failure_prefers_the_dead_process():
 
 def test_hang_is_caught_by_the_step_watchdog(tmp_path):
     script = {(1, p): "hang" for p in range(3, 100)}
-    run = Run(tmp_path, [script, finish_at(2)], watchdog_s=5.0)
+    run = Run(tmp_path, [script, finish_at(2)], step_timeout_s=5.0)
     result = run.drive()
     (failure,) = result.failures
     assert result.attempts == 2 and (failure.failure_class, failure.rank, failure.step) == (INFRA, 1, 2)
+    assert failure.reason.startswith("rank 1 hung in train_step for ")
     m = run.metrics()
     # rank 1's last step ended at 1004; the watchdog fires when more than 5 s passed
     assert m.failures[0].detected_at > 1009.0 and m.failures[0].detected_at <= 1010.0

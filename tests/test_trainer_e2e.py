@@ -38,7 +38,7 @@ def config(world, name: str, **over) -> TrainerConfig:
         data_root=str(world / "data"), schema=criteo_schema(100), work_dir=str(world / name),
         compile_cache_root=str(world / "compile-cache"), world_size=2, batch_size=32,
         model=ModelConfig(embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1), dense_lr=0.02, sparse_lr=0.1),
-        checkpoint_every_steps=5, watchdog_s=60, eval_batches=8,
+        checkpoint_every_steps=5, step_timeout_s=60, eval_batches=8,
     )
     base.update(over)
     return TrainerConfig(**base)

@@ -1,7 +1,9 @@
 """The Ray actor that hosts one rank. Its constructor only remembers who it is: a restarted
 or replaced actor gets everything else back from the checkpoint and the compile cache.
 An exception that ends `train` leaves the actor as a `FailureError` (its `Failure` typed from
-the exception's type), so the driver never reads a message to classify it."""
+the exception's type), so the driver never reads a message to classify it.
+The constructor runs in the worker process's main thread: it installs the rank's SIGTERM
+handler there (`preemption.py`), in place of Ray's, which would end the process at once."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ class TrainerActor:
         from .compile.process_cache import prepare_compile_env
 
         prepare_compile_env(config)
+        from .preemption import PREEMPTION
+
+        PREEMPTION.install(config.preemption_grace_s)
 
     def ready(self) -> dict:
         import ray

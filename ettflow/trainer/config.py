@@ -14,7 +14,10 @@ from typing import Any
 from .data.schema import FeatureSchema
 from .model import ModelConfig
 
-FAULT_KINDS = ("kill", "raise", "hang", "nan")  # nan: a dense parameter turns NaN (trainer/loop.py)
+FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt")  # nan: a dense parameter turns NaN (trainer/loop.py)
+# phases a scripted `hang` may stop in instead of a step (`hang:rank=1:phase=pt2_compile`)
+HANG_PHASES = ("device_init", "process_group_init", "preproc_creation", "train_module_creation", "init_plugins",
+               "pre_train", "get_first_batch_data", "checkpoint_restore", "pt2_compile")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,24 +49,28 @@ Scripted faults, one item each: KIND[:FIELD=VALUE]...
            raise    raise an exception before the step (user)
            hang     stop making steps until the watchdog catches it (infrastructure)
            nan      a dense parameter turns NaN, so the step's loss is not finite (numerics)
+           preempt  the rank sends itself SIGTERM, as a scheduler taking the devices back (preemption)
            publish  fail a publish try (publish; training is not touched)
   fields:  rank=R      the rank (default 0)
            step=S      at training step S, before it is trained
+           phase=P     hang only, instead of step: hang in init stage P (e.g. pt2_compile, pre_train)
            after_s=T   kill only: T seconds after an attempt started training (sent by the driver)
            attempt=A   only in attempt A (default: whichever attempt reaches it first)
            times=N     publish only: the first N publish tries fail (default 1)
   Each item fires once per run: the first time the run reaches its step (or its after_s), in
   whichever attempt; a restart that replays that step does not fire it again.
   Examples: kill:rank=1:step=30   hang:step=5   raise:rank=0:step=12:attempt=1
-            kill:after_s=12.5     nan:step=40   publish:times=2
+            kill:after_s=12.5     nan:step=40   publish:times=2   hang:rank=1:phase=pt2_compile
+            preempt:rank=1:step=9
 """
 
 
 @dataclass(frozen=True, kw_only=True)
 class FailAt:
     """Scripted fault: `kind` on `rank` at training step `step` (or `after_s` seconds after an
-    attempt started training: a SIGKILL sent by the driver). It fires once per run, the first
-    time the run reaches it, in any attempt, or only in `attempt` when given (FAIL_AT_GRAMMAR).
+    attempt started training: a SIGKILL sent by the driver; or, for a hang, in init stage
+    `phase`). It fires once per run, the first time the run reaches it, in any attempt, or only
+    in `attempt` when given (FAIL_AT_GRAMMAR).
     `index`: the item's place in the run's list, numbered by `TrainerConfig`; the `failure`
     marker of a fired item records it, and later attempts drop the items that fired."""
 
@@ -71,14 +78,18 @@ class FailAt:
     rank: int = 0
     step: int | None = None
     after_s: float | None = None
+    phase: str | None = None  # hang only: the init stage it hangs in
     attempt: int | None = None  # None: any attempt
     index: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"FailAt.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
-        if (self.step is None) == (self.after_s is None):
-            raise ValueError("FailAt needs exactly one of step (a training step) or after_s (seconds)")
+        if sum(v is not None for v in (self.step, self.after_s, self.phase)) != 1:
+            raise ValueError("FailAt needs exactly one of step (a training step), after_s (seconds) or phase "
+                             "(an init stage, hang only)")
+        if self.phase is not None and (self.kind != "hang" or self.phase not in HANG_PHASES):
+            raise ValueError(f"FailAt.phase is for kind='hang' in one of {HANG_PHASES}, got {self.kind}:{self.phase}")
         if self.after_s is not None and self.kind != "kill":
             raise ValueError("FailAt.after_s is a SIGKILL from the driver: use kind='kill'")
         if any(v is not None and v < 0 for v in (self.rank, self.attempt, self.step, self.index)):
@@ -91,9 +102,12 @@ class FailAt:
         values: dict[str, Any] = {}
         for part in parts:
             key, _, raw = part.partition("=")
-            if key not in ("rank", "step", "after_s", "attempt"):
+            if key not in ("rank", "step", "after_s", "attempt", "phase"):
                 raise ValueError(f"failure spec {text!r}: unknown field {key!r} (fields: rank, step, after_s, "
-                                 "attempt)")
+                                 "phase, attempt)")
+            if key == "phase":
+                values[key] = raw
+                continue
             try:
                 values[key] = float(raw) if key == "after_s" else int(raw)
             except ValueError:
@@ -122,12 +136,19 @@ class TrainerConfig:
     failures: tuple[FailAt, ...] = ()
     warm_start_from: str | None = None  # the parent refresh's anchor checkpoint (None: cold start)
     max_failures: int = 3  # failure budget of the driver
-    watchdog_s: float = 60.0  # a rank that makes no step for this long is hung
+    # the watchdog: a rank that stays longer than its bound in one phase is hung (trainer/rank_heartbeat.py)
+    # (a collective outwaits them all: `process_group_timeout_s`; raise a bound, it follows)
+    startup_timeout_s: float = 240.0  # each init stage, and the launch until the rank's first beat
+    compile_timeout_s: float = 240.0  # pt2_compile (a cold compile of a large model takes minutes)
+    restore_timeout_s: float = 240.0  # checkpoint_restore
+    step_timeout_s: float = 60.0  # a step, or the time between two steps (was `watchdog_s`)
+    save_timeout_s: float = 240.0  # a checkpoint save the loop waits for (periodic, emergency, anchor)
+    preemption_grace_s: float = 30.0  # from SIGTERM until the scheduler kills the rank (emergency checkpoint)
     eval_batches: int = 8  # held-out batches per rank for loss and AUC
     eval_at_start: bool = False  # also evaluate before training (in pre_train)
     log_every: int = 10
     record_steps: bool = True  # False: no train_step events (to measure the recording's cost;
-    # the step watchdog and the metric then see no steps)
+    # the metric then sees no steps; the watchdog reads the ranks' heartbeats, not the steps)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.batch_size < 1 or self.threads_per_rank < 1:
@@ -138,8 +159,12 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
             raise ValueError("checkpoint_every_steps must be >= 1 (or None for the optimizer)")
-        if self.keep_checkpoints < 1 or self.max_failures < 0 or self.watchdog_s <= 0:
-            raise ValueError("keep_checkpoints >= 1, max_failures >= 0 and watchdog_s > 0 required")
+        if self.keep_checkpoints < 1 or self.max_failures < 0:
+            raise ValueError("keep_checkpoints >= 1 and max_failures >= 0 required")
+        for name in ("startup_timeout_s", "compile_timeout_s", "restore_timeout_s", "step_timeout_s",
+                     "save_timeout_s", "preemption_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         numbered = tuple(f if f.index is not None else replace(f, index=i) for i, f in enumerate(self.failures))
         if len({f.index for f in numbered}) != len(numbered):
             raise ValueError(f"failures need distinct indexes, got {[f.index for f in numbered]}")
@@ -155,6 +180,14 @@ class TrainerConfig:
                 f"data_root {self.data_root!r} is not a folder of data windows: create one with "
                 "`ettflow data generate --out DIR` or point at your Parquet windows"
             )
+
+    @property
+    def process_group_timeout_s(self) -> float:
+        """The collectives' timeout: past the longest phase bound, so a rank waiting in a
+        collective for a slow peer is never aborted by gloo/nccl before the watchdog judged
+        the peer; the watchdog (a few seconds of polling) always speaks first."""
+        return max(self.startup_timeout_s, self.compile_timeout_s, self.restore_timeout_s,
+                   self.step_timeout_s, self.save_timeout_s) + 30.0
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -1,8 +1,10 @@
 """The training driver: runs the rank group, watches it, recovers it, as its failure policy says.
 
 Per attempt: reserve the group (the wait is the `scheduling` phase), launch training on every
-rank, then watch. A rank whose process dies, whose code raises, or that stops making steps
-for `watchdog_s` (read from the spool) is a failure: a typed `Failure`. The driver records its
+rank, then watch. A rank whose process dies, whose code raises, that writes its own `failure`
+marker to the spool (read at once, before Ray or gloo report anything), or that stays in one
+phase (init stage, compile, restore, step, save) longer than that phase's bound (its heartbeat,
+`rank_heartbeat.find_hang`) is a failure: a typed `Failure`. The driver records its
 detection (`failure_detected`, the failure's attributes), tears the whole group down
 (`shutdown`), and asks its `FailurePolicy` what to do with the failure and the run's history
 (failures of earlier tries of the task included, so the run has one budget): RESTART starts
@@ -23,14 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
-from ettflow.ett.failures import Failure, FailureClass
+from ettflow.ett.failures import Failure
 from ettflow.ett.spool import SpoolWriter, read_file, spool_file
 
 from .classify import is_process_loss, primary_failure
 from .config import TrainerConfig
 from .failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
-from .faults import pending_faults, record_fired
+from .faults import is_scripted_hang, pending_faults, record_fired
 from .progress import SpoolTail
+from .rank_heartbeat import PhaseBounds, find_hang
 
 
 class WorkerGroup(Protocol):
@@ -169,11 +172,13 @@ class TrainingDriver:
         tail = SpoolTail(self.spool_root, self.run_id, attempt, self.config.world_size)
         pending = pending_faults(self.config, self.spool_root, self.run_id).failures
         timed_kills = [f for f in pending if f.after_s is not None and f.attempt in (None, attempt)]
+        bounds, launched_at = PhaseBounds.of(self.config), self.clock()
         finished: dict[int, dict] = {}
         while True:
             done, failed = group.poll(self.poll_s)
             finished.update(done)
             tail.poll()
+            failed = failed + self._marked_failures(tail, attempt)
             now = self.clock()
             started = tail.training_started
             for fault in list(timed_kills):
@@ -182,10 +187,9 @@ class TrainingDriver:
                     record_fired(fault, rec, rank=fault.rank, step=None, at=now)
                     group.kill(fault.rank)
             if not failed and len(finished) < self.config.world_size:
-                stalled = tail.stalled_rank(self.config.watchdog_s, now)
-                if stalled is not None:
-                    failed = [Failure(failure_class=FailureClass.INFRASTRUCTURE, rank=stalled, attempt=attempt,
-                                      reason=f"rank {stalled}: no step for {self.config.watchdog_s} s (hang)")]
+                hang = find_hang(tail.beats(), bounds, now, launched_at=launched_at, done=set(finished))
+                if hang is not None:
+                    failed = [hang.failure(attempt)]
             if failed:
                 return self._recover(attempt, group, rec, failed)
             if len(finished) == self.config.world_size:
@@ -200,6 +204,19 @@ class TrainingDriver:
                 group.teardown()
                 rec.record("shutdown", ended, self.clock(), failed=False)
                 return AttemptSucceeded(finished)
+
+    def _marked_failures(self, tail: SpoolTail, attempt: int) -> list[Failure]:
+        """The failures the ranks wrote as `failure` markers since the last poll. A scripted
+        hang's marker is left out: it only records when the hang began, and the watchdog must
+        find the hang as it would a real one."""
+        out = []
+        for rank, record in tail.new_failure_markers():
+            attrs = record.get("attrs", {})
+            if is_scripted_hang(self.config.failures, attrs):
+                continue
+            failure = Failure.from_attrs(attrs, attempt=attempt)
+            out.append(failure if failure.rank >= 0 else replace(failure, rank=rank))
+        return out
 
     def _recover(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, failed: list[Failure]) -> AttemptFailed:
         detected = self.clock()

@@ -1,10 +1,15 @@
-"""Scripted faults inside a rank: a real SIGKILL, an exception, or a hang, at a given step.
+"""Scripted faults inside a rank: a real SIGKILL, an exception, a hang (at a step, or in an
+init stage), or a preemption (a real SIGTERM the rank sends itself), at a given step.
 
 The rank records the `failure` marker (durably, through the spool) at the instant the fault
 fires, with the item's `fault_index`, so lost in-flight work is measured from a known time and
 later attempts know the item fired. Faults scripted by time (`FailAt.after_s`) are sent by the
 driver, which kills the rank's process from outside and records the same marker. The `nan`
 fault is carried out by the training loop (it poisons a parameter; `numerics.py` records it).
+The `preempt` fault sends SIGTERM and lets training go on: the rank's preemption handling
+(`preemption.py`) records the marker, with the item's index, where it stops. A `hang`'s marker
+only says when the hang began: the driver never reads it as a detection (`hides_hang`), it
+must find the hang through the watchdog like a real one.
 
 Once per run: before each attempt, the items that already fired anywhere in the run are
 dropped (`pending_faults`), so a restart that replays a step does not fire its fault again.
@@ -26,7 +31,7 @@ from ettflow.ett.spool import SpoolWriter, read_spool
 from .config import FailAt, TrainerConfig
 
 KIND_CLASS = {"kill": FailureClass.INFRASTRUCTURE, "hang": FailureClass.INFRASTRUCTURE,
-              "raise": FailureClass.USER, "nan": FailureClass.NUMERICS}
+              "raise": FailureClass.USER, "nan": FailureClass.NUMERICS, "preempt": FailureClass.PREEMPTION}
 
 
 class InjectedFailure(FailureError):
@@ -41,9 +46,23 @@ def due(failures: Sequence[FailAt], *, attempt: int, rank: int, step: int) -> Fa
     return None
 
 
+def due_in_phase(failures: Sequence[FailAt], *, attempt: int, rank: int, phase: str) -> FailAt | None:
+    """The pending `hang` item that fires on `rank` in init stage `phase` in `attempt`, if any."""
+    for f in failures:
+        if f.phase == phase and f.rank == rank and (f.attempt is None or f.attempt == attempt):
+            return f
+    return None
+
+
+def is_scripted_hang(failures: Sequence[FailAt], attrs: dict) -> bool:
+    """A `failure` marker written by a scripted hang (by its item's index)."""
+    index = attrs.get("fault_index")
+    return index is not None and any(f.index == index and f.kind == "hang" for f in failures)
+
+
 def injected_failure(fault: FailAt, *, rank: int, attempt: int, step: int | None) -> Failure:
     """The failure a fired item stands for."""
-    at = f"after {fault.after_s} s" if step is None else f"at step {step}"
+    at = f"at step {step}" if step is not None else (f"in {fault.phase}" if fault.phase else f"after {fault.after_s} s")
     return Failure(failure_class=KIND_CLASS[fault.kind], rank=rank, attempt=attempt, step=step,
                    reason=f"injected {fault.kind} of rank {rank} {at}", injected=True)
 
@@ -56,10 +75,18 @@ def record_fired(fault: FailAt, recorder: SpoolWriter, *, rank: int, step: int |
     return failure
 
 
-def fire(fault: FailAt, recorder: SpoolWriter, *, step: int) -> None:
-    """Carry out a fault at `step`. `kill` and `hang` never return; `raise` raises."""
+def fire(fault: FailAt, recorder: SpoolWriter, *, step: int | None) -> None:
+    """Carry out a fault at `step` (None: in its init stage). `kill` and `hang` never return;
+    `raise` raises; `preempt` sends SIGTERM to this process and returns once it was handled."""
     if fault.kind == "nan":
         raise ValueError("the nan fault is carried out by the training loop (numerics.poison), not by fire()")
+    if fault.kind == "preempt":
+        from .preemption import PREEMPTION
+
+        PREEMPTION.fault_index = fault.index
+        os.kill(os.getpid(), signal.SIGTERM)
+        PREEMPTION.wait(5.0)  # delivered to the main thread asynchronously
+        return
     failure = record_fired(fault, recorder, rank=recorder.rank, step=step)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -9,24 +9,34 @@ measured save-blocking time and step time (the same on every rank: both are all-
 A step whose loss is not finite ends the attempt before its backward pass, with a `numerics`
 failure (see `numerics.py`); it is not recorded as a step. The scripted `nan` fault fills a
 dense parameter with NaN just before its step, so that check fires at that step.
+
+Every step boundary (before a step is trained) is also where the ranks agree on preemption
+(`preemption.py`): one all-reduce of a "stop" flag, so all ranks stop at the same boundary
+and can take the emergency checkpoint together. The loop tells the rank's heartbeat where it
+is (training start, each step's start and end, saves), so the driver's watchdog can bound a
+hang inside or between steps, and in a save (`rank_heartbeat.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 
 from .config import FailAt, TrainerConfig
 from .faults import due, fire
 from .model import dense_parameters, sync_dense_grads
 from .numerics import loss_failure, poison, stop
+from .preemption import PREEMPTION, StopDecision
+from .rank_heartbeat import SAVE, RankHeartbeat
 from .rank_state import RankState
 
 log = logging.getLogger("ettflow.trainer")
@@ -34,8 +44,10 @@ log = logging.getLogger("ettflow.trainer")
 
 class TrainLoop:
     def __init__(self, config: TrainerConfig, rank: int, attempt: int, state: RankState,
-                 rec: SpoolWriter, evaluate) -> None:
+                 rec: SpoolWriter, evaluate, *, beat: RankHeartbeat | None = None) -> None:
         self.evaluate = evaluate
+        self.beat = beat
+        self.saved_step: int | None = None  # the last step this attempt saved a checkpoint at
         self.config, self.rank, self.attempt, self.state, self.rec = config, rank, attempt, state, rec
         self.plugins = state.plugins
         self.dmp = state.dmp
@@ -86,7 +98,53 @@ class TrainLoop:
                                 "expected_wasted_s": choice.expected_wasted_s,
                                 "save_blocking_s": csbt, "step_s": step_s}
 
+    def _phase(self, name: str):
+        return self.beat.phase(name) if self.beat is not None else nullcontext()
+
+    def _save(self, step: int, cursor, loss: float | None) -> float:
+        """A periodic save the loop waits for; the heartbeat leaves training for its duration."""
+        if self.beat is not None:
+            self.beat.leave("train_step")
+        try:
+            with self._phase(SAVE):
+                blocking = self.plugins.save(step, cursor, loss=loss)
+        finally:
+            if self.beat is not None:
+                self.beat.step_ended(step - 1)  # the training clock restarts after the save
+        self.saved_step = step
+        return blocking
+
+    def _stop_preempted(self, step: int, cursor, loss: float | None, decision: StopDecision) -> None:
+        """Every rank stops at this boundary: the emergency checkpoint when the grace allows it
+        (all ranks save together), then the signalled rank's marker, and the attempt ends."""
+        saved = None
+        if self.beat is not None:
+            self.beat.leave("train_step")  # the save has its own bound
+        if decision.save and cursor is not None and step != self.saved_step:
+            with self._phase(SAVE):
+                self.blocking.append(self.plugins.save(step, cursor, loss=loss))
+                self.plugins.manager.wait()  # durable and committed on every rank
+            saved = step
+        dist.barrier(group=self.pg)  # nobody reports before every rank's part of the save is done
+        if PREEMPTION.signalled:
+            log.warning("preempted at step %d: emergency checkpoint %s (grace left %.1f s)", step,
+                        "taken" if saved is not None else "skipped", decision.grace_left_s)
+            failure = PREEMPTION.mark(self.rank, self.attempt, step, emergency_checkpoint=saved,
+                                      grace_left_s=round(min(decision.grace_left_s, 1e9), 3))
+        else:
+            failure = Failure(failure_class=FailureClass.PREEMPTION, rank=self.rank, attempt=self.attempt,
+                              step=step, secondary=True,
+                              reason=f"rank {self.rank} stopped at step {step}: a peer was preempted")
+        raise FailureError(failure)
+
     def run(self) -> dict[str, Any]:
+        PREEMPTION.in_loop = True
+        try:
+            return self._run()
+        finally:
+            PREEMPTION.in_loop = False
+
+    def _run(self) -> dict[str, Any]:
         step = self.plugins.resume_step
         end = self._steps_total(step)
         first = self.state.first_batch
@@ -97,6 +155,8 @@ class TrainLoop:
         t_train = time.time()
         last_cursor = None
         loss_value: float | None = None  # None: no step trained in this attempt
+        if self.beat is not None:
+            self.beat.training(step)
         while step < end:
             batch = first if first is not None else next(batches)
             first = None
@@ -106,9 +166,16 @@ class TrainLoop:
                 poison(self.params)
             elif fault is not None:
                 fire(fault, self.rec, step=step)
+            if self.beat is not None:  # from here the rank waits for its peers: it is inside the step
+                self.beat.step_started(step)
+            decision = PREEMPTION.agree(self.pg, self.device)
+            if decision.stop:
+                self._stop_preempted(step, last_cursor, loss_value, decision)
             t0 = time.time()
             loss_value = self.train_step(batch, step, fault=nan_fault)
             t1 = time.time()
+            if self.beat is not None:
+                self.beat.step_ended(step)
             if self.config.record_steps:
                 self.rec.record("train_step", t0, t1, sync=False, step=step, loss=loss_value, examples=batch.batch_size,
                                 cursor_start=list(batch.cursor_start.as_tuple()),
@@ -123,7 +190,7 @@ class TrainLoop:
                          rate, rate * batch.batch_size * self.config.world_size)
             due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
             if due_save and step < end:
-                self.blocking.append(self.plugins.save(step, last_cursor, loss=loss_value))
+                self.blocking.append(self._save(step, last_cursor, loss_value))
                 if step == probe_at:
                     self._choose_interval(end, step_times)
         elapsed = max(time.time() - t_train, 1e-9)
@@ -135,11 +202,14 @@ class TrainLoop:
             "cursor": last_cursor.to_dict() if last_cursor is not None else None,
             "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
         }
-        with self.rec.span("anchor_checkpoint", step=step) as attrs:
+        PREEMPTION.in_loop = False  # from here a SIGTERM ends the process (no step boundary is left)
+        if self.beat is not None:
+            self.beat.leave("train_step")
+        with self.rec.span("anchor_checkpoint", step=step) as attrs, self._phase(SAVE):
             anchor = self.plugins.save_anchor(step, last_cursor, self.rec.run_id, loss=loss_value)
             attrs["path"] = result["anchor"] = str(anchor) if anchor else None
         if self.state.eval_data is not None and self.config.eval_batches > 0:
-            with self.rec.span("evaluation") as attrs:
+            with self.rec.span("evaluation") as attrs, self._phase("evaluation"):
                 result["eval"] = self.evaluate()
                 attrs.update(result["eval"] or {})
         result["eval_start"] = self.state.eval_start

@@ -1,17 +1,19 @@
 """Follow a running attempt through its spool: steps, loss, throughput, last progress per rank.
 
-The driver's step watchdog and the progress reports read the same durable events the metric
-uses, so nothing extra has to travel from the ranks.
+The progress reports read the same durable events the metric uses. The driver's watchdog reads
+the ranks' heartbeat files beside them (`beats`, see `rank_heartbeat.py`), and takes each
+rank's own `failure` marker as soon as it is written (`new_failure_markers`).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ettflow.ett.spool import spool_file
+
+from .rank_heartbeat import RankBeat, beat_file, read_beat
 
 
 @dataclass
@@ -28,6 +30,8 @@ class SpoolTail:
 
     def __init__(self, root: Path | str, run_id: str, attempt: int, world_size: int) -> None:
         self.files = {r: spool_file(root, run_id, attempt, r) for r in range(world_size)}
+        self.beat_files = {r: beat_file(root, run_id, attempt, r) for r in range(world_size)}
+        self._unread_failures: list[tuple[int, dict]] = []
         self.offsets = dict.fromkeys(self.files, 0)
         self.ranks = {r: RankProgress() for r in self.files}
         self.failure_markers: list[dict] = []
@@ -62,22 +66,21 @@ class SpoolTail:
             p.examples += int(attrs.get("examples", 0))
         elif phase == "failure":
             self.failure_markers.append(rec)
+            self._unread_failures.append((rank, rec))
+
+    def new_failure_markers(self) -> list[tuple[int, dict]]:
+        """(rank, record) of the `failure` markers read since the last call."""
+        out, self._unread_failures = self._unread_failures, []
+        return out
+
+    def beats(self) -> dict[int, RankBeat | None]:
+        """Each rank's latest heartbeat (None: none yet)."""
+        return {rank: read_beat(path) for rank, path in self.beat_files.items()}
 
     @property
     def training_started(self) -> float | None:
         starts = [p.first_step_start for p in self.ranks.values() if p.first_step_start is not None]
         return min(starts) if starts else None
-
-    def stalled_rank(self, watchdog_s: float, now: float | None = None) -> int | None:
-        """A rank that trained before but has made no step for `watchdog_s`."""
-        now = time.time() if now is None else now
-        for rank, p in self.ranks.items():
-            last = p.last_step_end
-            if last is None and self.training_started is not None:
-                last = self.training_started  # it never stepped while another rank did
-            if last is not None and now - last > watchdog_s:
-                return rank
-        return None
 
     def summary(self) -> dict:
         steps = min((p.steps for p in self.ranks.values()), default=0)

@@ -5,11 +5,13 @@ whole; the wait is the run's scheduling phase. The actors form one process group
 CPU, nccl on GPU). Actors never restart on their own (max_restarts=0): the driver decides,
 and a new attempt restores from the checkpoint, since no state lives in actor memory.
 A rank's outcome is a typed `Failure`, mapped from the exception's type (`classify.py`).
+`info` holds each rank's pid and node (a test or an operator can signal a rank by it).
 The ranks get the run's config less the scripted faults that already fired (`pending_faults`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -113,7 +115,13 @@ class RayWorkerGroup:
             ray.kill(self.actors[rank], no_restart=True)
 
     def teardown(self) -> None:
-        for actor in self.actors:
+        # SIGKILL first where the pid is ours to signal: `ray.kill` may deliver SIGTERM, which
+        # a rank takes for a preemption (preemption.py), and the group's end is not one
+        for rank, actor in enumerate(self.actors):
+            info = self.info[rank] if rank < len(self.info) else None
+            if info is not None and info["node_ip"] == ray.util.get_node_ip_address():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(info["pid"], signal.SIGKILL)
             ray.kill(actor, no_restart=True)
         self.actors, self.refs = [], {}
         if self.pg is not None:

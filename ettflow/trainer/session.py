@@ -9,6 +9,11 @@ The stages, and what each needs (so the concurrent mode can overlap them):
     pt2_compile needs pre_train/restore, and the first real batch unless the fast batch is on.
     pre_train also needs preproc_creation when it evaluates at start (the held-out pipeline).
 
+Each stage runs inside its heartbeat phase (`rank_heartbeat.py`), so the driver's watchdog
+bounds it; a scripted `hang` may stop in one (`hang:rank=1:phase=pt2_compile`). Collectives
+time out after `TrainerConfig.process_group_timeout_s`, past every phase bound: the watchdog
+judges a hang before gloo or nccl gives up on it.
+
 What the stages build is the rank's `RankState` (rank_state.py): each field is set by one
 stage, and reading it before that stage ran is an error naming both.
 
@@ -44,10 +49,13 @@ from .data.batch import synthetic_batch
 from .data.pipeline import DataConfig, DataPipeline
 from .data.windows import list_windows
 from .evaluate import evaluate
+from .faults import due_in_phase, fire
 from .init_pipeline import InitPipeline, Stage
 from .loop import TrainLoop
 from .model import DenseStep, build_dlrm, dense_optimizer, shard
 from .plugins import TrainerPlugins
+from .preemption import PREEMPTION
+from .rank_heartbeat import RankHeartbeat, beat_file
 from .rank_state import RankState
 
 
@@ -97,6 +105,8 @@ class TrainerSession:
         self.state = RankState()
         self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint
         self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
+        self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank)
+        PREEMPTION.attach(self.rec)
 
     # ---- stages -------------------------------------------------------------------------
     def device_init(self) -> torch.device:
@@ -110,7 +120,8 @@ class TrainerSession:
         addr, port = self.master
         dist.init_process_group(
             backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-            world_size=self.config.world_size, timeout=datetime.timedelta(seconds=300),
+            world_size=self.config.world_size,
+            timeout=datetime.timedelta(seconds=self.config.process_group_timeout_s),
         )
         self.state.pg = dist.group.WORLD
         # checkpoint collectives get a group of their own: sharing the training group with a
@@ -185,7 +196,20 @@ class TrainerSession:
         return {"batch": source}
 
     # ---- the whole rank -----------------------------------------------------------------
+    def _watched(self, name: str, run):
+        """`run` inside its heartbeat phase; a scripted hang in this stage fires first."""
+        def stage():
+            with self.beat.phase(name):
+                fault = due_in_phase(self.config.failures, attempt=self.attempt, rank=self.rank, phase=name)
+                if fault is not None:
+                    fire(fault, self.rec, step=None)
+                return run()
+        return stage
+
     def stages(self) -> list[Stage]:
+        return [Stage(s.name, self._watched(s.name, s.run), s.needs, s.background) for s in self._stages()]
+
+    def _stages(self) -> list[Stage]:
         sw = self.config.switches
         first_needs = ("preproc_creation", "init_plugins")
         first_batch = Stage("get_first_batch_data", self.get_first_batch_data, first_needs,
@@ -218,13 +242,16 @@ class TrainerSession:
         if self.process_started_at is not None:
             # the process start and runtime import belong to device init
             self.rec.record("device_init", self.process_started_at, time.time(), part="process_start")
-        self.resume = latest_checkpoint(self.config)
-        self.parent = parent_anchor(self.config) if self.resume is None else None
+        self.beat.start()
+        with self.beat.phase("device_init"):  # finding the checkpoint to resume reads the folder
+            self.resume = latest_checkpoint(self.config)
+            self.parent = parent_anchor(self.config) if self.resume is None else None
         pipeline = InitPipeline(self.stages(), recorder=self.rec,
                                 concurrent=self.config.switches.parallel_init)
         try:
             pipeline.start().wait_all()
-            loop = TrainLoop(self.config, self.rank, self.attempt, self.state, self.rec, self.evaluate)
+            loop = TrainLoop(self.config, self.rank, self.attempt, self.state, self.rec, self.evaluate,
+                             beat=self.beat)
             result = loop.run()
             result["finished_at"] = time.time()
             return result
@@ -239,6 +266,8 @@ class TrainerSession:
             self.state.batches.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.beat.close()
+        PREEMPTION.detach(self.rec)
         self.rec.close()
 
 
