@@ -138,3 +138,60 @@ def flow_work_root(tmp_path_factory):
 
 
 # ================================================================================ end flow ===
+
+
+# ==============================================================================================
+# A real Prefect server (tests/test_flow_server.py, tests/test_fault_matrix_services.py):
+# `prefect server start` in its own PREFECT_HOME, once per session, with the process work pool
+# `PREFECT_POOL` created. Yields (env, api): the environment for `prefect` commands and workers
+# (no inherited PREFECT_* settings) and the API URL.
+# ==============================================================================================
+PREFECT_POOL = "ettflow-process"
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    prefect_cli = str(Path(sys.executable).with_name("prefect"))
+    home = tmp_path_factory.mktemp("prefect-home")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false", PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
+               PREFECT_CLI_PROMPT="false", PREFECT_WORKER_QUERY_SECONDS="2")
+    log = open(home / "server.log", "w")  # noqa: SIM115 - closed at the fixture's end
+    proc = subprocess.Popen([prefect_cli, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    while True:
+        try:
+            if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+        time.sleep(1)
+    out = subprocess.run([prefect_cli, "work-pool", "create", PREFECT_POOL, "--type", "process", "--overwrite"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"cannot create the work pool:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    yield env, api
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+# ============================================================================= end server ===

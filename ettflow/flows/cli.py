@@ -127,6 +127,13 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         done = state.result(raise_on_failure=False)
         if isinstance(done, dict) and done.get("outcome") in ("skipped", "gated"):  # continuous refresh: say why
             print(f"ettflow refresh: run {run_id} {done['outcome']}: {state.message}", flush=True)
+    from ettflow.ett.archive import read_pending
+    from ettflow.tasks.archive import spool_of
+
+    pending = read_pending(spool_of(params), run_id)
+    if pending is not None:  # the run's row waits (a warehouse outage): no report; published is success
+        print(f"ettflow refresh: warning: {pending.message}", file=sys.stderr)
+        return 0 if state.is_completed() else 1
     shown = print_report(run_id, resolve_warehouse_url(params), phases=getattr(args, "verbose", False))
     return 0 if state.is_completed() and shown else 1
 

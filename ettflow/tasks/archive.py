@@ -13,7 +13,9 @@ for a run that has no spool (a parameter was rejected before anything ran): it l
 
 A run that Prefect marks CRASHED died without recording why: `on_crashed` first adds an
 `orchestrator` failure to its spool (`ett.orphans`: at the driver's last heartbeat, or the end
-of the last spooled event, detected now), so its row counts it (NoF) and its timeline shows it.
+of the last spooled event, detected now), so its row counts it (NoF) and its timeline shows it,
+and marks the task runs it left open CRASHED (`crash_open_task_runs`: else the UI shows the
+train task Running forever).
 
 A warehouse outage never fails a hook: the row waits as pending in the spool
 (`ett.archive.archive_or_defer`) and a warning says how to retry (`ettflow archive --run ID`).
@@ -103,6 +105,44 @@ def record_crash(spool: Path, run_id: str, message: str | None) -> None:
                     run_id, placed.failed_at, placed.attempt, placed.detected_at)
 
 
+def crash_open_task_runs(flow_run_id: str, message: str | None) -> int:
+    """Mark the task runs a CRASHED flow run left open (pending or running: the process that
+    ran them is gone, so nothing else will end them) CRASHED too; how many. Only against a
+    configured Prefect API (a worker's hook); a failure is logged, never raised."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        return 0
+    try:
+        from uuid import UUID
+
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import (
+            TaskRunFilter,
+            TaskRunFilterFlowRunId,
+            TaskRunFilterState,
+            TaskRunFilterStateType,
+        )
+        from prefect.client.schemas.objects import StateType
+        from prefect.states import Crashed
+
+        open_states = TaskRunFilterState(type=TaskRunFilterStateType(
+            any_=[StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED]))
+        with get_client(sync_client=True) as client:
+            left = client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[UUID(flow_run_id)]), state=open_states))
+            for task_run in left:
+                client.set_task_run_state(task_run.id, Crashed(
+                    message=f"its flow run crashed: {message or 'its process died'}"[:500]), force=True)
+    except Exception:  # noqa: BLE001 - the row matters more than the task runs' display
+        log.warning("could not mark the open task runs of crashed flow run %s CRASHED", flow_run_id, exc_info=True)
+        return 0
+    if left:
+        log.warning("flow run %s crashed: its open task runs %s marked CRASHED", flow_run_id,
+                    ", ".join(t.name for t in left))
+    return len(left)
+
+
 def deployment_name(flow_run) -> str | None:
     if not getattr(flow_run, "deployment_id", None):
         return None
@@ -144,6 +184,8 @@ def archive_on_flow_state(flow, flow_run, state) -> None:
     run_id = str(flow_run.id)
     if status == "crashed" and run_spool.events(spool_of(params), run_id):
         record_crash(spool_of(params), run_id, getattr(state, "message", None))
+    if status == "crashed":
+        crash_open_task_runs(run_id, getattr(state, "message", None))
     archived = archive_run(run_id, params, status=status, flow_run_id=run_id,
                            tags={"flow_run_count": flow_run.run_count})
     if archived is not None:
