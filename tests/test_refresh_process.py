@@ -16,6 +16,13 @@ ETTFLOW_HOME (every process the command starts inherits it) or that was below th
 the kill is alive. The measured time is printed (`pytest -s`).
 
 The first tests are quick ones of the pieces (no Ray, no Prefect server).
+
+`scripts/test.sh` runs this file (and tests/test_console.py, which also starts the real
+command) in a pytest session of its own: in one full-suite run the session that also held the
+shared Ray (`ray_session`) and Prefect harness exited with status 1 and no summary right after
+these tests, while each file passes alone and with tests/test_secrets.py after it. The cause
+is not found yet (a Ray driver exits with status 1 when its raylet dies); keeping the real
+command's kills away from the shared session removes the exposure.
 """
 
 from __future__ import annotations

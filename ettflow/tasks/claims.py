@@ -127,8 +127,9 @@ def publication(result: Any) -> tuple[Outcome, str | None, str | None]:
 
 
 def settle(plan: RefreshPlan, outcome: Outcome, *, anchor: str | None = None, snapshot: str | None = None,
-           reason: str | None = None) -> LineageRecord:
-    """Record how the refresh ended and settle its claims (`ett.lineage.finish_refresh`)."""
+           reason: str | None = None, write: bool = True) -> LineageRecord:
+    """Record how the refresh ended and settle its claims (`ett.lineage.finish_refresh`);
+    `write=False` only builds the record."""
     parent = plan.parent
     record = LineageRecord(
         model=plan.model, run_id=plan.run_id, windows=plan.trainer.windows or (), outcome=outcome,
@@ -136,16 +137,27 @@ def settle(plan: RefreshPlan, outcome: Outcome, *, anchor: str | None = None, sn
         parent_snapshot=parent.snapshot if parent else None, anchor=anchor, snapshot=snapshot,
         reason=None if reason is None else reason[:2000], created_at=plan.submitted_at or time.time(),
         finished_at=time.time())
-    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
-        lineage.finish_refresh(wh, record)
+    if write:
+        with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+            lineage.finish_refresh(wh, record)
     return record
 
 
 @task(name="record-lineage", cache_policy=NO_CACHE)
 def record_lineage(plan: RefreshPlan, anchor: str, published: Any) -> LineageRecord:
     """The refresh's lineage record: published (the watermark advances) or gated."""
+    from ettflow.ett.archive import OUTAGES, outage_reason
+
     outcome, snapshot, reason = publication(published)
-    record = settle(plan, outcome, anchor=anchor, snapshot=snapshot, reason=reason)
+    try:
+        record = settle(plan, outcome, anchor=anchor, snapshot=snapshot, reason=reason)
+    except OUTAGES as exc:  # the refresh published: a warehouse outage must not fail it
+        record = settle(plan, outcome, anchor=anchor, snapshot=snapshot, reason=reason, write=False)
+        get_run_logger().warning(
+            "model %s: the lineage of refresh %s (%s) is not recorded: %s. Its windows stay claimed until the "
+            "claim goes stale, so the watermark does not advance past them yet", plan.model, plan.run_id,
+            outcome.value, outage_reason(exc))
+        return record
     get_run_logger().info("model %s: refresh %s %s windows %s..%s%s", plan.model, plan.run_id, outcome.value,
                           record.first_window, record.last_window, f" ({reason})" if reason else "")
     return record

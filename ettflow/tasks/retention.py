@@ -61,8 +61,16 @@ def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
 
 @task(name="prune-checkpoints", cache_policy=NO_CACHE)
 def prune_checkpoints(plan: RefreshPlan) -> list[str]:
-    """Apply the retention policy to the model's run folders; returns the run ids removed."""
-    doomed, kept = apply_retention(plan)
+    """Apply the retention policy to the model's run folders; returns the run ids removed. It
+    needs the lineage: with the warehouse unavailable nothing is removed (the next refresh prunes)."""
+    from ettflow.ett.archive import OUTAGES, outage_reason
+
+    try:
+        doomed, kept = apply_retention(plan)
+    except OUTAGES as exc:
+        get_run_logger().warning("prune-checkpoints: model %s: nothing removed, the lineage is unavailable (%s)",
+                                 plan.model, outage_reason(exc))
+        return []
     get_run_logger().info("prune-checkpoints: model %s keeps %d run folder(s) (the last %d refreshes, the current "
                           "and the parent anchor), removed %d%s", plan.model, kept, plan.keep_refreshes, len(doomed),
                           f": {', '.join(doomed)}" if doomed else "")
