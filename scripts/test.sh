@@ -11,10 +11,8 @@ export RAY_USAGE_STATS_ENABLED=0 PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-120}
 PY=.venv/bin/python
 for arg in "$@"; do
-  case "$arg" in
-    -*) ;;
-    *) exec $PY -m pytest "$@" ;;  # test paths given: one session
-  esac
+  # a test path given (tests/x.py, tests/x.py::test_y, a folder): one session with just those
+  if [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ]; then exec $PY -m pytest "$@"; fi
 done
 PROCESS_TESTS=(tests/test_refresh_process.py tests/test_console.py)
 ignores=()
