@@ -30,8 +30,9 @@ from sqlalchemy import Connection, Engine, Table, bindparam, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .events import L2_ORDER, PhaseEvent
+from .redact import redact_url
 from .run_metrics import RunMetrics
-from .warehouse_db import WRITE, WarehouseError, default_url, masked, open_engine
+from .warehouse_db import WRITE, WarehouseError, default_url, open_engine
 from .warehouse_models import CHILD_TABLES, Base, Event, Run, RunComponent
 from .warehouse_rows import RunInfo, rows_for_run
 
@@ -71,7 +72,7 @@ class Warehouse:
     @property
     def display_url(self) -> str:
         """The URL with its password masked, for messages."""
-        return masked(self.engine.url)
+        return redact_url(self.engine.url)
 
     def close(self) -> None:
         self.engine.dispose()

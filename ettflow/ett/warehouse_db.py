@@ -35,6 +35,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
 
 from ..paths import data_home
+from .redact import redact_url
 
 try:  # POSIX only; elsewhere concurrent first opens of one SQLite file are not serialized
     import fcntl
@@ -61,10 +62,6 @@ def default_url() -> str:
     return f"sqlite:///{data_home() / 'warehouse.db'}"  # data_home() creates the folder
 
 
-def masked(url: URL) -> str:
-    return url.render_as_string(hide_password=True)
-
-
 def _sqlite_file(url: URL) -> Path | None:
     db = url.database
     if not db or db == ":memory:" or db.startswith("file:") or url.query.get("uri"):
@@ -89,7 +86,7 @@ def _unreachable(url: URL, exc: Exception) -> WarehouseError:
     else:
         hint = f"check that the {backend} server is running and reachable"
     return WarehouseError(
-        f"cannot reach the ettflow warehouse at {masked(url)}\n  error: {reason}\n"
+        f"cannot reach the ettflow warehouse at {redact_url(url)}\n  error: {reason}\n"
         f"  {hint[0].upper()}{hint[1:]}; or set {ENV_URL} to a reachable database (unset, "
         f"it is the SQLite file warehouse.db in $ETTFLOW_HOME or $XDG_DATA_HOME/ettflow)."
     )
@@ -141,7 +138,7 @@ def make_engine(url: str | URL) -> Engine:
             kwargs["connect_args"] = {"connect_timeout": 10}
         engine = create_engine(url, pool_pre_ping=True, **kwargs)
     except (ArgumentError, NoSuchModuleError, ImportError) as exc:
-        shown = masked(url) if isinstance(url, URL) else "<unparseable URL>"
+        shown = redact_url(url) if isinstance(url, URL) else "<unparseable URL>"
         raise WarehouseError(
             f"cannot use the warehouse URL {shown}: {exc}. Check {ENV_URL} (a SQLAlchemy URL "
             "such as postgresql+psycopg://user@host:5432/db) and that its driver is installed."
