@@ -7,13 +7,14 @@ A data root grows one hourly window at a time (`ettflow data append`); refreshes
     r2  w1 (w2 held out)                warm from r1's anchor     published
     +w3
     r3  w2, killed 4 times (budget 3)                             failed: the watermark stays at w1
-    r4  w2 (w3 held out)                warm from r2's anchor     published
+    r4  w2 (w3 held out), on 1 rank     warm from r2's 2-rank anchor (resharded)   published
     r5  nothing new                                               skipped
 
 Checked: each trains only its new windows (every step's cursor is in them, the step counter
 starts at 0); r2's parameters just before its first step are bitwise r1's anchor (the
 sha256 of every piece each rank restored, against the anchor read whole); the watermark; the
-lineage and the manifests' parents. The gate is off here (a 128-example held-out AUC is
+lineage and the manifests' parents; r4 starts on 1 rank from r2's 2-rank anchor (DCP reshards
+the TorchRec state), bitwise. The gate is off here (a 128-example held-out AUC is
 noisy): tests/test_gate.py gates a shuffled-label snapshot. Two concurrent refreshes of one
 model: tests/test_flow_skipped.py (a refresh finding the windows claimed ends skipped) and
 tests/test_claims.py (the claim itself, SQLite and PostgreSQL): a second flow-level training
@@ -94,7 +95,7 @@ def sequence(env):
     assert data_cli(["append", "--root", data]) == 0
     out["r3"] = run(env, fail_at=[f"kill:rank=1:step={s}" for s in (1, 2, 3, 4)])
     out["mark3"] = watermark(env)
-    out["r4"] = run(env)
+    out["r4"] = run(env, world_size=1)  # capacity shrank: the 2-rank anchor is resharded onto 1 rank
     out["r5"] = run(env)
     out["windows"] = list_windows(data)
     return out
@@ -153,3 +154,14 @@ def test_a_refresh_with_nothing_new_is_skipped(env, sequence):
     s5, r5 = sequence["r5"]
     assert s5.is_completed() and "nothing new to train" in s5.message
     assert s5.result()["outcome"] == "skipped" and events(env, r5, "train_step") == []
+
+
+def test_a_warm_start_reshards_a_two_rank_anchor_onto_one_rank(env, sequence):
+    (s2, _), (s4, r4) = sequence["r2"], sequence["r4"]
+    restores = events(env, r4, "checkpoint_restore", attempt=0)
+    assert [e.rank for e in restores] == [0]
+    (e,) = restores
+    assert e.attrs["source"] == "parent" and e.attrs["path"] == s2.result()["anchor"]
+    assert e.attrs["parent_world_size"] == 2
+    assert restored_matches_anchor(restores, s2.result()["anchor"]) == []
+    assert {ev.rank for ev in events(env, r4, "train_step")} == {0}

@@ -375,6 +375,13 @@ def test_postgres_refusing_connections_mid_run_leaves_the_row_pending_then_archi
           + "\n".join(line for line in out.err.splitlines() if "(TrainerActor" in line)[-3000:])
     say(capsys, f"case 4: the pending message appears {out.err.count(pending.message)} time(s) on stderr")
     assert pending.info.tags.get("snapshot") and Path(pending.info.tags["snapshot"]).is_dir()
+    # the lineage (published: it advances the watermark) waits in the spool too
+    from ettflow.ett.lineage import Outcome
+    from ettflow.ett.lineage_pending import pending_lineage_file, read_pending_lineage
+
+    waiting = read_pending_lineage(spool, run_id)
+    assert waiting is not None and waiting.outcome is Outcome.PUBLISHED and waiting.windows
+    assert waiting.snapshot == pending.info.tags["snapshot"]
     spooled = read_spool(spool, run_id).events
     train_ends = [e.end for e in spooled if e.phase == "train_step"]
     assert seen["closed_at"] < max(train_ends), "the proxy closed only after training"  # premise of the case
@@ -390,8 +397,21 @@ def test_postgres_refusing_connections_mid_run_leaves_the_row_pending_then_archi
         assert ettflow_main(["archive", "--pending", "--url", url, "--spool", str(spool)]) == 0
         say(capsys, f"case 4: proxy reopened -> row written {time.monotonic() - back:.1f} s "
               f"(run finished {finished - seen['closed_at']:.1f} s after the outage began)")
-        assert f"run {run_id}: archived (completed)" in capsys.readouterr().out
-        assert read_pending(spool, run_id) is None
+        printed = capsys.readouterr().out
+        assert f"run {run_id}: archived (completed)" in printed and f"run {run_id}: archived: lineage of" in printed
+        assert read_pending(spool, run_id) is None and not pending_lineage_file(spool, run_id).exists()
+        with Warehouse.open(url) as wh:  # the watermark advanced; the claims are settled (done)
+            assert wh.watermark(waiting.model) == waiting.windows[-1]
+            (record,) = [r for r in wh.lineage(waiting.model) if r.run_id == run_id]
+            assert record == waiting
+        engine = create_engine(postgres_schema_url)
+        try:
+            with engine.connect() as conn:
+                states = conn.execute(text("SELECT DISTINCT state FROM window_claims WHERE run_id = :r"),
+                                      {"r": run_id}).scalars().all()
+        finally:
+            engine.dispose()
+        assert states == ["done"]
         row, events, failures = row_of(url, run_id)
         assert row["status"] == "completed" and row["nof"] == 0 and failures.empty
         assert row["effective_steps"] == 2 * 60 and row["tags"]["snapshot"] == pending.info.tags["snapshot"]

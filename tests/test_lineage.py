@@ -133,3 +133,35 @@ def test_skipped_runs_show_as_skipped_and_stay_out_of_the_means():
     (day,) = report.model_summary(runs).to_dict("records")
     got = (day["runs"], day["skipped"], day["ett_mean"], day["ett_min"], day["wall_mean_s"])
     assert got == (2, 1, 70.0, 60.0, 75.0)
+
+
+def test_a_lineage_record_kept_during_an_outage_is_settled_by_the_next_reconciliation(warehouse_url, tmp_path):
+    from ettflow.ett.lineage_pending import pending_lineage_file, pending_lineage_runs, write_pending_lineage
+    from ettflow.tasks.reconcile import reconcile_before_refresh, settle_pending_lineage
+
+    spool = tmp_path / "spool"
+    with Warehouse.open(warehouse_url) as w:
+        claimed = lineage.claim_windows(w, "m", "r1", choose_after(("w1", "w2")), now=100.0)
+    assert isinstance(claimed, Claimed) and claimed.windows == ("w1", "w2")
+    done = rec("r1", ("w1", "w2"), Outcome.PUBLISHED, 100.0, anchor="/a1", snapshot="/s1")
+    write_pending_lineage(spool, done)  # the refresh published; the warehouse was down
+    assert pending_lineage_runs(spool) == ["r1"]
+
+    # the warehouse is still down: the record stays, and the refresh that starts goes on
+    down = f"sqlite:///{tmp_path / 'missing' / 'x.db'}"
+    with pytest.raises(Exception):  # noqa: B017 - any outage error; the point is that the record stays
+        settle_pending_lineage(spool, down)
+    assert reconcile_before_refresh(spool, down, "r2") == []
+    assert pending_lineage_file(spool, "r1").is_file()
+    with Warehouse.open(warehouse_url) as w:  # r1 still holds its windows: another refresh waits
+        assert isinstance(lineage.claim_windows(w, "m", "r2", choose_after(("w1", "w2", "w3")), now=200.0), Busy)
+
+    # back: the next refresh writes it first, so it starts from r1 and trains only w3
+    (settled,) = reconcile_before_refresh(spool, warehouse_url, "r2")
+    assert (settled.run_id, settled.action) == ("r1", "archived") and "published, windows w1, w2" in settled.note
+    assert not pending_lineage_file(spool, "r1").exists() and pending_lineage_runs(spool) == []
+    with Warehouse.open(warehouse_url) as w:
+        assert w.lineage("m") == [done] and w.watermark("m") == "w2"
+        nxt = lineage.claim_windows(w, "m", "r2", choose_after(("w1", "w2", "w3")), now=200.0)
+    assert isinstance(nxt, Claimed) and nxt.windows == ("w3",) and nxt.parent == done
+    assert settle_pending_lineage(spool, warehouse_url) == []  # nothing twice

@@ -1,7 +1,8 @@
 """`ettflow archive`: archive runs from their spool (the spool is the source of truth).
 
     ettflow archive --run ID [--run ID2 ...]   # these runs, whatever their state
-    ettflow archive --pending                  # every run whose row is missing, stale or pending
+    ettflow archive --pending                  # every run whose row is missing, stale or pending,
+                                               # and every lineage record waiting in the spool
 
 A run whose driver died (its heartbeat stopped, no final status) is archived as ``crashed``
 with an ``orchestrator`` failure at its last heartbeat, detected at the last heartbeat + the
@@ -25,11 +26,12 @@ def cmd_archive(args: argparse.Namespace) -> int:
     from ettflow import paths
     from ettflow.ett.archive import OUTAGES, describe_problems, outage_reason, shown_url
 
-    from .reconcile import reconcile, summary
+    from .reconcile import reconcile, settle_pending_lineage, summary
 
     spool = Path(args.spool) if args.spool else paths.spool_root()
     try:
-        done = reconcile(spool, args.url, run_ids=args.run if args.run else None)
+        done = [] if args.run else settle_pending_lineage(spool, args.url)
+        done += reconcile(spool, args.url, run_ids=args.run if args.run else None)
     except OUTAGES as exc:
         print(f"ettflow archive: cannot open the warehouse at {shown_url(args.url)}: {outage_reason(exc, args.url)}\n"
               "Nothing was archived; the spool keeps every run. Check the URL (--url or ETTFLOW_WAREHOUSE_URL) "

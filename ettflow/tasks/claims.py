@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from ettflow.ett import lineage
 from ettflow.ett.events import PhaseEvent
 from ettflow.ett.lineage import Busy, LineageRecord, Outcome
+from ettflow.ett.lineage_pending import write_pending_lineage
 from ettflow.ett.warehouse import Warehouse
 
 from . import run_spool
@@ -145,28 +146,41 @@ def settle(plan: RefreshPlan, outcome: Outcome, *, anchor: str | None = None, sn
 
 @task(name="record-lineage", cache_policy=NO_CACHE)
 def record_lineage(plan: RefreshPlan, anchor: str, published: Any) -> LineageRecord:
-    """The refresh's lineage record: published (the watermark advances) or gated."""
-    from ettflow.ett.archive import OUTAGES, outage_reason
-
+    """The refresh's lineage record: published (the watermark advances) or gated. With the
+    warehouse down it waits in the spool (`ett.lineage_pending`) for the next reconciliation."""
     outcome, snapshot, reason = publication(published)
-    try:
-        record = settle(plan, outcome, anchor=anchor, snapshot=snapshot, reason=reason)
-    except OUTAGES as exc:  # the refresh published: a warehouse outage must not fail it
-        record = settle(plan, outcome, anchor=anchor, snapshot=snapshot, reason=reason, write=False)
-        get_run_logger().warning(
-            "model %s: the lineage of refresh %s (%s) is not recorded: %s. Its windows stay claimed until the "
-            "claim goes stale, so the watermark does not advance past them yet", plan.model, plan.run_id,
-            outcome.value, outage_reason(exc))
-        return record
+    record = settle_or_keep(plan, outcome, get_run_logger(), anchor=anchor, snapshot=snapshot, reason=reason)
     get_run_logger().info("model %s: refresh %s %s windows %s..%s%s", plan.model, plan.run_id, outcome.value,
                           record.first_window, record.last_window, f" ({reason})" if reason else "")
     return record
 
 
-def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
-    """Record a FAILED refresh and release its claims; a warehouse error is logged (its claims
-    then go stale), never raised over the refresh's own error."""
+def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any) -> LineageRecord:
+    """`settle`; when the warehouse is unavailable, keep the record in the run's spool instead
+    (its claims stay live until the next reconciliation writes it). Never raises an outage."""
+    from ettflow.ett.archive import OUTAGES, outage_reason
+
     try:
-        settle(plan, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}")
+        return settle(plan, outcome, **fields)
+    except OUTAGES as exc:
+        record = settle(plan, outcome, write=False, **fields)
+        try:
+            where = write_pending_lineage(plan.spool_root, record)
+        except OSError as disk:
+            log.error("model %s: the lineage of refresh %s (%s) is lost: the warehouse is unavailable (%s) and the "
+                      "spool refused it (%s). Its window claims lapse after %.0f h", plan.model, plan.run_id,
+                      outcome.value, outage_reason(exc), disk, lineage.STALE_AFTER_S / 3600)
+            return record
+        log.warning("model %s: the lineage of refresh %s (%s) waits in %s: the warehouse is unavailable (%s). The "
+                    "next refresh on this spool or `ettflow archive --pending` records it; until then its windows "
+                    "stay claimed", plan.model, plan.run_id, outcome.value, where, outage_reason(exc))
+        return record
+
+
+def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
+    """Record a FAILED refresh and release its claims (kept in the spool while the warehouse is
+    down); any other error is logged, never raised over the refresh's own error."""
+    try:
+        settle_or_keep(plan, Outcome.FAILED, log, reason=f"{type(exc).__name__}: {exc}")
     except Exception:  # noqa: BLE001 - the refresh's own error is the one to raise
         log.warning("could not record the failed refresh %s in the lineage", plan.run_id, exc_info=True)

@@ -3,7 +3,8 @@
 `reconcile(spool_root, warehouse_url)` looks at the runs of one spool and archives those whose
 row is missing or wrong. It runs at the start of every refresh (`reconcile_before_refresh`, on
 the refresh's own spool and warehouse, skipping the run that starts) and as
-`ettflow archive --pending`; `ettflow archive --run ID` runs it for named runs.
+`ettflow archive --pending`; `ettflow archive --run ID` runs it for named runs. Both first write
+the lineage records that wait in the spool (`settle_pending_lineage`, `ett.lineage_pending`).
 
 Which runs (`--pending`): those the flow started, i.e. with a heartbeat record
 (`ett.heartbeat`), and those with a pending mark (`ett.archive`). Spools without either (bench
@@ -46,6 +47,8 @@ from ettflow.ett.archive import (
     read_pending,
 )
 from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
+from ettflow.ett.lineage import finish_refresh
+from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.spool import spool_bytes, spooled_runs
 from ettflow.ett.warehouse import RunInfo, Warehouse
@@ -193,13 +196,36 @@ def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_i
     return out
 
 
+def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
+                           skip: Collection[str] = ()) -> list[Reconciled]:
+    """Write the lineage records that wait in the spool (`ett.lineage_pending`: their refresh
+    ended while the warehouse was down), settling their window claims; each is removed once
+    written. Raises `OUTAGES` when the warehouse is still down (the records stay)."""
+    runs = [r for r in pending_lineage_runs(spool_root) if r not in skip]
+    if not runs:
+        return []
+    out = []
+    with Warehouse.open(warehouse_url) as wh:
+        for run_id in runs:
+            record = read_pending_lineage(spool_root, run_id)
+            if record is None:
+                out.append(Reconciled(run_id, "error", "its pending lineage record is unreadable (left in place)"))
+                continue
+            finish_refresh(wh, record)
+            clear_pending_lineage(spool_root, run_id)
+            out.append(Reconciled(run_id, "archived", f"lineage of model {record.model} recorded: "
+                                  f"{record.outcome.value}, windows {', '.join(record.windows) or '-'}"))
+    return out
+
+
 def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, run_id: str,
                              logger: logging.Logger | logging.LoggerAdapter | None = None) -> list[Reconciled]:
     """The start of every refresh: archive the spool's pending and orphaned runs (not `run_id`,
     the one starting). Never raises: a warehouse that is down leaves them for the next time."""
     logger = logger or log
     try:
-        done = reconcile(spool_root, warehouse_url, skip={run_id})
+        done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id})
+        done += reconcile(spool_root, warehouse_url, skip={run_id})
     except OUTAGES as exc:
         logger.warning("reconciliation skipped: the warehouse is unavailable (%s); pending runs wait for the "
                        "next refresh or `ettflow archive --pending`", outage_reason(exc, warehouse_url))
