@@ -157,7 +157,7 @@ def test_a_refresh_with_nothing_new_is_skipped(env, sequence):
 
 
 def test_a_warm_start_reshards_a_two_rank_anchor_onto_one_rank(env, sequence):
-    (s2, _), (s4, r4) = sequence["r2"], sequence["r4"]
+    (s2, _), (_, r4) = sequence["r2"], sequence["r4"]
     restores = events(env, r4, "checkpoint_restore", attempt=0)
     assert [e.rank for e in restores] == [0]
     (e,) = restores
