@@ -30,7 +30,9 @@ from .faults import pending_faults
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join RAY_ADDRESS when set, else start a local Ray sized for this machine."""
+    """Join RAY_ADDRESS when set, else start a local Ray sized for this machine (always a new
+    one: `address="local"`, so a cluster someone else started on this host is never joined by
+    accident)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
@@ -38,7 +40,7 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
+        ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
                  log_to_driver=True)
 
 
