@@ -1,4 +1,5 @@
-"""`ettflow refresh`: run one refresh end to end, here, then print its ETT report.
+"""`ettflow refresh`: run one refresh end to end, here, then print its ETT report
+(`--refreshes N`: N back to back, each continuing from the one before, then compared).
 
 On embedded defaults (an ephemeral Prefect API, a local Ray, the SQLite warehouse, tiny
 synthetic data) and, unless told otherwise, with one induced SIGKILL so a first run shows a
@@ -101,9 +102,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported
     from ettflow.ett.redact import redact_url
     from ettflow.ett.warehouse_db import ENV_URL
-    from ettflow.flows.refresh import refresh_model
-    from ettflow.tasks.errors import ParameterError
-    from ettflow.tasks.warehouse_url import WarehouseUnavailable, resolve_warehouse_url
+    from ettflow.tasks.arrivals import ensure_new_window
 
     params, private = parameters(args), private_warehouse_url(args)
     if private is not None:
@@ -114,6 +113,37 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     if private is not None:
         print(f"ettflow refresh: warehouse {redact_url(private)} (holds a password: passed in {ENV_URL}, "
               "not as a flow parameter)", flush=True)
+    count = args.refreshes
+    if count < 1:
+        print(f"ettflow refresh: --refreshes must be 1 or more, got {count}", file=sys.stderr)
+        return 2
+    done: list[str] = []
+    code = 0
+    for i in range(count):
+        these = params if i == 0 else {**params, "fail_at": []}  # injected failures: the first refresh only
+        arrived = ensure_new_window(these)
+        if count > 1:
+            print(f"\nettflow refresh {i + 1} of {count}" + (f": new data arrived ({arrived})" if arrived else ""),
+                  flush=True)
+        elif arrived:
+            print(f"ettflow refresh: new data arrived ({arrived})", flush=True)
+        rc, run_id = _refresh_once(these, args)
+        code = max(code, rc)
+        if run_id is not None:
+            done.append(run_id)
+    if count > 1 and done:
+        print_comparison(done, params)
+    return code
+
+
+def _refresh_once(params: dict[str, Any], args: argparse.Namespace) -> tuple[int, str | None]:
+    """One refresh and its report: (exit status, its run id; None when refused before it ran)."""
+    from ettflow.ett.archive import read_pending
+    from ettflow.flows.refresh import refresh_model
+    from ettflow.tasks.archive import spool_of
+    from ettflow.tasks.errors import ParameterError
+    from ettflow.tasks.warehouse_url import WarehouseUnavailable, resolve_warehouse_url
+
     state = refresh_model(**params, return_state=True)
     run_id = str(state.state_details.flow_run_id)
     print()
@@ -121,21 +151,41 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         refused = state.result(raise_on_failure=False)
         if isinstance(refused, (ParameterError, WarehouseUnavailable)):  # refused before anything ran: no report
             print(f"ettflow refresh: {refused}", file=sys.stderr)
-            return 1
+            return 1, None
         print(f"ettflow refresh: run {run_id} ended {state.name}: {state.message}", file=sys.stderr)
     else:
-        done = state.result(raise_on_failure=False)
-        if isinstance(done, dict) and done.get("outcome") in ("skipped", "gated"):  # continuous refresh: say why
-            print(f"ettflow refresh: run {run_id} {done['outcome']}: {state.message}", flush=True)
-    from ettflow.ett.archive import read_pending
-    from ettflow.tasks.archive import spool_of
-
+        result = state.result(raise_on_failure=False)
+        if isinstance(result, dict) and result.get("outcome") in ("skipped", "gated"):  # continuous refresh: why
+            print(f"ettflow refresh: run {run_id} {result['outcome']}: {state.message}", flush=True)
     pending = read_pending(spool_of(params), run_id)
     if pending is not None:  # the run's row waits (a warehouse outage): no report; published is success
         print(f"ettflow refresh: warning: {pending.message}", file=sys.stderr)
-        return 0 if state.is_completed() else 1
+        return (0 if state.is_completed() else 1), run_id
     shown = print_report(run_id, resolve_warehouse_url(params), phases=getattr(args, "verbose", False))
-    return 0 if state.is_completed() and shown else 1
+    return (0 if state.is_completed() and shown else 1), run_id
+
+
+def print_comparison(run_ids: list[str], params: dict[str, Any]) -> None:
+    """The refreshes side by side: how each started, its windows, TTS, ETT% and each
+    component's share of its wall time."""
+    from ettflow.ett import report
+    from ettflow.ett.refresh_comparison import comparison_table
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.tasks.warehouse_url import resolve_warehouse_url
+
+    with Warehouse.open(resolve_warehouse_url(params)) as wh:
+        runs = wh.runs_frame(model=params.get("model") or "dlrm")
+        records = {r.run_id: r for r in wh.lineage(params.get("model") or "dlrm")}
+    runs = runs[runs["run_id"].isin(run_ids)]
+    runs = runs.set_index("run_id").loc[[r for r in run_ids if r in set(runs["run_id"])]].reset_index()
+    if runs.empty:
+        return
+    starts = {r: ("skipped" if rec.outcome.value == "skipped" else
+                  f"warm from {rec.parent_run_id[:8]}" if rec.parent_run_id else "cold")
+              for r, rec in records.items()}
+    windows = {r: rec.windows for r, rec in records.items()}
+    print("\nThe refreshes side by side (each component's share of the refresh's wall time):")
+    print(report.render(comparison_table(runs, starts, windows), "table"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,6 +207,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warehouse-url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the SQLite file); one "
                    "with a password is passed to the run in ETTFLOW_WAREHOUSE_URL, never as a flow parameter")
     p.add_argument("--param", action="append", metavar="KEY=JSON", help="any other flow parameter")
+    p.add_argument("--refreshes", type=int, default=1, metavar="N",
+                   help="N refreshes back to back, each continuing from the one before (on the default data a new "
+                        "window arrives whenever there is nothing new); injected failures apply to the first; "
+                        "then a table compares them")
     p.add_argument("--verbose", action="store_true",
                    help="show every library's warnings and logs too (default: known third-party noise is "
                         "filtered, see ettflow/console.py)")

@@ -1,0 +1,53 @@
+"""`ettflow refresh --refreshes N` pieces: new data arrives on the default data exactly when a
+refresh would have nothing new; the comparison table of refreshes (exact numbers)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from ettflow.ett.events import L2_ORDER
+from ettflow.ett.lineage import LineageRecord, Outcome
+from ettflow.ett.refresh_comparison import comparison_table
+from ettflow.ett.warehouse import Warehouse
+
+
+def test_a_window_arrives_on_the_default_data_only_when_nothing_is_new(tmp_path, monkeypatch):
+    from ettflow.tasks.arrivals import demo_root, ensure_new_window
+    from ettflow.trainer.data.windows import list_windows
+
+    monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("ETTFLOW_WAREHOUSE_URL", raising=False)
+    params = {"model": "m"}
+    assert ensure_new_window(params) is None  # first refresh: the bootstrap range is there
+    known = list_windows(demo_root())
+    assert len(known) == 3
+    with Warehouse.open(None) as wh:  # it trained all but the held-out window
+        wh.record_lineage(LineageRecord(model="m", run_id="r1", windows=tuple(known[:2]), outcome=Outcome.PUBLISHED,
+                                        created_at=1.0, finished_at=2.0))
+    arrived = ensure_new_window(params)
+    assert arrived is not None and list_windows(demo_root()) == [*known, arrived] and arrived > known[-1]
+    assert ensure_new_window(params) is None  # known[-1] is new now (arrived is held out)
+    assert ensure_new_window({"model": "other"}) is None  # never refreshed: bootstrap
+    assert ensure_new_window({"model": "m", "data_root": str(tmp_path / "mine")}) is None  # the user's data
+    assert ensure_new_window({"model": "m", "windows": known[:1]}) is None
+    assert len(list_windows(demo_root())) == 4
+
+
+def test_the_comparison_gives_each_component_its_share_of_the_wall():
+    row = {"run_id": "aaaaaaaa-1", "wall_s": 50.0, "tts_s": 40.0, "ett_pct": 10.0, "nof": 1}
+    row.update({f"{n}_s": 0.0 for n in L2_ORDER})
+    row.update(effective_training_s=5.0, pt2_compile_s=30.0, trainer_init_s=10.0, scheduling_s=4.0,
+               unattributed_s=1.0)
+    warm = {**row, "run_id": "bbbbbbbb-2", "wall_s": 20.0, "tts_s": 8.0, "ett_pct": 25.0, "nof": 0,
+            "effective_training_s": 5.0, "pt2_compile_s": 4.0, "trainer_init_s": 6.0, "scheduling_s": 5.0,
+            "unattributed_s": 0.0}
+    table = comparison_table(pd.DataFrame([row, warm]), {"bbbbbbbb-2": "warm from aaaaaaaa"},
+                             {"aaaaaaaa-1": ("w0", "w1"), "bbbbbbbb-2": ("w2",)})
+    assert table[["refresh", "run", "start", "windows", "TTS s", "ETT %", "NoF"]].values.tolist() == [
+        [1, "aaaaaaaa", "?", "w0, w1", 40.0, 10.0, 1], [2, "bbbbbbbb", "warm from aaaaaaaa", "w2", 8.0, 25.0, 0]]
+    assert table[["effective_training %", "pt2_compile %", "trainer_init %", "scheduling %",
+                  "unattributed %"]].values.tolist() == [[10.0, 60.0, 20.0, 8.0, 2.0], [25.0, 20.0, 30.0, 25.0, 0.0]]
+    shares = [c for c in table.columns if c.endswith(" %") and c != "ETT %"]
+    assert len(shares) == len(L2_ORDER)
+    assert table[shares].sum(axis=1).tolist() == pytest.approx([100.0, 100.0])
