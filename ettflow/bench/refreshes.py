@@ -154,7 +154,7 @@ class SequencePlan:
     it runs movielens_windows - 1 refreshes, each with a from-scratch model beside it)."""
 
     refreshes: int = 5
-    rows_per_window: int = 32_768
+    rows_per_window: int = 65_536
     batch_size: int = 128
     world_size: int = 2
     max_embeddings: int = 10_000
@@ -235,8 +235,9 @@ def run_movielens(refresher: Refresher, source_cache: Path, *, bar: Any = None,
                   say: Callable[[str], None] = print) -> pd.DataFrame:
     """Refreshes over time-ordered MovieLens windows arriving one at a time, each gated on the
     window after it, and a from-scratch model on the same cumulative windows; held-out AUC and
-    log loss of both on the whole next window (the gate's scoring)."""
-    from ettflow.publish import PublishConfig, read_manifest
+    log loss of both on the whole next window (the gate's scoring), and the AUC there of the
+    snapshot that was current before the refresh (what the gate compared with, on its sample)."""
+    from ettflow.publish import PublishConfig, read_current, read_manifest
     from ettflow.publish.gate import score_snapshot
     from ettflow.trainer.data.movielens import movielens_windows
     from ettflow.trainer.data.schema import FeatureSchema
@@ -256,20 +257,27 @@ def run_movielens(refresher: Refresher, source_cache: Path, *, bar: Any = None,
                 shutil.copytree(full / name, live / name)
         held = names[k + 1]
         common = {"batch_size": plan.movielens_batch_size, "max_embeddings": None}
-        ref, _ = refresher.run(refresher.params("ml-refresh", live, **common))
+        params = refresher.params("ml-refresh", live, **common)
+        before = read_current(params["snapshot_root"])
+        ref, _ = refresher.run(params)
         chain[ref["run_id"]] = chain[ref["parent"]] + tuple(ref["windows"])
         seen = list(chain[ref["run_id"]])
         scratch, _ = refresher.run(refresher.params("ml-scratch", live, windows=seen, eval_windows=[held],
                                                     warm_start=False, gate_max_auc_drop=None, **common))
+        snapshots = {"refresh": ref["snapshot"], "scratch": scratch["snapshot"],
+                     "current": before.path if before is not None else None}
         scores = {}
-        for side, res in (("refresh", ref), ("scratch", scratch)):
-            manifest = read_manifest(res["snapshot"])
-            config = PublishConfig(anchor=res["anchor"], output_root=refresher.state / "scored",
-                                   data_root=live, windows=(held,), batch_size=512, validation_batches=10_000)
-            scores[side] = score_snapshot(res["snapshot"], config, FeatureSchema.from_dict(manifest.schema))
+        for side, folder in snapshots.items():
+            if folder is None:
+                continue
+            manifest = read_manifest(folder)
+            config = PublishConfig(anchor=ref["anchor"], output_root=refresher.state / "scored", data_root=live,
+                                   windows=(held,), batch_size=512, validation_batches=10_000)
+            scores[side] = score_snapshot(folder, config, FeatureSchema.from_dict(manifest.schema))
         rows.append({"refresh": k + 1, "trained": _span(ref["windows"]), "start": "warm" if ref["parent"] else "cold",
                      "outcome": ref["outcome"], "cumulative": _span(seen), "n_windows": len(seen), "held_out": held,
                      "refresh_auc": scores["refresh"].auc, "scratch_auc": scores["scratch"].auc,
+                     "current_auc": scores["current"].auc if "current" in scores else None,
                      "refresh_logloss": scores["refresh"].logloss, "scratch_logloss": scores["scratch"].logloss})
         say(f"movielens refresh {k + 1}: trained {_span(ref['windows'])} ({ref['outcome']}), held out {held}: "
             f"AUC refresh {scores['refresh'].auc} vs scratch {scores['scratch'].auc}")
