@@ -35,6 +35,14 @@ def register(subparsers) -> None:
     sizes.add_argument("--num-embeddings", type=int, help="rows of each embedding table")
     sizes.add_argument("--checkpoint-every", type=int, dest="checkpoint_every_steps")
     p.set_defaults(func=main)
+    parts = p.add_subparsers(dest="part", metavar="{refreshes}",
+                             help="a measurement of its own (without one: the paired evaluation above)")
+    from . import refreshes
+
+    r = parts.add_parser("refreshes", help="a sequence of continuous refreshes per mode, and MovieLens",
+                         description=refreshes.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    refreshes.add_arguments(r)
+    r.set_defaults(func=refreshes.main)
 
 
 def plan_from(args: argparse.Namespace):

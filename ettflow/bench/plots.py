@@ -61,3 +61,52 @@ def wasted_vs_interval(curve: pd.DataFrame, choice: dict, path: Path) -> None:
     plt.tight_layout()
     plt.savefig(path, dpi=110)
     plt.close()
+
+
+# TTS parts of `bench.refreshes` -> the L2 colour of the component each belongs to (restore is
+# trainer init's, hatched so it stands apart)
+TTS_PART_COLOURS = {"scheduling": COLOURS["scheduling"], "init": COLOURS["trainer_init"],
+                    "restore": COLOURS["trainer_init"], "compile": COLOURS["pt2_compile"],
+                    "other": COLOURS["unattributed"]}
+
+
+def ett_per_refresh(frame: pd.DataFrame, path: Path) -> None:
+    """Left: ETT% of each refresh of a sequence, one line per mode (cold refreshes hollow).
+    Right: each refresh's TTS split into its parts, baseline and optimized side by side."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    modes = list(dict.fromkeys(frame["mode"]))
+    for mode in modes:
+        group = frame[frame["mode"] == mode]
+        colour = MODE_COLOURS.get(mode)
+        left.plot(group["refresh"], group["ETT%"], marker="o", color=colour, label=mode)
+        cold = group[group["start"] == "cold"]
+        left.scatter(cold["refresh"], cold["ETT%"], s=90, facecolors="white", edgecolors=colour, zorder=3)
+        for x, y in zip(group["refresh"], group["ETT%"]):
+            left.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8,
+                          color=colour)
+    left.set_xticks(sorted(frame["refresh"].unique()))
+    left.set_xlabel("refresh (one new window each; refresh 1 is cold)")
+    left.set_ylabel("ETT %")
+    left.set_ylim(0, max(10.0, 1.25 * float(frame["ETT%"].max())))
+    left.set_title("ETT% per refresh")
+    left.grid(alpha=0.3)
+    left.legend()
+    width = 0.8 / max(len(modes), 1)
+    for i, mode in enumerate(modes):
+        group = frame[frame["mode"] == mode]
+        x = group["refresh"].to_numpy() + (i - (len(modes) - 1) / 2) * width
+        bottom = 0.0
+        for part, colour in TTS_PART_COLOURS.items():
+            values = group[f"{part}_s"].to_numpy()
+            right.bar(x, values, width * 0.95, bottom=bottom, color=colour, edgecolor="white",
+                      hatch="//" if part == "restore" else None, label=part if i == 0 else None)
+            bottom = bottom + values
+    right.set_xticks(sorted(frame["refresh"].unique()))
+    right.set_xlabel("refresh (" + ", ".join(f"{m} {'left' if j == 0 else 'right'}" for j, m in enumerate(modes))
+                     + ")")
+    right.set_ylabel("TTS, s")
+    right.set_title("What each refresh's TTS is made of")
+    right.legend(fontsize=8)
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close()
