@@ -9,13 +9,17 @@ A data root grows one hourly window at a time (`ettflow data append`); refreshes
     r3  w2, killed 4 times (budget 3)                             failed: the watermark stays at w1
     r4  w2 (w3 held out), on 1 rank     warm from r2's 2-rank anchor (resharded)   published
     r5  nothing new                                               skipped
+    +w4, w3's labels inverted (a deliberately worse window)
+    r6  w3 (w4 held out), cold          its held-out AUC falls far below r4's: gated
 
 Checked: each trains only its new windows (every step's cursor is in them, the step counter
 starts at 0); r2's parameters just before its first step are bitwise r1's anchor (the
 sha256 of every piece each rank restored, against the anchor read whole); the watermark; the
 lineage and the manifests' parents; r4 starts on 1 rank from r2's 2-rank anchor (DCP reshards
-the TorchRec state), bitwise. The gate is off here (a 128-example held-out AUC is
-noisy): tests/test_gate.py gates a shuffled-label snapshot. Two concurrent refreshes of one
+the TorchRec state), bitwise. The gate is off here (a held-out AUC on 640 rows is
+noisy) except for r6, whose model learns the inverse of the labels, so its AUC on the next
+window is far below the current one's (tests/test_gate.py gates a shuffled-label snapshot at
+the publish level). Two concurrent refreshes of one
 model: tests/test_flow_skipped.py (a refresh finding the windows claimed ends skipped) and
 tests/test_claims.py (the claim itself, SQLite and PostgreSQL): a second flow-level training
 run here would double this file's time.
@@ -23,12 +27,15 @@ run here would double this file's time.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ettflow.ett.lineage import Outcome
 from ettflow.ett.spool import read_spool
 from ettflow.ett.warehouse import Warehouse
 from ettflow.flows.refresh import refresh_model
+from ettflow.publish import read_current
 from ettflow.trainer.data.cli import main as data_cli
 from ettflow.trainer.data.windows import list_windows
 
@@ -49,7 +56,7 @@ def env(tmp_path_factory, flow_work_root, prefect_harness, ray_session):
         "world_size": 2, "batch_size": 32, "checkpoint_every_steps": 100, "eval_batches": 2,
         "work_root": str(flow_work_root), "snapshot_root": str(root / "snapshots"),
         "spool_root": str(root / "spool"), "warehouse_url": f"sqlite:///{root / 'warehouse.db'}",
-        "gate_max_auc_drop": None,
+        "gate_max_auc_drop": None, "keep_refreshes": 10,  # the checks read every anchor afterwards
     }
 
 
@@ -83,6 +90,17 @@ def restored_matches_anchor(restores, anchor: str) -> list[str]:
     return bad
 
 
+def invert_labels(data_root, window) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for part in sorted((Path(data_root) / window).glob("*.parquet")):
+        table = pq.read_table(part)
+        i = table.schema.get_field_index("label")
+        flipped = pa.array(1 - table.column("label").to_numpy(), type=table.schema.field(i).type)
+        pq.write_table(table.set_column(i, "label", flipped), part)
+
+
 @pytest.fixture(scope="module")
 def sequence(env):
     data = env["data_root"]
@@ -97,6 +115,11 @@ def sequence(env):
     out["mark3"] = watermark(env)
     out["r4"] = run(env, world_size=1)  # capacity shrank: the 2-rank anchor is resharded onto 1 rank
     out["r5"] = run(env)
+    out["current5"] = read_current(env["snapshot_root"])
+    assert data_cli(["append", "--root", data]) == 0
+    invert_labels(data, list_windows(data)[-2])
+    out["r6"] = run(env, warm_start=False, gate_max_auc_drop=0.01)
+    out["mark6"] = watermark(env)
     out["windows"] = list_windows(data)
     return out
 
@@ -165,3 +188,17 @@ def test_a_warm_start_reshards_a_two_rank_anchor_onto_one_rank(env, sequence):
     assert e.attrs["parent_world_size"] == 2
     assert restored_matches_anchor(restores, s2.result()["anchor"]) == []
     assert {ev.rank for ev in events(env, r4, "train_step")} == {0}
+
+
+def test_a_worse_snapshot_is_gated_and_the_current_one_stays(env, sequence):
+    w = sequence["windows"]
+    s6, r6 = sequence["r6"]
+    assert s6.is_completed() and s6.message.startswith("gated: "), s6.message
+    res = s6.result()
+    assert res["outcome"] == "gated" and res["windows"] == [w[3]] and res["parent"] is None  # cold, as asked
+    assert "gate_max_auc_drop" in s6.message
+    assert sequence["mark6"] == w[2]  # a gated refresh does not advance the watermark
+    assert read_current(env["snapshot_root"]) == sequence["current5"]  # the current snapshot stays
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        (record,) = [r for r in wh.lineage(MODEL) if r.run_id == r6]
+    assert record.outcome is Outcome.GATED and record.snapshot == res["snapshot"] and record.reason

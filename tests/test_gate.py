@@ -45,7 +45,11 @@ def test_decide_gates_on_an_auc_drop_or_a_log_loss_rise_beyond_the_limits():
     outcome, reason = decide(Scores(auc=0.9, logloss=0.52), current, both)
     assert outcome is Outcome.GATED and "gate_max_logloss_increase" in reason
     assert decide(Scores(auc=0.9, logloss=float("nan")), current, both)[0] is Outcome.GATED
-    assert decide(Scores(auc=None, logloss=0.5), current, GateConfig())[0] is Outcome.PUBLISHED  # one class
+    outcome, reason = decide(Scores(auc=None, logloss=0.5), current, GateConfig())  # one class: no AUC
+    assert outcome is Outcome.PUBLISHED and "one class" in reason
+    off = GateConfig(max_auc_drop=None, max_logloss_increase=None)
+    assert decide(Scores(auc=0.1, logloss=9.0), current, off) == (
+        Outcome.PUBLISHED, "the gate is off (gate_max_auc_drop and gate_max_logloss_increase are null)")
     with pytest.raises(ValueError, match="max_auc_drop"):
         GateConfig(max_auc_drop=-0.1)
     with pytest.raises(ValueError, match="published or gated"):

@@ -100,7 +100,11 @@ def decide(new: Scores, current: Scores, config: GateConfig) -> tuple[Outcome, s
             notes.append(text)
     if problems:
         return Outcome.GATED, "; ".join(problems) + ": the current snapshot stays"
-    return Outcome.PUBLISHED, "; ".join(notes) or "no gate limit applies (no AUC on one class)"
+    if notes:
+        return Outcome.PUBLISHED, "; ".join(notes)
+    if config.max_auc_drop is None and config.max_logloss_increase is None:
+        return Outcome.PUBLISHED, "the gate is off (gate_max_auc_drop and gate_max_logloss_increase are null)"
+    return Outcome.PUBLISHED, "no gate limit applies: the held-out labels hold one class, so there is no AUC"
 
 
 def new_scores(manifest: SnapshotManifest) -> Scores:

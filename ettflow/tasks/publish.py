@@ -31,7 +31,11 @@ from .plan import RefreshPlan
 if TYPE_CHECKING:
     from ettflow.publish.gate import PublishOutcome
 
-VALIDATION_BATCHES = 4
+# The held-out examples the publish validation and the gate score (up to the held-out window's
+# size). The gate compares AUCs against a 0.01 limit: on 256 examples an AUC's standard error
+# is about 0.03, so the gate kept snapshots out on noise (measured on MovieLens: a 0.028 drop on
+# 256 examples was 0.0006 on the whole window); on 8,192 it is about 0.005.
+VALIDATION_EXAMPLES = 8192
 
 
 class InjectedPublishFailure(RuntimeError):
@@ -82,8 +86,8 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     current = read_current(plan.snapshot_root)
     config = PublishConfig(
         anchor=anchor, output_root=plan.snapshot_root, data_root=plan.trainer.data_root,
-        windows=plan.trainer.eval_windows, batch_size=min(plan.trainer.batch_size, 512),
-        validation_batches=VALIDATION_BATCHES, run_id=plan.run_id,
+        windows=plan.trainer.eval_windows, batch_size=(batch := min(plan.trainer.batch_size, 512)),
+        validation_batches=-(-VALIDATION_EXAMPLES // batch), run_id=plan.run_id,
         parent_snapshot=current.path if current is not None and Path(current.path).name != plan.run_id else None)
     done = already_published(plan, anchor)
     if done is not None:
