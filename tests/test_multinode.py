@@ -258,15 +258,18 @@ def wait_for_step(spool_root: Path, step: int, timeout_s: float = 240.0) -> str:
     raise AssertionError(f"no rank reached step {step} within {timeout_s} s")
 
 
+MAX_STEPS = 80  # a step takes tens of ms: the node dies some 20 steps after the test sees step 6
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_lost_node_restarts_the_refresh_on_the_remaining_node(cluster, env, tmp_path):
-    """The worker node's raylet is killed (SIGKILL, with its ranks) after step 6 of 4 ranks;
+    """The worker node's raylet is killed (SIGKILL, with its ranks) once 4 ranks trained step 6;
     the restart runs 2 ranks on the head (min_world_size=2), restoring the 4-rank checkpoint."""
     head, worker = cluster.head_node.node_id, worker_node(cluster)
     killed_node = worker.node_id
     params = {**env, "spool_root": str(tmp_path / "spool"), "min_world_size": 2, "capacity_wait_s": 120,
-              "max_steps": 40}
+              "max_steps": MAX_STEPS}
     out: dict = {}
     flow = threading.Thread(target=lambda: out.update(zip(("state", "run_id"), run(params))))
     flow.start()
@@ -294,9 +297,61 @@ def test_a_lost_node_restarts_the_refresh_on_the_remaining_node(cluster, env, tm
     (restore,) = [e for e in spooled if e.phase == "checkpoint_restore" and e.attempt == 1 and e.rank == 0]
     trained = max(e.attrs["step"] for e in spooled if e.phase == "train_step" and e.attempt == 0)
     assert restore.attrs["source"] == "own" and restore.attrs["resharded_from"] == 4
-    assert restore.attrs["world_size"] == 2 and 5 <= restore.attrs["step"] <= trained
+    # the latest checkpoint (every 5 steps) before the node was lost; a step's index starts at 0
+    assert restore.attrs["world_size"] == 2 and restore.attrs["step"] % 5 == 0
+    assert 5 <= restore.attrs["step"] <= trained + 1
     assert {e.rank for e in spooled if e.phase == "train_step" and e.attempt == 1} == {0, 1}
     from ettflow.trainer.checkpoint.anchor import read_anchor
 
     anchor = read_anchor(out["state"].result()["anchor"])
-    assert anchor["world_size"] == 2 and anchor["step"] == 40
+    assert anchor["world_size"] == 2 and anchor["step"] == MAX_STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_restart_that_may_not_shrink_waits_for_capacity_within_its_bound(cluster, flow_data, tmp_path):
+    """Only the head is left (two ranks' worth). A restart of a 4-rank run without
+    min_world_size fails as infrastructure past capacity_wait_s; with a longer bound it waits
+    until a node joins (3 s later) and then places all four ranks over both nodes."""
+    from ettflow.ett.failures import FailureError
+    from ettflow.trainer.ray_group import RayWorkerGroup, ensure_ray, live_nodes
+
+    ensure_ray()  # joins RAY_ADDRESS, the cluster
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node, allow_graceful=False)
+    end = time.monotonic() + 30
+    while len(live_nodes()) > 1 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert list(live_nodes()) == [cluster.head_node.node_id]
+    cfg = TrainerConfig(data_root=str(flow_data), schema=criteo_schema(10), work_dir=str(tmp_path), world_size=4,
+                        placement=Placement(strategy=PlacementStrategy.SPREAD, capacity_wait_s=1.5))
+    short = RayWorkerGroup(cfg, "wait", 1, tmp_path)
+    with pytest.raises(FailureError) as refused:
+        short.reserve()
+    assert refused.value.failure.failure_class is FailureClass.INFRASTRUCTURE
+    assert "could not reserve 4 x {'CPU': 1} (SPREAD) within 1.5 s" in refused.value.failure.reason
+    assert short.pg is None and short.actors == []  # nothing left waiting
+    # the reserve waits in a thread; the node joins from this one (Ray's Node needs the main
+    # thread: it installs signal handlers)
+    group = RayWorkerGroup(cfg, "wait", 1, tmp_path, reserve_timeout_s=120)
+    waited: list = []
+
+    def reserve():
+        t0 = time.monotonic()
+        try:
+            group.reserve()
+        finally:
+            waited.append(time.monotonic() - t0)
+
+    reserving = threading.Thread(target=reserve)
+    reserving.start()
+    try:
+        time.sleep(3.0)
+        assert reserving.is_alive() and group.world_size == 4  # waiting for 4 ranks, not shrinking
+        joined = cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=200 << 20)
+        reserving.join(timeout=120)
+        assert not reserving.is_alive() and waited[0] >= 3.0 and group.world_size == 4
+        assert Counter(group.placement) == {cluster.head_node.node_id: 2, joined.node_id: 2}
+    finally:
+        reserving.join(timeout=120)
+        group.teardown()

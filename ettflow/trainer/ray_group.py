@@ -114,10 +114,12 @@ class RayWorkerGroup:
                 break
             except GetTimeoutError as exc:
                 if time.monotonic() >= deadline:
+                    remove_placement_group(self.pg)  # nothing waits on: the attempt failed
+                    self.pg = None
                     raise FailureError(Failure(
                         failure_class=FailureClass.INFRASTRUCTURE, attempt=self.attempt,
                         reason=f"could not reserve {self.world_size} x {bundle} ({self.config.placement.strategy}) "
-                               f"within {self.reserve_timeout_s:.0f} s: the Ray cluster's live nodes hold "
+                               f"within {self.reserve_timeout_s:g} s: the Ray cluster's live nodes hold "
                                f"{[n['resources'] for n in live_nodes().values()]}; add capacity, raise "
                                "capacity_wait_s, or allow a smaller restart with min_world_size")) from exc
                 wanted = self._wanted(bundle)
