@@ -11,9 +11,10 @@ for its placement (`capacity_wait_s`; the wait is the attempt's `scheduling` pha
 
 How many ranks an attempt asks for (`attempt_world_size`): the run's `world_size` when the
 cluster's live nodes can hold that many bundles (`ranks_that_fit`); otherwise, on a restart with
-`min_world_size` set, the most that fit, down to `min_world_size` (the restart restores the
+`min_world_size` set, the most that fit, but never fewer than `min_world_size` (with less
+room than that it asks for `min_world_size` and waits); the restart restores the
 checkpoint at that world size: DCP reshards the model and optimizer state, and the data cursor
-is the same on every rank, see `trainer/data/pipeline.py`); otherwise `world_size`, and the
+is the same on every rank, see `trainer/data/pipeline.py`. Otherwise `world_size`, and the
 attempt waits for capacity up to `capacity_wait_s`. A first attempt always asks for
 `world_size`: elastic is for a run that lost capacity, not a way to start small.
 
