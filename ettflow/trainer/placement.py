@@ -18,7 +18,7 @@ is the same on every rank, see `trainer/data/pipeline.py`. Otherwise `world_size
 attempt waits for capacity up to `capacity_wait_s`. A first attempt always asks for
 `world_size`: elastic is for a run that lost capacity, not a way to start small.
 
-Pure: the live nodes' resources are passed in (`ray_group.live_node_resources` reads them).
+Pure: the live nodes' resources are passed in (`ray_group.live_nodes` reads them).
 """
 
 from __future__ import annotations
