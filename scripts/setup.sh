@@ -8,17 +8,21 @@ VENV=${ETTFLOW_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
-# Versions: CPU host (default) vs GPU host (nvidia-smi present).
-TORCH_CPU=2.13.0
-FBGEMM_CPU=1.8.0
+# Versions: CPU host (default) vs GPU host (nvidia-smi present): the same release on both.
+TORCH=2.13.0
+FBGEMM=1.8.0
 TORCHREC=1.8.0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ "${ETTFLOW_FORCE_CPU:-0}" != 1 ]; then
   FLAVOUR=gpu
-  # Each torchrec release pairs with one torch + fbgemm-gpu release.
-  TORCH_PKGS="torch==2.8.0 fbgemm-gpu==1.3.0 torchrec==1.3.0"
+  # Each torchrec release pairs with one torch + fbgemm-gpu release. A GPU host gets the same
+  # release as a CPU host (torch 2.13.0, fbgemm 1.8.0, torchrec 1.8.0): the project's compile
+  # cache, DCP staging and torch internals (_torch_compat.py) are written and tested against
+  # 2.13, and one release on both hosts is what scripts/gpu_check.sh verifies. The PyPI Linux
+  # wheels of torch and fbgemm-gpu are the CUDA builds; torchrec takes fbgemm-gpu as its dependency.
+  TORCH_PKGS="torch==${TORCH} fbgemm-gpu==${FBGEMM} torchrec==${TORCHREC}"
 else
   FLAVOUR=cpu
-  TORCH_PKGS="torch==${TORCH_CPU} fbgemm-gpu-cpu==${FBGEMM_CPU}"
+  TORCH_PKGS="torch==${TORCH} fbgemm-gpu-cpu==${FBGEMM}"
 fi
 
 STAMP_INPUTS="$FLAVOUR $TORCH_PKGS $(sha1sum pyproject.toml scripts/setup.sh | sha1sum)"

@@ -6,7 +6,7 @@ torch message) beside it. Classes decide what happens next (the driver's `Failur
 and who owns the fix; nobody parses a message to find them.
 
 Pure: no I/O. The spool stores a failure as the `failure_class`, `failed_rank`, `step`,
-`reason` and `detail` attributes of a `failure` / `failure_detected` marker
+`reason`, `detail` (and `path`, `node` when known) attributes of a `failure` / `failure_detected` marker
 (`Failure.to_attrs` / `Failure.from_attrs`).
 """
 
@@ -75,6 +75,7 @@ class Failure:
     reason: one line in ettflow's words ("rank 1 killed at step 16").
     detail: the raw text from Ray, torch or the OS, for the log; never parsed.
     path: the file or folder involved (storage and data failures).
+    node: the Ray node that was lost, when the failure is a lost node (its id).
     injected: a scripted fault (`fail_at`).
     secondary: a consequence of another rank's failure (a collective lost its peer): never
         taken as an attempt's cause while the cause itself is known.
@@ -87,6 +88,7 @@ class Failure:
     reason: str = ""
     detail: str = ""
     path: str | None = None
+    node: str | None = None
     injected: bool = False
     secondary: bool = False
 
@@ -108,6 +110,8 @@ class Failure:
             out["detail"] = self.detail[:1000]
         if self.path:
             out["path"] = self.path
+        if self.node:
+            out["node"] = self.node
         if self.injected:
             out["injected"] = True
         if self.secondary:
@@ -119,7 +123,7 @@ class Failure:
         return cls(failure_class=FailureClass.parse(attrs.get("failure_class", "infrastructure")),
                    rank=int(attrs.get("failed_rank", -1)), attempt=attempt,
                    step=attrs.get("step"), reason=str(attrs.get("reason", "")),
-                   detail=str(attrs.get("detail", "")), path=attrs.get("path"),
+                   detail=str(attrs.get("detail", "")), path=attrs.get("path"), node=attrs.get("node"),
                    injected=bool(attrs.get("injected", False)), secondary=bool(attrs.get("secondary", False)))
 
 

@@ -78,6 +78,9 @@ def refresh_model(
     keep_refreshes: int = 3,
     gate_max_auc_drop: float | None = 0.01,
     gate_max_logloss_increase: float | None = None,
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK",
+    min_world_size: int | None = None,
+    capacity_wait_s: float = 600.0,
 ) -> dict[str, Any] | State:
     """Refresh `model` on the data windows and publish a validated inference snapshot.
 
@@ -96,6 +99,10 @@ def refresh_model(
     or another refresh holding the windows past `claim_wait_s`, it ends Completed, skipped.
     gate_*: how much worse than the current snapshot a new one may be on the held-out window.
     keep_refreshes: run checkpoint folders kept (besides the current and parent anchors).
+    Placement (README "Running at scale"): `placement_strategy` spreads the ranks over the Ray
+    nodes (PACK, SPREAD, STRICT_SPREAD); a restart after lost capacity may run with as few as
+    `min_world_size` ranks (null: it waits for world_size); an attempt waits for its placement
+    at most `capacity_wait_s`. On several nodes, `work_root` must be storage every node shares.
     """
     plan = _plan(RefreshParams(
         model=model, mode=mode, switches=switches, architecture=architecture, data_root=data_root, windows=windows,
@@ -105,7 +112,8 @@ def refresh_model(
         warehouse_url=warehouse_url, warehouse_secret=warehouse_secret, tags=tags, max_windows=max_windows,
         bootstrap_windows=bootstrap_windows, warm_start=warm_start, claim_wait_s=claim_wait_s,
         keep_refreshes=keep_refreshes, gate_max_auc_drop=gate_max_auc_drop,
-        gate_max_logloss_increase=gate_max_logloss_increase))
+        gate_max_logloss_increase=gate_max_logloss_increase,
+        placement_strategy=placement_strategy, min_world_size=min_world_size, capacity_wait_s=capacity_wait_s))
     checked = check_warehouse(plan, return_state=True)
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained

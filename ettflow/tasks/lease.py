@@ -7,6 +7,8 @@ failure) are reserved by the driver itself. A group whose ranks all finished is 
 when the driver says so: the devices stay held through the anchor checkpoint (and, in
 baseline mode, publishing) until `release()`, which tears the group down and records that
 held time as `shutdown`. A failed attempt's group is torn down at once, as the driver asks.
+A held group passes its group's layout on (`PlacedGroup`: the attempt's world size, which an
+elastic restart may make smaller than the run's, and each rank's node).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ettflow.ett.failures import Failure
-from ettflow.trainer.driver import WorkerGroup
+from ettflow.trainer.driver import PlacedGroup, WorkerGroup
 
 from . import run_spool
 
@@ -28,11 +30,20 @@ class HeldGroup:
     """A worker group whose successful teardown waits for the lease's release."""
 
     def __init__(self, group: WorkerGroup, attempt: int, world_size: int, *, reserved: bool = False) -> None:
-        self.group, self.attempt, self.world_size = group, attempt, world_size
+        self.group, self.attempt, self.requested_world_size = group, attempt, world_size
         self.reserved = reserved
         self.finished: set[int] = set()
         self.held_since: float | None = None  # the driver's teardown, deferred
         self.released = False
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of this attempt: the group's when it knows (after reserve), else the run's."""
+        return self.group.world_size if isinstance(self.group, PlacedGroup) else self.requested_world_size
+
+    @property
+    def placement(self) -> tuple[str, ...]:
+        return self.group.placement if isinstance(self.group, PlacedGroup) else ()
 
     def reserve(self) -> None:
         if not self.reserved:

@@ -36,6 +36,7 @@ from ettflow import paths
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.placement import Placement
 
 from .errors import ParameterError
 from .warehouse_url import check_warehouse_params
@@ -87,6 +88,10 @@ class RefreshParams:
     keep_refreshes: int = 3
     gate_max_auc_drop: float | None = 0.01
     gate_max_logloss_increase: float | None = None
+    # placement on the Ray cluster (issue 13; trainer/placement.py)
+    placement_strategy: str = "PACK"
+    min_world_size: int | None = None
+    capacity_wait_s: float = 600.0
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any]) -> RefreshParams:
@@ -251,6 +256,20 @@ def with_lineage(plan: RefreshPlan, watermark: str | None, parent: LineageRecord
     return replace(plan, trainer=trainer, windows_choice=choice, parent=warm, watermark=watermark)
 
 
+def _placement(p: Mapping[str, Any], world_size: int) -> Placement:
+    """The ranks' placement on the Ray cluster (trainer/placement.py), from the flow's parameters."""
+    strategy = p.get("placement_strategy", "PACK")
+    if strategy not in ("PACK", "SPREAD", "STRICT_SPREAD"):
+        raise ParameterError("placement_strategy", f"must be PACK, SPREAD or STRICT_SPREAD, got {strategy!r}")
+    low = _int("min_world_size", p.get("min_world_size"), 1, optional=True)
+    if low is not None and low > world_size:
+        raise ParameterError("min_world_size", f"must be <= world_size ({world_size}), got {low}")
+    wait = _float("capacity_wait_s", p.get("capacity_wait_s", 600.0), 0.0)
+    if not wait > 0:
+        raise ParameterError("capacity_wait_s", f"must be > 0 seconds, got {wait!r}")
+    return Placement(strategy=strategy, min_world_size=low, capacity_wait_s=wait)
+
+
 def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,
                  artifact_slug: str = "refresh-model") -> RefreshPlan:
     """Check every parameter and build the plan; `params` are the flow's parameters."""
@@ -288,6 +307,7 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
     if device not in ("auto", "cpu", "cuda"):
         raise ParameterError("device", f"must be auto, cpu or cuda, got {device!r}")
     work_root = Path(p.get("work_root") or home / "checkpoints") / model
+    placement = _placement(p, world_size)
     trainer = TrainerConfig(
         data_root=str(data_root), schema=load_schema(data_root, _int("max_embeddings", p.get("max_embeddings"), 1,
                                                                      optional=True)),
@@ -297,6 +317,7 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
         max_steps=_int("max_steps", p.get("max_steps"), 1, optional=True),
         checkpoint_every_steps=_int("checkpoint_every_steps", p.get("checkpoint_every_steps"), 1, optional=True),
         failures=faults, device=device, eval_batches=_int("eval_batches", p.get("eval_batches", 8), 0),
+        placement=placement,
     )
     if not isinstance(p.get("warm_start", True), bool):
         raise ParameterError("warm_start", f"must be true or false, got {p.get('warm_start')!r}")

@@ -45,7 +45,8 @@ class TrainerActor:
     def ready(self) -> dict:
         import ray
 
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "created_at": self.started_at,
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "created_at": self.started_at,
                 "ready_at": time.time()}
 
     def rendezvous(self) -> tuple[str, int]:

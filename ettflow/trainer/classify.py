@@ -4,7 +4,9 @@ The mapping (first match wins):
 
     FailureError                          its own failure (a rank or a task said what it was)
     RayTaskError                          the mapping of its `cause` (the exception the rank raised)
-    RayActorError                         infrastructure: the rank's process died (killed, crashed, node lost)
+    RayActorError                         infrastructure: the rank's process died (killed, crashed, node lost);
+                                          when the cluster lists the rank's node as dead, `on_lost_node`
+                                          names the node (ray_group.py asks Ray, never the message)
     DataError                             data: a file broke the schema (its path in the failure)
     OSError ENOSPC / EIO / EDQUOT / EROFS  storage (the file's path in the failure)
     torch DistError (Backend, Network)    infrastructure, secondary: a collective lost its peer
@@ -77,6 +79,16 @@ def primary_failure(failures: Sequence[Failure]) -> Failure:
 def is_process_loss(failure: Failure) -> bool:
     """A rank's process is gone (died, killed, preempted): the cause, whatever its peers raised."""
     return failure.failure_class in (FailureClass.INFRASTRUCTURE, FailureClass.PREEMPTION) and not failure.secondary
+
+
+def on_lost_node(failure: Failure, *, node: str, address: str) -> Failure:
+    """A rank's process loss on a node the cluster lists as dead: the whole node was lost
+    (its raylet died, the machine went away), infrastructure, with the node named."""
+    if not is_process_loss(failure):
+        raise ValueError(f"only a lost process is a lost node's failure, got {failure.summary!r}")
+    who = f"rank {failure.rank}" if failure.rank >= 0 else "driver"
+    return replace(failure, failure_class=FailureClass.INFRASTRUCTURE, node=node,
+                   reason=f"{who}: node {node} ({address}) lost")
 
 
 def _failure(klass: FailureClass, rank: int, what: str, exc: BaseException, *, path: str | None = None) -> Failure:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .data.schema import FeatureSchema
 from .model import ModelConfig
+from .placement import Placement
 
 FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt")  # nan: a dense parameter turns NaN (trainer/loop.py)
 # phases a scripted `hang` may stop in instead of a step (`hang:rank=1:phase=pt2_compile`)
@@ -136,6 +137,7 @@ class TrainerConfig:
     failures: tuple[FailAt, ...] = ()
     warm_start_from: str | None = None  # the parent refresh's anchor checkpoint (None: cold start)
     max_failures: int = 3  # failure budget of the driver
+    placement: Placement = field(default_factory=Placement)  # ranks over the Ray nodes, elastic restarts
     # the watchdog: a rank that stays longer than its bound in one phase is hung (trainer/rank_heartbeat.py)
     # (a collective outwaits them all: `process_group_timeout_s`; raise a bound, it follows)
     startup_timeout_s: float = 240.0  # each init stage, and the launch until the rank's first beat
@@ -161,6 +163,7 @@ class TrainerConfig:
             raise ValueError("checkpoint_every_steps must be >= 1 (or None for the optimizer)")
         if self.keep_checkpoints < 1 or self.max_failures < 0:
             raise ValueError("keep_checkpoints >= 1 and max_failures >= 0 required")
+        self.placement.check(self.world_size)
         for name in ("startup_timeout_s", "compile_timeout_s", "restore_timeout_s", "step_timeout_s",
                      "save_timeout_s", "preemption_grace_s"):
             if not getattr(self, name) > 0:
@@ -205,5 +208,6 @@ class TrainerConfig:
         out["schema"] = self.schema.to_dict()
         out["model"] = asdict(self.model)
         out["switches"] = asdict(self.switches)
+        out["placement"] = {**asdict(self.placement), "strategy": self.placement.strategy.value}
         out["failures"] = [asdict(f) for f in self.failures]
         return out

@@ -14,6 +14,9 @@ are sent from here, once per run (`faults.pending_faults`).
 
 The group is a collaborator (`group_factory(attempt) -> WorkerGroup`), and so is the policy,
 so tests can step this loop with a dummy group and no cluster; `RayWorkerGroup` is the real one.
+A group that is also a `PlacedGroup` says how many ranks its attempt runs (an elastic restart
+may run fewer than the config's `world_size`) and on which node each is; the attempt's
+`scheduling` record carries both (`world_size`, `nodes`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
 from ettflow.ett.failures import Failure
@@ -46,6 +49,17 @@ class WorkerGroup(Protocol):
     def kill(self, rank: int) -> None: ...  # SIGKILL the rank's process
 
     def teardown(self) -> None: ...  # stop every rank and release the devices
+
+
+@runtime_checkable
+class PlacedGroup(WorkerGroup, Protocol):
+    """A group that knows its layout once reserved."""
+
+    @property
+    def world_size(self) -> int: ...  # the ranks this attempt runs
+
+    @property
+    def placement(self) -> tuple[str, ...]: ...  # each rank's node, by rank
 
 
 @dataclass(frozen=True)
@@ -162,16 +176,22 @@ class TrainingDriver:
             try:
                 group.reserve()
             finally:
-                rec.record("scheduling", t0, self.clock(), world_size=self.config.world_size)
+                layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
+                rec.record("scheduling", t0, self.clock(), world_size=self._world(group), **layout)
             group.launch()
             return self._watch(attempt, group, rec)
         finally:
             rec.close()
 
+    def _world(self, group: WorkerGroup) -> int:
+        """The ranks the attempt runs: the group's, else the config's."""
+        return group.world_size if isinstance(group, PlacedGroup) else self.config.world_size
+
     def _watch(self, attempt: int, group: WorkerGroup, rec: SpoolWriter) -> AttemptOutcome:
-        tail = SpoolTail(self.spool_root, self.run_id, attempt, self.config.world_size)
+        world = self._world(group)
+        tail = SpoolTail(self.spool_root, self.run_id, attempt, world)
         pending = pending_faults(self.config, self.spool_root, self.run_id).failures
-        timed_kills = [f for f in pending if f.after_s is not None and f.attempt in (None, attempt)]
+        timed_kills = [f for f in pending if f.after_s is not None and f.attempt in (None, attempt) and f.rank < world]
         bounds, launched_at = PhaseBounds.of(self.config), self.clock()
         finished: dict[int, dict] = {}
         while True:
@@ -186,13 +206,13 @@ class TrainingDriver:
                     timed_kills.remove(fault)
                     record_fired(fault, rec, rank=fault.rank, step=None, at=now)
                     group.kill(fault.rank)
-            if not failed and len(finished) < self.config.world_size:
+            if not failed and len(finished) < world:
                 hang = find_hang(tail.beats(), bounds, now, launched_at=launched_at, done=set(finished))
                 if hang is not None:
                     failed = [hang.failure(attempt)]
             if failed:
                 return self._recover(attempt, group, rec, failed)
-            if len(finished) == self.config.world_size:
+            if len(finished) == world:
                 # shutdown runs from the ranks' end of work until the devices are released
                 ended = min(min(r.get("finished_at", now) for r in finished.values()), now)
                 if self.before_release is not None:

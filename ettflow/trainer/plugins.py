@@ -5,6 +5,10 @@ compile), `checkpoint_save_blocking` (what the loop waits for) and
 `checkpoint_save_background` (the write that overlaps training), `checkpoint_restore` (attrs
 `source`: "own", the run's latest checkpoint after a restart; "parent", a warm start from the
 parent refresh's anchor, with the restored state's `fingerprint`).
+An elastic restart (`placement.min_world_size`) restores the run's own checkpoint at another
+world size (`resharded_from`): model and optimizer state resharded by DCP (the same read as a
+warm start), the step, and the data cursor, which is the same on every rank of a checkpoint
+(trainer/data/pipeline.py), so every later row is trained exactly once; RNG state starts fresh.
 A checkpoint or anchor is saved only from finite state: non-finite dense parameters (or a
 non-finite last loss) are refused as a `numerics` failure (see `numerics.py`).
 The anchor marker's format lives in `checkpoint/anchor.py`, the process's compile-cache
@@ -64,9 +68,16 @@ class TrainerPlugins:
         return self.resume.step if self.resume else 0
 
     @property
+    def resharded(self) -> bool:
+        """The run's own checkpoint was written by another number of ranks (an elastic restart)."""
+        return self.resume is not None and self.resume.world_size != self.config.world_size
+
+    @property
     def resume_cursor(self) -> Cursor | None:
         if not self.resume:
             return None
+        if self.resharded:
+            return common_cursor(self.resume)
         return Cursor.from_dict(self.resume.cursors[self.rank])
 
     # ---- checkpoints --------------------------------------------------------------------
@@ -95,10 +106,27 @@ class TrainerPlugins:
         assert self.manager is not None and self.train_state is not None
         if self.resume is None:
             return self._warm_start()
+        if self.resharded:
+            return self._restore_resharded()
         restored = self.manager.load(self.train_state, self.resume)
         log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
         return {"source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
                 "cursor": list(self.resume_cursor.as_tuple()) if self.resume_cursor else None}
+
+    def _restore_resharded(self) -> dict[str, Any]:
+        assert self.manager is not None and self.train_state is not None and self.resume is not None
+        if not self.config.placement.elastic:
+            raise RuntimeError(
+                f"{self.resume.path} was written by {self.resume.world_size} ranks and this attempt has "
+                f"{self.config.world_size}: set placement.min_world_size (flow parameter min_world_size) to "
+                "allow an elastic restart, or restart with the same number of ranks")
+        cursor = common_cursor(self.resume)
+        restored = self.manager.load_parent(self.train_state, self.resume)  # weights only, resharded
+        log.info("restored %s (step %d of %d ranks) on %d ranks", restored.checkpoint.path, self.resume.step,
+                 self.resume.world_size, self.config.world_size)
+        return {"source": "own", "step": self.resume.step, "path": str(restored.checkpoint.path),
+                "cursor": list(cursor.as_tuple()), "resharded_from": self.resume.world_size,
+                "world_size": self.config.world_size}
 
     def _warm_start(self) -> dict[str, Any]:
         assert self.manager is not None and self.train_state is not None and self.parent is not None
@@ -195,3 +223,13 @@ class TrainerPlugins:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()
+
+
+def common_cursor(info: CheckpointInfo) -> Cursor:
+    """The data cursor every rank of `info` saved (they are equal by the sharding rule); a
+    checkpoint whose ranks disagree cannot be resharded."""
+    cursors = {Cursor.from_dict(c).as_tuple() for c in info.cursors}
+    if len(cursors) != 1:
+        raise RuntimeError(f"{info.path}: its ranks saved different data cursors {sorted(cursors)}; it cannot be "
+                           "restored at another world size")
+    return Cursor.from_dict(info.cursors[0])

@@ -7,6 +7,13 @@ and a new attempt restores from the checkpoint, since no state lives in actor me
 A rank's outcome is a typed `Failure`, mapped from the exception's type (`classify.py`).
 `info` holds each rank's pid and node (a test or an operator can signal a rank by it).
 The ranks get the run's config less the scripted faults that already fired (`pending_faults`).
+
+Placement (`placement.py`): the bundles use the run's strategy (PACK, SPREAD, STRICT_SPREAD).
+A restart asks for fewer ranks when the live nodes cannot hold `world_size` and the run allows
+it (`min_world_size`); while its placement waits, the live nodes are read again every
+`RECHECK_S`, so a node that dies (or comes back) during the wait changes what is asked for.
+The wait is bounded by `capacity_wait_s`. A rank whose process died on a node the cluster lists
+as dead is the node's failure, with the node named (`classify.on_lost_node`).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -24,9 +32,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 
-from .classify import failure_from_exception
+from .classify import failure_from_exception, is_process_loss, on_lost_node
 from .config import TrainerConfig
 from .faults import pending_faults
+from .placement import attempt_world_size, ranks_that_fit
+
+RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -56,31 +67,69 @@ def wants_gpu(config: TrainerConfig) -> bool:
     return gpus >= config.world_size
 
 
+def live_nodes() -> dict[str, dict]:
+    """The cluster's live nodes by id: {"address", "resources" (totals)}."""
+    return {n["NodeID"]: {"address": n.get("NodeManagerAddress", "?"), "resources": dict(n.get("Resources", {}))}
+            for n in ray.nodes() if n.get("Alive")}
+
+
 class RayWorkerGroup:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, spool_root: Path | str,
-                 *, reserve_timeout_s: float = 600.0) -> None:
+                 *, reserve_timeout_s: float | None = None) -> None:
+        """`reserve_timeout_s`: the bound on the placement's wait (default: the run's
+        `placement.capacity_wait_s`)."""
         self.config, self.run_id, self.attempt = config, run_id, attempt
         self.spool_root = str(spool_root)
-        self.reserve_timeout_s = reserve_timeout_s
+        self.reserve_timeout_s = config.placement.capacity_wait_s if reserve_timeout_s is None else reserve_timeout_s
+        self.world_size = config.world_size  # this attempt's ranks: fewer on an elastic restart
         self.pg = None
         self.actors: list = []
         self.info: list[dict] = []
         self.refs: dict = {}
+
+    @property
+    def placement(self) -> tuple[str, ...]:
+        """Each rank's Ray node id, by rank (empty before `reserve`)."""
+        return tuple(i["node_id"] for i in self.info)
+
+    def _wanted(self, bundle: dict) -> int:
+        nodes = live_nodes()
+        fit = ranks_that_fit([n["resources"] for n in nodes.values()], bundle, self.config.placement.strategy)
+        return attempt_world_size(self.config.placement, self.config.world_size, fit, restart=self.attempt > 0)
+
+    def _placement_group(self, bundle: dict):
+        return placement_group([dict(bundle) for _ in range(self.world_size)],
+                               strategy=self.config.placement.strategy.value)
 
     def reserve(self) -> None:
         from .actor import TrainerActor
 
         gpu = wants_gpu(self.config)
         bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(self.config.world_size)], strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=self.reserve_timeout_s)
-        except GetTimeoutError as exc:
-            raise FailureError(Failure(
-                failure_class=FailureClass.INFRASTRUCTURE, attempt=self.attempt,
-                reason=f"could not reserve {self.config.world_size} x {bundle} within "
-                       f"{self.reserve_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}")) from exc
-        config = pending_faults(self.config, self.spool_root, self.run_id)  # each fault fires once per run
+        deadline = time.monotonic() + self.reserve_timeout_s
+        self.world_size = self._wanted(bundle)
+        self.pg = self._placement_group(bundle)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ray.get(self.pg.ready(), timeout=max(min(RECHECK_S, left), 0.0))
+                break
+            except GetTimeoutError as exc:
+                if time.monotonic() >= deadline:
+                    remove_placement_group(self.pg)  # nothing waits on: the attempt failed
+                    self.pg = None
+                    raise FailureError(Failure(
+                        failure_class=FailureClass.INFRASTRUCTURE, attempt=self.attempt,
+                        reason=f"could not reserve {self.world_size} x {bundle} ({self.config.placement.strategy}) "
+                               f"within {self.reserve_timeout_s:g} s: the Ray cluster's live nodes hold "
+                               f"{[n['resources'] for n in live_nodes().values()]}; add capacity, raise "
+                               "capacity_wait_s, or allow a smaller restart with min_world_size")) from exc
+                wanted = self._wanted(bundle)
+                if wanted != self.world_size:  # capacity changed while waiting: ask for what fits now
+                    remove_placement_group(self.pg)
+                    self.world_size = wanted
+                    self.pg = self._placement_group(bundle)
+        config = self.attempt_config()
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
         self.actors = [
@@ -89,9 +138,18 @@ class RayWorkerGroup:
                 max_concurrency=2,  # a second thread answers calls while `train` runs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(config, self.run_id, self.attempt, rank, self.spool_root, requested_at)
-            for rank in range(self.config.world_size)
+            for rank in range(self.world_size)
         ]
         self.info = ray.get([a.ready.remote() for a in self.actors])
+
+    def attempt_config(self) -> TrainerConfig:
+        """What the ranks get: the run's config at this attempt's world size, less the scripted
+        faults that already fired (each fires once per run) or target a rank it does not have."""
+        config = pending_faults(self.config, self.spool_root, self.run_id)
+        if self.world_size == config.world_size:
+            return config
+        return replace(config, world_size=self.world_size,
+                       failures=tuple(f for f in config.failures if f.rank < self.world_size))
 
     def launch(self) -> None:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
@@ -106,8 +164,17 @@ class RayWorkerGroup:
             try:
                 finished[rank] = ray.get(ref)
             except (RayActorError, RayTaskError) as exc:  # the process died, or the rank raised
-                failed.append(failure_from_exception(exc, rank=rank, attempt=self.attempt))
+                failed.append(self._on_node(failure_from_exception(exc, rank=rank, attempt=self.attempt)))
         return finished, failed
+
+    def _on_node(self, failure: Failure) -> Failure:
+        """A lost process whose node the cluster lists as dead is the node's failure."""
+        if not is_process_loss(failure) or not 0 <= failure.rank < len(self.info):
+            return failure
+        node = self.info[failure.rank]["node_id"]
+        if node in live_nodes():
+            return failure
+        return on_lost_node(failure, node=node, address=self.info[failure.rank]["node_ip"])
 
     def kill(self, rank: int) -> None:
         info = self.info[rank]
