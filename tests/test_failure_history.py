@@ -18,6 +18,7 @@ from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_inte
 
 INFRA, PREEMPT, PUBLISH = FailureClass.INFRASTRUCTURE, FailureClass.PREEMPTION, FailureClass.PUBLISH
 DAY = 24 * HOUR_S
+WINDOWS = ["window=2024010100", "window=2024010101", "window=2024010102"]  # conftest's flow_data
 
 
 def run(run_id: str, model: str, at: float, hours: float, failures=(), **kw) -> RunHistory:
@@ -143,3 +144,74 @@ def test_history_read_from_the_warehouse(warehouse_url):
     fleet_rate = 3600 / 19
     assert est.runs == 1 and est.rate_per_h == pytest.approx((fleet_rate + 1) / (1 + 19 / 3600))
     assert est.save_blocking_s == {SaveTier.DURABLE: 1.0} and est.step_s == 1.0 and est.steps_per_window == 6.5
+
+
+def test_the_plan_takes_the_interval_from_history(flow_data, tmp_path):
+    """`with_interval`: history -> the trainer's interval in steps (no probe); none -> the probe
+    with the fleet's rate; the refresh's own checkpoint_every_steps wins."""
+    from test_flow_units import params
+
+    from ettflow.tasks.plan import plan_refresh, with_interval
+
+    est = estimate(fleet_and_model(), model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    plan = plan_refresh(params(flow_data, tmp_path, windows=WINDOWS), run_id="r1")
+    planned = with_interval(plan, est)
+    assert planned.interval == plan_interval(est, windows=3, max_steps=None)
+    assert planned.trainer.checkpoint_every_steps == 15
+    assert planned.trainer.failure_rate_per_s == pytest.approx(2.5 / 3600)
+    new_model = estimate(fleet_and_model()[:2], model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    probing = with_interval(plan, new_model)
+    assert probing.interval.source is IntervalSource.PROBE and probing.trainer.checkpoint_every_steps is None
+    assert probing.trainer.failure_rate_per_s == pytest.approx(4.0 / 3600)  # the fleet's 3 + 1 per hour
+    fixed = with_interval(plan_refresh(params(flow_data, tmp_path, windows=WINDOWS,
+                                              checkpoint_every_steps=7), run_id="r2"), est)
+    assert fixed.interval.source is IntervalSource.FIXED and fixed.trainer.checkpoint_every_steps == 7
+    nothing = with_interval(plan, None)
+    assert nothing.interval.source is IntervalSource.PROBE and nothing.trainer.failure_rate_per_s is None
+
+
+def test_the_interval_is_stored_with_the_run_and_reported(warehouse_url, tmp_path, capsys):
+    """The spool marker -> the run's `checkpoint_interval` tag -> `report --intervals`, and the
+    ETT artifact's rows; realized waste from L2 (SQLite and PostgreSQL)."""
+    import json
+
+    from test_warehouse import run_events
+
+    from ettflow.cli import main
+    from ettflow.ett.events import CHECKPOINT_INTERVAL
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.spool import read_spool
+    from ettflow.ett.warehouse import RunInfo, Warehouse
+    from ettflow.tasks import run_spool
+    from ettflow.tasks.artifacts import interval_rows
+
+    planned = PlannedInterval(source=IntervalSource.HISTORY, rate_per_h=2.5, save_blocking_s=1.0, step_s=1.0,
+                              job_s=13.0, interval_s=5.2, interval_steps=5, expected_wasted_s=4.0, own_weight=0.5)
+    run_spool.record_interval(tmp_path, "run-a", 0, planned, 1_030.0)
+    marks = [e for e in read_spool(tmp_path, "run-a").events if e.phase == CHECKPOINT_INTERVAL]
+    assert run_spool.planned_interval(marks) == planned
+    events = run_events("run-a", t0=1_000.0)
+    events.append(marks[0].__class__(**{**marks[0].to_dict(), "seq": 99}))
+    metrics = compute_run_metrics(events)
+    assert metrics.components["wasted_training"] == 6.0  # the marker changes nothing in the metric
+    assert metrics.components == compute_run_metrics(events[:-1]).components
+    with Warehouse.open(warehouse_url) as wh:
+        wh.archive_run(RunInfo(run_id="run-a", model="dlrm", mode="optimized",
+                               tags=run_spool.interval_tags(marks)), events, metrics)
+        wh.archive_run(RunInfo(run_id="run-b", model="dlrm", mode="optimized"), run_events("run-b", t0=2_000.0),
+                       compute_run_metrics(run_events("run-b", t0=2_000.0)))
+    assert main(["report", "--url", warehouse_url, "--model", "dlrm", "--intervals", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["run"] for r in rows] == ["run-a", "run-b"]
+    a, b = rows
+    assert (a["source"], a["interval_steps"], a["rate_per_h"], a["csbt_s"], a["expected_wasted_s"]) == (
+        "history", 5, 2.5, 1.0, 4.0)
+    # realized: 6 s wasted = 3 s replay + 2 s lost in flight, 1 s save blocking; wall 54 s
+    assert (a["wasted_s"], a["replay_s"], a["save_blocking_s"], a["realized/expected"]) == (6.0, 5.0, 1.0, 1.5)
+    assert a["wasted%"] == round(100 * 6.0 / metrics.wall_s, 1)
+    assert (b["source"], b["expected_wasted_s"], b["wasted_s"]) == ("-", None, 6.0)
+    assert main(["report", "--url", warehouse_url, "--intervals"]) == 2
+    assert "--intervals needs --model" in capsys.readouterr().err
+    shown = {r["metric"]: (r["exposed"], r["raw"]) for r in interval_rows(planned, metrics)}
+    assert shown["checkpoint interval s (history; raw: steps)"] == (5.2, 5)
+    assert shown["expected wasted s (raw: realized wasted_training)"] == (4.0, 6.0)

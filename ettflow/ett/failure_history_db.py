@@ -105,7 +105,22 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
     return out
 
 
-def estimate_from_warehouse(wh, *, model: str, now: float, config: EstimateConfig | None = None) -> HistoryEstimate:
-    """`failure_history.estimate` over the warehouse's runs in the window before `now`."""
+def estimate_from_warehouse(wh, *, model: str, now: float, config: EstimateConfig | None = None,
+                            exclude_run: str | None = None) -> HistoryEstimate:
+    """`failure_history.estimate` over the warehouse's runs in the window before `now`
+    (`exclude_run`: a run to leave out, e.g. the refresh being planned, after a flow retry)."""
     config = config or EstimateConfig()
-    return estimate(read_history(wh, since=now - config.window_s, until=now), model=model, now=now, config=config)
+    history = [h for h in read_history(wh, since=now - config.window_s, until=now) if h.run_id != exclude_run]
+    return estimate(history, model=model, now=now, config=config)
+
+
+def phase_seconds(wh, run_ids: Sequence[str], names: Sequence[str]) -> dict[tuple[str, str], float]:
+    """(run, phase) -> exposed seconds of those L2 phases (`run_components`, kind 'phase')."""
+    comps: Table = RunComponent.__table__
+    out: dict[tuple[str, str], float] = {}
+    with wh.engine.connect() as conn:
+        for chunk in _chunks(list(run_ids)):
+            for r in conn.execute(select(comps.c.run_id, comps.c.name, comps.c.exposed_s).where(
+                    comps.c.kind == "phase", comps.c.name.in_(list(names)), comps.c.run_id.in_(chunk))):
+                out[(r.run_id, r.name)] = r.exposed_s
+    return out
