@@ -20,7 +20,9 @@ Which windows a refresh trains depends on the model's lineage (`tasks.window_cho
 plan `plan_refresh` returns is the first refresh's (no watermark: the bootstrap range, cold);
 `with_lineage(plan, watermark, parent)` re-chooses the windows past the model's watermark and
 warm-starts from the parent's anchor. The `claim-windows` task calls it with what it read
-from the warehouse while it claims those windows (`tasks.claims`).
+from the warehouse while it claims those windows (`tasks.claims`), then `with_interval(plan,
+estimate)` with the model's failure history read in the same visit: the checkpoint interval
+for those windows (`ett.interval_plan`), in steps when the model has history (no probe save).
 """
 
 from __future__ import annotations
