@@ -166,6 +166,9 @@ def test_the_plan_takes_the_interval_from_history(flow_data, tmp_path):
     fixed = with_interval(plan_refresh(params(flow_data, tmp_path, windows=WINDOWS,
                                               checkpoint_every_steps=7), run_id="r2"), est)
     assert fixed.interval.source is IntervalSource.FIXED and fixed.trainer.checkpoint_every_steps == 7
+    empty = with_interval(plan, estimate([], model="m", now=1000.0))  # no hours anywhere
+    assert empty.interval.rate_per_h is None and empty.trainer.failure_rate_per_s is None
+    assert empty.interval.source is IntervalSource.PROBE and empty.interval.runs == 0
     nothing = with_interval(plan, None)
     assert nothing.interval.source is IntervalSource.PROBE and nothing.trainer.failure_rate_per_s is None
 

@@ -196,7 +196,7 @@ class IntervalBench:
                         est = estimate_from_warehouse(houses[policy], model=MODEL, now=time.time(),
                                                       config=p.estimate_config(1.0 / (p.steps * step_s)))
                         planned = plan_interval(est, windows=p.windows, max_steps=None)
-                        rate = est.rate_per_s
+                        rate = planned.rate_per_h / 3600.0 if planned.rate_per_h is not None else None
                     steps = planned.interval_steps if planned.source is not IntervalSource.PROBE else None
                     run_id = f"ibench-{self.stamp}-{i}-{policy}"
                     m, events, rank0 = self.run(windows, run_id, kills=ks, interval_steps=steps, rate_per_s=rate)

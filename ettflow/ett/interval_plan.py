@@ -12,7 +12,8 @@ training is the model's at that rounded interval. Where it comes from (`Interval
 
 - HISTORY: the model has its own save cost and step time in the window: no probe save;
 - PROBE: it has none (a new model): the trainer's first save is a probe that measures them,
-  and the interval after it uses the estimated failure rate (the fleet's, for a new model);
+  and the interval after it uses the estimated failure rate (the fleet's, for a new model;
+  with no training hours anywhere, none: the trainer's guess per job);
 - FIXED: the refresh set `checkpoint_every_steps`; the estimate is recorded beside it.
 
 `PlannedInterval.to_attrs` is what the run stores (a `checkpoint_interval` spool marker, and
@@ -104,11 +105,15 @@ def plan_interval(estimate: HistoryEstimate | None, *, windows: int | None, max_
     if estimate is None:
         return PlannedInterval(source=IntervalSource.FIXED if fixed_steps else IntervalSource.PROBE,
                                interval_steps=fixed_steps)
-    known = dict(rate_per_h=estimate.rate_per_h, own_weight=estimate.own_weight, own_hours=estimate.own_hours,
+    # no training hours at all (no fleet, no own runs): the rate is not known; the trainer keeps
+    # its guess per job (`TrainerConfig.expected_failures`), which errs towards more saves
+    evidence = estimate.own_hours > 0 or estimate.fleet_hours > 0
+    known = dict(rate_per_h=estimate.rate_per_h if evidence else None, own_weight=estimate.own_weight,
+                 own_hours=estimate.own_hours,
                  runs=estimate.runs, detection_s=estimate.detection_s, restore_s=estimate.restore_s,
                  save_blocking_s=estimate.save_blocking_s.get(SaveTier.DURABLE), step_s=estimate.step_s)
     steps = expected_steps(estimate, windows=windows, max_steps=max_steps)
-    if not estimate.has_history or not steps:
+    if not estimate.has_history or not steps or not evidence:
         if fixed_steps:
             return PlannedInterval(source=IntervalSource.FIXED, interval_steps=fixed_steps, **known)
         return PlannedInterval(source=IntervalSource.PROBE, **known)
