@@ -100,9 +100,11 @@ def _intervals(wh: Warehouse, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     phases = phase_seconds(wh, list(runs["run_id"]), report.INTERVAL_PHASES)
+    table = report.interval_table(runs, phases)
     if args.format == "table":
         print(f"Checkpoint intervals of {args.model} (expected vs realized wasted training, s):")
-    print(report.render(report.interval_table(runs, phases), args.format))
+        table = table.astype(object).where(table.notna(), "-")
+    print(report.render(table, args.format))
     return 0
 
 

@@ -144,7 +144,8 @@ def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) 
         })
     columns = ["run", "started", "status", "source", "interval_steps", "interval_s", "rate_per_h", "csbt_s", "NoF",
                "saves", "expected_wasted_s", "wasted_s", "replay_s", "save_blocking_s", "wasted%", "realized/expected"]
-    return pd.DataFrame(rows, columns=columns)
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.astype({"interval_steps": "Int64"})
 
 
 def _r(value: float | None, digits: int) -> float | None:
