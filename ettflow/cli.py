@@ -32,6 +32,8 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
 
     if getattr(args, "lineage", False):
         return _lineage(wh, args)
+    if getattr(args, "intervals", False):
+        return _intervals(wh, args)
     runs = wh.runs_frame(model=args.model, run_id=args.run, limit=args.last)
     if runs.empty:
         what = f"run {args.run!r}" if args.run else (f"model {args.model!r}" if args.model else "any run")
@@ -81,6 +83,31 @@ def _lineage(wh: Warehouse, args: argparse.Namespace) -> int:
     return 0
 
 
+def _intervals(wh: Warehouse, args: argparse.Namespace) -> int:
+    """Print the model's checkpoint intervals, expected vs realized waste; 2 without --model,
+    1 when it has no run."""
+    from .ett import report
+    from .ett.failure_history_db import phase_seconds
+
+    if not args.model:
+        print("ettflow report: --intervals needs --model M (the model whose refreshes to show)", file=sys.stderr)
+        return 2
+    runs = wh.runs_frame(model=args.model, limit=args.last)
+    runs = runs[runs["status"] != report.SKIPPED]
+    if runs.empty:
+        print(f"ettflow report: the warehouse at {wh.display_url} holds no trained run of model {args.model!r}.\n"
+              "Run `ettflow refresh` for it first, or point --url / ETTFLOW_WAREHOUSE_URL at its warehouse.",
+              file=sys.stderr)
+        return 1
+    phases = phase_seconds(wh, list(runs["run_id"]), report.INTERVAL_PHASES)
+    table = report.interval_table(runs, phases)
+    if args.format == "table":
+        print(f"Checkpoint intervals of {args.model} (expected vs realized wasted training, s):")
+        table = table.astype(object).where(table.notna(), "-")
+    print(report.render(table, args.format))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Write a sample run through the spool, archive it, and print its report."""
     from .ett.archive import archive_spooled_run
@@ -111,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--last", type=int, help="only the N most recent runs")
     rep.add_argument("--lineage", action="store_true",
                      help="with --model: the chain of its refreshes (run, windows, parent, outcome, ETT%%)")
+    rep.add_argument("--intervals", action="store_true",
+                     help="with --model: per refresh the checkpoint interval chosen, expected and realized "
+                          "wasted training")
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
     rep.set_defaults(func=cmd_report)
 

@@ -202,3 +202,23 @@ def test_a_worse_snapshot_is_gated_and_the_current_one_stays(env, sequence):
     with Warehouse.open(env["warehouse_url"]) as wh:
         (record,) = [r for r in wh.lineage(MODEL) if r.run_id == r6]
     assert record.outcome is Outcome.GATED and record.snapshot == res["snapshot"] and record.reason
+
+
+def test_each_refresh_records_the_interval_planned_from_its_model_s_history(env, sequence):
+    """The claim task plans the interval from the model's runs so far (`ett.interval_plan`):
+    here `checkpoint_every_steps` is fixed (100), so each refresh records `fixed` with the
+    estimate beside it; r4's estimate holds r3's kills. Stored as the run's tag and marker,
+    and shown by `ettflow report --intervals`."""
+    from ettflow.cli import main
+
+    (_, r1), (_, r2), (_, r3), (_, r4) = (sequence[k] for k in ("r1", "r2", "r3", "r4"))
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        runs = wh.runs_frame(model=MODEL).set_index("run_id")
+    planned = {r: runs.loc[r, "tags"]["checkpoint_interval"] for r in (r1, r2, r4)}
+    assert {p["source"] for p in planned.values()} == {"fixed"}
+    assert {p["interval_steps"] for p in planned.values()} == {100}
+    assert (planned[r1]["runs"], planned[r2]["runs"], planned[r4]["runs"]) == (0, 1, 3)
+    assert "rate_per_h" not in planned[r1]  # no hours anywhere: the trainer's guess per job
+    assert runs.loc[r3, "nof"] >= 3 and planned[r4]["rate_per_h"] > planned[r2]["rate_per_h"]
+    assert len(events(env, r2, "checkpoint_interval")) == 1
+    assert main(["report", "--url", env["warehouse_url"], "--model", MODEL, "--intervals"]) == 0

@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     sizes.add_argument("--batch-size", type=int, help="per rank")
     sizes.add_argument("--num-embeddings", type=int, help="rows of each embedding table")
     sizes.add_argument("--checkpoint-every", type=int, dest="checkpoint_every_steps")
+    from . import intervals
+
+    intervals.add_arguments(p)
     p.set_defaults(func=main)
     parts = p.add_subparsers(dest="part", metavar="{refreshes}",
                              help="a measurement of its own (without one: the paired evaluation above)")
@@ -207,6 +210,10 @@ def main(args: argparse.Namespace) -> int:
 
     from .suite import Bench
 
+    if getattr(args, "intervals", False):
+        from . import intervals
+
+        return intervals.main(args)
     quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = plan_from(args)
     out = Path(args.out).resolve()

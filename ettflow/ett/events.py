@@ -55,6 +55,7 @@ TRAIN_STEP = "train_step"  # effective or wasted, decided by the data cursor
 SUBMITTED = "submitted"  # marker: the job was submitted (wall clock starts)
 FAILURE = "failure"  # marker: the fault happened (kill, exception, start of a hang)
 FAILURE_DETECTED = "failure_detected"  # marker: the driver noticed (TTR starts)
+CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and its inputs (ett.interval_plan)
 
 # phase -> the component its time belongs to. None: the phase is informational (a marker,
 # or work in the background that the critical path does not wait for).
@@ -77,9 +78,10 @@ PHASE_COMPONENT: dict[str, str | None] = {
     SUBMITTED: None,
     FAILURE: None,
     FAILURE_DETECTED: None,
+    CHECKPOINT_INTERVAL: None,
 }
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
-MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED})
+MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background"})
 

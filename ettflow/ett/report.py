@@ -3,19 +3,21 @@
 The per-run table has the columns of the study's per-model bars: ETT%, TTS, NoF, TTR and
 the six L2 components as a share of wall time (plus unattributed). A refresh that trained
 nothing has status `skipped`: it shows without an ETT% and the daily means leave it out.
-`lineage_table` is a model's chain of refreshes (`ettflow report --model M --lineage`). Pure
+`lineage_table` is a model's chain of refreshes (`ettflow report --model M --lineage`);
+`interval_table` its checkpoint intervals, expected against realized waste (`--intervals`). Pure
 formatting over pandas frames; the CLI reads the frames from the warehouse.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from .events import L2_ORDER, component_of, owner_of
+from .interval_plan import TAG
 
 if TYPE_CHECKING:
     from .lineage import LineageRecord
@@ -109,6 +111,45 @@ def lineage_table(records: Sequence[LineageRecord], runs: pd.DataFrame) -> pd.Da
              "reason": r.reason or ""}
             for r in records]
     return pd.DataFrame(rows, columns=["run", "started", "windows", "parent", "outcome", "ETT%", "reason"])
+
+
+INTERVAL_PHASES = ("train_step_replay", "lost_in_flight", "checkpoint_save_blocking")
+
+
+def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) -> pd.DataFrame:
+    """One row per refresh (oldest first): the checkpoint interval it trained with and where it
+    came from (`ett.interval_plan`: history, probe, fixed; '-' when none was recorded), its
+    inputs (failure rate per training hour, CSBT), the expected wasted training, and the
+    realized one: the run's `wasted_training` (replay and lost in flight, save blocking:
+    `phases`, (run, phase) -> exposed s), also as % of wall, and realized / expected."""
+    rows = []
+    for _, run in runs.iterrows():
+        planned = (run["tags"] or {}).get(TAG) or {}
+        rid, wall = run["run_id"], float(run["wall_s"]) or 1.0
+        expected, realized = planned.get("expected_wasted_s"), float(run["wasted_training_s"])
+        replay = phases.get((rid, "train_step_replay"), 0.0) + phases.get((rid, "lost_in_flight"), 0.0)
+        rows.append({
+            "run": rid,
+            "started": pd.to_datetime(run["wall_start"], unit="s", utc=True).strftime("%Y-%m-%d %H:%M"),
+            "status": run["status"], "source": planned.get("source", "-"),
+            "interval_steps": planned.get("interval_steps"),
+            "interval_s": _r(planned.get("interval_s"), 2),
+            "rate_per_h": _r(planned.get("rate_per_h"), 3), "csbt_s": _r(planned.get("save_blocking_s"), 3),
+            "NoF": int(run["nof"]), "saves": int(run["checkpoint_saves"]),
+            "expected_wasted_s": _r(expected, 2), "wasted_s": round(realized, 2),
+            "replay_s": round(replay, 2),
+            "save_blocking_s": round(phases.get((rid, "checkpoint_save_blocking"), 0.0), 2),
+            "wasted%": round(100 * realized / wall, 1),
+            "realized/expected": round(realized / expected, 2) if expected else None,
+        })
+    columns = ["run", "started", "status", "source", "interval_steps", "interval_s", "rate_per_h", "csbt_s", "NoF",
+               "saves", "expected_wasted_s", "wasted_s", "replay_s", "save_blocking_s", "wasted%", "realized/expected"]
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.astype({"interval_steps": "Int64"})
+
+
+def _r(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(float(value), digits)
 
 
 def render(frame: pd.DataFrame, fmt: str) -> str:

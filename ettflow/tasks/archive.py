@@ -83,7 +83,7 @@ def archive_run(run_id: str, params: Mapping[str, Any], *, status: str, flow_run
     if skipped is not None:
         status, tags = "skipped", {**dict(tags or {}), "skip_reason": skipped}
     info = run_info(run_id, params, status=status, flow_run_id=flow_run_id,
-                    tags={**run_spool.publish_summary(evs), **dict(tags or {})})
+                    tags={**run_spool.publish_summary(evs), **run_spool.interval_tags(evs), **dict(tags or {})})
     result = archive_or_defer(lambda: resolve_warehouse_url(params), spool, info)
     log_result(result)
     return result
@@ -173,7 +173,8 @@ def publish_artifacts(flow_name: str, flow_run, archived: ArchiveResult) -> None
     if archived.status == "skipped":
         summary = f"Run {run_id} ({params.get('model') or 'dlrm'}) skipped: {skip_reason(evs)}"
     create_run_artifacts(flow_run_id=flow_run.id, slug=slug(deployment_name(flow_run) or flow_name),
-                         run_id=run_id, metrics=m, png=png, snapshot=snapshot, summary=summary)
+                         run_id=run_id, metrics=m, png=png, snapshot=snapshot, summary=summary,
+                         interval=run_spool.planned_interval(evs))
 
 
 def archive_on_flow_state(flow, flow_run, state) -> None:

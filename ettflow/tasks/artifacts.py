@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED, owner_of
+from ettflow.ett.interval_plan import PlannedInterval
 from ettflow.ett.run_metrics import RunMetrics
 
 TIMELINE_SUFFIX = ".ett-timeline.png"
@@ -49,6 +50,30 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
     return rows
 
 
+def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any]]:
+    """The checkpoint interval the run trained with and its inputs (`ett.interval_plan`); the
+    expected wasted training beside the realized one (raw: the run's wasted_training)."""
+    wall = m.wall_s or 1.0
+
+    def row(metric: str, exposed: Any, raw: Any = None, pct: float | None = None) -> dict[str, Any]:
+        return {"level": "interval", "metric": metric, "exposed": exposed, "raw": raw, "pct_of_wall": pct,
+                "owner": "storage"}
+
+    def r(v: float | None, digits: int = 3) -> float | None:
+        return None if v is None else round(v, digits)
+
+    wasted = m.components["wasted_training"]
+    return [
+        row(f"checkpoint interval s ({planned.source.value}; raw: steps)", r(planned.interval_s),
+            planned.interval_steps),
+        row("failure rate per training h (raw: own weight)", r(planned.rate_per_h, 4), r(planned.own_weight)),
+        row("save blocking s (CSBT, durable)", r(planned.save_blocking_s)),
+        row("expected training s", r(planned.job_s)),
+        row("expected wasted s (raw: realized wasted_training)", r(planned.expected_wasted_s), round(wasted, 3),
+            round(100 * wasted / wall, 1)),
+    ]
+
+
 def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     lines = [
@@ -65,15 +90,20 @@ def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -
 
 
 def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, metrics: RunMetrics, png: bytes,
-                         snapshot: str | None, summary: str) -> dict[str, UUID]:
-    """Create the three artifacts on the flow run `flow_run_id`; returns their ids."""
+                         snapshot: str | None, summary: str,
+                         interval: PlannedInterval | None = None) -> dict[str, UUID]:
+    """Create the three artifacts on the flow run `flow_run_id`; returns their ids. The ETT
+    table ends with the checkpoint interval's rows (`interval_rows`) when one was planned."""
     from prefect.artifacts import LinkArtifact, MarkdownArtifact, TableArtifact
 
     fr = UUID(str(flow_run_id))
     made: dict[str, UUID] = {}
     with warnings.catch_warnings():  # outside a run context (crash hook): we pass the id ourselves
         warnings.simplefilter("ignore", FutureWarning)
-        made["table"] = TableArtifact(key=f"ett-{slug}", table=table_rows(metrics), flow_run_id=fr,
+        rows = table_rows(metrics) + (interval_rows(interval, metrics) if interval is not None else [])
+        if interval is not None:
+            summary = f"{summary}; " + "; ".join(interval.lines())
+        made["table"] = TableArtifact(key=f"ett-{slug}", table=rows, flow_run_id=fr,
                                       description=summary).create(_sync=True).id
         made["timeline"] = MarkdownArtifact(key=f"ett-timeline-{slug}", flow_run_id=fr,
                                             markdown=timeline_markdown(run_id, png, metrics),

@@ -6,7 +6,8 @@ Two refreshes of one model never train the same windows and never both advance t
 one transaction serialized per model, and refuses (`Busy`) while another refresh of the model
 holds live claims. This task asks again every `POLL_S` until it gets them or `claim_wait_s`
 passed; then the refresh is skipped, with the reason. A refresh whose choice is empty (no window
-newer than the watermark) is skipped too: it reserves no trainer.
+newer than the watermark) is skipped too: it reserves no trainer. A claimed plan gets its
+checkpoint interval from the model's history read in the same visit (`plan.with_interval`).
 
 A skipped refresh leaves one event in its spool, so its hooks archive it with status
 `skipped` (`skip_reason`): the `scheduling` time from submission to the decision, with
@@ -26,12 +27,13 @@ from prefect.cache_policies import NO_CACHE
 
 from ettflow.ett import lineage
 from ettflow.ett.events import PhaseEvent
+from ettflow.ett.failure_history_db import estimate_from_warehouse
 from ettflow.ett.lineage import Busy, LineageRecord, Outcome
 from ettflow.ett.lineage_pending import write_pending_lineage
 from ettflow.ett.warehouse import Warehouse
 
 from . import run_spool
-from .plan import RefreshPlan, with_lineage
+from .plan import RefreshPlan, with_interval, with_lineage
 from .warehouse_url import resolve_warehouse_url
 
 SKIP_STAGE = "claim_windows"
@@ -102,6 +104,9 @@ def claim_windows(plan: RefreshPlan) -> Claim:
     logger = get_run_logger()
     with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
         claim = take_claim(plan, wh, log=logger)
+        if claim.skipped is None:  # sized for the claimed windows, from the model's history
+            history = estimate_from_warehouse(wh, model=plan.model, now=time.time(), exclude_run=plan.run_id)
+            claim = Claim(with_interval(claim.plan, history))
         if claim.skipped is not None:
             now = time.time()
             lineage.finish_refresh(wh, LineageRecord(model=plan.model, run_id=plan.run_id, outcome=Outcome.SKIPPED,
@@ -114,6 +119,7 @@ def claim_windows(plan: RefreshPlan) -> Claim:
     start = f"warm from run {p.parent.run_id} ({p.parent.anchor})" if p.parent else "cold"
     logger.info("model %s: training %s (%s); %s start", p.model, ", ".join(p.trainer.windows),
                 p.windows_choice.reason, start)
+    logger.info("model %s: %s", p.model, "; ".join(p.interval.lines()))
     return claim
 
 

@@ -20,7 +20,9 @@ Which windows a refresh trains depends on the model's lineage (`tasks.window_cho
 plan `plan_refresh` returns is the first refresh's (no watermark: the bootstrap range, cold);
 `with_lineage(plan, watermark, parent)` re-chooses the windows past the model's watermark and
 warm-starts from the parent's anchor. The `claim-windows` task calls it with what it read
-from the warehouse while it claims those windows (`tasks.claims`).
+from the warehouse while it claims those windows (`tasks.claims`), then `with_interval(plan,
+estimate)` with the model's failure history read in the same visit: the checkpoint interval
+for those windows (`ett.interval_plan`), in steps when the model has history (no probe save).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ettflow import paths
+from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_interval
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.model import ModelConfig
@@ -43,10 +46,11 @@ from .warehouse_url import check_warehouse_params
 from .window_choice import WindowChoice, explicit_choice, select_windows
 
 if TYPE_CHECKING:
+    from ettflow.ett.failure_history import HistoryEstimate
     from ettflow.ett.lineage import LineageRecord
 
 __all__ = ["ParameterError", "RefreshParams", "RefreshPlan", "WindowChoice", "plan_refresh", "parse_failures",
-           "resolve_switches", "select_windows", "slug", "with_lineage"]
+           "resolve_switches", "select_windows", "slug", "with_interval", "with_lineage"]
 
 MODES = ("baseline", "optimized")
 PUBLISH_IN_TRAINER = "publish_in_trainer"  # the flow's own switch (baseline: True)
@@ -132,6 +136,10 @@ class RefreshPlan:
     keep_refreshes: int = 3  # retention: anchors of the last K refreshes of the model are kept
     gate_max_auc_drop: float | None = 0.01  # publish gate (tasks/publish.py)
     gate_max_logloss_increase: float | None = None
+    # the checkpoint interval (`with_interval`): the refresh's own `checkpoint_every_steps`, and
+    # the interval planned from the model's history with its inputs (None: not planned yet)
+    explicit_interval_steps: int | None = None
+    interval: PlannedInterval | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -270,6 +278,22 @@ def _placement(p: Mapping[str, Any], world_size: int) -> Placement:
     return Placement(strategy=strategy, min_world_size=low, capacity_wait_s=wait)
 
 
+def with_interval(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshPlan:
+    """The checkpoint interval of the refresh, from its model's history (`ett.interval_plan`):
+    sized for the windows the plan trains (and its `max_steps`). With history the trainer gets
+    the interval in steps and takes no probe save; without, it probes, and its interval after
+    the probe uses the estimated failure rate. A `checkpoint_every_steps` of the refresh wins
+    (recorded as `fixed`, with its expected waste). `estimate` None: nothing is known."""
+    t = plan.trainer
+    planned = plan_interval(estimate, windows=len(t.windows) if t.windows else None, max_steps=t.max_steps,
+                            fixed_steps=plan.explicit_interval_steps)
+    steps = planned.interval_steps if planned.source is not IntervalSource.PROBE else None
+    rate = planned.rate_per_h / 3600.0 if planned.rate_per_h is not None else None
+    return replace(plan, interval=planned,
+                   trainer=replace(t, checkpoint_every_steps=steps if steps else plan.explicit_interval_steps,
+                                   failure_rate_per_s=rate))
+
+
 def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,
                  artifact_slug: str = "refresh-model") -> RefreshPlan:
     """Check every parameter and build the plan; `params` are the flow's parameters."""
@@ -339,5 +363,6 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
         gate_max_auc_drop=_float("gate_max_auc_drop", p.get("gate_max_auc_drop", 0.01), 0.0, optional=True),
         gate_max_logloss_increase=_float("gate_max_logloss_increase", p.get("gate_max_logloss_increase"), 0.0,
                                          optional=True),
+        explicit_interval_steps=trainer.checkpoint_every_steps,
     )
     return with_lineage(plan, None, None)

@@ -15,8 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ettflow.ett.events import FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
+from ettflow.ett.events import CHECKPOINT_INTERVAL, FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
 from ettflow.ett.failures import Failure
+from ettflow.ett.interval_plan import TAG, PlannedInterval
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.trainer.classify import failure_from_exception
 
@@ -107,3 +108,21 @@ def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
         out["snapshot"] = ok[-1].attrs.get("snapshot")
         out["publish_phase"] = ok[-1].phase
     return out
+
+
+def record_interval(root: Path | str, run_id: str, attempt: int, planned: PlannedInterval, at: float) -> None:
+    """The checkpoint interval the refresh trains with, and its inputs (a marker of `attempt`)."""
+    with SpoolWriter(root, run_id, attempt, -1) as rec:
+        rec.mark(CHECKPOINT_INTERVAL, at, **planned.to_attrs())
+
+
+def planned_interval(evs: list[PhaseEvent]) -> PlannedInterval | None:
+    """The run's last recorded checkpoint interval (None: none was recorded)."""
+    marks = sorted((e for e in evs if e.phase == CHECKPOINT_INTERVAL), key=lambda e: (e.attempt, e.start))
+    return PlannedInterval.from_attrs(marks[-1].attrs) if marks else None
+
+
+def interval_tags(evs: list[PhaseEvent]) -> dict[str, Any]:
+    """The planned interval as the warehouse tag `checkpoint_interval` (nothing when none)."""
+    planned = planned_interval(evs)
+    return {TAG: planned.to_attrs()} if planned is not None else {}

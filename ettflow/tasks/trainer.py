@@ -137,6 +137,8 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease = lease or new_lease(plan, first)
     evs = run_spool.events(plan.spool_root, plan.run_id)
     submitted_at = plan.submitted_at if first == 0 and not run_spool.submitted(evs) else None
+    if plan.interval is not None:  # stored with the run: its warehouse tag and the ETT artifact show it
+        run_spool.record_interval(plan.spool_root, plan.run_id, first, plan.interval, time.time())
     policy = failure_policy(plan)
     prior = run_spool.failures(plan.spool_root, plan.run_id)
     if prior:

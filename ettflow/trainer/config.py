@@ -132,7 +132,10 @@ class TrainerConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     threads_per_rank: int = 1  # same on every rank: the compile-cache key holds it
     checkpoint_every_steps: int | None = None  # None: from the metric core's optimizer
-    expected_failures: float = 1.0  # per job, for the interval optimizer
+    expected_failures: float = 1.0  # per job, for the interval optimizer (when failure_rate_per_s is None)
+    # the model's estimated failures per second of training (ett.failure_history), for the interval
+    # chosen after the probe save; the plan sets it (and checkpoint_every_steps, when the model has history)
+    failure_rate_per_s: float | None = None
     keep_checkpoints: int = 2
     failures: tuple[FailAt, ...] = ()
     warm_start_from: str | None = None  # the parent refresh's anchor checkpoint (None: cold start)
@@ -161,6 +164,10 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
             raise ValueError("checkpoint_every_steps must be >= 1 (or None for the optimizer)")
+        if self.failure_rate_per_s is not None and not (0 <= self.failure_rate_per_s < float("inf")):
+            raise ValueError(f"failure_rate_per_s must be >= 0 failures per second, got {self.failure_rate_per_s!r}")
+        if not (0 <= self.expected_failures < float("inf")):
+            raise ValueError(f"expected_failures must be >= 0 per job, got {self.expected_failures!r}")
         if self.keep_checkpoints < 1 or self.max_failures < 0:
             raise ValueError("keep_checkpoints >= 1 and max_failures >= 0 required")
         self.placement.check(self.world_size)

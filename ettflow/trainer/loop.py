@@ -2,9 +2,11 @@
 
 Every step is recorded with the data cursor it started and ended at, its loss and examples,
 so the metric can tell new data from replay and the driver can watch progress. The checkpoint
-interval is `checkpoint_every_steps` when set; otherwise the first save is a probe at a tenth
-of the job, and the interval after it comes from the metric core's optimizer, fed with the
-measured save-blocking time and step time (the same on every rank: both are all-reduced).
+interval is `checkpoint_every_steps` when set (by the refresh's plan, from the model's history:
+`ett.interval_plan`); otherwise the first save is a probe at a tenth of the job, and the interval
+after it comes from the metric core's optimizer, fed with the measured save-blocking time and
+step time (the same on every rank: both are all-reduced) and the failure rate of the config
+(`failure_rate_per_s`, else `expected_failures` per job).
 
 A step whose loss is not finite ends the attempt before its backward pass, with a `numerics`
 failure (see `numerics.py`); it is not recorded as a step. The scripted `nan` fault fills a
@@ -89,14 +91,17 @@ class TrainLoop:
                                 dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
         csbt, step_s = float(measured[0]), max(float(measured[1]), 1e-6)
+        rate = self.config.failure_rate_per_s  # the model's history; else a guess per job
         model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
-                           failures=self.config.expected_failures)
+                           **({"failure_rate_per_s": rate} if rate is not None
+                              else {"failures": self.config.expected_failures}))
         choice = optimal_interval(model, min_interval_s=step_s)
         self.interval = max(1, round(choice.interval_s / step_s))
         self.interval_choice = {"interval_steps": self.interval, "interval_s": choice.interval_s,
                                 "young_s": choice.young_s, "daly_s": choice.daly_s,
                                 "expected_wasted_s": choice.expected_wasted_s,
-                                "save_blocking_s": csbt, "step_s": step_s}
+                                "save_blocking_s": csbt, "step_s": step_s,
+                                "expected_failures": model.expected_failures}
 
     def _phase(self, name: str):
         return self.beat.phase(name) if self.beat is not None else nullcontext()
