@@ -1,27 +1,19 @@
 """The fleet view (`ett.fleet`): the regression rule and the summaries with exact numbers,
 the threshold globs of the automations (`ett.thresholds`) against Prefect's own matcher, and
-`ettflow report --fleet` over a real warehouse of spooled runs.
-
-`fleet_runs` / `archive_fleet` build a small fleet of runs without training (hand-made
-timelines written to a spool and archived), reused by tests/test_automations.py and
-tests/test_browser.py."""
+`ettflow report --fleet` over a real warehouse of spooled runs (tests/fleet_runs.py)."""
 
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
 
 import pandas as pd
 import pytest
-from timelines import Timeline
+from fleet_runs import archive_fleet
 
 from ettflow.cli import main
 from ettflow.ett import fleet
-from ettflow.ett.archive import archive_spooled_run
 from ettflow.ett.events import L2_ORDER
-from ettflow.ett.spool import SpoolWriter
 from ettflow.ett.thresholds import ett_below_globs, ett_label, nof_above_globs, nof_label
-from ettflow.ett.warehouse import RunInfo, Warehouse
 
 # -- the regression rule --------------------------------------------------------------------
 
@@ -162,53 +154,7 @@ def test_nof_globs_match_exactly_the_labels_above(threshold):
     assert all(prefect_match(globs, nof_label(n)) == (n > threshold) for n in range(0, 1000))
 
 
-# -- a fleet of spooled runs, archived, and `ettflow report --fleet` ---------------------------
-
-
-def spool_timeline(spool: Path, t: Timeline, t0: float) -> None:
-    writers: dict[tuple[int, int], SpoolWriter] = {}
-    for e in t.events:
-        w = writers.get((e.attempt, e.rank)) or writers.setdefault(
-            (e.attempt, e.rank), SpoolWriter(spool, t.run_id, e.attempt, e.rank))
-        w.record(e.phase, e.start + t0, e.end + t0, sync=False, **e.attrs)
-    for w in writers.values():
-        w.close()
-
-
-def fleet_run(run_id: str, compile_s: float, *, fail: bool = False) -> Timeline:
-    """2 s scheduling, `compile_s` compile, 20 one-second steps, 2 s shutdown; `fail`: rank 0
-    is killed after step 10 and the second attempt restores and replays nothing."""
-    t = Timeline(run_id)
-    t.mark("submitted", 0).ev("scheduling", 0, 2, rank=-1).ev("pt2_compile", 2, 2 + compile_s)
-    s = 2 + compile_s
-    if not fail:
-        return t.steps(s, 0, 20).ev("shutdown", s + 20, s + 22, rank=-1)
-    t.steps(s, 0, 10).fail(s + 10, s + 11, reason="injected kill at step 10", failure_class="infrastructure")
-    t.next_attempt().ev("scheduling", s + 11, s + 13, rank=-1).ev("checkpoint_restore", s + 13, s + 14)
-    return t.steps(s + 14, 10, 10).ev("shutdown", s + 24, s + 26, rank=-1)
-
-
-FLEET = {  # deployment -> compile seconds per run, oldest first: `nightly` regresses at the end
-    "nightly": [10, 10, 11, 10, 9, 10, 20, 21, 19],
-    "hourly": [4, 4, 5, 4, 4, 4],
-}
-
-
-def archive_fleet(url: str, spool: Path, start: float, *, flow_run_ids: dict[str, str] | None = None) -> list[str]:
-    """Spool and archive the FLEET's runs (an hour apart from `start`; the third `hourly` run
-    fails once), each tagged with its deployment; their run ids, oldest first."""
-    flow_run_ids = flow_run_ids or {}
-    done = []
-    with Warehouse.open(url) as wh:
-        for d, compiles in FLEET.items():
-            for i, c in enumerate(compiles):
-                run_id = f"{d}-{i}"
-                spool_timeline(spool, fleet_run(run_id, c, fail=(d == "hourly" and i == 2)), start + 3600 * i)
-                archive_spooled_run(wh, spool, RunInfo(run_id=run_id, model="dlrm", mode="optimized",
-                                                       flow_run_id=flow_run_ids.get(run_id), status="completed",
-                                                       tags={"deployment": d}))
-                done.append(run_id)
-    return done
+# -- `ettflow report --fleet` over a warehouse of spooled runs -----------------------------------
 
 
 def test_report_fleet_over_a_warehouse(tmp_path, capsys, monkeypatch):

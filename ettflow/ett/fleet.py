@@ -146,14 +146,15 @@ def deployment_summary(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def component_shares(runs: pd.DataFrame) -> pd.DataFrame:
-    """Each L2 bucket's share of the summed wall time of the trained runs, with its owner
-    (the shares sum to 100): component, owner, seconds, share_%."""
+    """Each L2 bucket's share of the summed wall time of the trained runs, grouped by owner
+    (owners by name, unattributed last; the shares sum to 100): owner, component, seconds, share_%."""
     done = trained(runs)
     wall = float(done["wall_s"].sum())
-    rows = [{"component": c, "owner": OWNERS.get(c, "-"), "seconds": round(float(done[f"{c}_s"].sum()), 3),
+    rows = [{"owner": OWNERS.get(c, "-"), "component": c, "seconds": round(float(done[f"{c}_s"].sum()), 3),
              "share_%": round(100 * float(done[f"{c}_s"].sum()) / wall, 1) if wall > 0 else 0.0}
             for c in L2_ORDER]
-    return pd.DataFrame(rows, columns=["component", "owner", "seconds", "share_%"])
+    rows.sort(key=lambda r: (r["owner"] == "-", r["owner"]))  # stable: L2 order within an owner
+    return pd.DataFrame(rows, columns=["owner", "component", "seconds", "share_%"])
 
 
 def worst_lost(row: Mapping[str, object]) -> str:
@@ -204,7 +205,7 @@ def fleet_text(runs: pd.DataFrame, rule: RegressionRule = RegressionRule(), *, w
         series = ", ".join(f"{v:.1f}" for v in done["ett_pct"].tail(20))
         parts += [f"{deployment}: ETT% of its last {min(len(done), 20)} runs, oldest first: {series}"]
     parts += ["", "Where the wall time went (all deployments, share of summed wall time, by owner):",
-              component_shares(runs).sort_values(["owner", "component"]).to_string(index=False), "",
+              component_shares(runs).to_string(index=False), "",
               f"Worst {worst} runs by ETT%:", _or_none(worst_runs(runs, worst).drop(columns="flow_run_id")), "",
               "Regressions (" + describe_rule(rule) + "):"]
     parts.append(_or_none(regression_table(found)) if found else "(none)")

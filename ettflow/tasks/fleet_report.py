@@ -218,7 +218,7 @@ def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 
         "## Components per owner (share of wall time, all deployments)", "",
         _image(component_shares_png(runs, "where the wall time went: the fleet's last runs"),
                "components of the fleet"),
-        "", md_table(fleet.component_shares(runs).sort_values(["owner", "component"])), "",
+        "", md_table(fleet.component_shares(runs)), "",
         f"## Worst {worst} runs", "", _worst_md(runs, worst), "",
         "## Regressions", "", _regressions_md(fleet.regressions(runs, rule), rule),
     ])

@@ -64,17 +64,22 @@ def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
     return labels
 
 
-def emit_run_measured(flow_run, archived: ArchiveResult):
+def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None = None,
+                      deployment: str | None = None):
     """Emit `ettflow.run.measured` for the archived run of `flow_run`; the event, or None
-    when nothing was emitted (no API, or an error: logged)."""
+    when nothing was emitted (no API, or an error: logged). `outcome` (default: the archived
+    status) and `deployment` (default: read from Prefect) when the caller knows them."""
     from prefect.events import emit_event
 
     from .archive import deployment_name
 
     params = dict(flow_run.parameters or {})
-    deployment = deployment_name(flow_run)
+    if deployment is None:
+        deployment = deployment_name(flow_run)
     payload = measured_payload(archived, model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
                                deployment=deployment)
+    if outcome is not None:
+        payload["outcome"] = outcome
     related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run",
                 "prefect.resource.name": str(getattr(flow_run, "name", "") or flow_run.id)}]
     if getattr(flow_run, "deployment_id", None):

@@ -1,0 +1,112 @@
+"""The Prefect UI in a real browser: Debian's `chromium`, headless, driven by Playwright
+(`executable_path`: no browser download; scripts/setup_browser.sh installs both) over the UI
+of the real `prefect server` (conftest's `prefect_server`).
+
+A flow run of the deployment `refresh-adhoc` measured without training (tests/fleet_runs.py:
+ETT 27.8%, NoF 2), archived by ettflow's real hook, and the `ett-fleet-report` flow over a
+warehouse that also holds a small fleet. The test checks, as a person would see them:
+
+- the flow run page: its state, and its ETT in the state message (see STATE_MESSAGE_SHOWN);
+- the run's Artifacts tab: the ETT table (its rows) and the timeline picture, rendered
+  (an <img> with a non-zero natural width);
+- the fleet artifact's page: its sections and both pictures rendered.
+
+Screenshots are test outputs: under the test's tmp dir, and under $ETTFLOW_SCREENSHOTS when
+set (`ETTFLOW_SCREENSHOTS=docs/screenshots` makes the README's two pictures).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fleet_runs import archive_fleet, run_as_deployment
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[1]
+# The run's final state message with its ETT (`ETT 27.8% · NoF 2 (...) · TTS ...`) comes with
+# part A of issue 11 (ettflow.tasks.archive.finish_run); until it is merged the page is checked
+# for the state only. Set to True once measured_run's state carries the message.
+STATE_MESSAGE_SHOWN = False
+
+
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("Debian's chromium is not installed: run `bash scripts/setup_browser.sh` (scripts/test.sh does)",
+                    pytrace=False)
+    return path
+
+
+def save(page, name: str, tmp_path: Path) -> Path:
+    out = tmp_path / name
+    page.screenshot(path=str(out), full_page=True)
+    if os.environ.get("ETTFLOW_SCREENSHOTS"):
+        folder = Path(os.environ["ETTFLOW_SCREENSHOTS"])
+        folder = folder if folder.is_absolute() else REPO / folder
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, folder / name)
+    return out
+
+
+def rendered_images(page) -> list[dict]:
+    """Every <img> on the page with a data: PNG source: its natural size once loaded."""
+    return page.eval_on_selector_all(
+        "img[src^='data:image/png']",
+        "imgs => imgs.map(i => ({alt: i.alt, complete: i.complete, w: i.naturalWidth, h: i.naturalHeight}))")
+
+
+def test_run_page_and_fleet_view_in_chromium(prefect_server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    env, api = prefect_server
+    ui = api.removesuffix("/api")
+    env = {**env, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "ETTFLOW_HOME": str(tmp_path / "home")}
+    warehouse = f"sqlite:///{tmp_path / 'warehouse.db'}"
+    spool = tmp_path / "spool"
+    run_id = run_as_deployment(env, "measured-run", "refresh-adhoc", "tests/fleet_runs.py:measured_run",
+                               {"spool_root": str(spool), "warehouse_url": warehouse, "compile_s": 40, "failures": 2})
+    archive_fleet(warehouse, spool, time.time() - 15 * 3600)
+    fleet_run_id = run_as_deployment(env, "ett-fleet-report", "ett-fleet-report",
+                                     "ettflow/flows/fleet.py:ett_fleet_report", {"warehouse_url": warehouse})
+    artifacts = httpx.post(f"{api}/artifacts/filter",
+                           json={"artifacts": {"flow_run_id": {"any_": [fleet_run_id]}}}).json()
+    fleet_artifact = next(a for a in artifacts if a["key"] == "ett-fleet")
+
+    started = time.perf_counter()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(30_000)
+
+        page.goto(f"{ui}/runs/flow-run/{run_id}")
+        expect(page.get_by_text("measured-40.0s-2f").first).to_be_visible()
+        expect(page.get_by_text("Completed").first).to_be_visible()
+        if STATE_MESSAGE_SHOWN:  # part A of issue 11: enable once merged
+            expect(page.get_by_text("ETT 27.8% · NoF 2").first).to_be_visible()
+        save(page, "run-page.png", tmp_path)
+
+        page.get_by_role("tab", name="Artifacts").click()
+        expect(page.get_by_text("ETT %").first).to_be_visible()  # the ETT table's first row
+        expect(page.get_by_text("pt2_compile").first).to_be_visible()
+        page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                               ".some(i => i.complete && i.naturalWidth > 0)")
+        timeline = [i for i in rendered_images(page) if i["alt"].startswith("ETT timeline of run")]
+        assert timeline and timeline[0]["w"] > 0 and timeline[0]["h"] > 0, rendered_images(page)
+        save(page, "run-artifacts.png", tmp_path)
+
+        page.goto(f"{ui}/artifacts/artifact/{fleet_artifact['id']}")
+        expect(page.get_by_text("ETT of the fleet").first).to_be_visible()
+        expect(page.get_by_text("Regressions").first).to_be_visible()
+        page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                               ".filter(i => i.complete && i.naturalWidth > 0).length >= 2")
+        assert {i["alt"] for i in rendered_images(page) if i["w"] > 0} == {"ETT per run of the fleet",
+                                                                           "components of the fleet"}
+        save(page, "fleet-view.png", tmp_path)
+        browser.close()
+    print(f"browser part: {time.perf_counter() - started:.1f} s")
