@@ -6,9 +6,10 @@ A flow run of the deployment `refresh-adhoc` measured without training (tests/fl
 ETT 27.8%, NoF 2), archived by ettflow's real hook, and the `ett-fleet-report` flow over a
 warehouse that also holds a small fleet. The test checks, as a person would see them:
 
-- the flow run page: its state, and its ETT in the state message (see STATE_MESSAGE_SHOWN);
-- the run's Artifacts tab: the ETT table (its rows) and the timeline picture, rendered
-  (an <img> with a non-zero natural width);
+- the flow run page: its state, and in its Details tab the state message with its ETT (see
+  STATE_MESSAGE_SHOWN);
+- the run's Artifacts tab, and the artifacts it opens: the ETT table (its rows) and the
+  timeline picture, rendered (an <img> with a non-zero natural width);
 - the fleet artifact's page: its sections and both pictures rendered.
 
 Screenshots are test outputs: under the test's tmp dir, and under $ETTFLOW_SCREENSHOTS when
@@ -62,7 +63,7 @@ def rendered_images(page) -> list[dict]:
 
 
 def test_run_page_and_fleet_view_in_chromium(prefect_server, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
     env, api = prefect_server
     ui = api.removesuffix("/api")
@@ -83,30 +84,57 @@ def test_run_page_and_fleet_view_in_chromium(prefect_server, tmp_path):
         browser = p.chromium.launch(executable_path=chromium(), headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(30_000)
+        try:
+            check_pages(page, ui, run_id, fleet_artifact["id"], tmp_path)
+        except Exception:
+            save(page, "failure.png", tmp_path)  # what the browser showed, beside its HTML
+            (tmp_path / "failure.html").write_text(page.content())
+            raise
+        finally:
+            browser.close()
+    print(f"browser part: {time.perf_counter() - started:.1f} s (screenshots in {tmp_path})")
 
-        page.goto(f"{ui}/runs/flow-run/{run_id}")
-        expect(page.get_by_text("measured-40.0s-2f").first).to_be_visible()
-        expect(page.get_by_text("Completed").first).to_be_visible()
-        if STATE_MESSAGE_SHOWN:  # part A of issue 11: enable once merged
-            expect(page.get_by_text("ETT 27.8% · NoF 2").first).to_be_visible()
-        save(page, "run-page.png", tmp_path)
 
-        page.get_by_role("tab", name="Artifacts").click()
-        expect(page.get_by_text("ETT %").first).to_be_visible()  # the ETT table's first row
-        expect(page.get_by_text("pt2_compile").first).to_be_visible()
-        page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
-                               ".some(i => i.complete && i.naturalWidth > 0)")
-        timeline = [i for i in rendered_images(page) if i["alt"].startswith("ETT timeline of run")]
-        assert timeline and timeline[0]["w"] > 0 and timeline[0]["h"] > 0, rendered_images(page)
-        save(page, "run-artifacts.png", tmp_path)
+def tab(page, name: str):
+    """A tab of the flow run page (Prefect's UI: `li.p-tab`)."""
+    return page.locator("li.p-tab", has_text=name)
 
-        page.goto(f"{ui}/artifacts/artifact/{fleet_artifact['id']}")
-        expect(page.get_by_text("ETT of the fleet").first).to_be_visible()
-        expect(page.get_by_text("Regressions").first).to_be_visible()
-        page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
-                               ".filter(i => i.complete && i.naturalWidth > 0).length >= 2")
-        assert {i["alt"] for i in rendered_images(page) if i["w"] > 0} == {"ETT per run of the fleet",
-                                                                           "components of the fleet"}
-        save(page, "fleet-view.png", tmp_path)
-        browser.close()
-    print(f"browser part: {time.perf_counter() - started:.1f} s")
+
+def check_pages(page, ui: str, run_id: str, fleet_artifact_id: str, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(f"{ui}/runs/flow-run/{run_id}")
+    expect(page.get_by_text("measured-40.0s-2f").first).to_be_visible()
+    expect(page.get_by_text("Completed").first).to_be_visible()
+    tab(page, "Details").click()  # the flow run's details show its state message
+    expect(page.get_by_text("Run Count").first).to_be_visible()
+    if STATE_MESSAGE_SHOWN:  # part A of issue 11: enable once merged
+        expect(page.get_by_text("ETT 27.8% · NoF 2").first).to_be_visible()
+    save(page, "run-details.png", tmp_path)
+
+    tab(page, "Artifacts").click()  # a card per artifact; each opens the artifact's page
+    expect(page.get_by_text("ett-timeline-refresh-adhoc").first).to_be_visible()
+    save(page, "run-page.png", tmp_path)
+
+    page.get_by_text("ett-refresh-adhoc", exact=True).first.click()  # the ETT table
+    for row in ("ETT %", "NoF", "TTS s", "pt2_compile", "effective_training", "compiler"):
+        expect(page.get_by_role("cell", name=row, exact=True).first).to_be_visible()
+    save(page, "run-ett-table.png", tmp_path)
+
+    page.go_back()
+    tab(page, "Artifacts").click()
+    page.get_by_text("ett-timeline-refresh-adhoc", exact=True).first.click()  # the timeline picture
+    page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                           ".some(i => i.complete && i.naturalWidth > 0)")
+    timeline = [i for i in rendered_images(page) if i["alt"].startswith("ETT timeline of run")]
+    assert len(timeline) == 1 and timeline[0]["w"] > 0 and timeline[0]["h"] > 0, rendered_images(page)
+    save(page, "run-timeline.png", tmp_path)
+
+    page.goto(f"{ui}/artifacts/artifact/{fleet_artifact_id}")
+    expect(page.get_by_text("ETT of the fleet").first).to_be_visible()
+    expect(page.get_by_text("Regressions").first).to_be_visible()
+    page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                           ".filter(i => i.complete && i.naturalWidth > 0).length >= 2")
+    assert {i["alt"] for i in rendered_images(page) if i["w"] > 0} == {"ETT per run of the fleet",
+                                                                       "components of the fleet"}
+    save(page, "fleet-view.png", tmp_path)

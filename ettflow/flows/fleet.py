@@ -11,11 +11,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from pydantic import Field
 
 from ettflow.ett.fleet import RegressionRule, regressions
 from ettflow.tasks.fleet_report import emit_regressions, publish_fleet_artifacts, read_fleet
@@ -45,21 +42,27 @@ def emit_task(runs, rule: RegressionRule, flow_run_id: str | None) -> int:
 
 @flow(name="ett-fleet-report", flow_run_name="fleet-report")
 def ett_fleet_report(
-    warehouse_url: Annotated[str | None, Field(description=(
-        "SQLAlchemy URL of the warehouse to read, without a password (null: the worker's "
-        "ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file)"))] = None,
-    warehouse_secret: Annotated[str | None, Field(description=(
-        "name of a Prefect Secret block holding the warehouse URL (for a URL with a password)"))] = None,
-    last: Annotated[int | None, Field(ge=1, description="read only the N most recent runs (null: all)")] = 2000,
-    recent: Annotated[int, Field(ge=1, description="regression rule: the window of the last N runs")] = 3,
-    min_history: Annotated[int, Field(ge=2, description=(
-        "regression rule: runs needed before the window to judge it"))] = 5,
-    k: Annotated[float, Field(gt=0, description=(
-        "regression rule: median(window) > median(history) + max(k x 1.4826 x MAD, min_increase_s)"))] = 3.0,
-    min_increase_s: Annotated[float, Field(ge=0, description=(
-        "regression rule: the least increase in seconds that counts (a flat history has MAD 0)"))] = 1.0,
+    warehouse_url: str | None = None,
+    warehouse_secret: str | None = None,
+    last: int | None = 2000,
+    recent: int = 3,
+    min_history: int = 5,
+    k: float = 3.0,
+    min_increase_s: float = 1.0,
 ) -> dict:
-    """Publish the fleet's ETT view; returns the artifact keys made and the regressions found."""
+    """Publish the fleet's ETT view; returns the artifact keys made and the regressions found.
+
+    Args:
+        warehouse_url: The warehouse's SQLAlchemy URL, without a password (parameters are stored in clear); null:
+            warehouse_secret, else the worker's ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file.
+        warehouse_secret: The name of a Prefect Secret block that holds the warehouse URL (with its password).
+        last: Read only the N most recent runs (null: all).
+        recent: Regression rule: the window, the last N trained runs of a deployment.
+        min_history: Regression rule: the runs needed before the window to judge it.
+        k: Regression rule: a component regressed when median(window) > median(history) + max(k x 1.4826 x MAD,
+            min_increase_s).
+        min_increase_s: Regression rule: the least increase in seconds that counts (a flat history has MAD 0).
+    """
     from prefect.runtime import flow_run
 
     rule = RegressionRule(recent=recent, min_history=min_history, k=k, min_increase_s=min_increase_s)

@@ -246,9 +246,13 @@ def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule) -> d
 
 
 def emit_regressions(found: Sequence[fleet.Regression], related: Sequence[Mapping[str, str]] = ()) -> int:
-    """Emit one `REGRESSED_EVENT` per regression; how many were emitted."""
+    """Emit one `REGRESSED_EVENT` per regression; how many were emitted (none without a
+    configured API, PREFECT_API_URL)."""
     from prefect.events import emit_event
+    from prefect.settings import PREFECT_API_URL
 
+    if not PREFECT_API_URL.value():
+        return 0
     sent = 0
     for r in found:
         b = r.baseline

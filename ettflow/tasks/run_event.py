@@ -12,8 +12,8 @@ numbers come from the spool either way), so automations can react to a run's ETT
   (and unattributed), model, mode, deployment and outcome (the final state: completed, failed,
   crashed, cancelled; ``skipped`` when nothing was trained).
 
-Emitting never fails the hook: without an API (`prefect.events` emits nothing then) or on
-an error, it logs and returns None.
+Emitting never fails the hook: without a configured API (PREFECT_API_URL; Prefect would
+start an ephemeral server just for the event) nothing is emitted, and an error is logged.
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None 
     when nothing was emitted (no API, or an error: logged). `outcome` (default: the archived
     status) and `deployment` (default: read from Prefect) when the caller knows them."""
     from prefect.events import emit_event
+    from prefect.settings import PREFECT_API_URL
 
     from .archive import deployment_name
 
+    if not PREFECT_API_URL.value():
+        return None
     params = dict(flow_run.parameters or {})
     if deployment is None:
         deployment = deployment_name(flow_run)
