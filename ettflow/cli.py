@@ -34,6 +34,8 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
         return _lineage(wh, args)
     if getattr(args, "intervals", False):
         return _intervals(wh, args)
+    if getattr(args, "fleet", False):
+        return _fleet(wh, args)
     runs = wh.runs_frame(model=args.model, run_id=args.run, limit=args.last)
     if runs.empty:
         what = f"run {args.run!r}" if args.run else (f"model {args.model!r}" if args.model else "any run")
@@ -108,6 +110,24 @@ def _intervals(wh: Warehouse, args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet(wh: Warehouse, args: argparse.Namespace) -> int:
+    """Print the fleet view (`ett.fleet`: per deployment, components per owner, worst runs,
+    regressions); 1 when the warehouse holds no run."""
+    from .ett import fleet
+    from .tasks.fleet_report import deployment_names
+
+    runs = wh.runs_frame(limit=args.last)
+    if runs.empty:
+        print(f"ettflow report: the warehouse at {wh.display_url} holds no run.", file=sys.stderr)
+        return 1
+    try:  # the runs' deployments as Prefect knows them, when PREFECT_API_URL names a server
+        names = deployment_names([str(f) for f in runs["flow_run_id"].dropna()])
+    except Exception:  # noqa: BLE001 - without Prefect the rows' own tags name them
+        names = {}
+    print(fleet.fleet_text(fleet.with_deployment(runs, names)))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Write a sample run through the spool, archive it, and print its report."""
     from .ett.archive import archive_spooled_run
@@ -141,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--intervals", action="store_true",
                      help="with --model: per refresh the checkpoint interval chosen, expected and realized "
                           "wasted training")
+    rep.add_argument("--fleet", action="store_true",
+                     help="the fleet view: ETT per deployment, components per owner, worst runs, regressions")
     rep.add_argument("--format", choices=("table", "csv", "json"), default="table")
     rep.set_defaults(func=cmd_report)
 
@@ -153,11 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import cli as bench_cli
     from .flows import cli as flows_cli
     from .publish import cli as publish_cli
-    from .tasks import archive_cli
+    from .tasks import archive_cli, automations_cli
     from .trainer.data import cli as data_cli
 
     flows_cli.register(sub)
     archive_cli.register(sub)
+    automations_cli.register(sub)
     data_cli.register(sub)
     publish_cli.register(sub)
     bench_cli.register(sub)

@@ -141,9 +141,10 @@ def flow_work_root(tmp_path_factory):
 
 
 # ==============================================================================================
-# A real Prefect server (tests/test_flow_server.py, tests/test_fault_matrix_services.py):
-# `prefect server start` in its own PREFECT_HOME, once per session, with the process work pool
-# `PREFECT_POOL` created. Yields (env, api): the environment for `prefect` commands and workers
+# A real Prefect server (tests/test_flow_server.py, tests/test_fault_matrix_services.py,
+# tests/test_automations.py, and its UI for tests/test_browser.py): `prefect server start` in
+# its own PREFECT_HOME, once per session, with the process work pool `PREFECT_POOL` created.
+# Yields (env, api): the environment for `prefect` commands and workers
 # (no inherited PREFECT_* settings) and the API URL.
 # ==============================================================================================
 PREFECT_POOL = "ettflow-process"
@@ -166,7 +167,7 @@ def prefect_server(tmp_path_factory):
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(home), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_ENABLED="false", PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
+               PREFECT_UI_ENABLED="true", PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
                PREFECT_CLI_PROMPT="false", PREFECT_WORKER_QUERY_SECONDS="2")
     log = open(home / "server.log", "w")  # noqa: SIM115 - closed at the fixture's end
     proc = subprocess.Popen([prefect_cli, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,

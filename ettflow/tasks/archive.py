@@ -38,6 +38,7 @@ from ettflow.ett.warehouse import RunInfo
 
 from . import run_spool
 from .claims import skip_reason
+from .run_event import emit_run_measured
 from .warehouse_url import resolve_warehouse_url
 
 log = logging.getLogger("ettflow.tasks")
@@ -191,6 +192,7 @@ def archive_on_flow_state(flow, flow_run, state) -> None:
                            tags={"flow_run_count": flow_run.run_count})
     if archived is not None:
         publish_artifacts(flow.name, flow_run, archived)
+        emit_run_measured(flow_run, archived)  # the `ettflow.run.measured` event (tasks.run_event)
 
 
 def archive_on_task_state(task, task_run, state) -> None:

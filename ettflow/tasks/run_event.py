@@ -1,0 +1,99 @@
+"""The Prefect event every archived refresh emits: `ettflow.run.measured`.
+
+Emitted once per final flow state, after the run's row is archived (or left pending: the
+numbers come from the spool either way), so automations can react to a run's ETT:
+
+- resource ``ettflow.run.<run_id>``, named ``<model>-<mode>``, with labels an automation's
+  trigger can match (`ett.thresholds`): ``ettflow.model``, ``ettflow.mode``,
+  ``ettflow.outcome``, ``ettflow.deployment`` (when the run has one), ``ettflow.ett_pct``
+  (``DDD.D``) and ``ettflow.nof`` (``DDD``);
+- related resources: the flow run (role ``flow-run``) and its deployment (role ``deployment``);
+- payload: `measured_payload`: ETT%, NoF, TTS, TTR, wall, the six components' exposed seconds
+  (and unattributed), model, mode, deployment and outcome (the final state: completed, failed,
+  crashed, cancelled; ``skipped`` when nothing was trained).
+
+Emitting never fails the hook: without a configured API (PREFECT_API_URL; Prefect would
+start an ephemeral server just for the event) nothing is emitted, and an error is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ettflow.ett.archive import ArchiveResult
+from ettflow.ett.events import COMPONENTS, UNATTRIBUTED
+from ettflow.ett.thresholds import ett_label, nof_label
+
+EVENT = "ettflow.run.measured"
+log = logging.getLogger("ettflow.tasks")
+
+
+def measured_payload(archived: ArchiveResult, *, model: str, mode: str, deployment: str | None) -> dict[str, Any]:
+    m = archived.metrics
+    return {
+        "run_id": archived.run_id,
+        "model": model,
+        "mode": mode,
+        "deployment": deployment,
+        "outcome": archived.status,
+        "ett_pct": round(m.ett_pct, 2),
+        "nof": m.nof,
+        "tts_s": round(m.tts_s, 3),
+        "ttr_total_s": round(m.ttr_total_s, 3),
+        "wall_s": round(m.wall_s, 3),
+        "components": {c: round(m.components[c], 3) for c in COMPONENTS},
+        "unattributed_s": round(m.components[UNATTRIBUTED], 3),
+        "failures": [{"class": f.failure_class, "reason": f.reason[:200]} for f in m.failures],
+        "archived": archived.archived,
+    }
+
+
+def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
+    labels = {
+        "prefect.resource.id": f"ettflow.run.{payload['run_id']}",
+        "prefect.resource.name": f"{payload['model']}-{payload['mode']}",
+        "ettflow.model": payload["model"],
+        "ettflow.mode": payload["mode"],
+        "ettflow.outcome": payload["outcome"],
+        "ettflow.ett_pct": ett_label(payload["ett_pct"]),
+        "ettflow.nof": nof_label(payload["nof"]),
+    }
+    if payload["deployment"]:
+        labels["ettflow.deployment"] = payload["deployment"]
+    return labels
+
+
+def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None = None,
+                      deployment: str | None = None):
+    """Emit `ettflow.run.measured` for the archived run of `flow_run`; the event, or None
+    when nothing was emitted (no API, or an error: logged). `outcome` (default: the archived
+    status) and `deployment` (default: read from Prefect) when the caller knows them."""
+    from prefect.events import emit_event
+    from prefect.settings import PREFECT_API_URL
+
+    from .archive import deployment_name
+
+    if not PREFECT_API_URL.value():
+        return None
+    params = dict(flow_run.parameters or {})
+    if deployment is None:
+        deployment = deployment_name(flow_run)
+    payload = measured_payload(archived, model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
+                               deployment=deployment)
+    if outcome is not None:
+        payload["outcome"] = outcome
+    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run",
+                "prefect.resource.name": str(getattr(flow_run, "name", "") or flow_run.id)}]
+    if getattr(flow_run, "deployment_id", None):
+        related.append({"prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
+                        "prefect.resource.role": "deployment", "prefect.resource.name": deployment or ""})
+    try:
+        event = emit_event(EVENT, resource=measured_resource(payload), related=related, payload=payload)
+    except Exception:  # noqa: BLE001 - an event is a notification: the run's row matters more
+        log.warning("could not emit %s for run %s", EVENT, archived.run_id, exc_info=True)
+        return None
+    if event is not None:
+        log.info("emitted %s for run %s (ETT %.1f%%, NoF %d)", EVENT, archived.run_id, payload["ett_pct"],
+                 payload["nof"])
+    return event
