@@ -118,6 +118,15 @@ def test_refresh_recovers_from_a_sigkill(env, killed):
     first, last = (w.removeprefix("window=") for w in (env["windows"][0], env["windows"][-1]))
     assert fr.name == f"dlrm-optimized {first}..{last} (2)"
     assert {"model:dlrm", "mode:optimized", "failures:1", "outcome:published"} <= set(fr.tags), fr.tags
+    # the log names the failure that ended attempt 0 in ettflow's words, Ray's detail after
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler.flush()
+    with client() as c:
+        logs = [log.message for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+    ended = [m for m in logs if m.startswith("attempt 0 ended with an infrastructure failure: ")]
+    assert ended and "(rank 1, step 30)" in ended[0], logs
     runs, events = warehouse_run(env, run_id)
     assert len(runs) == 1
     row = runs.iloc[0]

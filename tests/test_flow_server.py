@@ -71,9 +71,10 @@ def test_deploy_run_and_archive_through_a_worker(prefect_server, tmp_path, flow_
     keys = [a["key"] for a in found]
     assert {"ett-refresh-adhoc", "ett-timeline-refresh-adhoc", "snapshot-refresh-adhoc"} <= set(keys)
     assert keys.count("training-progress-refresh-adhoc") == 1
-    for a in found:
-        head = "Completed · " if a["type"] == "progress" else ""
-        assert re.match(rf"{head}ETT \d+\.\d% · NoF 0 · Completed", a["description"]), a
+    for a in found:  # the progress artifact ends at the final state and its message
+        progress = a["type"] == "progress"
+        head = r"Completed · ETT \d+\.\d% · NoF 0 · TTS" if progress else r"ETT \d+\.\d% · NoF 0 · Completed"
+        assert re.match(head, a["description"]), a
     # the run form describes every parameter
     deployment = httpx.get(f"{api}/deployments/name/refresh-model/refresh-adhoc").json()
     props = deployment["parameter_openapi_schema"]["properties"]

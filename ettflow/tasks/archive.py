@@ -27,7 +27,8 @@ final line of its progress artifact and its state message. The flow body calls i
 it returns its final state (so the state carries the message: Prefect runs the completion and
 failure hooks after the state is set); the hooks then find the run finished
 (`finished_in_body`) and do nothing again. The crash and cancellation hooks call it themselves
-and set a new state of the same type with the message (`run_labels.restate_with_message`).
+and set a new state of the same type with the message (`run_labels.restate_with_message`),
+as does the failure hook for a run that failed outside the body's reach (a flow timeout).
 """
 
 from __future__ import annotations
@@ -256,9 +257,11 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
 def archive_on_flow_state(flow, flow_run, state) -> None:
     """Flow hook (completion, failure, crash, cancellation): unless the flow body finished the
     run already (`finish_run`), archive and announce it now. A crash is recorded first; a
-    crashed or cancelled run then gets a state of the same type whose message says its ETT."""
-    try:
-        final = FinalState(state.type.value.lower())
+    failed (e.g. timed out), crashed or cancelled run then gets a state of the same type whose
+    message says its ETT."""
+    value = state.type.value.lower()
+    try:  # a runner runs the cancellation hooks while the run is CANCELLING: it ends CANCELLED
+        final = FinalState("cancelled" if value == "cancelling" else value)
     except ValueError:
         log.warning("archive hook called for a %s state: nothing to do", state.type.value)
         return
@@ -273,7 +276,7 @@ def archive_on_flow_state(flow, flow_run, state) -> None:
     reason = getattr(state, "message", None) or None
     # the body records published, gated or skipped; a hook knows only the state
     summary = finish_run(flow.name, flow_run, state=final, outcome=final.value, reason=reason)
-    if final in (FinalState.CRASHED, FinalState.CANCELLED) and summary.measured:
+    if final is not FinalState.COMPLETED and summary.measured:
         run_labels.restate_with_message(run_id, final.value, state_message(summary))
 
 

@@ -1,13 +1,14 @@
 """What the Prefect API holds about a refresh beside its state: its name and its tags, and the
-message of a state the flow did not set itself (crashed, cancelled).
+message of a state the flow did not set itself (crashed, cancelled, failed outside its body).
 
 The strings come from `ett.run_summary`; this module only writes them, by the flow run's id
 (never through the run context: the crash hook runs in another process). A refresh is
 renamed once its windows are claimed (`name_flow_run`), and tagged when it is archived
-(`tag_flow_run`). A run that Prefect marked CRASHED or CANCELLED gets a second state of the
-same type that carries the ETT message (`restate_with_message`): the first one's message was
-Prefect's, and a state cannot be edited. Without a Prefect API (a plain function call) these
-do nothing; an API error is logged, never raised over the run.
+(`tag_flow_run`). A run that Prefect marked CRASHED or CANCELLED (or FAILED where the flow
+body could not finish it) gets a second state of the same type that carries the ETT message
+(`restate_with_message`): the first one's message was Prefect's, and a state cannot be
+edited. Without a Prefect API (a plain function call) these do nothing; an API error is
+logged, never raised over the run.
 """
 
 from __future__ import annotations
@@ -79,16 +80,16 @@ def tag_flow_run(flow_run_id: str, tags: Sequence[str]) -> bool:
 
 
 def restate_with_message(flow_run_id: str, state_type: str, message: str) -> bool:
-    """Set a new CRASHED or CANCELLED state carrying `message` on the flow run (forced: the run
-    is in a final state already). Called by the hooks of those states, after archiving."""
+    """Set a new FAILED, CRASHED or CANCELLED state carrying `message` on the flow run (forced:
+    the run is in a final state already). Called by the hooks of those states, after archiving."""
     fr = _flow_run_id(flow_run_id)
     if fr is None or not _api():
         return False
-    from prefect.states import Cancelled, Crashed
+    from prefect.states import Cancelled, Crashed, Failed
 
-    make = {"crashed": Crashed, "cancelled": Cancelled}.get(state_type)
+    make = {"failed": Failed, "crashed": Crashed, "cancelled": Cancelled}.get(state_type)
     if make is None:
-        raise ValueError(f"restate_with_message sets crashed or cancelled states, not {state_type!r}")
+        raise ValueError(f"restate_with_message sets failed, crashed or cancelled states, not {state_type!r}")
     try:
         from prefect.client.orchestration import get_client
 
