@@ -137,7 +137,7 @@ def refresh_model(
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
     reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
     progress = RunProgress(plan.run_id, plan.artifact_slug)
-    progress.show("claiming the windows past the model's watermark", 0.0)
+    progress.show("claiming the windows past the model's watermark")
     claim = claim_windows(plan)
     if claim.skipped is not None:  # nothing reserved or trained; archived as skipped
         return _finish(plan, FinalState.COMPLETED, Outcome.SKIPPED, reason=claim.skipped, data={
