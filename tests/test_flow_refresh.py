@@ -161,6 +161,8 @@ def test_the_flow_run_shows_its_artifacts(env, killed):
     table = json.loads(found["ett-refresh-model"][0].data)
     assert {r["metric"] for r in table} >= {"ETT %", "NoF", "effective_training", "unattributed"}
     assert "data:image/png;base64," in found["ett-timeline-refresh-model"][0].data
+    # the body finished the run: its completion hook attached nothing again
+    assert {k: len(v) for k, v in found.items()} == dict.fromkeys(found, 1)
     # one progress artifact for the run, through its restart, ending at the final state
     (progress,) = found["training-progress-refresh-model"]
     assert progress.data == 100.0 and progress.description.startswith("Completed · ETT "), progress.description
