@@ -201,7 +201,8 @@ _FINISHED_IN_BODY: dict[str, FinalState] = {}
 
 
 def finished_in_body(run_id: str, state: FinalState) -> bool:
-    return _FINISHED_IN_BODY.get(run_id) is state
+    """Whether the flow body finished the run with `state` (asked once, by that state's hook)."""
+    return _FINISHED_IN_BODY.pop(run_id, None) is state
 
 
 def _run_logger(flow_run):
