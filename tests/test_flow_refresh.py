@@ -120,9 +120,9 @@ def test_refresh_recovers_from_a_sigkill(env, killed):
     assert {"model:dlrm", "mode:optimized", "failures:1", "outcome:published"} <= set(fr.tags), fr.tags
     # the log names the failure that ended attempt 0 in ettflow's words, Ray's detail after
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogHandler
+    from prefect.logging.handlers import APILogWorker
 
-    APILogHandler.flush()
+    APILogWorker.drain_all(timeout=10)
     with client() as c:
         logs = [log.message for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
     ended = [m for m in logs if m.startswith("attempt 0 ended with an infrastructure failure: ")]
