@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import uuid
@@ -46,18 +47,21 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    ui_url = os.environ.get("PREFECT_UI_URL")  # the runs link their Prefect flow run pages
     if args.run:
         row = runs.iloc[0]
         detail = report.component_table(wh.components_frame(args.run), float(row["wall_s"]))
-        print(report.render(report.run_table(runs), args.format))
+        print(report.render(report.run_table(runs, ui_url), args.format))
         if args.format == "table":
             print("\nWhere the wall time went (exposed = on the critical path):")
         print(report.render(detail, args.format))
         return 0
-    print(report.render(report.run_table(runs), args.format))
+    print(report.render(report.run_table(runs, ui_url), args.format))
     if args.format == "table":
         print("\nPer model, over time:")
     print(report.render(report.model_summary(runs), args.format))
+    if args.format == "table":
+        print(report.SUMMARY_NOTE)
     return 0
 
 

@@ -72,13 +72,22 @@ def archive_fleet(url: str, spool: Path, start: float, *, flow_run_ids: dict[str
 
 @flow(name="measured-run", flow_run_name="measured-{compile_s}s-{failures}f", on_completion=[archive_on_flow_state],
       on_failure=[archive_on_flow_state])
-def measured_run(spool_root: str, warehouse_url: str, compile_s: float = 10.0, failures: int = 0) -> str:
-    """Spool `fleet_run` under this flow run's id, ending now; the completion hook archives it."""
+def measured_run(spool_root: str, warehouse_url: str, compile_s: float = 10.0, failures: int = 0):
+    """Spool `fleet_run` under this flow run's id, ending now; then finish the run as the
+    refresh's body does (`finish_run`: archive, artifacts, event), so its state message says
+    its ETT."""
+    from prefect.context import FlowRunContext
     from prefect.runtime import flow_run
+    from prefect.states import Completed
+
+    from ettflow.ett.run_summary import FinalState, state_message
+    from ettflow.tasks.archive import finish_run
 
     t = fleet_run(flow_run.id, compile_s, failures=failures)
     spool_timeline(Path(spool_root), t, time.time() - max(e.end for e in t.events))
-    return flow_run.id
+    summary = finish_run("measured-run", FlowRunContext.get().flow_run, state=FinalState.COMPLETED,
+                         outcome="published", in_body=True)
+    return Completed(message=state_message(summary), data=flow_run.id)
 
 
 def run_as_deployment(env: dict, flow_name: str, deployment: str, entrypoint: str, parameters: dict) -> str:

@@ -32,12 +32,6 @@ from fleet_runs import archive_fleet, run_as_deployment
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[1]
-# The run's final state message with its ETT (`ETT 27.8% · NoF 2 (...) · TTS ...`) comes with
-# part A of issue 11 (ettflow.tasks.archive.finish_run); until it is merged the page is checked
-# for the state only. Set to True once measured_run's state carries the message.
-STATE_MESSAGE_SHOWN = False
-
-
 def chromium() -> str:
     path = shutil.which("chromium")
     if path is None:
@@ -113,8 +107,7 @@ def check_pages(page, ui: str, run_id: str, fleet_artifact_id: str, tmp_path: Pa
     expect(page.get_by_text("Completed").first).to_be_visible()
     tab(page, "Details").click()  # the flow run's details show its state message
     expect(page.get_by_text("State Message").first).to_be_visible()
-    if STATE_MESSAGE_SHOWN:  # part A of issue 11: enable once merged
-        expect(page.get_by_text("ETT 27.8% · NoF 2").first).to_be_visible()
+    expect(page.get_by_text("ETT 27.8% · NoF 2").first).to_be_visible()  # the state message says its ETT
     save(page, "run-details.png", tmp_path)
 
     tab(page, "Artifacts").click()  # a card per artifact; each opens the artifact's page

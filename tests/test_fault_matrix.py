@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -224,6 +225,9 @@ def test_a_user_error_at_the_same_step_is_retried_once_then_stopped(env):
     _, events, failed = assert_run(env, state, run_id, Expect(
         outcome="failed", nof=2, classes=["user", "user"],
         message=("stopped after 2 failures (user x2)", "not retried blindly", "step 12")))
+    # a failed run tells its ETT too, then why it failed
+    assert re.match(r"ETT \d+\.\d% · NoF 2 \(user: [^;]*step 12[^;]*; user: [^)]*\) · TTS \d+\.\d s · failed: "
+                    r"TrainingFailed: ", state.message), state.message
     assert run_spool.training_attempts(events) == [0, 1]  # no third attempt, no task retry
     assert restored_steps(events, 1) == {10}
 

@@ -219,6 +219,9 @@ def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
     state = api_state(api, flow_run_id)["state"]
     assert state["type"] == "CRASHED", state
     assert "-9" in state["message"] or "SIGKILL" in state["message"], state["message"]
+    # the crashed state tells the ETT (the hook set it again with the message), the orchestrator failure named
+    crashed_message = r"ETT \d+\.\d% · NoF \d+ \(.*orchestrator: Prefect marked the flow run CRASHED"
+    assert re.match(crashed_message, state["message"]), state["message"]
     # the train task does not stay Running: the hook closed the task runs the dead process left open
     tasks = task_runs(api, flow_run_id)
     assert not [t["name"] for t in tasks if t["state_type"] in ("RUNNING", "PENDING", "SCHEDULED")], tasks

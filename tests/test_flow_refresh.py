@@ -5,6 +5,7 @@ retraining, a flow retry that does not retrain, and hooks that archive idempoten
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -109,6 +110,23 @@ def killed(env):
 def test_refresh_recovers_from_a_sigkill(env, killed):
     state, run_id = killed
     assert state.is_completed(), state.message
+    # the run tells its ETT: the state message, its name (windows) and tags, through the API
+    assert re.fullmatch(r"ETT \d+\.\d% · NoF 1 \(infrastructure: [^)]*rank 1[^)]*step 30[^)]*\) · TTS \d+\.\d s",
+                        state.message), state.message
+    with client() as c:
+        fr = c.read_flow_run(run_id)
+    first, last = (w.removeprefix("window=") for w in (env["windows"][0], env["windows"][-1]))
+    assert fr.name == f"dlrm-optimized {first}..{last} (2)"
+    assert {"model:dlrm", "mode:optimized", "failures:1", "outcome:published"} <= set(fr.tags), fr.tags
+    # the log names the failure that ended attempt 0 in ettflow's words, Ray's detail after
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    with client() as c:
+        logs = [log.message for log in c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+    ended = [m for m in logs if m.startswith("attempt 0 ended with an infrastructure failure: ")]
+    assert ended and "(rank 1, step 30)" in ended[0], logs
     runs, events = warehouse_run(env, run_id)
     assert len(runs) == 1
     row = runs.iloc[0]
@@ -143,8 +161,15 @@ def test_the_flow_run_shows_its_artifacts(env, killed):
     table = json.loads(found["ett-refresh-model"][0].data)
     assert {r["metric"] for r in table} >= {"ETT %", "NoF", "effective_training", "unattributed"}
     assert "data:image/png;base64," in found["ett-timeline-refresh-model"][0].data
-    assert found["training-progress-refresh-model"][0].data == 100.0
-    assert "(file:///" in found["snapshot-refresh-model"][0].data  # a link artifact is markdown
+    # the body finished the run: its completion hook attached nothing again
+    assert {k: len(v) for k, v in found.items()} == dict.fromkeys(found, 1)
+    # one progress artifact for the run, through its restart, ending at the final state
+    (progress,) = found["training-progress-refresh-model"]
+    assert progress.data == 100.0 and progress.description.startswith("Completed · ETT "), progress.description
+    snapshot = found["snapshot-refresh-model"][0].data  # the manifest, not a file:// link
+    assert "file://" not in snapshot and f"| step | {STEPS} |" in snapshot and "| manifest.json sha256 | `" in snapshot
+    for key in ("ett-refresh-model", "ett-timeline-refresh-model", "snapshot-refresh-model"):
+        assert re.match(r"ETT \d+\.\d% · NoF 1 · Completed · ", found[key][0].description), found[key][0].description
 
 
 def test_a_crash_hook_in_another_thread_archives_and_attaches_by_id(env, killed):
@@ -172,6 +197,13 @@ def test_a_crash_hook_in_another_thread_archives_and_attaches_by_id(env, killed)
     assert len(runs) == 1 and runs.iloc[0]["status"] == "crashed"
     assert len(events) == len(events_of(env, run_id))
     assert sum(len(v) for v in artifacts_of(run_id).values()) == before + 3
+    # the crashed state tells the ETT too: a new CRASHED state carries the message (orchestrator failure counted)
+    with client() as c:
+        fr = c.read_flow_run(run_id)
+    assert fr.state.type.value == "CRASHED", fr.state
+    assert re.fullmatch(r"ETT \d+\.\d% · NoF 2 \(infrastructure: .*; orchestrator: .*\) · TTS \d+\.\d s · "
+                        r"crashed: process killed", fr.state.message), fr.state.message
+    assert "outcome:crashed" in fr.tags and "failures:2" in fr.tags
 
 
 def test_publish_failure_is_retried_without_retraining(env):

@@ -1,8 +1,12 @@
 """`ettflow report`: per-run L1/L2 and a per-model summary over time, from any warehouse.
 
 The per-run table has the columns of the study's per-model bars: ETT%, TTS, NoF, TTR and
-the six L2 components as a share of wall time (plus unattributed). A refresh that trained
-nothing has status `skipped`: it shows without an ETT% and the daily means leave it out.
+the six L2 components as a share of wall time (plus unattributed), after the run's status
+(its final Prefect state: completed, failed, crashed, cancelled; or skipped) and deployment;
+`prefect_run` links the flow run when the Prefect UI's URL is given (PREFECT_UI_URL). A
+refresh that trained nothing has status `skipped`: it shows without an ETT% and the daily
+means leave it out. Failed and crashed runs stay in the daily means, counted in their own
+columns (`SUMMARY_NOTE` says so under the table).
 `lineage_table` is a model's chain of refreshes (`ettflow report --model M --lineage`);
 `interval_table` its checkpoint intervals, expected against realized waste (`--intervals`). Pure
 formatting over pandas frames; the CLI reads the frames from the warehouse.
@@ -23,6 +27,11 @@ if TYPE_CHECKING:
     from .lineage import LineageRecord
 
 SKIPPED = "skipped"  # the status of a run that trained nothing (ett.lineage.Outcome.SKIPPED)
+COMPLETED, FAILED, CRASHED = "completed", "failed", "crashed"  # final states (warehouse `status`)
+SUMMARY_NOTE = (
+    "Daily means: skipped runs (nothing trained) are left out. Failed and crashed runs count in them: "
+    "the device time they lost is the time ETT exists to show; the failed and crashed columns count them, "
+    "and ett_completed_mean is the mean over completed runs only.")
 
 SHORT = {
     "scheduling": "sched",
@@ -35,14 +44,28 @@ SHORT = {
 }
 
 
-def run_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: L1, then each L2 component as % of wall (a skipped run: no ETT%)."""
+def flow_run_url(ui_url: str | None, flow_run_id: str | None) -> str | None:
+    """The flow run's page in the Prefect UI (`<ui>/runs/flow-run/<id>`); None without both."""
+    if not ui_url or not flow_run_id or not isinstance(flow_run_id, str):
+        return None
+    return f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}"
+
+
+def _deployment(tags: object) -> str:
+    return str(tags.get("deployment") or "-") if isinstance(tags, dict) else "-"
+
+
+def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
+    """One row per run: status, deployment, L1, then each L2 component as % of wall (a
+    skipped run: no ETT%), then the flow run's URL in the Prefect UI at `ui_url` (if given)."""
+    tags = runs["tags"] if "tags" in runs else pd.Series([None] * len(runs), index=runs.index)
     out = pd.DataFrame(
         {
             "run": runs["run_id"],
             "model": runs["model"],
             "mode": runs["mode"],
             "status": runs["status"],
+            "deployment": [_deployment(t) for t in tags],
             "started": pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M"),
             "wall_s": runs["wall_s"].round(1),
             "ETT%": runs["ett_pct"].where(runs["status"] != SKIPPED).round(1),
@@ -53,21 +76,31 @@ def run_table(runs: pd.DataFrame) -> pd.DataFrame:
     )
     for c in L2_ORDER:
         out[f"{SHORT[c]}%"] = (100 * runs[f"{c}_s"] / runs["wall_s"]).round(1)
+    if ui_url:
+        ids = runs["flow_run_id"] if "flow_run_id" in runs else [None] * len(runs)
+        out["prefect_run"] = [flow_run_url(ui_url, i) or "-" for i in ids]
     return out.reset_index(drop=True)
 
 
 def model_summary(runs: pd.DataFrame) -> pd.DataFrame:
     """Per model and day: how many runs trained, their ETT% (mean, min, max), wall and
-    failures; skipped runs are counted apart and left out of the means."""
+    failures; skipped runs are counted apart and left out of the means; failed and crashed
+    runs are counted apart and stay in them (`SUMMARY_NOTE`); `ett_completed_mean` is the
+    mean of the completed runs alone."""
     skipped = runs["status"] == SKIPPED
     frame = runs.assign(day=pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d"),
-                        skipped=skipped.astype(int),
+                        skipped=skipped.astype(int), failed=(runs["status"] == FAILED).astype(int),
+                        crashed=(runs["status"] == CRASHED).astype(int),
+                        ett_completed=runs["ett_pct"].where(runs["status"] == COMPLETED),
                         **{c: runs[c].where(~skipped) for c in ("ett_pct", "wall_s", "tts_s")})
     grouped = frame.groupby(["model", "day"], sort=True)
     out = grouped.agg(
         runs=("ett_pct", "count"),
         skipped=("skipped", "sum"),
+        failed=("failed", "sum"),
+        crashed=("crashed", "sum"),
         ett_mean=("ett_pct", "mean"),
+        ett_completed_mean=("ett_completed", "mean"),
         ett_min=("ett_pct", "min"),
         ett_max=("ett_pct", "max"),
         wall_mean_s=("wall_s", "mean"),

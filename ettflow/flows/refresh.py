@@ -9,9 +9,13 @@
     -> publish on the CPU (optimized; the gate may keep the current snapshot: gated)
     -> record the lineage (published or gated; failed when anything raised) -> prune checkpoints
 
-Every state hook archives the run's ETT to the warehouse and attaches the artifacts (ETT
-table, timeline picture, snapshot link) to the flow run; the train task shows a progress
-artifact while it runs. The run's id in the spool and the warehouse is the flow run id.
+The body ends by finishing the run (`tasks.archive.finish_run`): it archives the run's ETT to
+the warehouse, attaches the artifacts (ETT table, timeline picture, snapshot manifest), tags the
+run and returns the final state whose message says the ETT (`ett.run_summary.state_message`).
+The hooks finish the runs the body could not: crashed, cancelled, refused before it ran. Once
+its windows are claimed the run is renamed after them; one progress artifact follows the run
+from the claim to its final state. Every parameter is described in the deployment's run form
+(`parameter_help.py`). The run's id in the spool and the warehouse is the flow run id.
 """
 
 from __future__ import annotations
@@ -20,16 +24,20 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
-from prefect.states import Completed, State
+from prefect.states import Completed, Failed, State
 
 from ettflow.ett.heartbeat import RunHeartbeat
 from ettflow.ett.lineage import Outcome
-from ettflow.tasks.archive import archive_on_flow_state
+from ettflow.ett.run_summary import FinalState, run_name, state_message
+from ettflow.flows.parameter_help import with_parameter_help
+from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
 from ettflow.tasks.plan import RefreshParams, RefreshPlan, plan_refresh
+from ettflow.tasks.progress import RunProgress
 from ettflow.tasks.publish import publish
 from ettflow.tasks.reconcile import reconcile_task
 from ettflow.tasks.retention import prune_checkpoints
+from ettflow.tasks.run_labels import name_flow_run
 from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_trainer, train
 from ettflow.tasks.warehouse_url import check_warehouse, refusal, resolve_warehouse_url
 
@@ -47,8 +55,36 @@ def _plan(params: RefreshParams) -> RefreshPlan:
                         artifact_slug=deployment.name or (ctx.flow.name if ctx is not None else "refresh-model"))
 
 
+def _finish(plan: RefreshPlan, state: FinalState, outcome: Outcome, *, reason: str | None = None,
+            data: Any = None) -> State:
+    """Archive and announce the finished run (`finish_run`), then its final state, whose
+    message says the ETT. A failure's state carries its exception (`data`), so a caller of
+    the flow function gets it raised, as from any failed flow."""
+    ctx = FlowRunContext.get()
+    try:
+        summary = finish_run(ctx.flow.name, ctx.flow_run, state=state, outcome=outcome.value, reason=reason,
+                             windows=tuple(plan.trainer.windows or ()), params=ctx.parameters, in_body=True)
+        message = state_message(summary)
+    except Exception:  # noqa: BLE001 - archiving must not change how the run ended; its hook tries again
+        get_run_logger().exception("could not finish run %s (its state hook archives it again)", plan.run_id)
+        message = reason or ""
+    return Completed(message=message, data=data) if state is FinalState.COMPLETED else Failed(message=message,
+                                                                                               data=data)
+
+
+def _will_retry() -> bool:
+    """Whether Prefect will retry the flow after this try fails (it is finished then, not now)."""
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return False
+    retries = ctx.flow_run.empirical_policy.retries
+    retries = ctx.flow.retries if retries is None else retries
+    return ctx.flow_run.run_count <= (retries or 0)
+
+
 @flow(name="refresh-model", flow_run_name="{model}-{mode}", on_completion=HOOKS, on_failure=HOOKS,
       on_crashed=HOOKS, on_cancellation=HOOKS)
+@with_parameter_help
 def refresh_model(
     model: str = "dlrm",
     mode: Literal["baseline", "optimized"] = "optimized",
@@ -84,25 +120,13 @@ def refresh_model(
 ) -> dict[str, Any] | State:
     """Refresh `model` on the data windows and publish a validated inference snapshot.
 
-    mode: baseline or optimized; `switches` sets single switches on top (parallel_init,
-    fast_batch, compile, compile_cache, async_checkpoint, publish_in_trainer).
-    architecture: ModelConfig fields (embedding_dim, dense_arch, over_arch, learning rates);
-    max_embeddings caps every embedding table (null: the data schema's sizes).
-    fail_at: injected failures, e.g. ["kill:rank=1:step=16"], ["publish:times=1"].
-    Paths default to the per-user ettflow folder; `data_root` defaults to tiny synthetic data.
-    Warehouse: `warehouse_secret` names a Prefect Secret block holding the URL; else
-    `warehouse_url` (without a password: parameters are stored in clear); else the worker's
-    ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file.
     Windows: the oldest `max_windows` past the model's watermark, the newest held out; the
-    first refresh trains `bootstrap_windows` (null: max_windows); explicit `windows` win. A
-    refresh starts from its parent's anchor unless `warm_start` is false. With nothing new,
-    or another refresh holding the windows past `claim_wait_s`, it ends Completed, skipped.
-    gate_*: how much worse than the current snapshot a new one may be on the held-out window.
-    keep_refreshes: run checkpoint folders kept (besides the current and parent anchors).
-    Placement (README "Running at scale"): `placement_strategy` spreads the ranks over the Ray
-    nodes (PACK, SPREAD, STRICT_SPREAD); a restart after lost capacity may run with as few as
-    `min_world_size` ranks (null: it waits for world_size); an attempt waits for its placement
-    at most `capacity_wait_s`. On several nodes, `work_root` must be storage every node shares.
+    first refresh trains `bootstrap_windows`; explicit `windows` win. A refresh starts from its
+    parent's anchor unless `warm_start` is false. With nothing new, or another refresh holding
+    the windows past `claim_wait_s`, it ends Completed, skipped. The final state's message
+    says the run's ETT, NoF (with each failure's class and reason) and TTS.
+    On several Ray nodes (README "Running at scale"), `work_root` and `spool_root` must be
+    storage every node shares.
     """
     plan = _plan(RefreshParams(
         model=model, mode=mode, switches=switches, architecture=architecture, data_root=data_root, windows=windows,
@@ -118,33 +142,44 @@ def refresh_model(
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
     reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
+    progress = RunProgress(plan.run_id, plan.artifact_slug)
+    progress.show("claiming the windows past the model's watermark")
     claim = claim_windows(plan)
     if claim.skipped is not None:  # nothing reserved or trained; archived as skipped
-        return Completed(message=claim.skipped, data={"run_id": plan.run_id, "model": plan.model,
-                                                      "outcome": Outcome.SKIPPED.value, "reason": claim.skipped})
+        return _finish(plan, FinalState.COMPLETED, Outcome.SKIPPED, reason=claim.skipped, data={
+            "run_id": plan.run_id, "model": plan.model, "outcome": Outcome.SKIPPED.value, "reason": claim.skipped})
     plan = claim.plan
+    name_flow_run(plan.run_id, run_name(plan.model, plan.mode, plan.trainer.windows or ()))
+    progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
         with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
-            anchor, published = _train_and_publish(plan)
+            anchor, published = _train_and_publish(plan, progress)
         record = record_lineage(plan, anchor, published)
-    except BaseException as exc:
+    except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
+        if _will_retry():
+            raise  # Prefect retries the flow: the run is not finished
+        return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}", data=exc)
+    except BaseException as exc:  # cancelled, interrupted: the hooks of that state finish the run
+        record_failure(plan, exc, get_run_logger())
         raise
     prune_checkpoints(plan)
     result = {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor,
               "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
               "parent": record.parent_run_id}
-    if record.outcome is Outcome.GATED:  # the current snapshot stays; the state message says why
-        return Completed(message=f"gated: {record.reason}", data=result)
-    return result
+    return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason, data=result)
 
 
-def _train_and_publish(plan: RefreshPlan) -> tuple[str, Any]:
+def _train_and_publish(plan: RefreshPlan, progress: RunProgress) -> tuple[str, Any]:
     """reserve -> train -> anchor -> [publish on the devices] -> release -> publish on the CPU."""
     lease = reserve_trainer(plan)
     try:
         anchor = anchor_checkpoint(plan, train(plan, lease))
+        if plan.publish_in_trainer:
+            progress.show("publishing the snapshot while the trainer holds its devices")
         held = publish(plan, anchor, on_devices=True) if plan.publish_in_trainer else None
     finally:
         release_trainer(plan, lease)
+    if held is None:
+        progress.show("publishing the snapshot on the CPU")
     return anchor, held or publish(plan, anchor)

@@ -19,6 +19,16 @@ train task Running forever).
 
 A warehouse outage never fails a hook: the row waits as pending in the spool
 (`ett.archive.archive_or_defer`) and a warning says how to retry (`ettflow archive --run ID`).
+
+`finish_run` is where a finished run is measured and announced, once: archive, then the
+run's `RunSummary` (`ett.run_summary`: ETT%, NoF and the failures, components, model, mode,
+windows, state, outcome), from which come the artifacts' descriptions, the run's tags, the
+final line of its progress artifact and its state message. The flow body calls it just before
+it returns its final state (so the state carries the message: Prefect runs the completion and
+failure hooks after the state is set); the hooks then find the run finished
+(`finished_in_body`) and do nothing again. The crash and cancellation hooks call it themselves
+and set a new state of the same type with the message (`run_labels.restate_with_message`),
+as does the failure hook for a run that failed outside the body's reach (a flow timeout).
 """
 
 from __future__ import annotations
@@ -32,11 +42,21 @@ from typing import Any
 from ettflow import paths
 from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems
 from ettflow.ett.heartbeat import read_heartbeat
+from ettflow.ett.lineage import Outcome
 from ettflow.ett.orphans import record_orchestrator_failure
+from ettflow.ett.run_summary import (
+    FinalState,
+    RunSummary,
+    description_head,
+    failure_line,
+    run_tags,
+    state_message,
+    summarize,
+)
 from ettflow.ett.spool import SpoolWriteError
 from ettflow.ett.warehouse import RunInfo
 
-from . import run_spool
+from . import run_labels, run_spool
 from .claims import skip_reason
 from .run_event import emit_run_measured
 from .warehouse_url import resolve_warehouse_url
@@ -157,9 +177,8 @@ def deployment_name(flow_run) -> str | None:
         return None
 
 
-def publish_artifacts(flow_name: str, flow_run, archived: ArchiveResult) -> None:
+def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, artifact_slug: str) -> None:
     from .artifacts import create_run_artifacts, timeline_file
-    from .plan import slug
     from .timeline_plot import render_timeline
 
     params = dict(flow_run.parameters or {})
@@ -169,30 +188,101 @@ def publish_artifacts(flow_name: str, flow_run, archived: ArchiveResult) -> None
     png = render_timeline(evs, m)
     snapshot = run_spool.publish_summary(evs).get("snapshot")
     timeline_file(snapshot, spool_of(params) / run_id).write_bytes(png)
-    summary = (f"Run {run_id} ({params.get('model') or 'dlrm'}, {params.get('mode') or 'optimized'}): "
-               f"ETT {m.ett_pct:.1f}%, wall {m.wall_s:.1f} s, TTS {m.tts_s:.1f} s, NoF {m.nof}")
+    text = (f"run {run_id} ({summary.model}, {summary.mode}): ETT {m.ett_pct:.1f}%, wall {m.wall_s:.1f} s, "
+            f"TTS {m.tts_s:.1f} s, NoF {m.nof}")
     if archived.status == "skipped":
-        summary = f"Run {run_id} ({params.get('model') or 'dlrm'}) skipped: {skip_reason(evs)}"
-    create_run_artifacts(flow_run_id=flow_run.id, slug=slug(deployment_name(flow_run) or flow_name),
-                         run_id=run_id, metrics=m, png=png, snapshot=snapshot, summary=summary,
+        text = f"run {run_id} ({summary.model}) skipped: {skip_reason(evs)}"
+    create_run_artifacts(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id, metrics=m, png=png,
+                         snapshot=snapshot, summary=text, head=description_head(summary),
                          interval=run_spool.planned_interval(evs))
 
 
+# flow run id -> the final state its flow body finished it with (`finish_run`); the hooks of
+# that state, run right after in the same process, find it here and do not archive again
+_FINISHED_IN_BODY: dict[str, FinalState] = {}
+
+
+def finished_in_body(run_id: str, state: FinalState) -> bool:
+    """Whether the flow body finished the run with `state` (asked once, by that state's hook)."""
+    return _FINISHED_IN_BODY.pop(run_id, None) is state
+
+
+def _run_logger(flow_run):
+    try:
+        from prefect.logging.loggers import flow_run_logger
+
+        return flow_run_logger(flow_run)
+    except Exception:  # noqa: BLE001 - no Prefect logging: the module's logger
+        return log
+
+
+def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, reason: str | None = None,
+               windows: tuple[str, ...] = (), params: Mapping[str, Any] | None = None,
+               in_body: bool = False) -> RunSummary:
+    """Archive the finished run and announce it (see the module docstring); returns its
+    summary: the one place where a run's measured result exists after archiving.
+
+    `outcome`: the lineage outcome (published, gated, skipped, failed), or crashed/cancelled.
+    `params`: the run's parameters (default: the flow run's). `in_body`: called by the flow
+    body before it returns `state` (its hooks then skip the run)."""
+    from .plan import slug as slug_of
+
+    params = dict(params if params is not None else flow_run.parameters or {})
+    run_id = str(flow_run.id)
+    deployment = deployment_name(flow_run)
+    archived = archive_run(run_id, params, status=state.value, flow_run_id=run_id,
+                           tags={"flow_run_count": getattr(flow_run, "run_count", 1), "deployment": deployment})
+    if archived is not None and archived.status == "skipped":
+        outcome = Outcome.SKIPPED.value
+    summary = summarize(archived.metrics if archived is not None else None, run_id=run_id,
+                        model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
+                        state=state, outcome=outcome, windows=windows, reason=reason)
+    if archived is not None:  # the `ettflow.run.measured` event (tasks.run_event)
+        emit_run_measured(flow_run, archived, outcome=outcome, deployment=deployment)
+    logger = _run_logger(flow_run)
+    for failure in run_spool.failures(spool_of(params), run_id):
+        logger.warning("%s", failure_line(failure))
+    slug = slug_of(deployment or flow_name)
+    if archived is not None:
+        try:
+            publish_artifacts(flow_run, archived, summary, slug)
+        except Exception:  # noqa: BLE001 - the row is written; the artifacts are its pictures
+            logger.warning("could not attach the ETT artifacts to flow run %s", run_id, exc_info=True)
+    run_labels.tag_flow_run(run_id, run_tags(summary, run_labels.current_tags(run_id)))
+    from .progress import RunProgress
+
+    message = state_message(summary)
+    RunProgress(run_id, slug).finish(state.title, message)
+    logger.log(logging.INFO if state is FinalState.COMPLETED else logging.WARNING, "%s: %s", state.title, message)
+    if in_body:
+        _FINISHED_IN_BODY[run_id] = state
+    return summary
+
+
 def archive_on_flow_state(flow, flow_run, state) -> None:
-    """Flow hook (completion, failure, crash, cancellation): archive, then the artifacts (also
-    while the row is pending: they come from the spool). A crash is recorded first."""
-    status = state.type.value.lower()
+    """Flow hook (completion, failure, crash, cancellation): unless the flow body finished the
+    run already (`finish_run`), archive and announce it now. A crash is recorded first; a
+    failed (e.g. timed out), crashed or cancelled run then gets a state of the same type whose
+    message says its ETT."""
+    value = state.type.value.lower()
+    try:  # a runner runs the cancellation hooks while the run is CANCELLING: it ends CANCELLED
+        final = FinalState("cancelled" if value == "cancelling" else value)
+    except ValueError:
+        log.warning("archive hook called for a %s state: nothing to do", state.type.value)
+        return
     params = dict(flow_run.parameters or {})
     run_id = str(flow_run.id)
-    if status == "crashed" and run_spool.events(spool_of(params), run_id):
+    if finished_in_body(run_id, final):
+        return
+    if final is FinalState.CRASHED and run_spool.events(spool_of(params), run_id):
         record_crash(spool_of(params), run_id, getattr(state, "message", None))
-    if status == "crashed":
+    if final is FinalState.CRASHED:
         crash_open_task_runs(run_id, getattr(state, "message", None))
-    archived = archive_run(run_id, params, status=status, flow_run_id=run_id,
-                           tags={"flow_run_count": flow_run.run_count})
-    if archived is not None:
-        publish_artifacts(flow.name, flow_run, archived)
-        emit_run_measured(flow_run, archived)  # the `ettflow.run.measured` event (tasks.run_event)
+    reason = getattr(state, "message", None) or None
+    # the body records published, gated or skipped; a hook knows only the state
+    summary = finish_run(flow.name, flow_run, state=final, outcome=final.value, reason=reason)
+    if final is not FinalState.COMPLETED and summary.measured:
+        run_labels.restate_with_message(run_id, final.value, state_message(summary))
 
 
 def archive_on_task_state(task, task_run, state) -> None:

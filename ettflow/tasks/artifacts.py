@@ -1,14 +1,18 @@
-"""What the Prefect UI shows for a refresh: ETT table, timeline picture, snapshot link.
+"""What the Prefect UI shows for a refresh: ETT table, timeline picture, snapshot manifest.
 
 Keys are stable per deployment (`ett-<slug>`, `ett-timeline-<slug>`, `snapshot-<slug>`; the
 progress artifact is `training-progress-<slug>`), so the UI's Artifacts page keeps each one's
-history across runs. Each artifact is attached to its flow run by id, never through the run
-context: the crash hook runs in another process, where there is none.
+history across runs. Every description starts with the run's ETT%, NoF and final state
+(`ett.run_summary.description_head`), so a card cut short still shows them. The snapshot is
+shown by its manifest (path, sha256 of each file and of the manifest, step, windows, validation
+metrics, parent), not a `file://` link a browser cannot open. Each artifact is attached to its
+flow run by id, never through the run context: the crash hook runs in another process.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,8 @@ from uuid import UUID
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED, owner_of
 from ettflow.ett.interval_plan import PlannedInterval
 from ettflow.ett.run_metrics import RunMetrics
+from ettflow.publish.config import PublishError
+from ettflow.publish.manifest import MANIFEST_FILE, SnapshotManifest, read_manifest
 
 TIMELINE_SUFFIX = ".ett-timeline.png"
 
@@ -89,12 +95,53 @@ def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -
     return "\n".join(lines)
 
 
+def _cell(value: Any) -> str:
+    if value is None or value == "" or value == []:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(map(str, value))
+    return str(value).replace("|", "\\|")
+
+
+def manifest_markdown(manifest: SnapshotManifest, manifest_sha256: str) -> str:
+    """The snapshot as its manifest tells it: where, which files (sha256), which step and
+    windows, how it validated, and what it came from."""
+    lineage, source, validation = manifest.lineage or {}, manifest.source or {}, manifest.validation or {}
+    rows = [("path", f"`{manifest.path}`"), ("run", manifest.run_id), ("step", manifest.step),
+            ("windows trained", lineage.get("windows")), ("held out", lineage.get("held_out")),
+            ("validation", "passed" if validation.get("passed") else "FAILED"),
+            ("parent snapshot", lineage.get("parent_snapshot")), ("parent anchor", lineage.get("parent_anchor")),
+            ("anchor checkpoint", source.get("checkpoint")),
+            (f"{MANIFEST_FILE} sha256", f"`{manifest_sha256}`")]
+    rows += [(f"{name} sha256", f"`{info.get('sha256')}` ({info.get('size')} bytes)")
+             for name, info in sorted(manifest.files.items())]
+    lines = [f"### Inference snapshot of run `{manifest.run_id}`", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {_cell(v)} |" for k, v in rows]
+    if manifest.metrics:
+        lines += ["", "**Validation metrics**", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_cell(v)} |" for k, v in sorted(manifest.metrics.items())]
+    return "\n".join(lines)
+
+
+def snapshot_markdown(snapshot: str) -> str:
+    """The snapshot's manifest as markdown, or why it cannot be read (the path is still named)."""
+    try:
+        manifest = read_manifest(snapshot)
+        digest = hashlib.sha256((Path(snapshot) / MANIFEST_FILE).read_bytes()).hexdigest()
+    except (PublishError, OSError) as exc:
+        return f"### Inference snapshot\n\n`{snapshot}`: its manifest cannot be read ({exc})"
+    return manifest_markdown(manifest, digest)
+
+
 def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, metrics: RunMetrics, png: bytes,
-                         snapshot: str | None, summary: str,
+                         snapshot: str | None, summary: str, head: str,
                          interval: PlannedInterval | None = None) -> dict[str, UUID]:
-    """Create the three artifacts on the flow run `flow_run_id`; returns their ids. The ETT
-    table ends with the checkpoint interval's rows (`interval_rows`) when one was planned."""
-    from prefect.artifacts import LinkArtifact, MarkdownArtifact, TableArtifact
+    """Create the three artifacts on the flow run `flow_run_id`; returns their ids. `head`
+    starts every description (ETT%, NoF, state); `summary` follows it on the ETT table, which
+    ends with the checkpoint interval's rows (`interval_rows`) when one was planned."""
+    from prefect.artifacts import MarkdownArtifact, TableArtifact
 
     fr = UUID(str(flow_run_id))
     made: dict[str, UUID] = {}
@@ -104,12 +151,13 @@ def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, met
         if interval is not None:
             summary = f"{summary}; " + "; ".join(interval.lines())
         made["table"] = TableArtifact(key=f"ett-{slug}", table=rows, flow_run_id=fr,
-                                      description=summary).create(_sync=True).id
+                                      description=f"{head} · {summary}").create(_sync=True).id
         made["timeline"] = MarkdownArtifact(key=f"ett-timeline-{slug}", flow_run_id=fr,
                                             markdown=timeline_markdown(run_id, png, metrics),
-                                            description=f"ETT timeline of run {run_id}").create(_sync=True).id
+                                            description=f"{head} · ETT timeline of run {run_id}").create(_sync=True).id
         if snapshot:
-            made["snapshot"] = LinkArtifact(key=f"snapshot-{slug}", flow_run_id=fr,
-                                            link=Path(snapshot).resolve().as_uri(), link_text=str(snapshot),
-                                            description=f"Inference snapshot of run {run_id}").create(_sync=True).id
+            made["snapshot"] = MarkdownArtifact(key=f"snapshot-{slug}", flow_run_id=fr,
+                                                markdown=snapshot_markdown(snapshot),
+                                                description=f"{head} · inference snapshot manifest of run {run_id}"
+                                                ).create(_sync=True).id
     return made

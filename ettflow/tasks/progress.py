@@ -1,9 +1,18 @@
-"""Training progress while the train task runs: a Prefect progress artifact and log lines.
+"""The run's progress: one Prefect progress artifact per flow run, and log lines.
 
-A background thread follows the latest attempt's spool (`SpoolTail`, the same events the
-metric and the driver's watchdog read) and, every few seconds, updates the progress artifact
-(steps done of the steps planned, loss, throughput) and logs one line. It runs in a copy of
-the task's context, so it talks to the same Prefect API as the task.
+`RunProgress` is the run's one progress artifact (key ``training-progress-<slug>``, on the
+flow run). It is found by its key on the flow run, and created only when there is none yet, so
+a retried train task, a restart, a flow retry and the final hooks all update the same one. The
+flow shows its steps in it (claiming the windows, reserving the trainer, publishing) and ends
+it at the run's final state (`finish`: 100% when completed, else where training stopped).
+
+While the train task runs, `ProgressReporter` follows the latest attempt: a background thread
+reads its spool (`SpoolTail`, the same events the metric and the driver's watchdog read) and
+its ranks' heartbeats, and every few seconds updates the artifact and logs one line. Before
+the first step it says which startup phase the ranks are in and for how long
+(`startup_text`: ``attempt 0 starting: pt2_compile for 35 s``); after a failure, which attempt
+failed and why, and what the next one does. It runs in a copy of the task's context, so it
+talks to the same Prefect API as the task.
 """
 
 from __future__ import annotations
@@ -12,11 +21,81 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
+from uuid import UUID
 
+from ettflow.ett.failures import Failure
+from ettflow.ett.run_summary import failure_line
 from ettflow.trainer.progress import SpoolTail
+from ettflow.trainer.rank_heartbeat import RankBeat
 
 from . import run_spool
+
+log = logging.getLogger("ettflow.tasks")
+
+KEY_PREFIX = "training-progress-"
+
+
+def progress_key(slug: str) -> str:
+    return f"{KEY_PREFIX}{slug}"
+
+
+class RunProgress:
+    """The flow run's one progress artifact (see the module docstring). Without a Prefect API
+    or a flow run id ("local") it does nothing; an API error is logged, never raised."""
+
+    def __init__(self, flow_run_id: str, slug: str) -> None:
+        self.key = progress_key(slug)
+        try:
+            self.flow_run_id: UUID | None = UUID(str(flow_run_id))
+        except ValueError:
+            self.flow_run_id = None
+        self.artifact_id: UUID | None = None
+        self.pct = 0.0
+
+    def _find(self, client) -> None:
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+        from prefect.client.schemas.sorting import ArtifactSort
+
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[self.key]),
+                                           flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
+        if found:
+            self.artifact_id, self.pct = found[0].id, float(found[0].data or 0.0)
+
+    def show(self, text: str, pct: float | None = None, *, create: bool = True) -> None:
+        """Set the artifact's description to `text` (and its progress to `pct`; None: keep it),
+        creating the artifact if the flow run has none yet (unless `create` is false)."""
+        from prefect.settings import PREFECT_API_URL
+
+        if self.flow_run_id is None or not PREFECT_API_URL.value():
+            return
+        try:
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
+            with get_client(sync_client=True) as client:
+                if self.artifact_id is None:
+                    self._find(client)
+                self.pct = self.pct if pct is None else max(0.0, min(100.0, pct))
+                if self.artifact_id is None and not create:
+                    return
+                if self.artifact_id is None:
+                    self.artifact_id = client.create_artifact(ArtifactCreate(
+                        type="progress", key=self.key, flow_run_id=self.flow_run_id, data=self.pct,
+                        description=text)).id
+                else:
+                    client.update_artifact(self.artifact_id, ArtifactUpdate(data=self.pct, description=text))
+        except Exception:  # noqa: BLE001 - progress is for the UI; the run goes on
+            log.warning("could not update the progress artifact %s of flow run %s", self.key, self.flow_run_id,
+                        exc_info=True)
+
+    def finish(self, state_title: str, message: str) -> None:
+        """The run's final state: `Completed · ETT ...` at 100%; other states keep the progress.
+        A run that never showed progress (refused before it started) gets none now."""
+        self.show(f"{state_title} · {message}", 100.0 if state_title == "Completed" else None, create=False)
 
 
 class StepTail(SpoolTail):
@@ -25,14 +104,11 @@ class StepTail(SpoolTail):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.step = 0
-        self.last_phase: str | None = None  # the last phase a rank finished (init, compile, ...)
 
     def _take(self, rank: int, rec: dict) -> None:
         super()._take(rank, rec)
         if rec.get("phase") == "train_step":
             self.step = max(self.step, int(rec.get("attrs", {}).get("step", -1)) + 1)
-        elif rec.get("phase"):
-            self.last_phase = rec["phase"]
 
 
 def planned_steps(config) -> int | None:
@@ -50,29 +126,48 @@ def planned_steps(config) -> int | None:
         return None
 
 
+def startup_text(attempt: int, beats: Mapping[int, RankBeat | None], now: float) -> str:
+    """What an attempt does before its first step, from its ranks' heartbeats: the phase the
+    ranks entered last, for how long (`attempt 1 starting: checkpoint_restore for 3 s`), or
+    that the rank processes are starting (no beat yet)."""
+    entered = [(since, phase) for b in beats.values() if b is not None for phase, since in b.phases.items()]
+    if not entered:
+        return f"attempt {attempt} starting: launching the rank processes"
+    since, phase = max(entered)
+    if phase == "train_step":
+        return f"attempt {attempt} starting: waiting for the first step"
+    return f"attempt {attempt} starting: {phase} for {max(now - since, 0.0):.0f} s"
+
+
+def step_text(step: int, total: int | None, attempt: int, loss: float | None, examples_per_s: float) -> str:
+    """`step 12/60 (20%), attempt 0, loss 0.6931, 512 examples/s`."""
+    pct = 100.0 * min(step / total, 1.0) if total else 0.0
+    shown = "-" if loss is None else f"{loss:.4f}"
+    return f"step {step}/{total or '?'} ({pct:.0f}%), attempt {attempt}, loss {shown}, {examples_per_s:.0f} examples/s"
+
+
+def restart_text(failure: Failure | None, new_attempt: int) -> str:
+    """`attempt 0 failed (infrastructure: rank 1 killed at step 16); attempt 1 restores the last checkpoint`."""
+    old = failure.attempt if failure is not None and failure.attempt is not None else new_attempt - 1
+    why = failure.summary if failure is not None else "cause not recorded"
+    return f"attempt {old} failed ({why}); attempt {new_attempt} restores the last checkpoint"
+
+
 class ProgressReporter:
     def __init__(self, plan, logger: logging.Logger | logging.LoggerAdapter, *, every_s: float = 3.0,
                  artifact: bool = True) -> None:
         self.plan, self.logger, self.every_s = plan, logger, every_s
         self.total = planned_steps(plan.trainer)
-        self.artifact_id = None
-        self.use_artifact = artifact
+        self.progress = RunProgress(plan.run_id, plan.artifact_slug) if artifact else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tail: StepTail | None = None
         self._tail_attempt: int | None = None
-        self._started = self._quiet_since = time.time()
+        self._restart: str | None = None  # the last restart, said until the next attempt trains
+        self._quiet_since = time.time()
 
     def __enter__(self) -> ProgressReporter:
-        if self.use_artifact:
-            try:
-                from prefect.artifacts import create_progress_artifact
-
-                self.artifact_id = create_progress_artifact(
-                    0.0, key=f"training-progress-{self.plan.artifact_slug}",
-                    description=f"Training run {self.plan.run_id}: waiting for the first step")
-            except Exception:  # noqa: BLE001 - no artifact without an API; logs still show progress
-                self.logger.warning("could not create the progress artifact", exc_info=True)
+        self._show(f"attempt {run_spool.last_attempt(self.plan.spool_root, self.plan.run_id)} starting", None)
         ctx = contextvars.copy_context()
         self._thread = threading.Thread(target=ctx.run, args=(self._loop,), name="ettflow-progress", daemon=True)
         self._thread.start()
@@ -94,40 +189,44 @@ class ProgressReporter:
             except Exception:  # noqa: BLE001 - never let progress reporting break training
                 self.logger.debug("progress report failed", exc_info=True)
 
+    def _show(self, text: str, pct: float | None) -> None:
+        if self.progress is not None:
+            self.progress.show(text, pct)
+
     def poll(self) -> dict[str, Any]:
         attempt = run_spool.last_attempt(self.plan.spool_root, self.plan.run_id)
         if self._tail is None or self._tail_attempt != attempt:
             if self._tail_attempt is not None:
-                self._announce_restart(self._tail_attempt, attempt)
+                self._announce_restart(attempt)
             self._tail = StepTail(self.plan.spool_root, self.plan.run_id, attempt, self.plan.trainer.world_size)
             self._tail_attempt = attempt
-            self._started = time.time()
         self._tail.poll()
-        return {"attempt": attempt, "step": self._tail.step, "last_phase": self._tail.last_phase,
-                **self._tail.summary()}
+        return {"attempt": attempt, "step": self._tail.step, **self._tail.summary()}
 
-    def _announce_restart(self, old: int, new: int) -> None:
-        failed = [e for e in run_spool.events(self.plan.spool_root, self.plan.run_id)
-                  if e.attempt == old and e.phase == "failure_detected"]
-        why = f"{failed[0].attrs.get('failure_class')} failure: {failed[0].attrs.get('reason')}" if failed else "?"
-        self.logger.warning("attempt %d failed (%s); attempt %d restores the last checkpoint", old, why, new)
+    def _announce_restart(self, new: int) -> None:
+        failures = run_spool.failures(self.plan.spool_root, self.plan.run_id)
+        failure = next((f for f in reversed(failures) if f.attempt is not None and f.attempt < new), None)
+        self._restart = restart_text(failure, new)
+        if failure is not None:  # ettflow's words first, Ray's detail after
+            self.logger.warning("%s", failure_line(failure))
+        self.logger.warning("%s", self._restart)
 
     def report(self, final: bool = False, succeeded: bool = False) -> None:
         s = self.poll()
         if s["step"] == 0 and not final:
             now = time.time()
+            text = startup_text(s["attempt"], self._tail.beats() if self._tail is not None else {}, now)
+            if self._restart is not None:
+                text = f"{self._restart}; {text}"
+            self._show(text, None)
             if now - self._quiet_since >= 30.0:  # still starting: say so every 30 s (a short console)
                 self._quiet_since = now
-                self.logger.info("attempt %d starting up for %.0f s (last finished phase: %s)", s["attempt"],
-                                 now - self._started, s["last_phase"] or "-")
+                self.logger.info("%s", text)
             return
-        pct = 100.0 * min(s["step"] / self.total, 1.0) if self.total else 0.0
-        loss = "-" if s["loss"] is None else f"{s['loss']:.4f}"
-        text = (f"step {s['step']}/{self.total or '?'} ({pct:.0f}%), attempt {s['attempt']}, loss {loss}, "
-                f"{s['examples_per_s']:.0f} examples/s")
+        self._restart = None if s["step"] > 0 else self._restart
+        text = step_text(s["step"], self.total, s["attempt"], s["loss"], s["examples_per_s"])
         self.logger.info("training: %s", text)
-        if self.artifact_id is not None:
-            from prefect.artifacts import update_progress_artifact
-
-            update_progress_artifact(self.artifact_id, 100.0 if succeeded else pct,
-                                     description=f"Training run {self.plan.run_id}: {text}")
+        pct = 100.0 * min(s["step"] / self.total, 1.0) if self.total else None
+        if final and not succeeded:
+            text = f"training stopped at {text}"
+        self._show(text, pct)

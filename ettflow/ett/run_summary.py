@@ -1,0 +1,174 @@
+"""What a finished refresh says about itself in the Prefect UI: its state message, its name and
+tags, the head of its artifacts' descriptions, and one log line per failed attempt.
+
+A `RunSummary` is the run's measured result after archiving (ETT%, NoF and the failures, TTS,
+the L2 components, model, mode, windows, final state and outcome); everything the UI shows is
+a pure function of it, so the strings are defined here and tested exactly:
+
+- `state_message`: ``ETT 91.2% · NoF 1 (infrastructure: rank 1 killed at step 16) · TTS 8.3 s``,
+  then how the refresh ended when that is not a plain publish (``gated: ...``, ``failed: ...``,
+  ``crashed: ...``, ``cancelled: ...``). A skipped refresh trained nothing: its message is only
+  why it was skipped.
+- `run_name`: ``dlrm-optimized 2024010100..2024010103 (4)``: model, mode and the windows.
+- `run_tags`: ``model:dlrm``, ``mode:optimized``, ``failures:1``, ``outcome:published``, on top
+  of the run's other tags (the deployment's), so the UI filters runs by them.
+- `description_head`: ``ETT 91.2% · NoF 1 · Completed``, the start of every artifact's description.
+- `failure_line`: ``attempt 0 ended with an infrastructure failure: rank 1 killed at step 16
+  (rank 1, step 16); detail: <Ray's text>``: ettflow's words first, the raw detail after.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .failures import Failure
+from .lineage import Outcome
+from .run_metrics import RunMetrics
+
+SEP = " · "
+FAILURES_NAMED = 3  # failures spelled out in a state message; the rest are counted
+REASON_CHARS = 120  # a failure's reason in a state message is cut here
+TAG_PREFIXES = ("model:", "mode:", "failures:", "outcome:")  # the tags this module owns
+WINDOW_PREFIX = "window="
+
+
+class FinalState(str, enum.Enum):
+    """The Prefect state a run ended in (its warehouse `status`, but for `skipped`)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CRASHED = "crashed"
+    CANCELLED = "cancelled"
+
+    @property
+    def title(self) -> str:
+        return self.value.capitalize()
+
+
+@dataclass(frozen=True)
+class FailureNote:
+    """One failure as the summary names it: its class and its reason in ettflow's words."""
+
+    failure_class: str
+    reason: str
+
+    @property
+    def text(self) -> str:
+        reason = self.reason if len(self.reason) <= REASON_CHARS else self.reason[: REASON_CHARS - 3] + "..."
+        return f"{self.failure_class}: {reason}" if reason else self.failure_class
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """A finished run, measured. `ett_pct`, `tts_s` and `wall_s` are None when nothing was
+    measured (a skipped refresh, or a run that spooled nothing). `outcome`: a lineage outcome
+    (published, gated, skipped, failed) or the final state of a run that did not get to record
+    one (crashed, cancelled). `reason`: why it was gated, skipped, failed, crashed or cancelled."""
+
+    run_id: str
+    model: str
+    mode: str
+    state: FinalState
+    outcome: str
+    windows: tuple[str, ...] = ()
+    ett_pct: float | None = None
+    nof: int = 0
+    tts_s: float | None = None
+    wall_s: float | None = None
+    components: Mapping[str, float] = field(default_factory=dict)  # exposed seconds per L2 component
+    failures: tuple[FailureNote, ...] = ()
+    reason: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.ett_pct is not None
+
+    def payload(self) -> dict[str, Any]:
+        """The summary as plain data (an event's payload, a log record)."""
+        return {"run_id": self.run_id, "model": self.model, "mode": self.mode, "state": self.state.value,
+                "outcome": self.outcome, "windows": list(self.windows), "ett_pct": self.ett_pct, "nof": self.nof,
+                "tts_s": self.tts_s, "wall_s": self.wall_s, "components": dict(self.components),
+                "failures": [{"failure_class": f.failure_class, "reason": f.reason} for f in self.failures],
+                "reason": self.reason}
+
+
+def summarize(metrics: RunMetrics | None, *, run_id: str, model: str, mode: str, state: FinalState, outcome: str,
+              windows: Sequence[str] = (), reason: str | None = None) -> RunSummary:
+    """The summary of a run from its metrics (None: nothing was spooled). A skipped refresh
+    keeps no ETT: it trained nothing (the report leaves it out of the means too)."""
+    if metrics is None or outcome == Outcome.SKIPPED.value:
+        return RunSummary(run_id=run_id, model=model, mode=mode, state=state, outcome=outcome,
+                          windows=tuple(windows), reason=reason)
+    return RunSummary(
+        run_id=run_id, model=model, mode=mode, state=state, outcome=outcome, windows=tuple(windows),
+        ett_pct=metrics.ett_pct, nof=metrics.nof, tts_s=metrics.tts_s, wall_s=metrics.wall_s,
+        components=dict(metrics.components),
+        failures=tuple(FailureNote(f.failure_class, f.reason) for f in metrics.failures), reason=reason)
+
+
+def _nof(s: RunSummary) -> str:
+    if not s.failures:
+        return f"NoF {s.nof}"
+    named = "; ".join(f.text for f in s.failures[:FAILURES_NAMED])
+    more = f"; and {len(s.failures) - FAILURES_NAMED} more" if len(s.failures) > FAILURES_NAMED else ""
+    return f"NoF {s.nof} ({named}{more})"
+
+
+def state_message(s: RunSummary) -> str:
+    """The run's final state message (see the module docstring)."""
+    if s.outcome == Outcome.SKIPPED.value:
+        return s.reason or "skipped"
+    parts = [f"ETT {s.ett_pct:.1f}%", _nof(s), f"TTS {s.tts_s:.1f} s"] if s.measured \
+        else ["no ETT: the run recorded no phase"]
+    if s.outcome not in (Outcome.PUBLISHED.value, FinalState.COMPLETED.value):
+        parts.append(f"{s.outcome}: {s.reason}" if s.reason else s.outcome)
+    return SEP.join(parts)
+
+
+def window_span(windows: Sequence[str]) -> str:
+    """`2024010100..2024010103 (4)`; one window: `2024010100`; none: empty."""
+    names = [w.removeprefix(WINDOW_PREFIX) for w in windows]
+    if not names:
+        return ""
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)})"
+
+
+def run_name(model: str, mode: str, windows: Sequence[str] = ()) -> str:
+    """`dlrm-optimized 2024010100..2024010103 (4)`; before the windows are known, `dlrm-optimized`."""
+    span = window_span(windows)
+    return f"{model}-{mode} {span}" if span else f"{model}-{mode}"
+
+
+def run_tags(s: RunSummary, existing: Iterable[str] = ()) -> list[str]:
+    """The run's tags: its other tags (the deployment's) kept in order, then model, mode,
+    failures and outcome (replacing older ones of this module)."""
+    kept = [t for t in existing if not t.startswith(TAG_PREFIXES)]
+    ours = [f"model:{s.model}", f"mode:{s.mode}", f"failures:{s.nof}", f"outcome:{s.outcome}"]
+    return [*dict.fromkeys(kept), *ours]
+
+
+def description_head(s: RunSummary) -> str:
+    """`ETT 91.2% · NoF 1 · Completed` (skipped: `skipped · Completed`), the start of every
+    artifact description, so a card cut short still shows it."""
+    if s.outcome == Outcome.SKIPPED.value:
+        return SEP.join(["skipped", s.state.title])
+    if not s.measured:
+        return SEP.join(["no ETT", s.state.title])
+    return SEP.join([f"ETT {s.ett_pct:.1f}%", f"NoF {s.nof}", s.state.title])
+
+
+def failure_line(f: Failure) -> str:
+    """How an attempt ended, for the log: class and reason first, where, then the raw detail."""
+    article = "an" if f.failure_class.value[0] in "aeiou" else "a"
+    where = ", ".join(x for x in (f"rank {f.rank}" if f.rank >= 0 else "", f"step {f.step}" if f.step is not None
+                                  else "") if x)
+    text = f"attempt {f.attempt if f.attempt is not None else '?'} ended with {article} {f.failure_class.value} failure"
+    text += f": {f.reason}" if f.reason else ""
+    text += f" ({where})" if where else ""
+    detail = " ".join(f.detail.split())
+    return f"{text}; detail: {detail}" if detail else text

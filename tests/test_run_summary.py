@@ -1,0 +1,197 @@
+"""What a finished refresh shows in the Prefect UI, as exact strings (pure, no Prefect server):
+the state message, the run's name and tags, the artifacts' description head, the failure log
+line, the progress texts, the snapshot manifest artifact, the parameter help of the run form,
+and `ettflow report`'s status, deployment and run link columns."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from ettflow.ett.failures import Failure, FailureClass
+from ettflow.ett.run_metrics import compute_run_metrics
+from ettflow.ett.run_summary import (
+    FailureNote,
+    FinalState,
+    RunSummary,
+    description_head,
+    failure_line,
+    run_name,
+    run_tags,
+    state_message,
+    summarize,
+)
+from ettflow.ett.sample import write_sample_run
+from ettflow.ett.spool import read_spool
+
+KILL = FailureNote("infrastructure", "rank 1 killed at step 16")
+
+
+def summary(**over) -> RunSummary:
+    base = dict(run_id="r1", model="dlrm", mode="optimized", state=FinalState.COMPLETED, outcome="published",
+                windows=("window=2024010100", "window=2024010101"), ett_pct=91.24, nof=1, tts_s=8.26, wall_s=60.0,
+                failures=(KILL,))
+    return RunSummary(**{**base, **over})
+
+
+def test_the_state_message_says_ett_nof_with_its_failures_and_tts():
+    assert state_message(summary()) == "ETT 91.2% · NoF 1 (infrastructure: rank 1 killed at step 16) · TTS 8.3 s"
+    assert state_message(summary(nof=0, failures=())) == "ETT 91.2% · NoF 0 · TTS 8.3 s"
+
+
+def test_the_state_message_says_how_a_refresh_that_did_not_publish_ended():
+    gated = summary(outcome="gated", reason="AUC dropped 0.02 > gate_max_auc_drop 0.01", nof=0, failures=())
+    assert state_message(gated) == "ETT 91.2% · NoF 0 · TTS 8.3 s · gated: AUC dropped 0.02 > gate_max_auc_drop 0.01"
+    data = FailureNote("data", "window=2024010101/part-00001.parquet: column c3 missing")
+    failed = summary(state=FinalState.FAILED, outcome="failed", ett_pct=12.04, tts_s=30.0, nof=4,
+                     failures=(KILL, data, data, data), reason="TrainingFailed: stopped after 4 failures")
+    assert state_message(failed) == (
+        "ETT 12.0% · NoF 4 (infrastructure: rank 1 killed at step 16; data: window=2024010101/part-00001.parquet: "
+        "column c3 missing; data: window=2024010101/part-00001.parquet: column c3 missing; and 1 more) · "
+        "TTS 30.0 s · failed: TrainingFailed: stopped after 4 failures")
+    crashed = summary(state=FinalState.CRASHED, outcome="crashed", reason="Execution was cancelled by the runtime")
+    assert state_message(crashed).endswith(" · TTS 8.3 s · crashed: Execution was cancelled by the runtime")
+    nothing = summary(state=FinalState.CRASHED, outcome="crashed", ett_pct=None, tts_s=None, nof=0, failures=(),
+                      reason="process killed")
+    assert state_message(nothing) == "no ETT: the run recorded no phase · crashed: process killed"
+
+
+def test_a_skipped_refresh_says_only_why_and_long_reasons_are_cut():
+    skipped = summary(outcome="skipped", ett_pct=None, tts_s=None, nof=0, failures=(),
+                      reason="nothing new to train for model dlrm: the watermark is the newest window")
+    assert state_message(skipped) == "nothing new to train for model dlrm: the watermark is the newest window"
+    assert description_head(skipped) == "skipped · Completed"
+    long = FailureNote("user", "x" * 200)
+    assert long.text == "user: " + "x" * 117 + "..."
+
+
+def test_name_tags_and_description_head():
+    s = summary()
+    assert run_name("dlrm", "optimized", s.windows) == "dlrm-optimized 2024010100..2024010101 (2)"
+    assert run_name("dlrm", "baseline", ("window=2024010105",)) == "dlrm-baseline 2024010105"
+    assert run_name("dlrm", "baseline") == "dlrm-baseline"
+    assert run_tags(s, ["ettflow", "adhoc", "outcome:failed", "failures:3", "ettflow"]) == [
+        "ettflow", "adhoc", "model:dlrm", "mode:optimized", "failures:1", "outcome:published"]
+    assert description_head(s) == "ETT 91.2% · NoF 1 · Completed"
+    assert description_head(summary(state=FinalState.CRASHED, ett_pct=None)) == "no ETT · Crashed"
+
+
+def test_the_failure_line_puts_ettflows_words_before_rays_detail():
+    f = Failure(failure_class=FailureClass.INFRASTRUCTURE, rank=1, attempt=0, step=16,
+                reason="rank 1 killed at step 16",
+                detail="The actor died unexpectedly before finishing this task.\n  class_name: TrainerActor")
+    assert failure_line(f) == ("attempt 0 ended with an infrastructure failure: rank 1 killed at step 16 "
+                               "(rank 1, step 16); detail: The actor died unexpectedly before finishing this task. "
+                               "class_name: TrainerActor")
+    driver = Failure(failure_class="data", attempt=2, reason="bad file")
+    assert failure_line(driver) == "attempt 2 ended with a data failure: bad file"
+
+
+def test_summarize_takes_the_runs_metrics(tmp_path):
+    write_sample_run(tmp_path, "s1", seed=1)
+    m = compute_run_metrics(read_spool(tmp_path, "s1").events)
+    s = summarize(m, run_id="s1", model="dlrm", mode="baseline", state=FinalState.COMPLETED, outcome="published",
+                  windows=("window=2024010100",))
+    assert (s.ett_pct, s.nof, s.tts_s, s.wall_s) == (m.ett_pct, 1, m.tts_s, m.wall_s)
+    assert s.failures == (FailureNote("infrastructure", "sample kill of rank 0"),)
+    assert set(s.components) == set(m.components) and s.payload()["failures"][0]["reason"] == "sample kill of rank 0"
+    skipped = summarize(m, run_id="s1", model="dlrm", mode="baseline", state=FinalState.COMPLETED,
+                        outcome="skipped", reason="nothing new")
+    assert skipped.ett_pct is None and not skipped.measured
+
+
+# ---- progress texts ---------------------------------------------------------------------------
+
+
+def test_progress_says_the_startup_phase_not_waiting():
+    from ettflow.tasks.progress import restart_text, startup_text, step_text
+    from ettflow.trainer.rank_heartbeat import RankBeat
+
+    beats = {0: RankBeat(rank=0, pid=1, beat=140.0, phases={"pt2_compile": 100.0, "pre_train": 90.0}),
+             1: RankBeat(rank=1, pid=2, beat=140.0, phases={"train_module_creation": 95.0})}
+    assert startup_text(0, beats, now=135.4) == "attempt 0 starting: pt2_compile for 35 s"
+    assert startup_text(1, {0: None, 1: None}, now=5.0) == "attempt 1 starting: launching the rank processes"
+    kill = Failure(failure_class="infrastructure", rank=1, attempt=0, step=16, reason="rank 1 killed at step 16")
+    assert restart_text(kill, 1) == ("attempt 0 failed (infrastructure: rank 1 killed at step 16); "
+                                     "attempt 1 restores the last checkpoint")
+    assert step_text(12, 60, 1, 0.69314, 512.4) == "step 12/60 (20%), attempt 1, loss 0.6931, 512 examples/s"
+
+
+# ---- the snapshot manifest artifact -----------------------------------------------------------
+
+
+def test_the_snapshot_artifact_shows_its_manifest(tmp_path):
+    from ettflow.publish.manifest import SnapshotManifest
+    from ettflow.tasks.artifacts import manifest_markdown, snapshot_markdown
+
+    m = SnapshotManifest(run_id="r1", step=40, path="/snap/r1", created_at=1.0, model={}, schema={}, data={},
+                         source={"checkpoint": "/work/r1/step_40.final"}, quantization={}, signature={},
+                         validation={"passed": True}, metrics={"auc_float": 0.71234, "n_examples": 256},
+                         timings_s={}, versions={},
+                         lineage={"windows": ["window=2024010100"], "held_out": ["window=2024010102"],
+                                  "parent_snapshot": "/snap/r0", "parent_anchor": None},
+                         files={"model.pt": {"size": 10, "sha256": "ab" * 32}})
+    text = manifest_markdown(m, "cd" * 32)
+    for row in ("| path | `/snap/r1` |", "| step | 40 |", "| windows trained | window=2024010100 |",
+                "| held out | window=2024010102 |", "| validation | passed |", "| parent snapshot | /snap/r0 |",
+                "| parent anchor | - |", "| anchor checkpoint | /work/r1/step_40.final |",
+                f"| manifest.json sha256 | `{'cd' * 32}` |", f"| model.pt sha256 | `{'ab' * 32}` (10 bytes) |",
+                "| auc_float | 0.7123 |", "| n_examples | 256 |"):
+        assert row in text.splitlines(), (row, text)
+    assert "file://" not in text
+    broken = snapshot_markdown(str(tmp_path / "gone"))
+    assert broken.startswith("### Inference snapshot\n\n`") and "manifest cannot be read" in broken
+
+
+# ---- the run form ----------------------------------------------------------------------------
+
+
+def test_every_flow_parameter_is_described_in_the_parameter_schema():
+    from prefect.utilities.callables import parameter_schema
+
+    from ettflow.flows.refresh import refresh_model
+    from ettflow.trainer.config import FAIL_AT_GRAMMAR
+
+    props = parameter_schema(refresh_model).model_dump()["properties"]
+    assert len(props) >= 28
+    assert [name for name, p in props.items() if not p.get("description")] == []
+    fail_at = props["fail_at"]["description"]
+    assert "kill:rank=1:step=16" in fail_at
+    for line in FAIL_AT_GRAMMAR.strip().splitlines():
+        assert line.strip() in fail_at, line
+
+
+def test_a_parameter_without_help_is_refused():
+    from ettflow.flows.parameter_help import with_parameter_help
+
+    def f(model: str = "dlrm", surprise: int = 1):
+        """Doc."""
+
+    with pytest.raises(TypeError, match=r"parameters without help \['surprise'\]"):
+        with_parameter_help(f)
+
+
+# ---- ettflow report ---------------------------------------------------------------------------
+
+
+def test_the_report_shows_status_deployment_and_the_run_link_and_counts_failed_runs_apart():
+    from ettflow.ett import report
+    from ettflow.ett.warehouse import COMPONENT_COLUMNS
+
+    runs = pd.DataFrame({"run_id": list("abcd"), "flow_run_id": ["fa", "fb", None, "fd"], "model": "m",
+                         "mode": "optimized", "status": ["completed", "failed", "skipped", "crashed"],
+                         "tags": [{"deployment": "refresh-adhoc"}, {}, None, {"deployment": "refresh-scheduled"}],
+                         "wall_start": [0.0, 10.0, 20.0, 30.0], "wall_s": [100.0, 50.0, 1.0, 40.0],
+                         "ett_pct": [80.0, 20.0, 0.0, 50.0], "tts_s": [10.0, 5.0, 0.5, 4.0], "nof": [1, 3, 0, 1],
+                         "ttr_mean_s": 0.0, **{c: 1.0 for c in COMPONENT_COLUMNS}})
+    table = report.run_table(runs, "http://127.0.0.1:4200/")
+    assert list(table["deployment"]) == ["refresh-adhoc", "-", "-", "refresh-scheduled"]
+    assert list(table["prefect_run"]) == ["http://127.0.0.1:4200/runs/flow-run/fa",
+                                          "http://127.0.0.1:4200/runs/flow-run/fb", "-",
+                                          "http://127.0.0.1:4200/runs/flow-run/fd"]
+    assert "prefect_run" not in report.run_table(runs).columns
+    (day,) = report.model_summary(runs).to_dict("records")
+    got = (day["runs"], day["skipped"], day["failed"], day["crashed"], day["ett_mean"], day["ett_completed_mean"],
+           day["failures"])
+    assert got == (3, 1, 1, 1, 50.0, 80.0, 5)
+    assert "skipped runs" in report.SUMMARY_NOTE and "Failed and crashed runs count" in report.SUMMARY_NOTE
