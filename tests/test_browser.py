@@ -6,8 +6,7 @@ A flow run of the deployment `refresh-adhoc` measured without training (tests/fl
 ETT 27.8%, NoF 2), archived by ettflow's real hook, and the `ett-fleet-report` flow over a
 warehouse that also holds a small fleet. The test checks, as a person would see them:
 
-- the flow run page: its state, and in its Details tab the state message with its ETT (see
-  STATE_MESSAGE_SHOWN);
+- the flow run page: its state, and in its Details tab the state message with its ETT;
 - the run's Artifacts tab, and the artifacts it opens: the ETT table (its rows) and the
   timeline picture, rendered (an <img> with a non-zero natural width);
 - the fleet artifact's page: its sections and both pictures rendered.
