@@ -174,3 +174,41 @@ def test_report_fleet_over_a_warehouse(tmp_path, capsys, monkeypatch):
     worst = lines[lines.index("Worst 5 runs by ETT%:") + 2]
     assert worst.split()[:2] == ["nightly-7", "nightly"] and "pt2_compile" in worst
     assert sum("hourly" in line and "pt2_compile" in line for line in lines) == 0  # hourly did not regress
+
+
+# -- realized waste far above the checkpoint plan (issue 14) ----------------------------------
+
+
+def planned_runs(model: str, realized: list[float], expected: list[float | None]) -> list[dict]:
+    return [{"run_id": f"{model}{i}", "deployment": "d", "wall_start": 100 * i + len(model), "wall_s": 60,
+             "wasted_training": w, "model": model} for i, w in enumerate(realized)], expected
+
+
+def with_plans(rows_and_plans) -> pd.DataFrame:
+    rows, plans = [], []
+    for r, p in rows_and_plans:
+        rows += r
+        plans += p
+    runs = frame(rows)
+    runs["model"] = [r["model"] for r in rows]
+    runs["tags"] = [{} if e is None else {"checkpoint_interval": {"source": "history", "expected_wasted_s": e}}
+                    for e in plans]
+    return runs
+
+
+def test_a_model_whose_waste_stays_far_above_its_plan_is_named():
+    runs = with_plans([
+        planned_runs("drift", [1.0, 1.2, 6.0, 7.0, 5.5], [1.0, 1.0, 1.5, 1.5, 1.0]),  # median 6.0 > 2 x 1.5 + 1
+        planned_runs("steady", [1.0, 3.0, 2.0, 2.5], [1.0, 1.0, 1.0, 1.0]),  # median 2.5 > 2 x 1 + 1? no
+        planned_runs("oneoff", [0.5, 9.0, 0.4, 0.6], [0.5, 0.5, 0.5, 0.5]),  # one bad run: median 0.6
+        planned_runs("noplan", [9.0, 9.0, 9.0], [None, None, None]),  # no plan: not judged
+        planned_runs("short", [9.0, 9.0], [1.0, 1.0]),  # fewer than `recent` planned runs
+    ])
+    assert fleet.waste_above_expected(runs) == [fleet.WasteFinding(
+        model="drift", owner="storage", realized_median_s=6.0, expected_median_s=1.5,
+        runs=("drift2", "drift3", "drift4"))]
+    assert fleet.waste_above_expected(runs, fleet.WasteRule(ratio=1.0, min_excess_s=1.0))[1].model == "steady"
+    text = fleet.fleet_text(runs)
+    assert "Wasted training far above the checkpoint plan" in text and "drift2, drift3, drift4" in text
+    with pytest.raises(ValueError, match="ratio"):
+        fleet.WasteRule(ratio=0.5)

@@ -18,6 +18,17 @@ history ignore its own outliers (1.4826 * MAD estimates the standard deviation o
 history, so k = 3 is "three sigmas"); `min_increase_s` keeps a flat history (MAD 0) from
 flagging any noise. The regression names the component and its owner (`events.OWNERS`).
 
+**Waste above expected** (`waste_above_expected`, `WasteRule`, issue 14). Each refresh stores
+the checkpoint interval it planned with its expected wasted training (`expected_wasted_s` of
+the row's ``checkpoint_interval`` tag, `ett.interval_plan`); its realized waste is its L2
+``wasted_training``. For one model, over its last `recent` runs that planned one:
+
+    flagged when median(realized) > ratio * median(expected) + min_excess_s
+
+i.e. the interval's inputs (failure rate, save blocking) no longer describe the model: its
+waste stays far above what the plan promised. The finding names the model and the owner of
+wasted training (storage).
+
 The rest is summaries: `deployment_summary` (per deployment), `component_shares` (each
 component's share of the wall time, with its owner), `worst_runs` (lowest ETT%) and
 `fleet_text` (all of it as text: `ettflow report --fleet`). Pure: no I/O.
@@ -92,6 +103,66 @@ def find_regression(series: Sequence[float], rule: RegressionRule = RegressionRu
     mad = median(abs(x - m) for x in history)
     threshold = m + max(rule.k * MAD_TO_SIGMA * mad, rule.min_increase_s)
     return Baseline(recent_median_s=median(window), history_median_s=m, mad_s=mad, threshold_s=threshold)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WasteRule:
+    """median(realized) over the last `recent` planned runs > ratio * median(expected) + min_excess_s."""
+
+    recent: int = 3
+    ratio: float = 2.0
+    min_excess_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.recent < 1 or not self.ratio >= 1.0 or not self.min_excess_s >= 0:
+            raise ValueError(f"WasteRule needs recent >= 1, ratio >= 1 and min_excess_s >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class WasteFinding:
+    model: str
+    owner: str
+    realized_median_s: float
+    expected_median_s: float
+    runs: tuple[str, ...]  # oldest first
+
+
+def expected_waste(tags: object) -> float | None:
+    """The expected wasted training a run's interval plan stored (None: no plan, or none given)."""
+    plan = tags.get("checkpoint_interval") if isinstance(tags, Mapping) else None
+    value = plan.get("expected_wasted_s") if isinstance(plan, Mapping) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def waste_above_expected(runs: pd.DataFrame, rule: WasteRule = WasteRule()) -> list[WasteFinding]:
+    """The models whose realized wasted training over their last `rule.recent` planned runs
+    stays far above the plans' expectation (see the module docstring), by model."""
+    found = []
+    done = trained(runs)
+    expected = [expected_waste(t) for t in done["tags"]]
+    planned = done.assign(expected_s=expected)[[e is not None for e in expected]]
+    for model, group in planned.groupby("model", sort=True):
+        last = group.tail(rule.recent)
+        if len(last) < rule.recent:
+            continue
+        realized = median(last["wasted_training_s"].astype(float))
+        promised = median(last["expected_s"].astype(float))
+        if realized > rule.ratio * promised + rule.min_excess_s:
+            found.append(WasteFinding(model=str(model), owner=OWNERS["wasted_training"], realized_median_s=realized,
+                                      expected_median_s=promised, runs=tuple(last["run_id"])))
+    return found
+
+
+def describe_waste_rule(rule: WasteRule) -> str:
+    return (f"a model's realized wasted training is far above its checkpoint plans' expectation when its median "
+            f"over its last {rule.recent} planned runs exceeds {rule.ratio:g} x the expected median + "
+            f"{rule.min_excess_s:g} s")
+
+
+def waste_table(found: Sequence[WasteFinding]) -> pd.DataFrame:
+    rows = [{"model": f.model, "owner": f.owner, "realized_median_s": round(f.realized_median_s, 3),
+             "expected_median_s": round(f.expected_median_s, 3), "runs": ", ".join(f.runs)} for f in found]
+    return pd.DataFrame(rows, columns=["model", "owner", "realized_median_s", "expected_median_s", "runs"])
 
 
 def with_deployment(runs: pd.DataFrame, names: Mapping[str, str] | None = None) -> pd.DataFrame:
@@ -209,6 +280,9 @@ def fleet_text(runs: pd.DataFrame, rule: RegressionRule = RegressionRule(), *, w
               f"Worst {worst} runs by ETT%:", _or_none(worst_runs(runs, worst).drop(columns="flow_run_id")), "",
               "Regressions (" + describe_rule(rule) + "):"]
     parts.append(_or_none(regression_table(found)) if found else "(none)")
+    waste = waste_above_expected(runs) if "model" in runs.columns else []
+    parts += ["", "Wasted training far above the checkpoint plan (" + describe_waste_rule(WasteRule()) + "):",
+              _or_none(waste_table(waste)) if waste else "(none)"]
     return "\n".join(parts)
 
 

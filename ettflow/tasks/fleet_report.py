@@ -192,6 +192,20 @@ def _regressions_md(found: Sequence[fleet.Regression], rule: fleet.RegressionRul
     return "\n".join(lines)
 
 
+def _waste_md(runs: pd.DataFrame) -> str:
+    rule = fleet.WasteRule()
+    found = fleet.waste_above_expected(runs, rule) if "model" in runs.columns else []
+    lines = [f"Rule: {fleet.describe_waste_rule(rule)}.", ""]
+    if not found:
+        return "\n".join(lines + ["No model's waste is above its plan."])
+    for f in found:
+        lines.append(f"- model **{f.model}** (owner: **{f.owner}**): wasted training median "
+                     f"{f.realized_median_s:.1f} s over its last {len(f.runs)} runs, against "
+                     f"{f.expected_median_s:.1f} s expected by their checkpoint plans: its failure rate or save "
+                     "cost has changed")
+    return "\n".join(lines)
+
+
 def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 5) -> str:
     """One deployment's view: its ETT over time, components per owner, worst runs, regressions."""
     summary = fleet.deployment_summary(runs)
@@ -204,7 +218,7 @@ def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.Regress
         _image(component_shares_png(runs, f"where the wall time went: {deployment}"), f"components of {deployment}"),
         "", md_table(fleet.component_shares(runs)), "",
         f"## Worst {worst} runs", "", _worst_md(runs, worst), "",
-        "## Regressions", "", _regressions_md(found, rule),
+        "## Regressions", "", _regressions_md(found, rule), "", _waste_md(runs),
     ])
 
 
@@ -220,7 +234,7 @@ def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 
                "components of the fleet"),
         "", md_table(fleet.component_shares(runs)), "",
         f"## Worst {worst} runs", "", _worst_md(runs, worst), "",
-        "## Regressions", "", _regressions_md(fleet.regressions(runs, rule), rule),
+        "## Regressions", "", _regressions_md(fleet.regressions(runs, rule), rule), "", _waste_md(runs),
     ])
 
 
