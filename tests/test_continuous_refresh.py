@@ -193,7 +193,7 @@ def test_a_warm_start_reshards_a_two_rank_anchor_onto_one_rank(env, sequence):
 def test_a_worse_snapshot_is_gated_and_the_current_one_stays(env, sequence):
     w = sequence["windows"]
     s6, r6 = sequence["r6"]
-    assert s6.is_completed() and s6.message.startswith("gated: "), s6.message
+    assert s6.is_completed() and s6.message.startswith("ETT ") and " · gated: " in s6.message, s6.message
     res = s6.result()
     assert res["outcome"] == "gated" and res["windows"] == [w[3]] and res["parent"] is None  # cold, as asked
     assert "gate_max_auc_drop" in s6.message
