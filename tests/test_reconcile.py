@@ -145,7 +145,7 @@ def test_prefect_crashed_hook_records_an_orchestrator_failure(warehouse_url, tmp
     assert failures.iloc[0]["failed_at"] == pytest.approx(read_heartbeat(spool, "run-c").last_beat)
     assert failures.iloc[0]["detected_at"] >= before and row["wall_end"] == failures.iloc[0]["detected_at"]
     assert abs(sum(row[c] for c in COMPONENT_COLUMNS) - row["wall_s"]) < 1e-3
-    assert len(published) == 2 and published[0][2].metrics.nof == 1  # the timeline shows the failure
+    assert len(published) == 2 and published[0][1].metrics.nof == 1  # the timeline shows the failure
     # the heartbeat goes stale later: reconciliation finds the crash recorded and the row right
     stale = read_heartbeat(spool, "run-c").detection_at + 1
     assert [r.action for r in reconcile(spool, warehouse_url, now=stale)] == ["skipped"]

@@ -240,8 +240,9 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
     if archived is not None:  # the `ettflow.run.measured` event (tasks.run_event)
         emit_run_measured(flow_run, archived, outcome=outcome, deployment=deployment)
     logger = _run_logger(flow_run)
-    for failure in run_spool.failures(spool_of(params), run_id):
-        logger.warning("%s", failure_line(failure))
+    if not (in_body and state is FinalState.COMPLETED):  # a completed body's failures were told at each restart
+        for failure in run_spool.failures(spool_of(params), run_id):
+            logger.warning("%s", failure_line(failure))
     slug = slug_of(deployment or flow_name)
     if archived is not None:
         try:

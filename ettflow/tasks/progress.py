@@ -164,6 +164,7 @@ class ProgressReporter:
         self._tail: StepTail | None = None
         self._tail_attempt: int | None = None
         self._restart: str | None = None  # the last restart, said until the next attempt trains
+        self._told: set[int] = set()  # attempts whose ending failure the log has said
         self._quiet_since = time.time()
 
     def __enter__(self) -> ProgressReporter:
@@ -196,7 +197,7 @@ class ProgressReporter:
     def poll(self) -> dict[str, Any]:
         attempt = run_spool.last_attempt(self.plan.spool_root, self.plan.run_id)
         if self._tail is None or self._tail_attempt != attempt:
-            if self._tail_attempt is not None:
+            if attempt > 0:  # a restart (also one that happened before the first look)
                 self._announce_restart(attempt)
             self._tail = StepTail(self.plan.spool_root, self.plan.run_id, attempt, self.plan.trainer.world_size)
             self._tail_attempt = attempt
@@ -205,11 +206,14 @@ class ProgressReporter:
 
     def _announce_restart(self, new: int) -> None:
         failures = run_spool.failures(self.plan.spool_root, self.plan.run_id)
-        failure = next((f for f in reversed(failures) if f.attempt is not None and f.attempt < new), None)
-        self._restart = restart_text(failure, new)
-        if failure is not None:  # ettflow's words first, Ray's detail after
-            self.logger.warning("%s", failure_line(failure))
+        earlier = [f for f in failures if f.attempt is not None and f.attempt < new]
+        for f in earlier:  # each attempt's ending failure once: ettflow's words first, Ray's detail after
+            if f.attempt not in self._told:
+                self._told.add(f.attempt)
+                self.logger.warning("%s", failure_line(f))
+        self._restart = restart_text(earlier[-1] if earlier else None, new)
         self.logger.warning("%s", self._restart)
+        self._quiet_since = time.time()  # just said: the "still starting" line waits its 30 s
 
     def report(self, final: bool = False, succeeded: bool = False) -> None:
         s = self.poll()
