@@ -175,7 +175,7 @@ def test_measured_event_and_automations_fire(prefect_server, receiver, tmp_path)
     assert payload["components"] == {"effective_training": 20.0, "wasted_training": 2.0, "pt2_compile": 40.0,
                                      "trainer_init": 2.0, "scheduling": 6.0, "shutdown": 2.0}
     assert (payload["model"], payload["mode"], payload["outcome"], payload["deployment"]) == (
-        "dlrm", "optimized", "completed", "refresh-adhoc")
+        "dlrm", "optimized", "published", "refresh-adhoc")
     assert event["resource"]["prefect.resource.id"] == f"ettflow.run.{run_id}"
     assert event["resource"]["ettflow.ett_pct"] == "027.8" and event["resource"]["ettflow.nof"] == "002"
     related = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
