@@ -34,11 +34,8 @@ def register(subparsers) -> None:
     sizes.add_argument("--batch-size", type=int, help="per rank")
     sizes.add_argument("--num-embeddings", type=int, help="rows of each embedding table")
     sizes.add_argument("--checkpoint-every", type=int, dest="checkpoint_every_steps")
-    from . import intervals
-
-    intervals.add_arguments(p)
     p.set_defaults(func=main)
-    parts = p.add_subparsers(dest="part", metavar="{refreshes}",
+    parts = p.add_subparsers(dest="part", metavar="{refreshes,intervals}",
                              help="a measurement of its own (without one: the paired evaluation above)")
     from . import refreshes
 
@@ -46,6 +43,12 @@ def register(subparsers) -> None:
                          description=refreshes.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     refreshes.add_arguments(r)
     r.set_defaults(func=refreshes.main)
+    from . import intervals
+
+    i = parts.add_parser("intervals", help="checkpoint-interval policies: fixed vs per-job probe vs history-fed",
+                         description=intervals.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    intervals.add_arguments(i)
+    i.set_defaults(func=intervals.main)
 
 
 def plan_from(args: argparse.Namespace):
@@ -210,10 +213,6 @@ def main(args: argparse.Namespace) -> int:
 
     from .suite import Bench
 
-    if getattr(args, "intervals", False):
-        from . import intervals
-
-        return intervals.main(args)
     quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = plan_from(args)
     out = Path(args.out).resolve()

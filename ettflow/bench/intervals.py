@@ -1,4 +1,4 @@
-"""`ettflow bench --intervals`: the checkpoint interval from the model's history, measured.
+"""`ettflow bench intervals`: the checkpoint interval from the model's history, measured.
 
 A sequence of refreshes of one model (the same training windows each time, the real trainer:
 Ray actors, DMP, gloo, async DCP checkpoints) whose failures come from a Poisson process at a
@@ -267,12 +267,11 @@ class IntervalBench:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--intervals: the checkpoint-interval bench (bench/intervals.py)")
-    g.add_argument("--intervals", action="store_true",
-                   help="run the checkpoint-interval bench instead: fixed vs probe vs history-fed interval")
-    g.add_argument("--refreshes", type=int, default=IntervalBenchPlan.refreshes)
-    g.add_argument("--rate", type=float, default=IntervalBenchPlan.rate_per_s, help="failures per training second")
-    g.add_argument("--seed", type=int, default=IntervalBenchPlan.seed)
+    p.add_argument("--out", default="results/intervals", help="results folder (default: ./results/intervals)")
+    p.add_argument("--refreshes", type=int, default=IntervalBenchPlan.refreshes)
+    p.add_argument("--rate", type=float, default=IntervalBenchPlan.rate_per_s, help="failures per training second")
+    p.add_argument("--seed", type=int, default=IntervalBenchPlan.seed)
+    p.add_argument("--verbose", action="store_true", help="show every library's warnings and logs too")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -283,14 +282,14 @@ def main(args: argparse.Namespace) -> int:
 
     quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = IntervalBenchPlan(refreshes=args.refreshes, rate_per_s=args.rate, seed=args.seed)
-    out = Path(args.out).resolve() / "intervals"
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock()
     ensure_ray(num_cpus=4)
     bench = IntervalBench(plan, out, clock.say)
     kills, _, _ = bench.sequence()
     tables = bench.tables(kills)
-    header = (f"# ettflow bench --intervals\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
+    header = (f"# ettflow bench intervals\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
               f"machine: {platform.machine()} {os.cpu_count()} cores; took {clock.elapsed():.0f} s.")
     md = [header, ""]
     for name, frame in tables.items():
