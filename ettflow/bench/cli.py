@@ -188,11 +188,19 @@ def save_results(out: Path, tables: dict[str, pd.DataFrame], pairs: dict[int, tu
     plots.components_bars(pairs, out / "components.png")
     plots.ett_vs_length(tables["job_length"], out / "ett_vs_length.png")
     plots.wasted_vs_interval(curve, choice, out / "wasted_vs_interval.png")
+    write_tables(out, tables, header=header)
+
+
+def write_tables(out: Path, tables: dict[str, pd.DataFrame], *, header: str, footer: str | None = None) -> None:
+    """Print every table, and write each as `<name>.csv` and all of them into `results.md`
+    (after `header`, before `footer`)."""
     md = [header, ""]
     for name, frame in tables.items():
         frame.to_csv(out / f"{name}.csv", index=False)
         print(f"\n== {name} ==\n{frame.to_string(index=False)}")
         md += [f"## {name}", "", markdown(frame), ""]
+    if footer is not None:
+        md += [footer, ""]
     (out / "results.md").write_text("\n".join(md))
 
 

@@ -278,7 +278,7 @@ def main(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
     from ettflow.trainer.ray_group import ensure_ray
 
-    from .cli import Clock, markdown
+    from .cli import Clock, write_tables
 
     quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = IntervalBenchPlan(refreshes=args.refreshes, rate_per_s=args.rate, seed=args.seed)
@@ -291,12 +291,7 @@ def main(args: argparse.Namespace) -> int:
     tables = bench.tables(kills)
     header = (f"# ettflow bench intervals\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
               f"machine: {platform.machine()} {os.cpu_count()} cores; took {clock.elapsed():.0f} s.")
-    md = [header, ""]
-    for name, frame in tables.items():
-        frame.to_csv(out / f"{name}.csv", index=False)
-        print(f"\n== {name} ==\n{frame.to_string(index=False)}")
-        md += [f"## {name}", "", markdown(frame), ""]
-    (out / "results.md").write_text("\n".join(md))
+    write_tables(out, tables, header=header)
     met = tables["targets"]["met"]
     clock.say(f"targets met: {int(met.sum())}/{len(met)}; tables in {out}")
     return 0

@@ -313,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import plots
-    from .cli import Clock, markdown
+    from .cli import Clock, write_tables
 
     plan = SequencePlan(refreshes=args.refreshes, rows_per_window=args.rows_per_window, batch_size=args.batch_size,
                         modes=tuple(filter(None, args.modes.split(","))), movielens_windows=args.movielens_windows,
@@ -339,14 +339,10 @@ def main(args: argparse.Namespace) -> int:
         tables["movielens"] = movielens
     plots.ett_per_refresh(tables["refreshes"], out / "refreshes.png")
     sentence = dominant_sentence(tables["warm_tts"])
-    md = [f"# ettflow bench refreshes\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
-          f"plan: {asdict(plan)}; took {clock.elapsed():.0f} s; warehouse {refresher.url}.", ""]
-    for name, frame in tables.items():
-        frame.to_csv(out / f"{name}.csv", index=False)
-        print(f"\n== {name} ==\n{frame.to_string(index=False)}")
-        md += [f"## {name}", "", markdown(frame), ""]
+    header = (f"# ettflow bench refreshes\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
+              f"plan: {asdict(plan)}; took {clock.elapsed():.0f} s; warehouse {refresher.url}.")
+    write_tables(out, tables, header=header, footer=sentence)
     print(f"\n{sentence}")
-    (out / "results.md").write_text("\n".join([*md, sentence, ""]))
     clock.say(f"done: tables, CSV and refreshes.png in {out}; `ettflow report --url {refresher.url} --model "
               f"seq-optimized --lineage` shows a chain")
     return 0
