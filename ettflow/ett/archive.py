@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from .json_file import replace_json
 from .redact import redact_url
 from .run_metrics import RunMetrics, compute_run_metrics
 from .spool import SpoolProblem, SpoolRead, read_spool
@@ -149,15 +149,11 @@ def write_pending(spool_root: Path | str, info: RunInfo, reason: str, warehouse:
             "status": info.status, "tags": dict(info.tags), "reason": reason, "since": row.since,
             "warehouse": warehouse}
     path = pending_file(spool_root, info.run_id)
-    tmp = path.with_name(f".{PENDING_FILE}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, sort_keys=True, default=str))
-        os.replace(tmp, path)
+        replace_json(path, data, default=str)
     except OSError as exc:
         log.warning("cannot write the pending mark %s (%s)", path, exc)
-    finally:
-        tmp.unlink(missing_ok=True)
     return row
 
 

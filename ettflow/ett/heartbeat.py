@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .json_file import replace_json
+
 HEARTBEAT_FILE = "heartbeat.json"
 DEFAULT_EVERY_S = 2.0
 PERIODS = 3  # beats that may be missed before the run counts as orphaned
@@ -105,16 +107,6 @@ def read_heartbeat(spool_root: Path | str, run_id: str) -> HeartbeatRecord | Non
         return None
 
 
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """Replace `path` atomically (write a temporary file, then rename it over)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 class RunHeartbeat:
     """Context manager: the driver of `run_id` is alive while the block runs (see the module)."""
 
@@ -134,7 +126,7 @@ class RunHeartbeat:
                         "pid": os.getpid(), "host": socket.gethostname(), "labels": self.labels}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_json(self.path, self._record)
+            replace_json(self.path, self._record)
         except OSError as exc:  # the run goes on; it cannot be told orphaned if it dies
             log.warning("cannot write the heartbeat %s (%s): if this run dies, archive it with "
                         "`ettflow archive --run %s`", self.path, exc, self.run_id)
@@ -165,7 +157,7 @@ class RunHeartbeat:
         else:
             outcome = "crashed"
         try:
-            _write_json(self.path, {**self._record, "ended_at": time.time(), "outcome": outcome})
+            replace_json(self.path, {**self._record, "ended_at": time.time(), "outcome": outcome})
         except OSError as exc_:
             log.warning("cannot record the end of run %s in %s (%s): it may later be archived as "
                         "crashed", self.run_id, self.path, exc_)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
+from .json_file import replace_json
 from .lineage import LineageRecord, Outcome
 
 log = logging.getLogger("ettflow.ett")
@@ -37,16 +37,8 @@ def write_pending_lineage(spool_root: Path | str, record: LineageRecord) -> Path
     """Keep the record in the run's spool folder (atomically, replacing an older one). Raises
     OSError when the disk refuses it: the caller says the lineage is lost."""
     path = pending_lineage_file(spool_root, record.run_id)
-    tmp = path.with_name(f".{LINEAGE_PENDING_FILE}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(record.row(), f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_json(path, record.row(), durable=True)
     return path
 
 
