@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from processes import alive, describe, processes_of, trainer_actors
 from sqlalchemy import create_engine, text
 
 from ettflow.ett.archive import read_pending
@@ -69,55 +70,10 @@ def training_started(run_spool: Path) -> bool:
     return False
 
 
-def trainer_actors() -> list[psutil.Process]:
-    """Live `ray::TrainerActor` processes (Ray titles an actor's worker process so)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and " ".join(p.cmdline()).startswith("ray::TrainerActor"):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    left = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p)
-        except psutil.Error:
-            continue
-    return left
-
-
 def say(capsys, message: str) -> None:
     """Print past pytest's capture (measured times, for the reliability table)."""
     with capsys.disabled():
         print(f"\n{message}", flush=True)
-
-
-def processes_of(home: Path) -> list[psutil.Process]:
-    """Every live process whose environment has ETTFLOW_HOME=home."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("ETTFLOW_HOME") == str(home):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def describe(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
-        except psutil.Error:
-            out.append(f"{p.pid} (gone)")
-    return out
 
 
 def row_of(url: str, run_id: str):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import alive, describe, processes_of
 
 ETTFLOW = Path(sys.executable).parent / "ettflow"
 BOUND_S = 30.0  # the worker's orderly crash may take SupervisorConfig.grace_s (20 s), then the stops
@@ -100,40 +101,6 @@ def test_zombie_automation_expects_the_next_heartbeat():
 
 
 # ---- the real command ----------------------------------------------------------------------
-
-
-def processes_of(home: Path) -> list[psutil.Process]:
-    """Every live process whose environment has ETTFLOW_HOME=home."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("ETTFLOW_HOME") == str(home):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def alive(snapshot: list[psutil.Process]) -> list[psutil.Process]:
-    """Those of `snapshot` still running (same pid and start time), zombies excepted."""
-    left = []
-    for p in snapshot:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p)
-        except psutil.Error:
-            continue
-    return left
-
-
-def describe(procs: list[psutil.Process]) -> list[str]:
-    out = []
-    for p in procs:
-        try:
-            out.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
-        except psutil.Error:
-            out.append(f"{p.pid} (gone)")
-    return out
 
 
 def training_started(spool: Path) -> bool:
