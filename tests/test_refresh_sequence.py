@@ -13,7 +13,8 @@ from ettflow.ett.warehouse import Warehouse
 
 
 def test_a_window_arrives_on_the_default_data_only_when_nothing_is_new(tmp_path, monkeypatch):
-    from ettflow.tasks.arrivals import demo_root, ensure_new_window
+    from ettflow.tasks.arrivals import ensure_new_window
+    from ettflow.tasks.plan import default_data_root as demo_root
     from ettflow.trainer.data.windows import list_windows
 
     monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))

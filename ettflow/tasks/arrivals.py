@@ -14,16 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ettflow import paths
 from ettflow.ett.warehouse import Warehouse
 
-from .plan import demo_data
+from .plan import default_data_root
 from .warehouse_url import resolve_warehouse_url
 from .window_choice import select_windows
-
-
-def demo_root():
-    return demo_data(paths.data_home() / "data" / "synthetic")
 
 
 def ensure_new_window(params: Mapping[str, Any]) -> str | None:
@@ -34,7 +29,7 @@ def ensure_new_window(params: Mapping[str, Any]) -> str | None:
 
     if params.get("data_root") or params.get("windows"):
         return None
-    root = demo_root()
+    root = default_data_root()
     with Warehouse.open(resolve_warehouse_url(params)) as wh:
         mark = wh.watermark(params.get("model") or "dlrm")
     choice = select_windows(list_windows(root), mark, max_windows=int(params.get("max_windows") or 4),

@@ -133,21 +133,16 @@ def publication(result: Any) -> tuple[Outcome, str | None, str | None]:
         getattr(result, "reason", None)
 
 
-def settle(plan: RefreshPlan, outcome: Outcome, *, anchor: str | None = None, snapshot: str | None = None,
-           reason: str | None = None, write: bool = True) -> LineageRecord:
-    """Record how the refresh ended and settle its claims (`ett.lineage.finish_refresh`);
-    `write=False` only builds the record."""
+def lineage_record(plan: RefreshPlan, outcome: Outcome, *, anchor: str | None = None,
+                   snapshot: str | None = None, reason: str | None = None) -> LineageRecord:
+    """How the refresh ended, as its lineage record (finished now)."""
     parent = plan.parent
-    record = LineageRecord(
+    return LineageRecord(
         model=plan.model, run_id=plan.run_id, windows=plan.trainer.windows or (), outcome=outcome,
         parent_run_id=parent.run_id if parent else None, parent_anchor=parent.anchor if parent else None,
         parent_snapshot=parent.snapshot if parent else None, anchor=anchor, snapshot=snapshot,
         reason=None if reason is None else reason[:2000], created_at=plan.submitted_at or time.time(),
         finished_at=time.time())
-    if write:
-        with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
-            lineage.finish_refresh(wh, record)
-    return record
 
 
 @task(name="record-lineage", cache_policy=NO_CACHE)
@@ -162,14 +157,17 @@ def record_lineage(plan: RefreshPlan, anchor: str, published: Any) -> LineageRec
 
 
 def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any) -> LineageRecord:
-    """`settle`; when the warehouse is unavailable, keep the record in the run's spool instead
-    (its claims stay live until the next reconciliation writes it). Never raises an outage."""
+    """Record how the refresh ended and settle its claims (`ett.lineage.finish_refresh`); when
+    the warehouse is unavailable, keep the record in the run's spool instead (its claims stay
+    live until the next reconciliation writes it). Never raises an outage."""
     from ettflow.ett.archive import OUTAGES, outage_reason
 
+    record = lineage_record(plan, outcome, **fields)
     try:
-        return settle(plan, outcome, **fields)
+        with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+            lineage.finish_refresh(wh, record)
+        return record
     except OUTAGES as exc:
-        record = settle(plan, outcome, write=False, **fields)
         try:
             where = write_pending_lineage(plan.spool_root, record)
         except OSError as disk:

@@ -39,7 +39,7 @@ from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_inte
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.model import ModelConfig
-from ettflow.trainer.placement import Placement
+from ettflow.trainer.placement import Placement, PlacementStrategy
 
 from .errors import ParameterError
 from .warehouse_url import check_warehouse_params
@@ -229,6 +229,11 @@ def demo_data(root: Path) -> Path:
     return root
 
 
+def default_data_root() -> Path:
+    """The per-user default data (`demo_data`): what a refresh without `data_root` trains."""
+    return demo_data(paths.data_home() / "data" / "synthetic")
+
+
 def _windows(name: str, value: Sequence[str] | None, known: Sequence[str]) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -267,8 +272,9 @@ def with_lineage(plan: RefreshPlan, watermark: str | None, parent: LineageRecord
 def _placement(p: Mapping[str, Any], world_size: int) -> Placement:
     """The ranks' placement on the Ray cluster (trainer/placement.py), from the flow's parameters."""
     strategy = p.get("placement_strategy", "PACK")
-    if strategy not in ("PACK", "SPREAD", "STRICT_SPREAD"):
-        raise ParameterError("placement_strategy", f"must be PACK, SPREAD or STRICT_SPREAD, got {strategy!r}")
+    names = [s.value for s in PlacementStrategy]
+    if strategy not in names:
+        raise ParameterError("placement_strategy", f"must be {', '.join(names[:-1])} or {names[-1]}, got {strategy!r}")
     low = _int("min_world_size", p.get("min_world_size"), 1, optional=True)
     if low is not None and low > world_size:
         raise ParameterError("min_world_size", f"must be <= world_size ({world_size}), got {low}")
@@ -313,7 +319,7 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
     except (TypeError, ValueError) as exc:
         raise ParameterError("architecture", f"is invalid: {exc}") from None
     home = paths.data_home()
-    data_root = Path(p["data_root"]) if p.get("data_root") else demo_data(home / "data" / "synthetic")
+    data_root = Path(p["data_root"]) if p.get("data_root") else default_data_root()
     if not data_root.is_dir():
         raise ParameterError("data_root", f"is not a folder of data windows: {str(data_root)!r}")
     known = list_windows(data_root)
