@@ -68,12 +68,19 @@ PHASE_COMPONENT: dict[str, str | None] = {
     "compile_cache_save": "pt2_compile",
     TRAIN_STEP: None,  # resolved per step to effective_training or wasted_training
     "checkpoint_save_blocking": "wasted_training",
+    "memory_save_blocking": "wasted_training",  # the in-memory tier's copy the loop waits for
     "lost_in_flight": "wasted_training",
+    # live recovery (survivors keep running, a warm spare takes the failed rank): its phases
+    "spare_handoff": "scheduling",  # the driver gives the failed rank's place to a spare
+    "process_group_rebuild": "trainer_init",  # survivors and spare form a new process group
+    "module_reshard": "trainer_init",  # the sharded module rebuilt on the new group (dense part kept)
     "anchor_checkpoint": "shutdown",
     "evaluation": "shutdown",  # held-out evaluation after training, devices still held
     "publish": "shutdown",  # publishing while the trainer still holds its devices
     "shutdown": "shutdown",
     "checkpoint_save_background": None,
+    "memory_save_background": None,  # the in-memory copy handed to the keeper, overlapping training
+    "spare_start": None,  # a new spare starting in the background, off the critical path
     "publish_standalone": None,  # on CPU after the devices were released
     SUBMITTED: None,
     FAILURE: None,
@@ -83,7 +90,8 @@ PHASE_COMPONENT: dict[str, str | None] = {
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
 MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL})
 # Informational phases neither claim time nor stretch the wall clock.
-OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background"})
+OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
+                                       "spare_start"})
 
 # Phases whose owner is not their component's owner (derived phases included).
 PHASE_OWNERS: dict[str, str] = {
@@ -95,6 +103,10 @@ PHASE_OWNERS: dict[str, str] = {
     "checkpoint_restore": "storage",
     "checkpoint_save_blocking": "storage",
     "checkpoint_save_background": "storage",
+    "memory_save_blocking": "storage",
+    "memory_save_background": "storage",
+    "process_group_rebuild": "scheduler",
+    "spare_start": "scheduler",
     "anchor_checkpoint": "storage",
     "publish": "publishing",
     "publish_standalone": "publishing",

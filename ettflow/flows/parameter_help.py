@@ -24,9 +24,11 @@ F = TypeVar("F", bound=Callable)
 REFRESH_HELP: dict[str, str] = {
     "model": "The model's name (lowercase letters, digits, - and _): its lineage, checkpoints and snapshots.",
     "mode": "baseline or optimized: the preset of the trainer's switches (baseline: sequential init, compile "
-            "on the first real batch, synchronous checkpoints, no compile cache, publishing in the trainer).",
+            "on the first real batch, synchronous checkpoints, no compile cache, no in-memory checkpoints, every rank "
+            "restarted after a failure, publishing in the trainer).",
     "switches": "Single switches on top of the mode, e.g. {\"compile_cache\": false}: parallel_init, fast_batch, "
-                "compile, compile_cache, async_checkpoint, publish_in_trainer.",
+                "compile, compile_cache, async_checkpoint, memory_checkpoint (the in-memory checkpoint tier), live_recovery "
+                "(survivors keep running and a warm spare takes a failed rank), publish_in_trainer.",
     "architecture": "ModelConfig fields: embedding_dim, dense_arch, over_arch, learning rates (null: the defaults).",
     "data_root": "The folder of hourly data windows (window=YYYYMMDDHH/*.parquet); null: tiny synthetic data, "
                  "made on first use.",

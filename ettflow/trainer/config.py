@@ -28,10 +28,18 @@ class Switches:
     compile: bool = True  # torch.compile the dense step (False: eager)
     compile_cache: bool = True  # restore / save the compile-cache archive
     async_checkpoint: bool = True  # DCP async_save with staging (False: synchronous save)
+    # in-memory checkpoint tier: every save also stages each rank's shards into host memory that
+    # outlives the rank (trainer/checkpoint/memory_tier.py); a restore reads it when it is intact
+    memory_checkpoint: bool = True
+    # live recovery: when one rank fails, the healthy ranks keep their processes (imports, compiled
+    # step), a pre-started warm spare takes the failed rank's place, and all restore from memory
+    # (trainer/live_recovery.py); False: every rank restarts (today's recovery)
+    live_recovery: bool = True
 
     @classmethod
     def baseline(cls) -> Switches:
-        return cls(parallel_init=False, fast_batch=False, compile_cache=False, async_checkpoint=False)
+        return cls(parallel_init=False, fast_batch=False, compile_cache=False, async_checkpoint=False,
+                   memory_checkpoint=False, live_recovery=False)
 
     @classmethod
     def optimized(cls) -> Switches:
