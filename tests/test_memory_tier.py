@@ -6,8 +6,9 @@ with the session's Ray: a MemoryTier in this process against a real keeper (loca
 restores, a corrupted copy, a dead keeper). Then the real stack at tiny sizes, under the e2e
 lock: two Ray actors train the project's sharded DLRM (TorchRec DMP on gloo, fused Adagrad,
 dense Adam) and save to memory; a restore is bitwise the saved state and training continues
-bitwise; rank 1 is SIGKILLed, its copy stays in the keeper, and a spare process restores it
-into a freshly built model; a corrupted copy is refused.
+bitwise; rank 1 is SIGKILLed and rank 0 ends, their copies stay in the keeper, and two spare
+processes restore them into freshly built models (bitwise, and training on from them is
+bitwise the first run); a corrupted copy is refused.
 """
 
 from __future__ import annotations
@@ -351,30 +352,30 @@ def test_sharded_dlrm_restores_from_memory_and_a_spare_takes_a_killed_ranks_copy
     assert [r["where"] for r in _on_all(ranks, "restore", 2)] == ["keeper"] * WORLD  # older: from the keeper
     assert _on_all(ranks, "fingerprint") == at2
 
-    # SIGKILL rank 1 (the process that saved its copies): the keeper still holds them
+    # SIGKILL rank 1 (the process that saved its copies), then end rank 0: the keeper keeps their copies
     pid = ray.get(ranks[1].pid.remote())
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.1)
+    ray.kill(ranks[0], no_restart=True)
     assert ray.get(keeper.inventory.remote()) == {0: [2, 4], 1: [2, 4]}
 
-    # a spare process takes rank 1's place; with rank 0 it builds a fresh model and restores step 4
-    spare = _ranks(1)[0]
-    group = [ranks[0], spare]
+    # two spare processes take the ranks' places: fresh models, each rank's copy from the keeper
+    group = _ranks(WORLD)
     ray.get([r.join.remote(str(tmp_path / "pg2"), i, "memtier-e2e") for i, r in enumerate(group)])
     _on_all(group, "build")
     assert _on_all(group, "fingerprint") != at4
-    back = ray.get([ranks[0].restore.remote(4), spare.restore.remote(4, 1)])
-    assert [(b["where"], b["source_rank"], b["step"]) for b in back] == [("local", 0, 4), ("keeper", 1, 4)]
+    back = ray.get([r.restore.remote(4, i) for i, r in enumerate(group)])
+    assert [(b["where"], b["source_rank"], b["step"]) for b in back] == [("keeper", 0, 4), ("keeper", 1, 4)]
     assert _on_all(group, "fingerprint") == at4
     _on_all(group, "train", 4, 7)
     assert _on_all(group, "fingerprint") == at7
 
     # a corrupted copy is refused (the caller falls back to the durable checkpoint), nothing changed
     ray.get(keeper.corrupt.remote(1, 2))
-    refused = ray.get(spare.restore.remote(2, 1))
+    refused = ray.get(group[1].restore.remote(2, 1))
     assert "in-memory copy of rank 1 at step 2 is damaged: checksum" in refused["error"], refused
-    assert ray.get(spare.fingerprint.remote()) == at7[1]
+    assert ray.get(group[1].fingerprint.remote()) == at7[1]
     for actor in (*group, keeper):
         ray.kill(actor, no_restart=True)

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from ettflow.trainer.ray_group import ensure_ray
 
     ensure_ray()
-    start_keeper(RUN_ID)
+    keeper = start_keeper(RUN_ID)  # held: the keeper lives while the driver holds its handle
     with tempfile.TemporaryDirectory(prefix="ettflow-bench-memory-") as tmp:
         ranks = [ray.remote(BenchRank).options(num_cpus=1).remote(
             r, args.world_size, f"{tmp}/pg", f"{tmp}/ckpt", args.num_embeddings) for r in range(args.world_size)]
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{'restore':<22}{'seconds':>10}")
     for how, values in restores.items():
         print(f"{how:<22}{med(values):>10.4f}")
-    for r in ranks:
-        ray.kill(r)
+    for actor in (*ranks, keeper):
+        ray.kill(actor)
 
 
 if __name__ == "__main__":

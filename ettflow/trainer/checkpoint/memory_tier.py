@@ -44,6 +44,7 @@ keeper holds the rank's previous copy, and `latest_common` names a step every ra
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -129,7 +130,7 @@ class MemoryTier:
         self._local = None  # the buffers are being overwritten
         host = self._host.capture(tensors)
         meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size,
-                        cursor=dict(train_state.cursor), nbytes=sum(t.nbytes for t in host.values()),
+                        cursor=json.loads(train_state.cursor_json()), nbytes=sum(t.nbytes for t in host.values()),
                         layout=layout_of(host))
         self._local = (meta, host)
         self._pending = self._executor.submit(self._hand_off, meta, host)

@@ -127,7 +127,10 @@ class StateKeeper:
 
 def start_keeper(run_id: str, *, keep: int = KEEP) -> Any:
     """The driver's call: the run's keeper actor, started on this node (this process owns it;
-    an existing keeper of the run is reused). Returns its ActorHandle once it answers."""
+    an existing keeper of the run is reused). Returns its ActorHandle once it answers.
+
+    Hold the handle for as long as the run may restore from memory: Ray ends a (non-detached)
+    actor when the last handle of its owner goes, its name notwithstanding."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
