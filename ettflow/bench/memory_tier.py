@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         reput = ray.remote(StateKeeper).options(num_cpus=0).remote()
         hand: dict[str, list[float]] = {}
         for i in range(args.reps):
-            for how, keeper in (("own put", None), ("keeper heap", heap), ("keeper object", reput)):
-                hand.setdefault(how, []).append(max(on_all("hand_off", how, keeper, 10_000 + i)))
+            for how, other in (("own put", None), ("keeper heap", heap), ("keeper object", reput)):
+                hand.setdefault(how, []).append(max(on_all("hand_off", how, other, 10_000 + i)))
             hand.setdefault("checksum (sha256)", []).append(max(on_all("checksum_s")))
         last_memory = max(s for s in range(1, step + 1) if (s - 1) % 3 == 0)
         restores: dict[str, list[float]] = {}
