@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from ettflow.trainer.checkpoint.state_keeper import StateKeeper, start_keeper
+    from ettflow.trainer.checkpoint.state_keeper import HAND_OFFS, StateKeeper, start_keeper
     from ettflow.trainer.ray_group import ensure_ray
 
     ensure_ray()
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.setdefault(kind, []).append(max(o["blocking_s"] for o in out))
                 background.setdefault(kind, []).append(max(o["background_s"] for o in out))
                 nbytes[kind] = sum(o["nbytes"] for o in out) if kind == "memory" else out[0]["nbytes"]
-        heap = ray.remote(HeapKeeper).options(num_cpus=0).remote()
-        reput = ray.remote(StateKeeper).options(num_cpus=0).remote()
+        heap = ray.remote(HeapKeeper).options(num_cpus=0, max_concurrency=HAND_OFFS).remote()
+        reput = ray.remote(StateKeeper).options(num_cpus=0, max_concurrency=HAND_OFFS).remote()
         hand: dict[str, list[float]] = {}
         for i in range(args.reps):
             for how, other in (("own put", None), ("keeper heap", heap), ("keeper object", reput)):

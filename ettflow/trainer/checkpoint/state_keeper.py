@@ -21,11 +21,13 @@ the payload a list of uint8 arrays: nothing else crosses to or from the keeper.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 KEEP = 2  # copies kept per rank: the newest, and the one before it (the newest may be one rank short)
 NAME_PREFIX = "ettflow-keeper-"
+HAND_OFFS = 8  # the keeper's threads: ranks whose hand-offs run side by side
 
 
 def keeper_name(run_id: str) -> str:
@@ -79,10 +81,14 @@ class CopyIndex:
 
 
 class StateKeeper:
-    """The Ray actor (`start_keeper` builds it): a `CopyIndex` of (meta, [object ref])."""
+    """The Ray actor (`start_keeper` builds it): a `CopyIndex` of (meta, [object ref]).
+
+    A threaded actor: the ranks' hand-offs (each a copy into the object store) run side by
+    side; the index itself is read and changed under one lock."""
 
     def __init__(self, keep: int = KEEP) -> None:
         self.index = CopyIndex(keep=keep)
+        self._lock = threading.Lock()
 
     def store(self, meta: dict[str, Any], arrays: list[Any]) -> list[int]:
         """Keep a copy. `arrays` arrive as read-only views of the object the rank's call put into
@@ -93,20 +99,26 @@ class StateKeeper:
 
         if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays):
             raise TypeError("StateKeeper.store: the payload must be a list of uint8 arrays")
-        return self.index.store(dict(meta), [ray.put(arrays)])
+        ref = ray.put(arrays)
+        with self._lock:
+            return self.index.store(dict(meta), [ref])
 
     def fetch(self, rank: int, step: int) -> tuple[dict[str, Any], list[Any]] | None:
         """(meta, [payload ref]) of rank's copy at step, or None when the keeper has none."""
-        return self.index.get(rank, step)
+        with self._lock:
+            return self.index.get(rank, step)
 
     def steps(self, rank: int) -> list[int]:
-        return self.index.steps(rank)
+        with self._lock:
+            return self.index.steps(rank)
 
     def latest_common(self, world_size: int) -> int | None:
-        return self.index.latest_common(world_size)
+        with self._lock:
+            return self.index.latest_common(world_size)
 
     def inventory(self) -> dict[int, list[int]]:
-        return self.index.inventory()
+        with self._lock:
+            return self.index.inventory()
 
     def corrupt(self, rank: int, step: int) -> None:
         """Fault injection for tests (like the scripted faults of `trainer/faults.py`): replace
@@ -115,11 +127,12 @@ class StateKeeper:
         import numpy as np
         import ray
 
-        meta, refs = self.index.copies[rank][step]
-        arrays = [np.array(a, copy=True) for a in ray.get(refs[0])]
-        biggest = max(range(len(arrays)), key=lambda i: arrays[i].size)
-        arrays[biggest][arrays[biggest].size // 2] ^= 1
-        self.index.copies[rank][step] = (meta, [ray.put(arrays)])
+        with self._lock:
+            meta, refs = self.index.copies[rank][step]
+            arrays = [np.array(a, copy=True) for a in ray.get(refs[0])]
+            biggest = max(range(len(arrays)), key=lambda i: arrays[i].size)
+            arrays[biggest][arrays[biggest].size // 2] ^= 1
+            self.index.copies[rank][step] = (meta, [ray.put(arrays)])
 
     def ping(self) -> str:
         return "ok"
@@ -136,7 +149,7 @@ def start_keeper(run_id: str, *, keep: int = KEEP) -> Any:
 
     here = ray.get_runtime_context().get_node_id()
     handle = ray.remote(StateKeeper).options(
-        name=keeper_name(run_id), get_if_exists=True, num_cpus=0, max_restarts=0,
+        name=keeper_name(run_id), get_if_exists=True, num_cpus=0, max_restarts=0, max_concurrency=HAND_OFFS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(keep)
     ray.get(handle.ping.remote())
