@@ -55,6 +55,7 @@ TRAIN_STEP = "train_step"  # effective or wasted, decided by the data cursor
 SUBMITTED = "submitted"  # marker: the job was submitted (wall clock starts)
 FAILURE = "failure"  # marker: the fault happened (kill, exception, start of a hang)
 FAILURE_DETECTED = "failure_detected"  # marker: the driver noticed (TTR starts)
+DATA_STALL = "data_stall"  # a step's fetch that waited on the data pipeline (`trainer.step_clock`)
 CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and its inputs (ett.interval_plan)
 
 # phase -> the component its time belongs to. None: the phase is informational (a marker,
@@ -70,6 +71,7 @@ PHASE_COMPONENT: dict[str, str | None] = {
     "checkpoint_save_blocking": "wasted_training",
     "memory_save_blocking": "wasted_training",  # the in-memory tier's copy the loop waits for
     "lost_in_flight": "wasted_training",
+    DATA_STALL: "wasted_training",  # devices held, nothing trained: the step waited for its batch
     # live recovery (survivors keep running, a warm spare takes the failed rank): its phases
     "spare_handoff": "scheduling",  # the driver gives the failed rank's place to a spare
     "process_group_rebuild": "trainer_init",  # survivors and spare form a new process group
@@ -113,6 +115,7 @@ PHASE_OWNERS: dict[str, str] = {
     "train_step": "trainer",
     "train_step_replay": "storage",
     "lost_in_flight": "storage",
+    DATA_STALL: "data",
     "failed_startup": "trainer",
 }
 

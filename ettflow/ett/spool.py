@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import EventError, PhaseEvent
+from .events import MARKERS, OFF_CLOCK, EventError, PhaseEvent
 from .failures import Failure, FailureClass, FailureError
 
 
@@ -92,6 +92,7 @@ class SpoolWriter:
         self._lock = threading.Lock()
         self._seq = 0
         self._size = -1  # file size after our last write; another writer changes it
+        self.recorded_until: float | None = None  # the latest end of an on-clock interval recorded here
 
     def close(self) -> None:
         """Fsync what is not yet durable and close; raises `SpoolWriteError` if that fsync fails."""
@@ -184,6 +185,9 @@ class SpoolWriter:
                         self._flusher.start()
                 self._seq += 1
                 self._size += len(line)
+                if phase not in OFF_CLOCK and phase not in MARKERS and (
+                        self.recorded_until is None or event.end > self.recorded_until):
+                    self.recorded_until = event.end
                 return event
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

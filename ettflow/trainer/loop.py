@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.events import DATA_STALL
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 
@@ -40,6 +41,7 @@ from .numerics import loss_failure, poison, stop
 from .preemption import PREEMPTION, StopDecision
 from .rank_heartbeat import SAVE, RankHeartbeat
 from .rank_state import RankState
+from .step_clock import Fetch, resume_after
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -162,8 +164,11 @@ class TrainLoop:
         loss_value: float | None = None  # None: no step trained in this attempt
         if self.beat is not None:
             self.beat.training(step)
+        since = time.time()  # where the next step's interval starts (`step_clock`: no gap between steps)
         while step < end:
+            fetch_start = time.time()
             batch = first if first is not None else next(batches)
+            fetch = Fetch(since=min(since, fetch_start), fetch_start=fetch_start, ready=max(time.time(), fetch_start))
             first = None
             fault = due(self.config.failures, attempt=self.attempt, rank=self.rank, step=step)
             nan_fault = fault if fault is not None and fault.kind == "nan" else None
@@ -176,12 +181,15 @@ class TrainLoop:
             decision = PREEMPTION.agree(self.pg, self.device)
             if decision.stop:
                 self._stop_preempted(step, last_cursor, loss_value, decision)
-            t0 = time.time()
+            t0 = fetch.step_start  # the step owns its fetch (unless stalled), heartbeat and agreement
             loss_value = self.train_step(batch, step, fault=nan_fault)
-            t1 = time.time()
+            t1 = since = time.time()
             if self.beat is not None:
                 self.beat.step_ended(step)
             if self.config.record_steps:
+                if fetch.stalled:
+                    self.rec.record(DATA_STALL, fetch.since, fetch.ready, sync=False, step=step,
+                                    wait_s=fetch.wait_s)
                 self.rec.record("train_step", t0, t1, sync=False, step=step, loss=loss_value, examples=batch.batch_size,
                                 cursor_start=list(batch.cursor_start.as_tuple()),
                                 cursor_end=list(batch.cursor_end.as_tuple()))
@@ -196,6 +204,7 @@ class TrainLoop:
             due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
             if due_save and step < end:
                 self.blocking.append(self._save(step, last_cursor, loss_value))
+                since = resume_after(t1, self.rec.recorded_until)  # the next step starts at the save's end
                 if step == probe_at:
                     self._choose_interval(end, step_times)
         elapsed = max(time.time() - t_train, 1e-9)
