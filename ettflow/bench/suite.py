@@ -37,12 +37,12 @@ class BenchPlan:
     kill_fractions: tuple[float, float] = (0.35, 0.7)  # of the default pair's steps
     ablation_batches: int = 8
     overhead_steps: int = 200
-    overhead_repeats: int = 2  # runs with and without recording, interleaved
+    overhead_repeats: int = 8  # pairs of runs with and without recording, interleaved (ABBA)
 
     @classmethod
     def quick(cls) -> BenchPlan:
         return cls(lengths=(1, 2), rows_per_window=16_384, batch_size=128, num_embeddings=5_000,
-                   checkpoint_every_steps=16, ablation_batches=4, overhead_steps=60, overhead_repeats=1)
+                   checkpoint_every_steps=16, ablation_batches=4, overhead_steps=60, overhead_repeats=2)
 
     @classmethod
     def full(cls) -> BenchPlan:
@@ -116,23 +116,67 @@ class Bench:
     def overhead(self, windows: tuple[str, ...]) -> pd.DataFrame:
         self.say("overhead: recording on vs off, Prefect start")
         spec = replace(self.spec(windows, 1, ()), max_steps=self.plan.overhead_steps)
-        rates = {}
-        for record in (True, False) * self.plan.overhead_repeats:  # interleaved
-            res = run_job(replace(spec, record_steps=record), "optimized",
-                          f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{len(rates)}", self.spool,
-                          cache_root=self.cache, publish=False)
-            rates.setdefault(record, []).append(res.training.rank0["examples_per_s"])
-        on, off = statistics.mean(rates[True]), statistics.mean(rates[False])
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for pair in tqdm(range(self.plan.overhead_repeats), desc="overhead pairs", unit="pair"):
+            for record in ((True, False) if pair % 2 == 0 else (False, True)):  # ABBA: a drift cancels
+                res = run_job(replace(spec, record_steps=record), "optimized",
+                              f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{pair}", self.spool,
+                              cache_root=self.cache, publish=False)
+                rates[record].append(res.training.rank0["examples_per_s"])
+        stats = overhead_stats(rates[True], rates[False])
         t0 = time.time()
         subprocess.run([sys.executable, "-c", "from prefect import flow\n@flow\ndef f():\n    return 1\nf()"],
                        check=True, capture_output=True)
         prefect_s = time.time() - t0
         return pd.DataFrame([
-            {"what": "examples/s with ETT recording", "value": round(on, 1)},
-            {"what": "examples/s without recording", "value": round(off, 1)},
-            {"what": "recording overhead %", "value": round(100 * (off - on) / off, 2)},
+            {"what": "examples/s with ETT recording", "value": round(statistics.mean(rates[True]), 1)},
+            {"what": "examples/s without recording", "value": round(statistics.mean(rates[False]), 1)},
+            {"what": "recording overhead %", "value": round(stats.mean_pct, 2)},
+            {"what": "recording overhead %, 95% upper bound", "value": round(stats.upper_pct, 2)},
+            {"what": "recording overhead %, 95% half-width (noise)", "value": round(stats.half_width_pct, 2)},
+            {"what": "recording overhead, interleaved pairs", "value": stats.pairs},
             {"what": "Prefect: first flow run incl. ephemeral server, s", "value": round(prefect_s, 2)},
         ])
+
+
+# Student's t, two-sided 95% (the 0.975 quantile) by degrees of freedom; a df between two
+# entries takes the smaller df's (larger, so conservative) value.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+
+
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"t975 needs df >= 1, got {df}")
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverheadStats:
+    """The recording overhead over interleaved pairs: per pair 100 x (off - on) / off (on, off:
+    the throughputs of the pair's runs with and without recording), their mean and the 95%
+    confidence half-width of the mean (Student's t; 0 with one pair, where it is unknown:
+    `upper_pct` is then the mean). The target is met when `upper_pct` is below it; the
+    difference from zero is resolved when the half-width is below the mean."""
+
+    pairs: int
+    per_pair_pct: tuple[float, ...]
+    mean_pct: float
+    half_width_pct: float
+
+    @property
+    def upper_pct(self) -> float:
+        return self.mean_pct + self.half_width_pct
+
+
+def overhead_stats(on: list[float], off: list[float]) -> OverheadStats:
+    if len(on) != len(off) or not on:
+        raise ValueError(f"overhead_stats needs as many runs with recording as without (>= 1), got "
+                         f"{len(on)} and {len(off)}")
+    per_pair = tuple(100 * (b - a) / b for a, b in zip(on, off))
+    n = len(per_pair)
+    half = t975(n - 1) * statistics.stdev(per_pair) / n ** 0.5 if n > 1 else 0.0
+    return OverheadStats(pairs=n, per_pair_pct=per_pair, mean_pct=statistics.mean(per_pair), half_width_pct=half)
 
 
 def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
