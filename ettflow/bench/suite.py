@@ -115,7 +115,8 @@ class Bench:
     # ---- 6: orchestration overhead ---------------------------------------------------------
     def overhead(self, windows: tuple[str, ...]) -> pd.DataFrame:
         self.say("overhead: recording on vs off, Prefect start")
-        spec = replace(self.spec(windows, 1, ()), max_steps=self.plan.overhead_steps)
+        length = min(max(1, -(-self.plan.overhead_steps // max(self.plan.steps(1), 1))), len(windows) - 1)
+        spec = replace(self.spec(windows, length, ()), max_steps=self.plan.overhead_steps)  # enough windows
         rates: dict[bool, list[float]] = {True: [], False: []}
         for pair in tqdm(range(self.plan.overhead_repeats), desc="overhead pairs", unit="pair"):
             for record in ((True, False) if pair % 2 == 0 else (False, True)):  # ABBA: a drift cancels

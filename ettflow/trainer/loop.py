@@ -204,9 +204,9 @@ class TrainLoop:
             due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
             if due_save and step < end:
                 self.blocking.append(self._save(step, last_cursor, loss_value))
-                since = resume_after(t1, self.rec.recorded_until)  # the next step starts at the save's end
                 if step == probe_at:
                     self._choose_interval(end, step_times)
+            since = resume_after(t1, self.rec.recorded_until)  # after a save: at its end, never inside it
         elapsed = max(time.time() - t_train, 1e-9)
         result: dict[str, Any] = {
             "rank": self.rank, "attempt": self.attempt, "final_step": step,
