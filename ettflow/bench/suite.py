@@ -117,14 +117,18 @@ class Bench:
         self.say("overhead: recording on vs off, Prefect start")
         length = min(max(1, -(-self.plan.overhead_steps // max(self.plan.steps(1), 1))), len(windows) - 1)
         spec = replace(self.spec(windows, length, ()), max_steps=self.plan.overhead_steps)  # enough windows
-        rates: dict[bool, list[float]] = {True: [], False: []}
+        rates: dict[bool, list[float]] = {True: [], False: []}  # examples/s over the loop, saves included
+        step_s: dict[bool, list[float]] = {True: [], False: []}  # the median step interval (fetch to end)
         for pair in tqdm(range(self.plan.overhead_repeats), desc="overhead pairs", unit="pair"):
             for record in ((True, False) if pair % 2 == 0 else (False, True)):  # ABBA: a drift cancels
                 res = run_job(replace(spec, record_steps=record), "optimized",
                               f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{pair}", self.spool,
                               cache_root=self.cache, publish=False)
                 rates[record].append(res.training.rank0["examples_per_s"])
-        stats = overhead_stats(rates[True], rates[False])
+                step_s[record].append(res.training.rank0["step_s_median"])
+        # per step, the median is robust to the bursts of a shared machine; as rates (1 / step_s)
+        stats = overhead_stats([1 / s for s in step_s[True]], [1 / s for s in step_s[False]])
+        loop = overhead_stats(rates[True], rates[False])
         t0 = time.time()
         subprocess.run([sys.executable, "-c", "from prefect import flow\n@flow\ndef f():\n    return 1\nf()"],
                        check=True, capture_output=True)
@@ -132,10 +136,14 @@ class Bench:
         return pd.DataFrame([
             {"what": "examples/s with ETT recording", "value": round(statistics.mean(rates[True]), 1)},
             {"what": "examples/s without recording", "value": round(statistics.mean(rates[False]), 1)},
+            {"what": "median step s with ETT recording", "value": round(statistics.median(step_s[True]), 5)},
+            {"what": "median step s without recording", "value": round(statistics.median(step_s[False]), 5)},
             {"what": "recording overhead %", "value": round(stats.mean_pct, 2)},
             {"what": "recording overhead %, 95% upper bound", "value": round(stats.upper_pct, 2)},
             {"what": "recording overhead %, 95% half-width (noise)", "value": round(stats.half_width_pct, 2)},
             {"what": "recording overhead, interleaved pairs", "value": stats.pairs},
+            {"what": "recording overhead % of examples/s over the loop (saves in)", "value": round(loop.mean_pct, 2)},
+            {"what": "... its 95% half-width", "value": round(loop.half_width_pct, 2)},
             {"what": "Prefect: first flow run incl. ephemeral server, s", "value": round(prefect_s, 2)},
         ])
 

@@ -22,6 +22,7 @@ hang inside or between steps, and in a save (`rank_heartbeat.py`).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -213,6 +214,7 @@ class TrainLoop:
             "steps_this_attempt": len(step_times),
             "loss": loss_value if loss_value is not None else float("nan"),
             "steps_per_s": len(step_times) / elapsed, "examples_per_s": examples * self.config.world_size / elapsed,
+            "step_s_median": statistics.median(step_times) if step_times else None,  # fetch to end of a step
             "cursor": last_cursor.to_dict() if last_cursor is not None else None,
             "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
         }
