@@ -119,6 +119,7 @@ class Bench:
         spec = replace(self.spec(windows, length, ()), max_steps=self.plan.overhead_steps)  # enough windows
         rates: dict[bool, list[float]] = {True: [], False: []}  # examples/s over the loop, saves included
         step_s: dict[bool, list[float]] = {True: [], False: []}  # the median step interval (fetch to end)
+        inline: list[float] = []
         for pair in tqdm(range(self.plan.overhead_repeats), desc="overhead pairs", unit="pair"):
             for record in ((True, False) if pair % 2 == 0 else (False, True)):  # ABBA: a drift cancels
                 res = run_job(replace(spec, record_steps=record), "optimized",
@@ -126,6 +127,9 @@ class Bench:
                               cache_root=self.cache, publish=False)
                 rates[record].append(res.training.rank0["examples_per_s"])
                 step_s[record].append(res.training.rank0["step_s_median"])
+                if record:  # the record calls' own time, as a share of the loop's (same run: no noise between runs)
+                    r0 = res.training.rank0
+                    inline.append(100 * r0["record_s"] * r0["steps_per_s"] / r0["steps_this_attempt"])
         # per step, the median is robust to the bursts of a shared machine; as rates (1 / step_s)
         stats = overhead_stats([1 / s for s in step_s[True]], [1 / s for s in step_s[False]])
         loop = overhead_stats(rates[True], rates[False])
@@ -142,6 +146,9 @@ class Bench:
             {"what": "recording overhead %, 95% upper bound", "value": round(stats.upper_pct, 2)},
             {"what": "recording overhead %, 95% half-width (noise)", "value": round(stats.half_width_pct, 2)},
             {"what": "recording overhead, interleaved pairs", "value": stats.pairs},
+            {"what": "record calls, % of the training loop's time (mean of runs)",
+             "value": round(statistics.mean(inline), 3)},
+            {"what": "record calls, % of the training loop's time (max of runs)", "value": round(max(inline), 3)},
             {"what": "recording overhead % of examples/s over the loop (saves in)", "value": round(loop.mean_pct, 2)},
             {"what": "... its 95% half-width", "value": round(loop.half_width_pct, 2)},
             {"what": "Prefect: first flow run incl. ephemeral server, s", "value": round(prefect_s, 2)},

@@ -166,6 +166,7 @@ class TrainLoop:
         if self.beat is not None:
             self.beat.training(step)
         since = time.time()  # where the next step's interval starts (`step_clock`: no gap between steps)
+        record_s = 0.0
         while step < end:
             fetch_start = time.time()
             batch = first if first is not None else next(batches)
@@ -188,12 +189,14 @@ class TrainLoop:
             if self.beat is not None:
                 self.beat.step_ended(step)
             if self.config.record_steps:
+                r0 = time.perf_counter()
                 if fetch.stalled:
                     self.rec.record(DATA_STALL, fetch.since, fetch.ready, sync=False, step=step,
                                     wait_s=fetch.wait_s)
                 self.rec.record("train_step", t0, t1, sync=False, step=step, loss=loss_value, examples=batch.batch_size,
                                 cursor_start=list(batch.cursor_start.as_tuple()),
                                 cursor_end=list(batch.cursor_end.as_tuple()))
+                record_s += time.perf_counter() - r0  # what recording costs the training thread
             step_times.append(t1 - t0)
             examples += batch.batch_size
             step += 1
@@ -215,6 +218,7 @@ class TrainLoop:
             "loss": loss_value if loss_value is not None else float("nan"),
             "steps_per_s": len(step_times) / elapsed, "examples_per_s": examples * self.config.world_size / elapsed,
             "step_s_median": statistics.median(step_times) if step_times else None,  # fetch to end of a step
+            "record_s": record_s,  # time in the step events' record calls
             "cursor": last_cursor.to_dict() if last_cursor is not None else None,
             "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
         }
