@@ -23,6 +23,7 @@ from ettflow.bench.jobs import (
     flow_params,
 )
 from ettflow.bench.suite import BenchPlan, ttr_tables
+from ettflow.ett.interval_plan import IntervalSource, PlannedInterval
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.tasks.plan import parse_failures, plan_refresh
 
@@ -105,17 +106,22 @@ def test_ttr_per_failure_and_the_live_recovery_ratio():
 
 def test_the_interval_a_run_trained_with_is_read_from_its_saves():
     t = Timeline("r").mark("submitted", 0)
-    for step in (6, 11, 16):  # attempt 0, rank 0: every 5 steps; rank 1's saves are the same saves
+    for step in (2, 5, 10, 15):  # attempt 0, rank 0: the probe at 2, then every 5 steps (rank 1: the same saves)
         t.ev("checkpoint_save_blocking", step, step + 0.1, step=step).ev(
             "checkpoint_save_blocking", step, step + 0.1, rank=1, step=step)
     t.steps(20, 0, 2).next_attempt()
-    for step in (3, 10):  # attempt 1 probed again and chose 7
+    for step in (3, 10, 17):  # attempt 1 probed again at 3 and chose 7
         t.ev("checkpoint_save_blocking", 30 + step, 30.1 + step, step=step)
     t.steps(50, 2, 2)
     j = JobResult(run_id="r", row="optimized", mode="optimized", metrics=compute_run_metrics(t.events),
                   events=t.events, publish_s=0.0)
-    assert j.interval_steps == 5  # median of the gaps 5, 5, 7
+    assert j.interval_steps == 5  # median of the gaps 5, 5, 7 (the probes left out)
     assert j.interval_source == "-"  # no plan recorded in this hand-built run
+    fixed = PlannedInterval(source=IntervalSource.FIXED, interval_steps=16)
+    t.mark("checkpoint_interval", 0, **fixed.to_attrs())
+    j = JobResult(run_id="r", row="fixed", mode="optimized", metrics=compute_run_metrics(t.events),
+                  events=t.events, publish_s=0.0)
+    assert (j.interval_source, j.interval_steps) == ("fixed", 16)  # the plan's, however few saves
 
 
 @pytest.mark.slow

@@ -134,14 +134,21 @@ class JobResult:
 
     @property
     def interval_steps(self) -> float | None:
-        """The interval the run trained with: the median step distance between consecutive saves
-        of rank 0 within an attempt (None: never two saves in one attempt)."""
+        """The interval the run trained with: the plan's, when it set one (fixed, history);
+        else the optimizer's after each attempt's probe save: the median step distance between
+        consecutive saves of rank 0 within an attempt, its first save (the probe) left out
+        (None: no attempt saved twice after its probe)."""
+        from ettflow.tasks.run_spool import planned_interval
+
+        planned = planned_interval(self.events)
+        if planned is not None and planned.interval_steps:
+            return float(planned.interval_steps)
         gaps: list[int] = []
         for attempt in {e.attempt for e in self.events}:
             steps = sorted(e.attrs["step"] for e in self.events if e.phase == "checkpoint_save_blocking"
-                           and e.rank == 0 and e.attempt == attempt and isinstance(e.attrs.get("step"), int))
+                           and e.rank == 0 and e.attempt == attempt and isinstance(e.attrs.get("step"), int))[1:]
             gaps += [b - a for a, b in zip(steps, steps[1:])]
-        return statistics.median(gaps) if gaps else None
+        return float(statistics.median(gaps)) if gaps else None
 
 
 def flow_params(spec: JobSpec, row: Row, **over: Any) -> dict[str, Any]:
@@ -159,6 +166,7 @@ def run_flow_job(spec: JobSpec, row: Row, state: Path, *, tags: dict[str, Any] |
     under `state`; its metrics from its spool."""
     from .refreshes import Refresher, SequencePlan
 
+    state.mkdir(parents=True, exist_ok=True)
     refresher = Refresher(state, SequencePlan(world_size=spec.world_size, batch_size=spec.batch_size,
                                               max_embeddings=spec.num_embeddings))
     params = refresher.params(MODEL, spec.data_root, **flow_params(spec, row, tags={
