@@ -1,0 +1,237 @@
+"""The in-memory checkpoint tier: each rank's state copied to host memory that outlives the rank.
+
+    keeper = start_keeper(run_id)                        # the driver, once per run (state_keeper.py)
+    tier = MemoryTier(find_keeper(run_id), rank, world_size, on_done=record)   # each rank
+    blocked_s = tier.save(step, train_state)             # one host copy; the rest runs in the background
+    ...
+    step = ray.get(keeper.latest_common.remote(world_size))   # the newest step every rank has
+    tier.restore(train_state, step)                      # a survivor: its own copy, in place
+    tier.restore(train_state, step, source_rank=1)       # a spare in rank 1's place: rank 1's copy
+
+`save` copies the rank's tensors (`memory_copy.local_tensors`) into reused host buffers and
+returns the seconds it blocked. One background thread then computes the copy's checksum and
+hands it to the keeper; the next save waits for that hand-off, as CheckpointManager waits for
+its previous write, and `on_done` gets a `MemorySaveResult` (the `memory_save_background`
+phase). A failed hand-off (the keeper is gone) is reported there with ok=False and logged: the
+memory tier is an optimization, the durable checkpoint stays the guarantee.
+
+`restore` uses the rank's own host copy when it holds `step`, else the keeper's copy of
+`source_rank`; it verifies the checksum and copies in place (`memory_copy.apply`). A copy that
+is missing, damaged or does not fit raises `MemoryCopyError` (a CheckpointError), and the
+caller restores the durable DCP checkpoint, with a warning.
+
+Where the copies live: in the Ray object store, as objects the keeper owns (state_keeper.py).
+The rank's background thread hands the copy to the keeper (the call puts it into the object
+store once), and the keeper puts it again as its own object, on the driver's node, keeping only
+the reference and the metadata. Measured by `ettflow/bench/memory_tier.py` on the bench's
+default model (criteo_schema(20_000), dim 16, 2 ranks: BENCHMARKS_NUMBERS) on this host.
+The options it was chosen over:
+- the rank's own object (`ray.put` in the rank): one copy, but Ray frees an object when its
+  owner dies, which is the case the tier exists for; `ray.put(_owner=keeper)`, which gave the
+  keeper the rank's object in one copy, was removed in Ray 2.56;
+- the keeper holding the bytes in its heap: the same two copies at save time, and a third at
+  every restore (out of the heap into the object store again);
+- peer replication (each rank holds a peer's copy): every save crosses the training network,
+  a restore needs that peer alive, the pairing must be rebuilt whenever the group changes, and
+  with 2 ranks one death leaves a single copy of each, inside the survivor;
+- a file in /dev/shm the rank maps: one copy, but it outlives everything, a SIGKILLed driver
+  included (host memory leaks until someone deletes it), and only that node can read it.
+What survives what: a rank process's death, SIGKILL included, and its node's (the keeper owns
+the object, on the driver's node); not the driver's death (the keeper dies with it, and the
+durable checkpoint covers it). A hand-off still in flight when the rank dies is lost: the
+keeper holds the rank's previous copy, and `latest_common` names a step every rank has.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ettflow.trainer.checkpoint.memory_copy import (
+    CopyMeta,
+    HostCopy,
+    MemoryCopyError,
+    apply,
+    byte_view,
+    layout_of,
+    local_tensors,
+    tensors_of,
+)
+from ettflow.trainer.checkpoint.state import TrainState
+
+__all__ = ["MemoryCopyError", "MemorySaveResult", "MemoryTier", "apply", "local_tensors"]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySaveResult:
+    """The background part of a memory save (`memory_save_background`): checksum and hand-off.
+
+    start/end: epoch seconds; ok: the keeper holds the copy; error: why not (ok False)."""
+
+    step: int
+    rank: int
+    nbytes: int
+    start: float
+    end: float
+    ok: bool
+    checksum: str | None = None
+    error: str | None = None
+
+    @property
+    def background_s(self) -> float:
+        return self.end - self.start
+
+
+class MemoryTier:
+    """A rank's side of the in-memory tier (see the module docstring).
+
+    keeper: the run's StateKeeper handle (`state_keeper.find_keeper(run_id)`).
+    on_done: called with each MemorySaveResult, from the background thread."""
+
+    def __init__(self, keeper: Any, rank: int, world_size: int, *,
+                 on_done: Callable[[MemorySaveResult], None] | None = None) -> None:
+        for name, value in (("rank", rank), ("world_size", world_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MemoryTier {name} must be an int >= 0, got {value!r}")
+        if not rank < world_size:
+            raise ValueError(f"MemoryTier rank {rank} is not below world_size {world_size}")
+        self.keeper, self.rank, self.world_size = keeper, rank, world_size
+        self._on_done = on_done
+        self._host = HostCopy(pin=torch.accelerator.is_available())
+        self._local: tuple[CopyMeta, dict[str, torch.Tensor]] | None = None  # the newest copy, in _host
+        self._executor = ThreadPoolExecutor(1, "ettflow-memory")
+        self._pending: Future[MemorySaveResult] | None = None
+        self._closed = False
+
+    @property
+    def local_step(self) -> int | None:
+        """The step of this rank's own host copy (None: none yet)."""
+        return self._local[0].step if self._local else None
+
+    def save(self, step: int, train_state: TrainState) -> float:
+        """Copy the rank's state at `step` into host memory; returns the seconds the caller was
+        blocked (finishing the previous hand-off, then the copy)."""
+        if self._closed:
+            raise MemoryCopyError("MemoryTier.save after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        start = time.perf_counter()
+        self.wait()
+        tensors = local_tensors(train_state, step=step, rank=self.rank)
+        self._local = None  # the buffers are being overwritten
+        host = self._host.capture(tensors)
+        meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size,
+                        cursor=json.loads(train_state.cursor_json()), nbytes=sum(t.nbytes for t in host.values()),
+                        layout=layout_of(host))
+        self._local = (meta, host)
+        self._pending = self._executor.submit(self._hand_off, meta, host)
+        return time.perf_counter() - start
+
+    def _hand_off(self, meta: CopyMeta, host: dict[str, torch.Tensor]) -> MemorySaveResult:
+        """Background: checksum, then the hand-off (the keeper keeps an object of its own)."""
+        import ray
+
+        start = time.time()
+        arrays = [byte_view(t) for t in host.values()]
+        meta = meta.with_checksum(arrays)
+        try:
+            ray.get(self.keeper.store.remote(meta.to_json(), arrays))
+            ok, error = True, None
+        except Exception as e:  # noqa: BLE001 - the keeper is gone or refused: reported, not raised
+            ok, error = False, f"{type(e).__name__}: {e}"
+            log.warning("in-memory copy of rank %d at step %d not handed to the keeper: %s",
+                        self.rank, meta.step, error)
+        result = MemorySaveResult(step=meta.step, rank=self.rank, nbytes=meta.nbytes, start=start, end=time.time(),
+                                  ok=ok, checksum=meta.checksum, error=error)
+        if self._on_done is not None:
+            try:
+                self._on_done(result)
+            except Exception:  # the callback's bug must not fail the save
+                log.exception("memory tier on_done callback failed for step %d", meta.step)
+        return result
+
+    def wait(self) -> MemorySaveResult | None:
+        """Finish the pending hand-off; returns its result (None if there was none). A failed
+        hand-off is not raised: its result has ok=False."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        result = pending.result()
+        if self._local is not None and self._local[0].step == result.step:
+            self._local = (replace(self._local[0], checksum=result.checksum), self._local[1])
+        return result
+
+    def latest_common(self) -> int | None:
+        """The newest step the keeper holds for every rank of this world size."""
+        import ray
+
+        return ray.get(self.keeper.latest_common.remote(self.world_size))
+
+    def restore(self, train_state: TrainState, step: int, *, source_rank: int | None = None) -> dict[str, Any]:
+        """Restore `train_state` in place from the copy of `source_rank` (default: this rank)
+        at `step`: this rank's host copy when it holds it, else the keeper's. Raises
+        MemoryCopyError when the copy is missing, damaged or does not fit. Returns what was
+        restored: {"where": "local"|"keeper", "source_rank", "step", "cursor", "nbytes",
+        "fetch_s", "verify_s", "apply_s"}."""
+        source = self.rank if source_rank is None else source_rank
+        self.wait()
+        start = time.perf_counter()
+        if source == self.rank and self._local is not None and self._local[0].step == step:
+            meta, host = self._local
+            where, arrays = "local", [byte_view(t) for t in host.values()]
+        else:
+            where, (meta, arrays) = "keeper", self._fetch(source, step)
+        fetched = time.perf_counter()
+        meta.verify(arrays)
+        if meta.world_size != self.world_size or meta.rank != source or meta.step != step:
+            raise MemoryCopyError(f"the copy asked for (rank {source} of {self.world_size}, step {step}) is "
+                                  f"rank {meta.rank} of {meta.world_size}, step {meta.step}")
+        verified = time.perf_counter()
+        restored_step, cursor = apply(train_state, tensors_of(meta.layout, arrays), rank=self.rank)
+        return {"where": where, "source_rank": source, "step": restored_step, "cursor": cursor,
+                "nbytes": meta.nbytes, "fetch_s": fetched - start, "verify_s": verified - fetched,
+                "apply_s": time.perf_counter() - verified}
+
+    def _fetch(self, rank: int, step: int) -> tuple[CopyMeta, list[np.ndarray]]:
+        import ray
+        from ray.exceptions import RayError
+
+        try:
+            found = ray.get(self.keeper.fetch.remote(rank, step))
+            if found is None:
+                held = ray.get(self.keeper.steps.remote(rank))
+                raise MemoryCopyError(f"the keeper holds no copy of rank {rank} at step {step} (it holds steps {held})")
+            meta_json, refs = found
+            arrays = ray.get(refs[0])
+        except RayError as e:  # the keeper died, or the copy's node did
+            raise MemoryCopyError(f"the in-memory copy of rank {rank} at step {step} is unreachable: "
+                                  f"{type(e).__name__}: {e}") from e
+        if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays):
+            raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} is not a list of uint8 arrays")
+        return CopyMeta.from_json(meta_json), arrays
+
+    def close(self) -> None:
+        """Finish the pending hand-off and free the host buffers (the keeper keeps its copies)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._local, self._host.buffers = None, {}
+
+    def __enter__(self) -> MemoryTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

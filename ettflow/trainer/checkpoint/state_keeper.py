@@ -1,0 +1,150 @@
+"""The keeper of a run's in-memory checkpoint copies: it outlives the ranks that saved them.
+
+One keeper per run, started by the driver (`start_keeper`): a Ray actor with no CPU, on the
+driver's node, named `ettflow-keeper-<run_id>` so a rank (or a spare) finds it by the run id
+(`find_keeper`). It is owned by the driver and dies with it (never detached, never restarted:
+a new keeper would hold nothing, and the durable DCP checkpoint covers that case).
+
+The copies live in the Ray object store, as objects the keeper owns. A rank hands its copy to
+`store` (the call puts it into the object store, as an object the rank owns); the keeper puts
+it again, as its own object, and keeps that reference until the copy is evicted (the newest
+`KEEP` per rank stay). Ray keeps an object while its owner lives, so the copy survives the
+rank that saved it (the rank's own object goes with the rank). The keeper runs on the driver's
+node, so its objects are there: a rank's node may die too; the driver's node may not (the
+durable checkpoint covers that). Ray 2.56 removed `ray.put(_owner=...)`, which would have let
+the rank put an object the keeper owns in one copy.
+
+`CopyIndex` is the pure bookkeeping (newest copies per rank, the newest step every rank has);
+`StateKeeper` is the actor around it. Metadata is a JSON-able dict (`memory_tier.CopyMeta`),
+the payload a list of uint8 arrays: nothing else crosses to or from the keeper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KEEP = 2  # copies kept per rank: the newest, and the one before it (the newest may be one rank short)
+NAME_PREFIX = "ettflow-keeper-"
+
+
+def keeper_name(run_id: str) -> str:
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
+    return f"{NAME_PREFIX}{run_id}"
+
+
+@dataclass(kw_only=True)
+class CopyIndex:
+    """Which copies a keeper holds, by (rank, step); keeps the newest `keep` per rank.
+
+    Entries are (meta, payload); the index never looks into the payload. A copy's world size
+    is part of its meta: `latest_common` counts only copies of the world size asked for."""
+
+    keep: int = KEEP
+    copies: dict[int, dict[int, tuple[dict[str, Any], Any]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"CopyIndex.keep must be an int >= 1, got {self.keep!r}")
+
+    def store(self, meta: dict[str, Any], payload: Any) -> list[int]:
+        """Add (or replace) the copy of meta's (rank, step); returns the steps evicted."""
+        rank, step = meta["rank"], meta["step"]
+        mine = self.copies.setdefault(rank, {})
+        mine[step] = (meta, payload)
+        evicted = sorted(mine)[: max(len(mine) - self.keep, 0)]
+        for old in evicted:
+            del mine[old]
+        return evicted
+
+    def get(self, rank: int, step: int) -> tuple[dict[str, Any], Any] | None:
+        return self.copies.get(rank, {}).get(step)
+
+    def steps(self, rank: int) -> list[int]:
+        return sorted(self.copies.get(rank, {}))
+
+    def latest_common(self, world_size: int) -> int | None:
+        """The newest step that every rank 0..world_size-1 holds a copy of (written by
+        `world_size` ranks); None when there is none."""
+        common: set[int] | None = None
+        for rank in range(world_size):
+            held = {s for s, (meta, _) in self.copies.get(rank, {}).items() if meta["world_size"] == world_size}
+            common = held if common is None else common & held
+        return max(common) if common else None
+
+    def inventory(self) -> dict[int, list[int]]:
+        """{rank: [steps held, oldest first]}."""
+        return {rank: sorted(held) for rank, held in sorted(self.copies.items()) if held}
+
+
+class StateKeeper:
+    """The Ray actor (`start_keeper` builds it): a `CopyIndex` of (meta, [object ref])."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.index = CopyIndex(keep=keep)
+
+    def store(self, meta: dict[str, Any], arrays: list[Any]) -> list[int]:
+        """Keep a copy. `arrays` arrive as read-only views of the object the rank's call put into
+        the object store (owned by the rank: it goes when the rank does); the keeper puts them
+        again, as an object of its own, and keeps that reference. Returns the evicted steps."""
+        import numpy as np
+        import ray
+
+        if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays):
+            raise TypeError("StateKeeper.store: the payload must be a list of uint8 arrays")
+        return self.index.store(dict(meta), [ray.put(arrays)])
+
+    def fetch(self, rank: int, step: int) -> tuple[dict[str, Any], list[Any]] | None:
+        """(meta, [payload ref]) of rank's copy at step, or None when the keeper has none."""
+        return self.index.get(rank, step)
+
+    def steps(self, rank: int) -> list[int]:
+        return self.index.steps(rank)
+
+    def latest_common(self, world_size: int) -> int | None:
+        return self.index.latest_common(world_size)
+
+    def inventory(self) -> dict[int, list[int]]:
+        return self.index.inventory()
+
+    def corrupt(self, rank: int, step: int) -> None:
+        """Fault injection for tests (like the scripted faults of `trainer/faults.py`): replace
+        the stored bytes of rank's copy at step with the same bytes, one bit flipped in the
+        largest array, keeping the metadata and its checksum; restoring it must then fail."""
+        import numpy as np
+        import ray
+
+        meta, refs = self.index.copies[rank][step]
+        arrays = [np.array(a, copy=True) for a in ray.get(refs[0])]
+        biggest = max(range(len(arrays)), key=lambda i: arrays[i].size)
+        arrays[biggest][arrays[biggest].size // 2] ^= 1
+        self.index.copies[rank][step] = (meta, [ray.put(arrays)])
+
+    def ping(self) -> str:
+        return "ok"
+
+
+def start_keeper(run_id: str, *, keep: int = KEEP) -> Any:
+    """The driver's call: the run's keeper actor, started on this node (this process owns it;
+    an existing keeper of the run is reused). Returns its ActorHandle once it answers.
+
+    Hold the handle for as long as the run may restore from memory: Ray ends a (non-detached)
+    actor when the last handle of its owner goes, its name notwithstanding."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    handle = ray.remote(StateKeeper).options(
+        name=keeper_name(run_id), get_if_exists=True, num_cpus=0, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote(keep)
+    ray.get(handle.ping.remote())
+    return handle
+
+
+def find_keeper(run_id: str) -> Any:
+    """A rank's or a spare's call: the handle of the run's keeper (ValueError: none is running)."""
+    import ray
+
+    return ray.get_actor(keeper_name(run_id))
