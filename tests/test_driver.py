@@ -321,17 +321,3 @@ def test_a_task_retry_shares_the_run_budget(tmp_path):
     assert exc.decision is FailureDecision.RAISE and len(exc.failures) == 3 and len(run.groups) == 2
     assert [f.attempt for f in exc.failures] == [0, 1, 2] and "3 failures exceed the budget of 2" in exc.why
 
-
-def test_in_trainer_publish_holds_the_devices(tmp_path):
-    run = Run(tmp_path, [finish_at(4)])
-
-    def publish(ranks):
-        run.clock.t += 3.0
-        return "snapshot"
-
-    driver = TrainingDriver(run.config, run.run_id, run.spool, run.factory, poll_s=0, grace_s=0, clock=run.clock,
-                            before_release=publish)
-    driver.run(submitted_at=run.clock.t)
-    m = run.metrics()
-    assert driver.released_with == "snapshot" and m.raw("publish") == 3.0
-    assert m.components["shutdown"] == 1.5 + 3.0  # the release waited for publishing

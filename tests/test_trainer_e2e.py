@@ -80,6 +80,23 @@ def test_two_ranks_train_and_held_out_loss_falls(clean_run):
     m.check_partition()
 
 
+def test_steps_stalls_and_saves_tile_the_training_time(clean_run):
+    # issue 12 part 5: each step's interval starts where the previous step, stall or save ended
+    # (`trainer.step_clock`), so nothing between a rank's first and last step is unattributed
+    # (the only gap left is the loop's hand-off from a step's end to the save it calls: microseconds)
+    _, events, _ = clean_run
+    saves = ("checkpoint_save_blocking", "memory_save_blocking")
+    for rank in (0, 1):
+        spans = sorted((e.start, e.end, e.phase) for e in events if e.rank == rank
+                       and e.phase in ("train_step", "data_stall", *saves))
+        assert len(by(events, "train_step", rank)) == STEPS and len(spans) > STEPS  # saves every 5 steps
+        for (_, end, _), (start, _, phase) in zip(spans, spans[1:]):
+            if phase in saves:
+                assert 0 <= start - end < 0.005
+            else:
+                assert start == end  # a step or stall starts exactly where the previous interval ended
+
+
 def test_fast_batch_compile_does_not_wait_for_real_data(clean_run):
     # (the overlap itself, with a DPP slower than this tiny one: test_init_pipeline.py)
     _, events, _ = clean_run

@@ -1,5 +1,11 @@
 """`ettflow bench`: run the paired evaluation, print the tables, save CSV/PNG/markdown and
-archive every job to the warehouse tagged as a benchmark run."""
+archive every job to the warehouse tagged as a benchmark run.
+
+Every job is a run of the `refresh_model` flow (`bench.jobs`), on Prefect's ephemeral API in
+this process and one local Ray started before the first job. Parts: the ETT pairs (baseline
+and optimized) at each length, with the ablation rows beside the default pair (`rows`: the
+fixed checkpoint interval, live recovery off), the compile ablation (`ablation`) and the
+orchestration overhead (`overhead`); `--skip` leaves the last three out."""
 
 from __future__ import annotations
 
@@ -26,14 +32,17 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes: a few minutes")
     p.add_argument("--out", default="results", help="results folder (default: ./results)")
     p.add_argument("--url", help="warehouse URL for the benchmark runs (default: the per-user warehouse)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: ablation,overhead")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: rows (the ablation rows beside the "
+                   "default pair), ablation (compile), overhead")
     p.add_argument("--verbose", action="store_true", help="show every library's warnings and logs too")
     sizes = p.add_argument_group("sizes (override the quick/full plan)")
     sizes.add_argument("--lengths", help="training windows per job, comma-separated, e.g. 2,8,32")
     sizes.add_argument("--rows-per-window", type=int)
     sizes.add_argument("--batch-size", type=int, help="per rank")
     sizes.add_argument("--num-embeddings", type=int, help="rows of each embedding table")
-    sizes.add_argument("--checkpoint-every", type=int, dest="checkpoint_every_steps")
+    sizes.add_argument("--fixed-interval", type=int, dest="fixed_interval_steps",
+                       help="steps between saves of the ablation row 'optimized, fixed N-step interval' (the "
+                       "other jobs take the interval the flow's plan picks)")
     p.set_defaults(func=main)
     parts = p.add_subparsers(dest="part", metavar="{refreshes,intervals}",
                              help="a measurement of its own (without one: the paired evaluation above)")
@@ -58,18 +67,21 @@ def plan_from(args: argparse.Namespace):
 
     plan = BenchPlan.quick() if args.quick else BenchPlan.full()
     changes = {k: getattr(args, k) for k in ("rows_per_window", "batch_size", "num_embeddings",
-                                              "checkpoint_every_steps") if getattr(args, k, None)}
+                                              "fixed_interval_steps") if getattr(args, k, None)}
     if getattr(args, "lengths", None):
         changes["lengths"] = tuple(int(x) for x in args.lengths.split(","))
     return replace(plan, **changes)
 
 
-def _targets(pairs, ablation, checkpoints, shutdown, overhead) -> pd.DataFrame:
+def _targets(pairs, ablation, checkpoints, shutdown, overhead, ttr_ratio=None) -> pd.DataFrame:
     first = pairs[min(pairs)]
     longest = pairs[max(pairs)]
     gain = first[1].metrics.ett_pct - first[0].metrics.ett_pct
     rows = [("optimized ETT% - baseline ETT% (default pair), points", gain, ">= 20"),
             ("optimized ETT% at the longest length", longest[1].metrics.ett_pct, ">= 93")]
+    if ttr_ratio is not None and len(ttr_ratio):
+        rows.append(("TTR of a single-rank kill, live recovery on / off (mean)", ttr_ratio["on/off"].iloc[-1],
+                     "<= 0.3"))
     if ablation is not None:
         warm = ablation.loc[ablation["mode"] == "warm-restart", "compile_vs_cold_%"].iloc[0]
         rows.append(("warm-restart compile, % of cold", warm, "<= 10"))
@@ -79,6 +91,9 @@ def _targets(pairs, ablation, checkpoints, shutdown, overhead) -> pd.DataFrame:
         rows.append(("async save blocking, % of sync (median)", 100 * asyn / sync, "<= 10"))
     s = shutdown.set_index("mode")["device_held_after_last_step_s"]
     rows.append(("device-held shutdown standalone, % of in-trainer", 100 * s["optimized"] / s["baseline"], "<= 5"))
+    m = first[1].metrics
+    rows.append(("unattributed, % of wall (optimized, default pair)", 100 * m.components["unattributed"] / m.wall_s,
+                 "<= 0.2"))
     if overhead is not None:
         rows.append(("ETT recording overhead, % of throughput", overhead.set_index("what").loc[
             "recording overhead %", "value"], "<= 3"))
@@ -103,10 +118,12 @@ def markdown(frame: pd.DataFrame) -> str:
 
 @dataclass(frozen=True)
 class Measured:
-    """What the suite measured: the ETT pair per job length (shortest first), and the
-    compile ablation and orchestration overhead tables (None when skipped)."""
+    """What the suite measured: the ETT pair per job length (shortest first), the ablation
+    rows' jobs at the default length (empty when skipped), and the compile ablation and
+    orchestration overhead tables (None when skipped)."""
 
     pairs: dict[int, tuple[JobResult, JobResult]]
+    rows: list[JobResult]
     ablation: pd.DataFrame | None
     overhead: pd.DataFrame | None
 
@@ -129,15 +146,16 @@ class Clock:
 
 
 def measure(bench: Bench, skip: set[str]) -> Measured:
-    """Run every measurement of the plan (ETT pairs, then the ablation and the overhead
-    unless skipped) on a local Ray."""
+    """Run every measurement of the plan (ETT pairs and the ablation rows, then the compile
+    ablation and the overhead unless skipped) on a local Ray started once, before the first
+    job (as a long-lived worker has it)."""
     from ettflow.trainer.ray_group import ensure_ray
 
     windows = bench.prepare_data()
     t0 = time.time()
     ensure_ray(num_cpus=4)
     ray_s = time.time() - t0
-    pairs = bench.pairs(windows)
+    pairs, rows = bench.pairs(windows)
     ablation = None if "ablation" in skip else bench.ablation()
     overhead = None if "overhead" in skip else bench.overhead(windows)
     if overhead is not None:
@@ -146,18 +164,31 @@ def measure(bench: Bench, skip: set[str]) -> Measured:
         init = min(e.start for e in first.events if e.phase == "device_init")
         overhead.loc[len(overhead)] = {"what": "job submission -> first trainer init event, s",
                                        "value": round(init - first.metrics.wall_start, 2)}
-    return Measured(pairs=pairs, ablation=ablation, overhead=overhead)
+    return Measured(pairs=pairs, rows=rows, ablation=ablation, overhead=overhead)
 
 
 def build_tables(jobs: list[JobResult], measured: Measured) -> tuple[dict[str, pd.DataFrame], pd.DataFrame, dict]:
     """Every results table by name (in print order), and the sync wasted-training curve with
     its optimal interval (for the picture)."""
-    from .suite import attribution_table, checkpoint_table, pair_table, shutdown_table, wasted_curve
+    from .suite import (
+        attribution_table,
+        checkpoint_table,
+        pair_table,
+        rows_table,
+        shutdown_table,
+        ttr_tables,
+        wasted_curve,
+    )
 
     pairs = measured.pairs
     tables: dict[str, pd.DataFrame] = {}
     default = pairs[min(pairs)]
     tables["ett_pair"] = pair_table(default)
+    side_by_side = [*default, *measured.rows]
+    tables["ett_rows"] = rows_table(side_by_side)
+    tables["ttr_per_failure"], ratio = ttr_tables(side_by_side)
+    if ratio is not None:
+        tables["ttr_live_recovery"] = ratio
     tables["attribution"] = attribution_table(default)
     tables["job_length"] = pd.DataFrame([
         {"windows": length, "mode": j.mode, "train_s": round(j.metrics.effective_s, 1),
@@ -176,7 +207,7 @@ def build_tables(jobs: list[JobResult], measured: Measured) -> tuple[dict[str, p
     if measured.overhead is not None:
         tables["overhead"] = measured.overhead
     tables["targets"] = _targets(pairs, measured.ablation, tables["checkpoint_blocking"], tables["shutdown"],
-                                 measured.overhead)
+                                 measured.overhead, ratio)
     return tables, curve, choice
 
 
@@ -209,25 +240,34 @@ def archive_jobs(url: str | None, jobs: list[JobResult], *, quick: bool) -> str:
     from ettflow.ett.warehouse import Warehouse
     from ettflow.ett.warehouse_rows import RunInfo
 
+    from .jobs import MODEL
+
     with Warehouse.open(url) as wh:
         for job in jobs:
-            wh.archive_run(RunInfo(run_id=job.run_id, model="bench-dlrm", mode=job.mode,
-                                   tags={"benchmark": True, "quick": quick}), job.events, job.metrics)
+            wh.archive_run(RunInfo(run_id=job.run_id, model=MODEL, mode=job.mode,
+                                   tags={"benchmark": True, "quick": quick, "row": job.row}), job.events, job.metrics)
         return wh.display_url
 
 
 def main(args: argparse.Namespace) -> int:
+    from .refreshes import flow_environment
+
+    flow_environment()
     from ettflow.console import quiet_third_party
 
+    quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported
     from .suite import Bench
 
-    quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = plan_from(args)
+    skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - {"rows", "ablation", "overhead"}
+    if unknown:
+        raise SystemExit(f"ettflow bench: --skip takes rows, ablation, overhead; got {sorted(unknown)}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock()
-    bench = Bench(plan, out, clock.say)
-    measured = measure(bench, set(filter(None, args.skip.split(","))))
+    bench = Bench(plan, out, clock.say, rows="rows" not in skip)
+    measured = measure(bench, skip)
     tables, curve, choice = build_tables(bench.jobs, measured)
     header = (f"# ettflow bench ({'quick' if args.quick else 'full'})\n\n"
               f"Command: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "

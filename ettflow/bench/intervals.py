@@ -7,7 +7,7 @@ and each failure is a real SIGKILL of a rank (`kill:rank=R:step=S`, FAIL_AT_GRAM
 drawn uniformly from the job's steps, seeded. Every refresh runs the SAME kills under each
 policy, side by side:
 
-- fixed: `checkpoint_every_steps` = the benchmark jobs' default interval (`JobSpec`, 50 steps);
+- fixed: `checkpoint_every_steps` = 50, the paired bench's fixed-interval ablation row;
 - probe: today's refresh default: a probe save at a tenth of each job, then the optimizer's
   interval for `expected_failures` = 1 per job;
 - history: the plan's interval from this policy's own earlier refreshes (`ett.interval_plan`
@@ -63,7 +63,7 @@ class IntervalBenchPlan:
     batch_size: int = 64  # per rank
     world_size: int = 2
     num_embeddings: int = 20_000
-    fixed_steps: int = 50  # the `fixed` policy (JobSpec's default interval)
+    fixed_steps: int = 50  # the `fixed` policy (the paired bench's fixed-interval ablation row)
     max_kills: int = 3  # per refresh (the driver's failure budget is this + 1)
     prior_s: float = 10.0  # the fleet prior's weight for `history`, in seconds of training
     async_checkpoint: bool = False  # synchronous durable saves: a save costs several steps, as in real jobs

@@ -302,10 +302,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show every library's warnings and logs too")
 
 
-def main(args: argparse.Namespace) -> int:
+def flow_environment() -> None:
+    """Settings for running flows in this process on Prefect's ephemeral API (a cold machine
+    needs more than its default start timeout) and a local Ray; before either is imported."""
     for key, value in (("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"),
                        ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"), ("RAY_USAGE_STATS_ENABLED", "0")):
         os.environ.setdefault(key, value)
+
+
+def main(args: argparse.Namespace) -> int:
+    flow_environment()
     from ettflow.console import quiet_third_party
 
     quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported

@@ -1,7 +1,13 @@
 """The benchmark suite: each measurement of the paired evaluation as a table (pandas frame).
 
-Every number comes from real runs on this machine, side by side in one invocation; targets
-are ratios, reported with the margin by which they are met or missed.
+Every job is a run of the product's `refresh_model` flow (`jobs.run_flow_job`): baseline and
+optimized go through the same tasks, the trainer lease included, with the same scripted kills
+(`fail_at`), and the checkpoint interval the flow's plan picks (the project's optimizer). At
+the default (shortest) length two ablation rows run beside the pair: the optimized mode with
+the fixed interval (`BenchPlan.fixed_interval_steps`), and with live recovery and the memory
+checkpoint switched off, whose TTR per failure the optimized mode's is compared with
+(`ttr_tables`). Every number comes from real runs on this machine, side by side in one
+invocation; targets are ratios, reported with the margin by which they are met or missed.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,7 +30,19 @@ from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.data.windows import list_windows
 
 from .compile_ablation import run_ablation
-from .jobs import JobResult, JobSpec, run_job, warm_compile_cache
+from .jobs import (
+    BASELINE,
+    LIVE_RECOVERY_OFF,
+    MODEL,
+    OPTIMIZED,
+    JobResult,
+    JobSpec,
+    Row,
+    fixed_interval_row,
+    run_flow_job,
+    trainer_rank0,
+    warm_compile_cache,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,16 +51,27 @@ class BenchPlan:
     rows_per_window: int
     batch_size: int = 256
     num_embeddings: int = 20_000
-    checkpoint_every_steps: int = 50
+    fixed_interval_steps: int = 50  # the ablation row "optimized, fixed N-step interval"
     kill_fractions: tuple[float, float] = (0.35, 0.7)  # of the default pair's steps
     ablation_batches: int = 8
     overhead_steps: int = 200
-    overhead_repeats: int = 2  # runs with and without recording, interleaved
+    overhead_repeats: int = 8  # pairs of runs with and without recording, interleaved (ABBA)
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
+            raise ValueError(f"BenchPlan.lengths must be ints >= 1, got {self.lengths!r}")
+        for name in ("rows_per_window", "batch_size", "num_embeddings", "fixed_interval_steps", "ablation_batches",
+                     "overhead_steps", "overhead_repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BenchPlan.{name} must be an int >= 1, got {value!r}")
+        if not all(0 < f < 1 for f in self.kill_fractions):
+            raise ValueError(f"BenchPlan.kill_fractions must lie in (0, 1), got {self.kill_fractions!r}")
 
     @classmethod
     def quick(cls) -> BenchPlan:
-        return cls(lengths=(1, 2), rows_per_window=16_384, batch_size=128, num_embeddings=5_000,
-                   checkpoint_every_steps=16, ablation_batches=4, overhead_steps=60, overhead_repeats=1)
+        return cls(lengths=(1,), rows_per_window=16_384, batch_size=128, num_embeddings=5_000,
+                   fixed_interval_steps=16, ablation_batches=4, overhead_steps=60, overhead_repeats=2)
 
     @classmethod
     def full(cls) -> BenchPlan:
@@ -51,15 +80,30 @@ class BenchPlan:
     def steps(self, windows: int, world_size: int = 2) -> int:
         return windows * self.rows_per_window // (self.batch_size * world_size)
 
+    def kill_steps(self) -> tuple[int, ...]:
+        """The steps of the scripted kills (one per attempt), from the default pair's length."""
+        base = self.steps(self.lengths[0])
+        return tuple(int(f * base) for f in self.kill_fractions)
+
+    def ablation_rows(self) -> tuple[Row, ...]:
+        return (fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF)
+
 
 class Bench:
-    def __init__(self, plan: BenchPlan, out: Path, progress: Callable[[str], None] = print) -> None:
+    def __init__(self, plan: BenchPlan, out: Path, progress: Callable[[str], None] = print, *,
+                 rows: bool = True) -> None:
         self.plan, self.out, self.say = plan, out, progress
+        self.with_rows = rows
         self.data = out / "data"
-        self.spool = out / "spool"
-        self.cache = out / "compile-cache"
-        self.jobs: list[JobResult] = []
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.state = out / f"state-{self.stamp}"  # each job's warehouse, spool and snapshots
+        self.work = out / "work"  # checkpoints, and the model's compile cache, shared by the jobs
+        self.jobs: list[JobResult] = []  # every row's jobs (not the warm-up)
+
+    @property
+    def cache(self) -> Path:
+        """The model's compile cache (the flow's plan puts it under the work root)."""
+        return self.work / MODEL / "compile-cache"
 
     def prepare_data(self) -> tuple[str, ...]:
         need = max(self.plan.lengths) + 1
@@ -73,35 +117,42 @@ class Bench:
 
     def spec(self, windows: tuple[str, ...], length: int, kill_steps: tuple[int, ...]) -> JobSpec:
         return JobSpec(data_root=self.data, train_windows=windows[:length], held_out=windows[-1:],
-                       work_root=self.out / "work", num_embeddings=self.plan.num_embeddings,
-                       batch_size=self.plan.batch_size, checkpoint_every_steps=self.plan.checkpoint_every_steps,
-                       kill_steps=kill_steps)
+                       work_root=self.work, num_embeddings=self.plan.num_embeddings,
+                       batch_size=self.plan.batch_size, kill_steps=kill_steps)
 
-    def job(self, spec: JobSpec, mode: str, label: str) -> JobResult:
-        run_id = f"bench-{self.stamp}-{label}-{mode}"
-        self.say(f"  {run_id} ...")
-        result = run_job(spec, mode, run_id, self.spool, cache_root=self.cache if mode == "optimized" else None)
-        self.say(f"  {run_id}: wall {result.metrics.wall_s:.1f} s, ETT {result.metrics.ett_pct:.1f}%, "
-                 f"NoF {result.metrics.nof}")
+    def job(self, spec: JobSpec, row: Row, label: str) -> JobResult:
+        name = f"L{label}-{row.slug}"
+        self.say(f"  {name} ...")
+        result = run_flow_job(spec, row, self.state / name)
+        m = result.metrics
+        ttrs = ", ".join(f"{f.ttr_s:.2f}" for f in m.failures) or "-"
+        self.say(f"  {name} (run {result.run_id}): wall {m.wall_s:.1f} s, ETT {m.ett_pct:.1f}%, NoF {m.nof}, "
+                 f"TTR {ttrs} s, {m.checkpoint_saves} saves ({result.interval_source} interval)")
         self.jobs.append(result)
         return result
 
-    # ---- 1 + 2: ETT pairs at several job lengths ----------------------------------------
-    def pairs(self, windows: tuple[str, ...]) -> dict[int, tuple[JobResult, JobResult]]:
-        base_steps = self.plan.steps(self.plan.lengths[0])
-        kills = tuple(int(f * base_steps) for f in self.plan.kill_fractions)
-        warm_compile_cache(self.spec(windows, 1, ()), self.spool, self.cache, f"bench-{self.stamp}-cache-warmup")
-        out = {}
-        with tqdm(total=2 * len(self.plan.lengths), desc="ETT pairs", unit="job") as bar:
+    # ---- 1 + 2: ETT pairs at several job lengths, the ablation rows at the default one ---
+    def pairs(self, windows: tuple[str, ...]) -> tuple[dict[int, tuple[JobResult, JobResult]], list[JobResult]]:
+        """The pair (baseline, optimized) per length, and the ablation rows' jobs (default length)."""
+        kills = self.plan.kill_steps()
+        self.say("warm-up: the previous refresh of the model (leaves its compile cache)")
+        warm_compile_cache(self.spec(windows, 1, ()), self.state / "warm-up")
+        rows = self.plan.ablation_rows() if self.with_rows else ()
+        out, extra = {}, []
+        with tqdm(total=2 * len(self.plan.lengths) + len(rows), desc="ETT jobs", unit="job") as bar:
             for length in self.plan.lengths:
                 self.say(f"pair at {length} window(s), killed at steps {kills}")
                 spec = self.spec(windows, length, kills)
                 jobs = []
-                for mode in ("baseline", "optimized"):
-                    jobs.append(self.job(spec, mode, f"L{length}"))
+                for row in (BASELINE, OPTIMIZED):
+                    jobs.append(self.job(spec, row, str(length)))
                     bar.update()
                 out[length] = (jobs[0], jobs[1])
-        return out
+                if length == self.plan.lengths[0]:
+                    for row in rows:
+                        extra.append(self.job(spec, row, str(length)))
+                        bar.update()
+        return out, extra
 
     # ---- 3: compile ablation ---------------------------------------------------------------
     def ablation(self) -> pd.DataFrame:
@@ -114,38 +165,131 @@ class Bench:
 
     # ---- 6: orchestration overhead ---------------------------------------------------------
     def overhead(self, windows: tuple[str, ...]) -> pd.DataFrame:
+        """Recording on vs off: the trainer alone (driver + Ray group; the flow has no switch
+        to turn step recording off), with the model's warm compile cache; then Prefect's start."""
         self.say("overhead: recording on vs off, Prefect start")
-        spec = replace(self.spec(windows, 1, ()), max_steps=self.plan.overhead_steps)
-        rates = {}
-        for record in (True, False) * self.plan.overhead_repeats:  # interleaved
-            res = run_job(replace(spec, record_steps=record), "optimized",
-                          f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{len(rates)}", self.spool,
-                          cache_root=self.cache, publish=False)
-            rates.setdefault(record, []).append(res.training.rank0["examples_per_s"])
-        on, off = statistics.mean(rates[True]), statistics.mean(rates[False])
+        length = min(max(1, -(-self.plan.overhead_steps // max(self.plan.steps(1), 1))), len(windows) - 1)
+        spec = replace(self.spec(windows, length, ()), max_steps=self.plan.overhead_steps, eval_batches=0)
+        rates: dict[bool, list[float]] = {True: [], False: []}  # examples/s over the loop, saves included
+        step_s: dict[bool, list[float]] = {True: [], False: []}  # the median step interval (fetch to end)
+        inline: list[float] = []
+        for pair in tqdm(range(self.plan.overhead_repeats), desc="overhead pairs", unit="pair"):
+            for record in ((True, False) if pair % 2 == 0 else (False, True)):  # ABBA: a drift cancels
+                r0 = trainer_rank0(replace(spec, record_steps=record),
+                                   f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{pair}",
+                                   self.state / "overhead-spool", cache_root=self.cache)
+                rates[record].append(r0["examples_per_s"])
+                step_s[record].append(r0["step_s_median"])
+                if record:  # the record calls' own time, as a share of the loop's (same run: no noise between runs)
+                    inline.append(100 * r0["record_s"] * r0["steps_per_s"] / r0["steps_this_attempt"])
+        # per step, the median is robust to the bursts of a shared machine; as rates (1 / step_s)
+        stats = overhead_stats([1 / s for s in step_s[True]], [1 / s for s in step_s[False]])
+        loop = overhead_stats(rates[True], rates[False])
         t0 = time.time()
         subprocess.run([sys.executable, "-c", "from prefect import flow\n@flow\ndef f():\n    return 1\nf()"],
                        check=True, capture_output=True)
         prefect_s = time.time() - t0
         return pd.DataFrame([
-            {"what": "examples/s with ETT recording", "value": round(on, 1)},
-            {"what": "examples/s without recording", "value": round(off, 1)},
-            {"what": "recording overhead %", "value": round(100 * (off - on) / off, 2)},
+            {"what": "examples/s with ETT recording", "value": round(statistics.mean(rates[True]), 1)},
+            {"what": "examples/s without recording", "value": round(statistics.mean(rates[False]), 1)},
+            {"what": "median step s with ETT recording", "value": round(statistics.median(step_s[True]), 5)},
+            {"what": "median step s without recording", "value": round(statistics.median(step_s[False]), 5)},
+            {"what": "recording overhead %", "value": round(stats.mean_pct, 2)},
+            {"what": "recording overhead %, 95% upper bound", "value": round(stats.upper_pct, 2)},
+            {"what": "recording overhead %, 95% half-width (noise)", "value": round(stats.half_width_pct, 2)},
+            {"what": "recording overhead, interleaved pairs", "value": stats.pairs},
+            {"what": "record calls, % of the training loop's time (mean of runs)",
+             "value": round(statistics.mean(inline), 3)},
+            {"what": "record calls, % of the training loop's time (max of runs)", "value": round(max(inline), 3)},
+            {"what": "recording overhead % of examples/s over the loop (saves in)", "value": round(loop.mean_pct, 2)},
+            {"what": "... its 95% half-width", "value": round(loop.half_width_pct, 2)},
             {"what": "Prefect: first flow run incl. ephemeral server, s", "value": round(prefect_s, 2)},
         ])
 
 
+# Student's t, two-sided 95% (the 0.975 quantile) by degrees of freedom; a df between two
+# entries takes the smaller df's (larger, so conservative) value.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+
+
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"t975 needs df >= 1, got {df}")
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverheadStats:
+    """The recording overhead over interleaved pairs: per pair 100 x (off - on) / off (on, off:
+    the throughputs of the pair's runs with and without recording), their mean and the 95%
+    confidence half-width of the mean (Student's t; 0 with one pair, where it is unknown:
+    `upper_pct` is then the mean). The target is met when `upper_pct` is below it; the
+    difference from zero is resolved when the half-width is below the mean."""
+
+    pairs: int
+    per_pair_pct: tuple[float, ...]
+    mean_pct: float
+    half_width_pct: float
+
+    @property
+    def upper_pct(self) -> float:
+        return self.mean_pct + self.half_width_pct
+
+
+def overhead_stats(on: list[float], off: list[float]) -> OverheadStats:
+    if len(on) != len(off) or not on:
+        raise ValueError(f"overhead_stats needs as many runs with recording as without (>= 1), got "
+                         f"{len(on)} and {len(off)}")
+    per_pair = tuple(100 * (b - a) / b for a, b in zip(on, off))
+    n = len(per_pair)
+    half = t975(n - 1) * statistics.stdev(per_pair) / n ** 0.5 if n > 1 else 0.0
+    return OverheadStats(pairs=n, per_pair_pct=per_pair, mean_pct=statistics.mean(per_pair), half_width_pct=half)
+
+
+def _row_values(job: JobResult) -> dict:
+    m = job.metrics
+    return {"wall_s": m.wall_s, "TTS_s": m.tts_s, "NoF": m.nof,
+            **{f"TTR{i + 1}_s": f.ttr_s for i, f in enumerate(m.failures)}, "ETT%": m.ett_pct,
+            "saves": m.checkpoint_saves, "interval_steps": job.interval_steps,
+            **{f"{c}_s": m.components[c] for c in L2_ORDER}}
+
+
 def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
-    rows = []
-    for job in pair:
-        m = job.metrics
-        row = {"mode": job.mode, "wall_s": m.wall_s, "TTS_s": m.tts_s, "NoF": m.nof,
-               **{f"TTR{i + 1}_s": f.ttr_s for i, f in enumerate(m.failures)}, "ETT%": m.ett_pct,
-               **{f"{c}_s": m.components[c] for c in L2_ORDER}}
-        rows.append(row)
-    frame = pd.DataFrame(rows).set_index("mode")
+    frame = pd.DataFrame([{"mode": job.mode, **_row_values(job)} for job in pair]).set_index("mode")
+    frame = frame.astype(float)
     frame.loc["difference"] = frame.loc["optimized"] - frame.loc["baseline"]
     return frame.round(2).reset_index()
+
+
+def rows_table(jobs: Sequence[JobResult]) -> pd.DataFrame:
+    """Every row at the default length side by side: the pair and the ablation rows, with
+    where each run's checkpoint interval came from (the plan's record: probe, fixed)."""
+    return pd.DataFrame([{"row": j.row, "interval": j.interval_source, **_row_values(j)} for j in jobs]).round(2)
+
+
+def ttr_tables(jobs: Sequence[JobResult], *, on: str = OPTIMIZED.label,
+               off: str = LIVE_RECOVERY_OFF.label) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """TTR of every failure of every row (`ett.run_metrics`: detection to the next step that
+    trains new data); and, when both rows ran, the k-th failure's TTR with live recovery `on`
+    against `off`, side by side, their ratio, and the ratio of the means. Every scripted kill
+    is a single-rank kill, and both rows kill the same ranks at the same steps."""
+    per = pd.DataFrame([{"row": j.row, "failure": i + 1, "attempt": f.attempt, "rank": f.rank,
+                         "class": f.failure_class, "TTR_s": round(f.ttr_s, 2), "recovered": f.recovered,
+                         "cascaded": f.cascaded} for j in jobs for i, f in enumerate(j.metrics.failures)])
+    by_row = {j.row: j for j in jobs}
+    if on not in by_row or off not in by_row:
+        return per, None
+    a, b = by_row[on].metrics.failures, by_row[off].metrics.failures
+    rows = [{"failure": str(i + 1), "rank": fa.rank, "TTR_on_s": fa.ttr_s, "TTR_off_s": fb.ttr_s,
+             "on/off": fa.ttr_s / fb.ttr_s if fb.ttr_s > 0 else float("nan")} for i, (fa, fb) in enumerate(zip(a, b))]
+    if rows:
+        mean_on = statistics.mean(r["TTR_on_s"] for r in rows)
+        mean_off = statistics.mean(r["TTR_off_s"] for r in rows)
+        rows.append({"failure": "mean", "rank": -1, "TTR_on_s": mean_on, "TTR_off_s": mean_off,
+                     "on/off": mean_on / mean_off if mean_off > 0 else float("nan")})
+    frame = pd.DataFrame(rows, columns=["failure", "rank", "TTR_on_s", "TTR_off_s", "on/off"])
+    return per, frame.round({"TTR_on_s": 2, "TTR_off_s": 2, "on/off": 3})
 
 
 def attribution_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
@@ -161,10 +305,11 @@ def attribution_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["what", "value"]).round(2)
 
 
-def checkpoint_table(jobs: list[JobResult]) -> pd.DataFrame:
+def checkpoint_table(jobs: Sequence[JobResult]) -> pd.DataFrame:
+    """Save blocking of the pairs' jobs: sync (baseline) vs async (optimized); ablation rows left out."""
     rows = []
     for mode in ("baseline", "optimized"):
-        blocking = [e.duration for j in jobs if j.mode == mode for e in j.events
+        blocking = [e.duration for j in jobs if j.row == mode for e in j.events
                     if e.phase == "checkpoint_save_blocking" and e.rank == 0]
         if blocking:
             q = statistics.quantiles(blocking, n=10) if len(blocking) > 2 else [min(blocking), max(blocking)]
@@ -184,6 +329,8 @@ def wasted_curve(job_s: float, blocking_s: float, failures: float = 3) -> tuple[
 
 
 def shutdown_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
+    """Device-held time after the last step (to the lease's release) and publishing, per mode:
+    the baseline publishes while the lease holds the devices, the optimized mode after release."""
     return pd.DataFrame([{"mode": j.mode, "publishing": "in trainer" if j.mode == "baseline" else "standalone (CPU)",
                           "device_held_after_last_step_s": round(j.after_last_step_s, 2),
                           "publish_s": round(j.publish_s, 2)} for j in pair])

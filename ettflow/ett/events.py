@@ -55,6 +55,7 @@ TRAIN_STEP = "train_step"  # effective or wasted, decided by the data cursor
 SUBMITTED = "submitted"  # marker: the job was submitted (wall clock starts)
 FAILURE = "failure"  # marker: the fault happened (kill, exception, start of a hang)
 FAILURE_DETECTED = "failure_detected"  # marker: the driver noticed (TTR starts)
+DATA_STALL = "data_stall"  # a step's fetch that waited on the data pipeline (`trainer.step_clock`)
 CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and its inputs (ett.interval_plan)
 
 # phase -> the component its time belongs to. None: the phase is informational (a marker,
@@ -70,6 +71,7 @@ PHASE_COMPONENT: dict[str, str | None] = {
     "checkpoint_save_blocking": "wasted_training",
     "memory_save_blocking": "wasted_training",  # the in-memory tier's copy the loop waits for
     "lost_in_flight": "wasted_training",
+    DATA_STALL: "wasted_training",  # devices held, nothing trained: the step waited for its batch
     # live recovery (survivors keep running, a warm spare takes the failed rank): its phases
     "spare_handoff": "scheduling",  # the driver gives the failed rank's place to a spare
     "process_group_rebuild": "trainer_init",  # survivors and spare form a new process group
@@ -113,6 +115,7 @@ PHASE_OWNERS: dict[str, str] = {
     "train_step": "trainer",
     "train_step_replay": "storage",
     "lost_in_flight": "storage",
+    DATA_STALL: "data",
     "failed_startup": "trainer",
 }
 
@@ -149,17 +152,32 @@ class EventError(ValueError):
     """A phase event that cannot be used; the message names the field and the event."""
 
 
-def cursor_of(value: Any, *, what: str) -> Cursor:
+def cursor_of(value: Any, *, what: str, where: object = None) -> Cursor:
     """A data cursor as a comparable tuple of ints: an int, or a sequence such as
-    (window, file, row)."""
-    if isinstance(value, bool):
-        raise EventError(f"{what} must be an int or a sequence of ints, got {value!r}")
-    if isinstance(value, int):
+    (window, file, row). `where`, when given, ends the error message (' in <where>')."""
+    if type(value) is int:
         return (value,)
-    if isinstance(value, Sequence) and not isinstance(value, str) and value:
+    if type(value) in (list, tuple) and value and all(type(v) is int for v in value):
+        return tuple(value)  # the common shapes, checked without the generic path below
+    if not isinstance(value, bool) and isinstance(value, int):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bool)) and value:
         if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return tuple(value)
-    raise EventError(f"{what} must be an int or a sequence of ints, got {value!r}")
+    suffix = "" if where is None else f" in {where}"
+    raise EventError(f"{what}{suffix} must be an int or a sequence of ints, got {value!r}")
+
+
+class _Described:
+    """An event's description for an error message, formatted only when one is raised."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: PhaseEvent) -> None:
+        self.event = event
+
+    def __str__(self) -> str:
+        return self.event.describe()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +192,7 @@ class PhaseEvent:
     seq: int | None = None  # position in its spool file; part of the warehouse key
 
     def __post_init__(self) -> None:
-        where = self.describe()
+        where = _Described(self)  # formatted only into an error message (a step is recorded per step)
         if not isinstance(self.run_id, str) or not self.run_id:
             raise EventError(f"field 'run_id' must be a non-empty string in {where}")
         for name in ("attempt", "rank"):
@@ -205,11 +223,12 @@ class PhaseEvent:
         if not isinstance(self.attrs, Mapping):
             raise EventError(f"field 'attrs' must be a mapping in {where}")
         if self.phase == TRAIN_STEP:
+            cursors = []
             for name in ("cursor_start", "cursor_end"):
                 if name not in self.attrs:
                     raise EventError(f"field 'attrs.{name}' is missing in {where}")
-                cursor_of(self.attrs[name], what=f"field 'attrs.{name}' in {where}")
-            if self.cursor_end < self.cursor_start:
+                cursors.append(cursor_of(self.attrs[name], what=f"field 'attrs.{name}'", where=where))
+            if cursors[1] < cursors[0]:
                 raise EventError(f"field 'attrs.cursor_end' is before 'cursor_start' in {where}")
         if self.phase in (FAILURE, FAILURE_DETECTED):
             klass = self.attrs.get("failure_class", "infrastructure")

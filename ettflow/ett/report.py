@@ -146,7 +146,7 @@ def lineage_table(records: Sequence[LineageRecord], runs: pd.DataFrame) -> pd.Da
     return pd.DataFrame(rows, columns=["run", "started", "windows", "parent", "outcome", "ETT%", "reason"])
 
 
-INTERVAL_PHASES = ("train_step_replay", "lost_in_flight", "checkpoint_save_blocking")
+INTERVAL_PHASES = ("train_step_replay", "lost_in_flight", "checkpoint_save_blocking", "data_stall")
 
 
 def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) -> pd.DataFrame:
@@ -154,12 +154,14 @@ def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) 
     came from (`ett.interval_plan`: history, probe, fixed; '-' when none was recorded), its
     inputs (failure rate per training hour, CSBT), the expected wasted training, and the
     realized one: the run's `wasted_training` (replay and lost in flight, save blocking:
-    `phases`, (run, phase) -> exposed s), also as % of wall, and realized / expected."""
+    `phases`, (run, phase) -> exposed s) less its data stalls (wasted, but no interval can
+    change them), also as % of wall, and realized / expected."""
     rows = []
     for _, run in runs.iterrows():
         planned = (run["tags"] or {}).get(TAG) or {}
         rid, wall = run["run_id"], float(run["wall_s"]) or 1.0
-        expected, realized = planned.get("expected_wasted_s"), float(run["wasted_training_s"])
+        stalled = phases.get((rid, "data_stall"), 0.0)
+        expected, realized = planned.get("expected_wasted_s"), float(run["wasted_training_s"]) - stalled
         replay = phases.get((rid, "train_step_replay"), 0.0) + phases.get((rid, "lost_in_flight"), 0.0)
         rows.append({
             "run": rid,

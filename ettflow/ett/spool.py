@@ -5,9 +5,10 @@ Layout: ``<root>/<run_id>/attempt-<a>.rank-<r>.jsonl`` (rank -1, the driver, is
 `record` returns, so a process killed at any instant loses nothing already recorded (the
 kernel holds it). Every event is also fsynced before `record` returns, against a machine
 crash, except those recorded with ``sync=False`` (training steps, hundreds per second): a
-background thread fsyncs those within ``lazy_fsync_s`` (group commit), which keeps the
-recording cost of a step small. Each line carries its sequence number in the file, which with
-(run, attempt, rank) keys it in the warehouse, so archiving twice never duplicates.
+background thread fsyncs those within ``lazy_fsync_s`` (group commit), on its own descriptor
+and without the writer's lock, so a step's `record` never waits for a disk flush. Each line
+carries its sequence number in the file, which with (run, attempt, rank) keys it in the
+warehouse, so archiving twice never duplicates.
 
 The spool never truncates what it had: files are only ever opened to append (``O_APPEND``,
 never ``O_TRUNC``), and a line cut short by a failed write stays as it is (the next writer ends
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import EventError, PhaseEvent
+from .events import MARKERS, OFF_CLOCK, EventError, PhaseEvent
 from .failures import Failure, FailureClass, FailureError
 
 
@@ -66,6 +67,9 @@ class SpoolWriteError(OSError, FailureError):
         return (type(self), (self.errno, self.strerror, self.filename))
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps's output, without a new encoder per line
+
+
 def spool_file(root: Path | str, run_id: str, attempt: int, rank: int) -> Path:
     who = "driver" if rank < 0 else f"rank-{rank}"
     return Path(root) / run_id / f"attempt-{attempt:03d}.{who}.jsonl"
@@ -80,6 +84,7 @@ class SpoolWriter:
         self.lazy_fsync_s = lazy_fsync_s
         self._dirty = False
         self._flusher: threading.Thread | None = None
+        self._sync_fd = -1  # the group-commit thread's own descriptor of the file
         self._closing = threading.Event()
         self._error: SpoolWriteError | None = None  # an fsync of the group-commit thread that failed
         self.path = spool_file(root, run_id, attempt, rank)
@@ -92,10 +97,14 @@ class SpoolWriter:
         self._lock = threading.Lock()
         self._seq = 0
         self._size = -1  # file size after our last write; another writer changes it
+        self.recorded_until: float | None = None  # the latest end of an on-clock interval recorded here
 
     def close(self) -> None:
         """Fsync what is not yet durable and close; raises `SpoolWriteError` if that fsync fails."""
         self._closing.set()
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join()  # it ends an fsync in progress first
         with self._lock:
             if self._fd < 0:
                 return
@@ -105,6 +114,9 @@ class SpoolWriter:
             finally:
                 os.close(self._fd)
                 self._fd = -1
+                if self._sync_fd >= 0:
+                    os.close(self._sync_fd)
+                    self._sync_fd = -1
 
     def _fsync(self) -> None:
         try:
@@ -128,13 +140,19 @@ class SpoolWriter:
             view = view[n:]
 
     def _flush_loop(self) -> None:
+        """The group commit: every `lazy_fsync_s`, fsync what was written since the last one, on
+        a descriptor of its own and outside the lock, so `record` never waits for a disk flush."""
         while not self._closing.wait(self.lazy_fsync_s):
             with self._lock:
-                if self._dirty and self._fd >= 0 and self._error is None:
-                    try:
-                        self._fsync()
-                    except SpoolWriteError:
-                        return  # kept in self._error: the next record() raises it
+                if not self._dirty or self._fd < 0 or self._error is not None:
+                    continue
+                self._dirty = False  # a write after this point sets it again; this fsync covers the ones before
+            try:
+                os.fsync(self._sync_fd)
+            except OSError as exc:
+                with self._lock:
+                    self._error = SpoolWriteError.of(exc, self.path)  # the next record() raises it
+                return
 
     def __enter__(self) -> SpoolWriter:
         return self
@@ -172,18 +190,22 @@ class SpoolWriter:
                     attrs=attrs,
                     seq=self._seq,
                 )
-                line = (json.dumps(event.to_dict(), separators=(",", ":")) + "\n").encode()
+                line = (_ENCODE(event.to_dict()) + "\n").encode()
                 self._write_all(line)
                 if sync:
                     self._fsync()
                 else:
                     self._dirty = True
                     if self._flusher is None:
+                        self._sync_fd = os.dup(self._fd)
                         self._flusher = threading.Thread(target=self._flush_loop, name="ettflow-spool-fsync",
                                                          daemon=True)
                         self._flusher.start()
                 self._seq += 1
                 self._size += len(line)
+                if phase not in OFF_CLOCK and phase not in MARKERS and (
+                        self.recorded_until is None or event.end > self.recorded_until):
+                    self.recorded_until = event.end
                 return event
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
 from ettflow.ett.failures import Failure
@@ -130,16 +130,11 @@ class TrainingDriver:
         poll_s: float = 0.25,
         grace_s: float = 2.0,
         clock: Callable[[], float] = time.time,
-        before_release: Callable[[dict[int, dict]], Any] | None = None,
     ) -> None:
-        """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`.
-        `before_release(rank_results)` runs after training while the group still holds
-        its devices (the baseline's in-trainer publishing); it is recorded as `publish`."""
+        """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.group_factory = group_factory
         self.policy = failure_policy or DefaultFailurePolicy(max_failures=config.max_failures)
-        self.before_release = before_release
-        self.released_with: Any = None  # what before_release returned
         self.poll_s, self.grace_s, self.clock = poll_s, grace_s, clock
 
     def run(self, *, first_attempt: int = 0, submitted_at: float | None = None,
@@ -215,12 +210,6 @@ class TrainingDriver:
             if len(finished) == world:
                 # shutdown runs from the ranks' end of work until the devices are released
                 ended = min(min(r.get("finished_at", now) for r in finished.values()), now)
-                if self.before_release is not None:
-                    t0 = self.clock()
-                    try:
-                        self.released_with = self.before_release(finished)
-                    finally:
-                        rec.record("publish", t0, self.clock(), in_trainer=True)
                 group.teardown()
                 rec.record("shutdown", ended, self.clock(), failed=False)
                 return AttemptSucceeded(finished)

@@ -22,6 +22,7 @@ hang inside or between steps, and in a save (`rank_heartbeat.py`).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.events import DATA_STALL
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 
@@ -40,6 +42,7 @@ from .numerics import loss_failure, poison, stop
 from .preemption import PREEMPTION, StopDecision
 from .rank_heartbeat import SAVE, RankHeartbeat
 from .rank_state import RankState
+from .step_clock import Fetch, resume_after
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -162,8 +165,12 @@ class TrainLoop:
         loss_value: float | None = None  # None: no step trained in this attempt
         if self.beat is not None:
             self.beat.training(step)
+        since = time.time()  # where the next step's interval starts (`step_clock`: no gap between steps)
+        record_s = 0.0
         while step < end:
+            fetch_start = time.time()
             batch = first if first is not None else next(batches)
+            fetch = Fetch(since=min(since, fetch_start), fetch_start=fetch_start, ready=max(time.time(), fetch_start))
             first = None
             fault = due(self.config.failures, attempt=self.attempt, rank=self.rank, step=step)
             nan_fault = fault if fault is not None and fault.kind == "nan" else None
@@ -176,15 +183,20 @@ class TrainLoop:
             decision = PREEMPTION.agree(self.pg, self.device)
             if decision.stop:
                 self._stop_preempted(step, last_cursor, loss_value, decision)
-            t0 = time.time()
+            t0 = fetch.step_start  # the step owns its fetch (unless stalled), heartbeat and agreement
             loss_value = self.train_step(batch, step, fault=nan_fault)
-            t1 = time.time()
+            t1 = since = time.time()
             if self.beat is not None:
                 self.beat.step_ended(step)
             if self.config.record_steps:
+                r0 = time.perf_counter()
+                if fetch.stalled:
+                    self.rec.record(DATA_STALL, fetch.since, fetch.ready, sync=False, step=step,
+                                    wait_s=fetch.wait_s)
                 self.rec.record("train_step", t0, t1, sync=False, step=step, loss=loss_value, examples=batch.batch_size,
                                 cursor_start=list(batch.cursor_start.as_tuple()),
                                 cursor_end=list(batch.cursor_end.as_tuple()))
+                record_s += time.perf_counter() - r0  # what recording costs the training thread
             step_times.append(t1 - t0)
             examples += batch.batch_size
             step += 1
@@ -198,12 +210,15 @@ class TrainLoop:
                 self.blocking.append(self._save(step, last_cursor, loss_value))
                 if step == probe_at:
                     self._choose_interval(end, step_times)
+            since = resume_after(t1, self.rec.recorded_until)  # after a save: at its end, never inside it
         elapsed = max(time.time() - t_train, 1e-9)
         result: dict[str, Any] = {
             "rank": self.rank, "attempt": self.attempt, "final_step": step,
             "steps_this_attempt": len(step_times),
             "loss": loss_value if loss_value is not None else float("nan"),
             "steps_per_s": len(step_times) / elapsed, "examples_per_s": examples * self.config.world_size / elapsed,
+            "step_s_median": statistics.median(step_times) if step_times else None,  # fetch to end of a step
+            "record_s": record_s,  # time in the step events' record calls
             "cursor": last_cursor.to_dict() if last_cursor is not None else None,
             "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
         }

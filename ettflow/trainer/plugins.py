@@ -18,6 +18,7 @@ handle in `compile/process_cache.py`.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,12 +147,15 @@ class TrainerPlugins:
 
     def save(self, step: int, cursor: Cursor, *, loss: float | None = None) -> float:
         """A periodic checkpoint; returns the seconds the training loop was blocked. Refused
-        (a numerics failure) when `loss` or a dense parameter is not finite."""
+        (a numerics failure) when `loss` or a dense parameter is not finite. The loop is blocked
+        from the call: the finite check is part of the save's blocking time."""
+        called = time.time()
         self.check_finite(step, loss=loss, action=f"checkpoint at step {step}")
         result = self._save(step, cursor)
-        self.rec.record("checkpoint_save_blocking", result.blocking_start, result.blocking_end,
+        start = min(called, result.blocking_start)
+        self.rec.record("checkpoint_save_blocking", start, result.blocking_end,
                         step=step, mode=result.mode, waited_previous_s=result.waited_previous_s)
-        return result.blocking_s
+        return result.blocking_end - start
 
     def _save(self, step: int, cursor: Cursor) -> SaveResult:
         assert self.manager is not None and self.train_state is not None
