@@ -19,6 +19,11 @@ call waits is part of the save's blocking:
     staged = manager.wait_staged()              # StagingWait, or None when nothing was staged
     loss.backward(); optimizer.step()           # safe: the saved copy is complete
 
+Before backward is late enough for the trainer's fused Adagrad (fbgemm EXACT_ADAGRAD reads
+its state in forward, writes it in backward). Fused optimizers with a second moment (Adam,
+LAMB, ...) increment the TBE's `iter` buffer in forward: with those, wait before the sparse
+forward instead.
+
 A save writes `step_<n>.tmp` with DCP. In async mode the manager's stager (DCP's
 DefaultStager, see `staging.py`: its host buffers are reused from one save to the next)
 copies the state into host memory and `dcp.save` writes the copy on the manager's own
