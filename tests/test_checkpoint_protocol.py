@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import ettflow.trainer.checkpoint.manager as manager_mod
+import ettflow.trainer.checkpoint.staging as staging_mod
 from ettflow.trainer.checkpoint import (
     CheckpointConfig,
     CheckpointError,
@@ -28,6 +29,7 @@ from ettflow.trainer.checkpoint import (
     CheckpointStorageError,
     TornCheckpointError,
     TrainState,
+    make_stager,
     verify,
 )
 from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST, final_dir
@@ -180,6 +182,81 @@ def test_failed_async_write_is_raised_once_and_never_committed(tmp_path, gated):
     assert mgr.save(2, state).commit_result().committed  # the next save still works
     mgr.close()
     assert [i.step for i in mgr.scan().committed] == [2]
+
+
+@pytest.fixture
+def gated_staging(monkeypatch):
+    """Async staging whose copy (on the staging thread) ends only when `gate` is set."""
+    gate = threading.Event()
+    rebuild_all = staging_mod.ShardedTensorStager._rebuild_all
+
+    def held(self, staged, found):
+        assert gate.wait(timeout=60), "test gate never opened"
+        return rebuild_all(self, staged, found)
+
+    monkeypatch.setattr(staging_mod.ShardedTensorStager, "_rebuild_all", held)
+    yield gate
+    gate.set()
+
+
+def test_async_staging_hands_off_and_an_update_after_wait_staged_never_reaches_the_checkpoint(
+        tmp_path, gated_staging):
+    state = make_state()
+    train(state, range(2))
+    saved = snapshot(state)
+    mgr = CheckpointManager(CheckpointConfig(root=tmp_path, mode="async"), async_staging=True)
+    result = mgr.save(2, state)
+    # save returned while the copy is still held back: only the hand-off blocked
+    assert result.staged_async and not result.staged() and not result.done()
+    gated_staging.set()
+    waited = mgr.wait_staged()
+    assert waited.step == 2 and waited.end >= waited.start and result.staged()
+    assert mgr.wait_staged() is None  # one wait per staged save
+    train(state, range(2, 3))  # backward and Adam step mutate parameters and moments in place
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)
+    assert mgr.wait().committed
+    fresh = make_state(seed=3)
+    mgr.load(fresh, final_dir(tmp_path, 2))
+    assert_same(saved, snapshot(fresh))  # the staged copy, none of the later updates
+    # the next save stages into the same host buffers and saves the new values
+    saved3 = snapshot(state)
+    mgr.save(3, state)
+    assert mgr.wait_staged().step == 3
+    train(state, range(3, 4))
+    mgr.close()
+    fresh = make_state(seed=4)
+    mgr.load(fresh, final_dir(tmp_path, 3))
+    assert_same(saved3, snapshot(fresh))
+
+
+def test_sync_staging_has_nothing_to_wait_for_and_async_staging_needs_async_mode(tmp_path):
+    state = make_state()
+    mgr = manager(tmp_path, "async")
+    result = mgr.save(1, state)
+    assert not result.staged_async and result.staged() and mgr.wait_staged() is None
+    mgr.close()
+    with pytest.raises(ValueError, match="async_staging needs CheckpointConfig\\(mode='async'\\)"):
+        CheckpointManager(CheckpointConfig(root=tmp_path, mode="sync"), async_staging=True)
+
+
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_the_stager_reuses_its_host_buffers_from_one_save_to_the_next(async_staging):
+    weights = torch.arange(1000, dtype=torch.float32)
+    stager = make_stager(async_staging=async_staging)
+
+    def stage() -> torch.Tensor:
+        staged = stager.stage({"w": weights})
+        return (staged.result() if async_staging else staged)["w"]
+
+    first = stage()
+    weights.add_(1.0)
+    second = stage()
+    stager.close()
+    assert second.data_ptr() == first.data_ptr()  # the same buffer, no new allocation
+    assert torch.equal(second, torch.arange(1000, dtype=torch.float32) + 1)  # holding the new copy
+    assert second.data_ptr() != weights.data_ptr()
 
 
 def _remove_committed(path: Path) -> None:

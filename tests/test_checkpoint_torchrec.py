@@ -2,9 +2,10 @@
 
 A tiny DLRM (3 embedding tables, dim 8: two table-wise, one column-wise) in a
 DistributedModelParallel with a fused Adagrad embedding optimizer and a dense Adam (two
-set-ups, see `build`). One spawned run checks, for DTensor output (the preferred path) and
-for ShardedTensor output (through ShardedTensorStager): async save while training
-continues, sync save, restore into
+set-ups, see `build`). One spawned run checks, for DTensor output and for ShardedTensor
+output (through ShardedTensorStager): async save while training continues, async staging
+(the save only hands off, the next step waits before backward, later updates never reach
+the checkpoint, the second save through reused buffers), sync save, restore into
 a fresh model (parameters and both optimizers' state equal to what was saved, step, cursor,
 RNG), bitwise continuation, fallback past a torn newest checkpoint and past one whose data
 file was overwritten in place (same size: only its sha256 tells), a forged `.metadata` refused
@@ -113,13 +114,18 @@ def batch(step: int, rank: int):
     return torch.rand(BATCH, 4, generator=g), kjt, torch.randint(0, 2, (BATCH,), generator=g)
 
 
-def train(state, steps: range) -> None:
+def train(state, steps: range, before_backward=None) -> None:
+    """`before_backward`: called after each forward pass, before backward (the loop's hook
+    for `CheckpointManager.wait_staged`: the fused optimizer updates inside backward)."""
     for s in steps:
         dense, kjt, label = batch(s, dist.get_rank())
         for opt in state.optimizers.values():
             opt.zero_grad()
         logits = state.model(dense, kjt).squeeze(-1)
-        torch.nn.functional.binary_cross_entropy_with_logits(logits, label.float()).backward()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, label.float())
+        if before_backward is not None:
+            before_backward()
+        loss.backward()
         for opt in state.optimizers.values():
             opt.step()
         state.step = s + 1
@@ -364,6 +370,35 @@ def scenario(root: Path, ckpt_pg, output_dtensor: bool) -> dict:
     return {"blocking_s": saved.blocking_s, "background_s": done.background_s}
 
 
+def staged_handoff(root: Path, ckpt_pg, output_dtensor: bool) -> None:
+    """Async staging: `save` only hands off; the next step waits for the copy before its
+    backward pass (where the fused optimizer updates the tables); nothing of that step or
+    later ones reaches the checkpoint. Two saves, so the second one goes through the reused
+    host buffers and the reused staged ShardedTensors."""
+    from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager
+    from ettflow.trainer.checkpoint.layout import final_dir
+
+    state = build(output_dtensor)
+    mgr = CheckpointManager(CheckpointConfig(root=root, mode="async", keep_last=3), process_group=ckpt_pg,
+                            async_staging=True)
+    train(state, range(2))
+    expected = {}
+    waits = []
+    for step in (2, 4):
+        expected[step] = full_state(state)
+        assert mgr.save(step, state).staged_async
+        train(state, range(step, step + 2), before_backward=lambda: waits.append(mgr.wait_staged()))
+        assert not same(expected[step], full_state(state))  # trained on right after the hand-off
+    assert [w.step if w else None for w in waits] == [2, None, 4, None]
+    mgr.close()
+    for step in (2, 4):
+        fresh = build(output_dtensor)
+        mgr_read = CheckpointManager(CheckpointConfig(root=root, mode="sync"), process_group=ckpt_pg)
+        assert mgr_read.load(fresh, final_dir(root, step)).checkpoint.step == step
+        assert same(expected[step], full_state(fresh)), step
+        mgr_read.close()
+
+
 def worker(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=WORLD)
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager
@@ -374,6 +409,7 @@ def worker(rank: int, tmp: str) -> None:
     for output_dtensor in (True, False):
         timing = scenario(Path(tmp) / f"dtensor_{output_dtensor}", ckpt_pg, output_dtensor)
         print(f"rank {rank} output_dtensor={output_dtensor} {timing}", flush=True)
+        staged_handoff(Path(tmp) / f"staged_{output_dtensor}", ckpt_pg, output_dtensor)
     dist.barrier()
     dist.destroy_process_group()
 

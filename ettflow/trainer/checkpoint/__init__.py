@@ -11,7 +11,7 @@ from ettflow.trainer.checkpoint.config import (
     TornCheckpointError,
 )
 from ettflow.trainer.checkpoint.manager import CheckpointManager
-from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult
+from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult, StagingWait
 from ettflow.trainer.checkpoint.staging import ShardedTensorStager, make_stager
 from ettflow.trainer.checkpoint.state import TrainState, init_lazy_optimizer_state
 from ettflow.trainer.checkpoint.verify import CheckpointInfo, verify
@@ -28,6 +28,7 @@ __all__ = [
     "RestoreResult",
     "SaveResult",
     "ShardedTensorStager",
+    "StagingWait",
     "TornCheckpointError",
     "TrainState",
     "init_lazy_optimizer_state",

@@ -8,9 +8,27 @@
     manager.wait()                              # or: the next save waits for this one
     manager.restore_latest(fresh_train_state)   # newest committed, verified checkpoint
 
-A save writes `step_<n>.tmp` with DCP (`async_save` with PyTorch's DefaultStager in async
-mode). When DCP has finished on every rank, rank 0 checks the files, hashes every one of them
-(sha256), seals the folder (manifest + COMMITTED) and renames it to `step_<n>`: only then can
+With `async_staging=True` (async mode), `save` does not wait for the copy either: it hands
+the state to the stager's thread and returns. The copy must end before anything it reads is
+mutated, so the loop calls `wait_staged()` right before the next backward pass (the fused
+sparse optimizer updates parameters inside backward, the dense one at `step()`); what that
+call waits is part of the save's blocking:
+
+    result = manager.save(step, train_state)   # the hand-off
+    loss = forward(next_batch)                  # overlaps the copy (reads parameters only)
+    staged = manager.wait_staged()              # StagingWait, or None when nothing was staged
+    loss.backward(); optimizer.step()           # safe: the saved copy is complete
+
+Before backward is late enough for the trainer's fused Adagrad (fbgemm EXACT_ADAGRAD reads
+its state in forward, writes it in backward). Fused optimizers with a second moment (Adam,
+LAMB, ...) increment the TBE's `iter` buffer in forward: with those, wait before the sparse
+forward instead.
+
+A save writes `step_<n>.tmp` with DCP. In async mode the manager's stager (DCP's
+DefaultStager, see `staging.py`: its host buffers are reused from one save to the next)
+copies the state into host memory and `dcp.save` writes the copy on the manager's own
+thread. When DCP has finished on every rank, rank 0 checks the files, hashes every one of
+them (sha256), seals the folder (manifest + COMMITTED) and renames it to `step_<n>`: only then can
 a restart use it. It then deletes checkpoints beyond the newest `keep_last`, and tells every
 rank the outcome. A save that fails is never committed: rank 0 removes its `.tmp` folder, and
 a failure of the storage (ENOSPC, EIO) is raised as `CheckpointStorageError`, an OSError with
@@ -28,6 +46,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +60,20 @@ from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError,
 from ettflow.trainer.checkpoint.group import CheckpointGroup
 from ettflow.trainer.checkpoint.layout import final_dir, publish, remove_tree, tmp_dir
 from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, SafeLoadPlanner
-from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult
+from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult, StagingWait
 from ettflow.trainer.checkpoint.save_errors import Outcome, Report, describe, failure_report, save_error
 from ettflow.trainer.checkpoint.staging import make_stager
 from ettflow.trainer.checkpoint.state import TrainState
 from ettflow.trainer.checkpoint.verify import CheckpointInfo, seal, verify
 
 log = logging.getLogger(__name__)
+
+
+def _write(staged: dict[str, Any] | Future[dict[str, Any]], kwargs: dict[str, Any]) -> None:
+    """DCP's write of a staged state dict, on the manager's thread: what `dcp.async_save`'s
+    thread does, without the thread `async_save` starts for every save (about 2 ms of each
+    save's blocking here). With async staging it first waits for the copy."""
+    dcp.save(staged.result() if isinstance(staged, Future) else staged, **kwargs)
 
 
 class CheckpointManager:
@@ -57,6 +83,9 @@ class CheckpointManager:
         torch.distributed is initialized (see `group.py`), optional in sync mode.
     on_commit: called with each CommitResult as a save finishes (from the background
         thread in async mode), e.g. to record the `checkpoint_save_background` phase.
+    async_staging: (async mode) `save` returns before the copy into host memory is done;
+        the caller must call `wait_staged()` before it mutates any saved tensor (see the
+        module docstring). Off: `save` returns after the copy, and nothing is to be waited.
     Failures of a save are raised as CheckpointError by `save` (sync mode), or by the
     next `wait`/`save` call after it failed (async mode); CheckpointStorageError (also an
     OSError, with errno and path) when the storage failed.
@@ -70,14 +99,19 @@ class CheckpointManager:
         *,
         process_group: dist.ProcessGroup | None = None,
         on_commit: Callable[[CommitResult], None] | None = None,
+        async_staging: bool = False,
     ) -> None:
+        if async_staging and config.mode != "async":
+            raise ValueError("async_staging needs CheckpointConfig(mode='async'): a sync save writes in place")
         self.config = config
         self.group = CheckpointGroup(process_group, mode=config.mode)
         self._on_commit = on_commit
         self._async = config.mode == "async"
-        self._stager = make_stager() if self._async else None
+        self.async_staging = async_staging
+        self._stager = make_stager(async_staging=async_staging) if self._async else None
         self._executor = ThreadPoolExecutor(1, "ettflow-ckpt") if self._async else None
         self._pending: SaveResult | None = None
+        self._staging: tuple[int, Future] | None = None  # (step, its copy) until wait_staged
         self._closed = False
         Path(config.root).mkdir(parents=True, exist_ok=True)
         if self.group.rank == 0:
@@ -107,14 +141,18 @@ class CheckpointManager:
             "no_dist": not self.group.distributed,
         }
         future: Future[CommitResult]
+        staging: Future | None = None
         if self._async:
-            try:
-                upload = dcp.async_save(state_dict, async_stager=self._stager, **kwargs)
-            except (Exception, CheckpointException) as e:  # planning or staging failed (collective)
+            try:  # a dict once copied, or (async staging) a Future of it, the copy still running
+                staged = self._stager.stage(state_dict)
+            except Exception as e:  # noqa: BLE001 - the copy failed on this rank
                 self._discard(tmp)
                 raise save_error(f"checkpoint of step {step}: DCP staging failed: {describe(e)}", e, tmp) from e
+            staging = staged if isinstance(staged, Future) else None
+            if staging is not None:
+                self._staging = (step, staging)
             end = time.time()
-            future = self._executor.submit(self._finish, step, tmp, cursor, upload, end)
+            future = self._executor.submit(self._finish, step, tmp, cursor, partial(_write, staged, kwargs), end)
         else:
             try:
                 dcp.save(state_dict, **kwargs)
@@ -131,12 +169,33 @@ class CheckpointManager:
             blocking_start=start,
             blocking_end=end,
             waited_previous_s=waited,
+            staged_async=staging is not None,
             commit_future=future,
+            staging_future=staging,
         )
         self._pending = result
         if not self._async:
             self.wait()
         return result
+
+    def wait_staged(self) -> StagingWait | None:
+        """With async staging: wait until the last save's copy into host memory is complete,
+        after which the saved tensors may be mutated; returns when and how long it waited
+        (part of that save's blocking), None when no staged copy was pending (sync staging,
+        no save since the last call, or `wait` already finished the save). A failed copy is
+        not raised here: the save fails with it, reported by `wait`/the next `save`.
+
+        Call it before every backward pass and optimizer step (cheap when nothing is pending)."""
+        pending, self._staging = self._staging, None
+        if pending is None:
+            return None
+        step, copy = pending
+        start = time.time()
+        try:
+            copy.result()
+        except Exception:  # noqa: BLE001 - the write fails with it; reported by wait()
+            log.debug("staging of step %d failed (reported with the save)", step, exc_info=True)
+        return StagingWait(step=step, start=start, end=time.time())
 
     def wait(self) -> CommitResult | None:
         """Finish the pending save; returns its CommitResult (None if there was none) and
@@ -145,6 +204,7 @@ class CheckpointManager:
         if pending is None:
             return None
         outcome = pending.commit_result()
+        self._staging = None  # the write waited for the copy: nothing is left to wait for
         if not outcome.committed:
             message = f"checkpoint of step {outcome.step} failed: {outcome.error}"
             if outcome.errno is not None:
@@ -162,16 +222,17 @@ class CheckpointManager:
         except OSError as e:
             log.warning("could not remove %s after a failed save (the next start will): %s", tmp, e)
 
-    def _finish(self, step: int, tmp: Path, cursor: str, upload: Future | None, start: float) -> CommitResult:
-        """On every rank: wait for DCP, then rank 0 verifies, seals, commits and prunes.
+    def _finish(self, step: int, tmp: Path, cursor: str, write: Callable[[], None] | None,
+                start: float) -> CommitResult:
+        """On every rank: DCP's write, then rank 0 verifies, seals, commits and prunes.
 
-        `upload` is DCP's write (None in sync mode, where it already finished and the
-        background span is empty); `start` is when the background part began."""
+        `write` runs DCP's write (None in sync mode, where it already ran and the background
+        span is empty); `start` is when the background part began."""
         try:
             report: Report = (None, None, None, cursor)
-            if upload is not None:
+            if write is not None:
                 try:
-                    upload.result()
+                    write()
                 except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to every rank below
                     why = f"DCP write failed on rank {self.group.rank}: {describe(e)}"
                     report = failure_report(why, e, tmp, cursor)
@@ -189,7 +250,7 @@ class CheckpointManager:
             committed=path is not None,
             path=Path(path) if path else None,
             nbytes=nbytes,
-            background_start=start if upload is not None else end,
+            background_start=start if write is not None else end,
             background_end=end,
             error=error,
             errno=errno,
