@@ -16,6 +16,7 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.failure_policy import FailureDecision
 from ettflow.trainer.faults import due, pending_faults, record_fired
+from ettflow.trainer.live_recovery import MEMORY, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
 INFRA, USER, DATA = FailureClass.INFRASTRUCTURE, FailureClass.USER, FailureClass.DATA
@@ -321,3 +322,73 @@ def test_a_task_retry_shares_the_run_budget(tmp_path):
     assert exc.decision is FailureDecision.RAISE and len(exc.failures) == 3 and len(run.groups) == 2
     assert [f.attempt for f in exc.failures] == [0, 1, 2] and "3 failures exceed the budget of 2" in exc.why
 
+class LiveScriptedGroup(ScriptedGroup):
+    """A scripted group that recovers live (trainer/live_recovery.py): the survivors park, the
+    spare hand-off takes 0.5 s, then every rank records `process_group_rebuild` (0.25 s),
+    `module_reshard` (0.25 s) and an instant in-memory restore of `run.restore_step`, and the
+    same group goes on with the next attempt's script."""
+
+    def __init__(self, run, attempt: int, script: dict) -> None:
+        super().__init__(run, attempt, script)
+        self.spare_asked_at: float | None = None
+        self.recoveries: list[tuple[int, int, int]] = []  # (attempt, failed rank, restore step)
+        self.live = True
+
+    def training_started(self) -> None:
+        if self.spare_asked_at is None:
+            self.spare_asked_at = self.run.clock.t
+
+    def prepare_live(self, failure):
+        if not self.live or self.run.restore_step is None:
+            return None
+        return RestorePoint(step=self.run.restore_step, source=MEMORY)
+
+    def hand_off(self, attempt, failure) -> None:
+        self.run.clock.t += 0.5  # the spare takes the failed rank
+        self.attempt, self.failed_rank = attempt, failure.rank
+
+    def resume(self, point) -> None:
+        attempt = self.attempt
+        self.polls, self.script = 0, self.run.scripts[attempt]
+        self.killed, self.hung, self.training_since = [], set(), {}
+        self.faults = pending_faults(self.run.config, self.run.spool, self.run.run_id).failures
+        self.writers = {r: SpoolWriter(self.run.spool, self.run.run_id, attempt, r)
+                        for r in range(self.run.config.world_size)}
+        t = self.run.clock.t
+        for rank, w in self.writers.items():
+            w.record("process_group_rebuild", t, t + 0.25)
+            w.record("module_reshard", t + 0.25, t + 0.5)
+            w.record("checkpoint_restore", t + 0.5, t + 0.5, source="memory", step=point.step)
+            self.run.cursor[rank] = point.step
+        self.run.clock.t += 0.5
+        self.recoveries.append((attempt, self.failed_rank, point.step))
+
+
+def test_live_recovery_keeps_the_group_and_records_its_phases(tmp_path):
+    # rank 1 dies on the 3rd poll (after steps 0 and 1; rank 0 also trained step 2); the same
+    # group recovers live from the in-memory copy of step 1 and finishes
+    run = Run(tmp_path, [{(1, 3): "die"}, finish_at(3)], restore_step=1)
+    groups: list[LiveScriptedGroup] = []
+
+    def factory(attempt: int) -> LiveScriptedGroup:
+        group = LiveScriptedGroup(run, attempt, run.scripts[attempt])
+        groups.append(group)
+        return group
+
+    driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
+    result = driver.run(submitted_at=run.clock.t)
+    (group,) = groups  # no second group: nothing was torn down and reserved again
+    assert result.attempts == 2 and group.recoveries == [(1, 1, 1)]
+    assert group.spare_asked_at == 1003.0  # the spare is asked for once training runs, not before
+    (failure,) = result.failures
+    assert (failure.failure_class, failure.rank, failure.step) == (INFRA, 1, 2)
+    (shutdown,) = [e for e in run.markers("shutdown") if e.attrs.get("failed")]
+    assert (shutdown.start, shutdown.end, shutdown.attrs["live"]) == (1005.0, 1005.0, True)
+    (handoff,) = run.markers("spare_handoff")
+    assert (handoff.attempt, handoff.start, handoff.end, handoff.attrs["rank"]) == (1, 1005.0, 1005.5, 1)
+    m = run.metrics()
+    # detected at 1005: hand-off 0.5 s (scheduling), rebuild + reshard 0.5 s (trainer init),
+    # step 1 replayed 1006-1007 by both ranks; step 2 at 1007-1008 is new data for rank 1
+    assert m.exposed("spare_handoff") == 0.5
+    assert m.exposed("process_group_rebuild") == 0.25 and m.exposed("module_reshard") == 0.25
+    assert m.nof == 1 and m.failures[0].ttr_s == 2.0

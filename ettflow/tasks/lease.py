@@ -17,9 +17,10 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ettflow.ett.failures import Failure
-from ettflow.trainer.driver import PlacedGroup, WorkerGroup
+from ettflow.trainer.driver import LiveGroup, PlacedGroup, WorkerGroup
 
 from . import run_spool
 
@@ -53,6 +54,23 @@ class HeldGroup:
     def launch(self) -> None:
         self.group.launch()
 
+    # live recovery: the held group continues into the next attempt (trainer/live_recovery.py)
+    def training_started(self) -> None:
+        if isinstance(self.group, LiveGroup):
+            self.group.training_started()
+
+    def prepare_live(self, failure: Failure) -> Any:
+        return self.group.prepare_live(failure) if isinstance(self.group, LiveGroup) else None
+
+    def hand_off(self, attempt: int, failure: Failure) -> None:
+        if not isinstance(self.group, LiveGroup):
+            raise TypeError(f"{type(self.group).__name__} cannot recover live")
+        self.group.hand_off(attempt, failure)
+        self.attempt, self.finished = attempt, set()
+
+    def resume(self, point: Any) -> None:
+        self.group.resume(point)
+
     def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
         done, failed = self.group.poll(timeout_s)
         self.finished.update(done)
@@ -75,9 +93,13 @@ class HeldGroup:
 
 class TrainerLease:
     def __init__(self, *, run_id: str, spool_root: Path | str, world_size: int,
-                 make_group: Callable[[int], WorkerGroup], first_attempt: int) -> None:
+                 make_group: Callable[[int], WorkerGroup], first_attempt: int,
+                 end_run: Callable[[], None] | None = None) -> None:
+        """`end_run`: frees what the run keeps across attempts (its in-memory checkpoint
+        keeper), called once by `release`."""
         self.run_id, self.spool_root, self.world_size = run_id, Path(spool_root), world_size
         self.make_group = make_group
+        self.end_run = end_run
         self.first_attempt = first_attempt
         self.groups: list[HeldGroup] = []
         self._reserved: HeldGroup | None = None
@@ -118,6 +140,12 @@ class TrainerLease:
                     group.release()
                 except Exception:  # noqa: BLE001 - release the rest; Ray reclaims a dead driver's actors
                     log.exception("tearing down attempt %d failed", group.attempt)
+        if self.end_run is not None:
+            end, self.end_run = self.end_run, None
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - Ray reclaims it with the driver process
+                log.exception("ending run %s's resources failed", self.run_id)
         if held is None or held.held_since is None:
             return 0.0
         now = time.time()

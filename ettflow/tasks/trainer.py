@@ -61,13 +61,13 @@ def record_queueing(plan: RefreshPlan, attempt: int, until: float, **attrs: Any)
 
 
 def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
-    from ettflow.trainer.ray_group import RayWorkerGroup
+    from ettflow.trainer.ray_group import RayWorkerGroup, end_run
 
     def make_group(attempt: int) -> RayWorkerGroup:
         return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root)
 
     return TrainerLease(run_id=plan.run_id, spool_root=plan.spool_root, world_size=plan.trainer.world_size,
-                        make_group=make_group, first_attempt=first_attempt)
+                        make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id))
 
 
 @task(name="reserve-trainer", cache_policy=NO_CACHE)

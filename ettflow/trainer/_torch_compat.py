@@ -103,11 +103,16 @@ INIT_FROM_LOCAL = Internal(module=_SHARDED, attr="ShardedTensor._init_from_local
                            consequence=_STAGING)
 PROCESS_GROUP = Internal(module=_SHARDED, attr="ShardedTensor._process_group", consequence=_STAGING)
 REMOTE_DEVICE = Internal(module="torch.distributed.remote_device", attr="_remote_device", consequence=_STAGING)
+# TorchRec (same rule: a private name it could rename in any release)
+COLLECTIVE_VALIDATION = Internal(
+    module="torchrec.distributed.collective_utils", attr="_INITIALIZED",
+    consequence="live recovery cannot rebuild the sharded module on a new process group in a process that built "
+                "one before (its DistributedModelParallel would skip a broadcast the joining spare makes)")
 
 INTERNALS: tuple[Internal, ...] = (
     HEADER_DIR, HEADER_LOCK_DIR, PRECOMPILE_HEADER, POOL_SET, COUNTERS, COMPILATION_METRICS,
     CALLBACK_HANDLER, REGISTER_START, REMOVE_START, START_CALLBACKS, CALLBACK_ARGS, TRIGGER_DYNAMO,
-    COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE,
+    COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE, COLLECTIVE_VALIDATION,
 )
 
 
@@ -140,6 +145,23 @@ def check_all() -> list[str]:
         except TorchCompatError as e:
             missing.append(str(e))
     return missing
+
+
+# -- torchrec ---------------------------------------------------------------------------------
+
+
+def forget_dmp_initialization() -> None:
+    """Let the next DistributedModelParallel of this process initialize as in a fresh one.
+
+    TorchRec broadcasts its collective-validation flag from rank 0 once per process
+    (`collective_utils.init_collective_validation`, guarded by `_INITIALIZED`); a rank that
+    rebuilds its DMP on a new process group with a new peer (live recovery) must take part in
+    that broadcast again, as the peer does. Relies on `torchrec.distributed.collective_utils.
+    _INITIALIZED` (module level)."""
+    module = importlib.import_module(COLLECTIVE_VALIDATION.module)
+    if not hasattr(module, COLLECTIVE_VALIDATION.attr):
+        raise TorchCompatError(COLLECTIVE_VALIDATION)
+    setattr(module, COLLECTIVE_VALIDATION.attr, False)
 
 
 # -- inductor ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .config import TrainerConfig
 class TrainerActor:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str,
                  requested_at: float) -> None:
+        """rank -1: a spare (spare.py), which gets its rank and attempt when it joins."""
         from ettflow.console import quiet_third_party, verbose_from_env
 
         quiet_third_party(verbose_from_env())  # before torch/torchrec/fbgemm are imported
@@ -28,10 +29,13 @@ class TrainerActor:
 
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = Path(spool_root)
+        self.session = None  # kept only while parked (live recovery)
+        self.warm = None  # a spare's prepared state (spare.py) until it joins
         # Ray may hand this actor a worker process it started earlier (its pool): the rank's
         # own start counts from when the driver asked for it, never before.
         self.started_at = max(process_start_time(), requested_at)
-        logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
+        logging.basicConfig(level=logging.INFO)
+        _log_as(f"rank {rank}" if rank >= 0 else "spare")
         for noisy in ("torchrec", "root", "fbgemm_gpu", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         # before anything imports inductor: compile dirs, job id and thread count
@@ -56,14 +60,62 @@ class TrainerActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def train(self, master_addr: str, master_port: int) -> dict:
+    def train(self, master_addr: str, master_port: int, keeper=None) -> dict:
+        """Start the rank and train. `keeper`: the run's in-memory checkpoint keeper (None: no
+        in-memory tier). A session that fails may stay parked here for a `rejoin`."""
         from .session import TrainerSession
 
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
-                                 master_addr, master_port, process_started_at=self.started_at)
+                                 master_addr, master_port, process_started_at=self.started_at, keeper=keeper)
+        return self._typed(session, session.run)
+
+    def parked(self) -> bool:
+        """Whether this rank kept its session through a peer's failure (it can `rejoin`)."""
+        return self.session is not None and self.session.parked
+
+    def rejoin(self, config: TrainerConfig, attempt: int, master_addr: str, master_port: int, point) -> dict:
+        """A survivor goes on in `attempt` (live_recovery.py)."""
+        if not self.parked():
+            raise RuntimeError(f"rank {self.rank} has no parked session to rejoin with")
+        self.config, self.attempt = config, attempt
+        return self._typed(self.session, lambda: self.session.rejoin(config, attempt, (master_addr, master_port), point))
+
+    def prewarm(self) -> dict:
+        """A spare: prepare everything of a rank's start that needs no rank (spare.py)."""
+        from .session import pick_device
+        from .spare import prewarm
+
+        t0 = time.time()
+        self.warm = prewarm(self.config, pick_device(self.config))
+        return {**self.warm.timings, "started_at": self.started_at, "ready_at": time.time(), "prewarm_s": time.time() - t0}
+
+    def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
+             keeper, point) -> dict:
+        """A spare takes `rank` in `attempt` (live_recovery.py)."""
+        from .session import TrainerSession
+
+        if self.warm is None:
+            raise RuntimeError("join before prewarm: a spare prepares first")
+        self.config, self.attempt, self.rank = config, attempt, rank
+        _log_as(f"rank {rank}")
+        session = TrainerSession(config, self.run_id, attempt, rank, self.spool_root, master_addr, master_port,
+                                 keeper=keeper)
+        warm, self.warm = self.warm, None
+        return self._typed(session, lambda: session.join(warm, point))
+
+    def _typed(self, session, run) -> dict:
+        self.session = session
         try:
-            return session.run()
+            return run()
         except FailureError:
             raise  # already typed (a scripted fault, a numerics check)
         except Exception as exc:  # every error leaves the rank typed, its cause chained
             raise FailureError(failure_from_exception(exc, rank=self.rank, attempt=self.attempt)) from exc
+        finally:
+            if not session.parked:
+                self.session = None
+
+
+def _log_as(who: str) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"[{who}] %(message)s"))

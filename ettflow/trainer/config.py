@@ -15,7 +15,8 @@ from .data.schema import FeatureSchema
 from .model import ModelConfig
 from .placement import Placement
 
-FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt")  # nan: a dense parameter turns NaN (trainer/loop.py)
+# nan: a dense parameter turns NaN (trainer/loop.py); corrupt: the rank's in-memory copies are corrupted
+FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt", "corrupt")
 # phases a scripted `hang` may stop in instead of a step (`hang:rank=1:phase=pt2_compile`)
 HANG_PHASES = ("device_init", "process_group_init", "preproc_creation", "train_module_creation", "init_plugins",
                "pre_train", "get_first_batch_data", "checkpoint_restore", "pt2_compile")
@@ -59,6 +60,8 @@ Scripted faults, one item each: KIND[:FIELD=VALUE]...
            hang     stop making steps until the watchdog catches it (infrastructure)
            nan      a dense parameter turns NaN, so the step's loss is not finite (numerics)
            preempt  the rank sends itself SIGTERM, as a scheduler taking the devices back (preemption)
+           corrupt  from this step on, the rank's in-memory checkpoint copies are corrupted in the
+                    keeper (not a failure: a later recovery must notice and use the durable one)
            publish  fail a publish try (publish; training is not touched)
   fields:  rank=R      the rank (default 0)
            step=S      at training step S, before it is trained

@@ -62,6 +62,20 @@ class PlacedGroup(WorkerGroup, Protocol):
     def placement(self) -> tuple[str, ...]: ...  # each rank's node, by rank
 
 
+@runtime_checkable
+class LiveGroup(WorkerGroup, Protocol):
+    """A group that can recover live: its healthy ranks keep running through a peer's failure
+    and a warm spare takes the failed rank (live_recovery.py)."""
+
+    def training_started(self) -> None: ...  # the attempt trains: prepare a spare now
+
+    def prepare_live(self, failure: Failure) -> Any: ...  # the restore point, None: restart every rank
+
+    def hand_off(self, attempt: int, failure: Failure) -> None: ...  # a spare takes the failed rank's place
+
+    def resume(self, point: Any) -> None: ...  # survivors rejoin, the spare joins: training goes on
+
+
 @dataclass(frozen=True)
 class AttemptSucceeded:
     """Every rank finished; `ranks` holds what each returned."""
@@ -75,6 +89,7 @@ class AttemptFailed:
 
     failure: Failure
     all_failures: tuple[Failure, ...]
+    live: tuple[LiveGroup, Any] | None = None  # the group kept for a live recovery, and its restore point
 
 
 AttemptOutcome = AttemptSucceeded | AttemptFailed
@@ -148,9 +163,10 @@ class TrainingDriver:
         if submitted_at is not None or first_attempt == 0:
             with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
                 rec.mark("submitted", submitted_at if submitted_at is not None else self.clock())
+        live: tuple[LiveGroup, Any, Failure] | None = None
         while True:
             result.attempts += 1
-            outcome = self._attempt(attempt)
+            outcome = self._attempt(attempt, live)
             if isinstance(outcome, AttemptSucceeded):
                 result.ranks = outcome.ranks
                 return result
@@ -160,12 +176,29 @@ class TrainingDriver:
             history.append(failure)
             result.failures.append(failure)
             if decision is FailureDecision.RAISE:
+                if outcome.live is not None:
+                    outcome.live[0].teardown()
                 raise TrainingFailed(self.run_id, history, decision, why)
+            live = (*outcome.live, failure) if outcome.live is not None else None
             attempt += 1
 
-    def _attempt(self, attempt: int) -> AttemptOutcome:
+    def _attempt(self, attempt: int, live: tuple[LiveGroup, Any, Failure] | None = None) -> AttemptOutcome:
         rec = SpoolWriter(self.spool_root, self.run_id, attempt, -1)
         try:
+            if live is not None:
+                group, point, failure = live
+                t0 = self.clock()
+                try:  # the spare takes the failed rank; survivors and spare resume (live_recovery.py)
+                    group.hand_off(attempt, failure)
+                except Exception:
+                    group.teardown()
+                    raise
+                finally:
+                    layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
+                    rec.record("spare_handoff", t0, self.clock(), world_size=self._world(group), rank=failure.rank,
+                               restore_step=getattr(point, "step", None), **layout)
+                group.resume(point)
+                return self._watch(attempt, group, rec)
             group = self.group_factory(attempt)
             t0 = self.clock()
             try:
@@ -189,6 +222,7 @@ class TrainingDriver:
         timed_kills = [f for f in pending if f.after_s is not None and f.attempt in (None, attempt) and f.rank < world]
         bounds, launched_at = PhaseBounds.of(self.config), self.clock()
         finished: dict[int, dict] = {}
+        spare_asked = False
         while True:
             done, failed = group.poll(self.poll_s)
             finished.update(done)
@@ -196,6 +230,9 @@ class TrainingDriver:
             failed = failed + self._marked_failures(tail, attempt)
             now = self.clock()
             started = tail.training_started
+            if started is not None and not spare_asked and self._live_on(group):
+                spare_asked = True
+                group.training_started()
             for fault in list(timed_kills):
                 if started is not None and now >= started + fault.after_s:
                     timed_kills.remove(fault)
@@ -237,11 +274,21 @@ class TrainingDriver:
         failure = replace(failure, attempt=attempt,
                           step=failure.step if failure.step is not None else self._step_of(attempt, failure.rank))
         rec.mark(FAILURE_DETECTED, detected, **failure.to_attrs())
+        point = None
         try:
+            if self._live_on(group):
+                point = group.prepare_live(failure)
+            if point is None:
+                group.teardown()
+        except BaseException:
             group.teardown()
+            raise
         finally:
-            rec.record("shutdown", detected, self.clock(), failed=True)
-        return AttemptFailed(failure, tuple(failed))
+            rec.record("shutdown", detected, self.clock(), failed=True, live=point is not None)
+        return AttemptFailed(failure, tuple(failed), live=(group, point) if point is not None else None)
+
+    def _live_on(self, group: WorkerGroup) -> bool:
+        return self.config.switches.live_recovery and isinstance(group, LiveGroup)
 
     def _step_of(self, attempt: int, rank: int) -> int | None:
         """The step `rank` was at when it failed: one past its last recorded step in the

@@ -6,6 +6,8 @@ fires, with the item's `fault_index`, so lost in-flight work is measured from a 
 later attempts know the item fired. Faults scripted by time (`FailAt.after_s`) are sent by the
 driver, which kills the rank's process from outside and records the same marker. The `nan`
 fault is carried out by the training loop (it poisons a parameter; `numerics.py` records it).
+The `corrupt` fault is not a failure: from its step on, the loop has the rank's in-memory copies
+corrupted in the keeper and records a `fault_injected` marker with the item's index.
 The `preempt` fault sends SIGTERM and lets training go on: the rank's preemption handling
 (`preemption.py`) records the marker, with the item's index, where it stops. A `hang`'s marker
 only says when the hang began: the driver never reads it as a detection (`hides_hang`), it
@@ -24,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ettflow.ett.events import FAILURE, PhaseEvent
+from ettflow.ett.events import FAILURE, FAULT_INJECTED, PhaseEvent
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter, read_spool
 
@@ -78,8 +80,8 @@ def record_fired(fault: FailAt, recorder: SpoolWriter, *, rank: int, step: int |
 def fire(fault: FailAt, recorder: SpoolWriter, *, step: int | None) -> None:
     """Carry out a fault at `step` (None: in its init stage). `kill` and `hang` never return;
     `raise` raises; `preempt` sends SIGTERM to this process and returns once it was handled."""
-    if fault.kind == "nan":
-        raise ValueError("the nan fault is carried out by the training loop (numerics.poison), not by fire()")
+    if fault.kind in ("nan", "corrupt"):
+        raise ValueError(f"the {fault.kind} fault is carried out by the training loop, not by fire()")
     if fault.kind == "preempt":
         from .preemption import PREEMPTION
 
@@ -104,6 +106,8 @@ def fired_faults(failures: Sequence[FailAt], events: Iterable[PhaseEvent]) -> se
     fired: set[int] = set()
     unindexed: list[PhaseEvent] = []
     for ev in events:
+        if ev.phase == FAULT_INJECTED and ev.attrs.get("fault_index") is not None:  # not a failure (corrupt)
+            fired.add(int(ev.attrs["fault_index"]))
         if ev.phase != FAILURE:
             continue
         if ev.attrs.get("fault_index") is not None:
@@ -114,7 +118,7 @@ def fired_faults(failures: Sequence[FailAt], events: Iterable[PhaseEvent]) -> se
         for ev in unindexed:
             if (f.step is not None and ev.attrs.get("step") == f.step
                     and int(ev.attrs.get("failed_rank", ev.rank)) == f.rank
-                    and ev.attrs.get("failure_class") == KIND_CLASS[f.kind].value):
+                    and f.kind in KIND_CLASS and ev.attrs.get("failure_class") == KIND_CLASS[f.kind].value):
                 fired.add(f.index)
     return fired
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
 from ettflow.ett.events import DATA_STALL
 from ettflow.ett.failures import Failure, FailureClass, FailureError
+from ettflow.ett.events import FAULT_INJECTED
 from ettflow.ett.spool import SpoolWriter
 
 from .config import FailAt, TrainerConfig
@@ -45,6 +46,7 @@ from .rank_state import RankState
 from .step_clock import Fetch, resume_after
 
 log = logging.getLogger("ettflow.trainer")
+MEMORY_PROBE_STEPS = 5  # steps measured before the in-memory tier's interval is chosen
 
 
 class TrainLoop:
@@ -65,6 +67,8 @@ class TrainLoop:
         self.interval = config.checkpoint_every_steps
         self.interval_choice: dict[str, Any] = {}
         self.blocking: list[float] = []
+        self.memory_interval: int | None = None  # steps between in-memory copies (chosen after a few steps)
+        self.memory_blocking: list[float] = []
 
     def train_step(self, batch, step: int, *, fault: FailAt | None = None) -> float:
         """One step; returns its loss. A non-finite loss raises a `numerics` FailureError
@@ -78,6 +82,7 @@ class TrainLoop:
         failure = loss_failure(loss_value, rank=self.rank, step=step, injected=fault is not None)
         if failure is not None:  # nothing of this step is applied, and it is not recorded
             stop(self.rec, failure, **({"fault_index": fault.index} if fault is not None else {}))
+        self.plugins.wait_staged()  # the sparse tables change in backward: a save's staging ends first
         loss.backward()
         sync_dense_grads(self.params, self.pg)
         opt.step()
@@ -106,6 +111,25 @@ class TrainLoop:
                                 "save_blocking_s": csbt, "step_s": step_s,
                                 "expected_failures": model.expected_failures}
 
+    def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> None:
+        """The in-memory tier's interval: the optimizer's, fed with the measured blocking of a
+        memory copy (the same on every rank: all-reduced) instead of a durable save's."""
+        measured = torch.tensor([max(self.memory_blocking), sum(step_times) / max(len(step_times), 1)],
+                                dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
+        csbt, step_s = float(measured[0]), max(float(measured[1]), 1e-6)
+        rate = self.config.failure_rate_per_s
+        model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
+                           **({"failure_rate_per_s": rate} if rate is not None
+                              else {"failures": self.config.expected_failures}))
+        choice = optimal_interval(model, min_interval_s=step_s)
+        self.memory_interval = max(1, round(choice.interval_s / step_s))
+        self.interval_choice.update({"memory_interval_steps": self.memory_interval, "memory_blocking_s": csbt,
+                                     "memory_expected_wasted_s": choice.expected_wasted_s})
+
+    def _save_memory(self, step: int, cursor) -> None:
+        self.memory_blocking.append(self.plugins.save_memory(step, cursor, since=self.rec.recorded_until))
+
     def _phase(self, name: str):
         return self.beat.phase(name) if self.beat is not None else nullcontext()
 
@@ -115,7 +139,7 @@ class TrainLoop:
             self.beat.leave("train_step")
         try:
             with self._phase(SAVE):
-                blocking = self.plugins.save(step, cursor, loss=loss)
+                blocking = self.plugins.save(step, cursor, loss=loss, since=self.rec.recorded_until)
         finally:
             if self.beat is not None:
                 self.beat.step_ended(step - 1)  # the training clock restarts after the save
@@ -163,9 +187,15 @@ class TrainLoop:
         t_train = time.time()
         last_cursor = None
         loss_value: float | None = None  # None: no step trained in this attempt
+        memory = self.plugins.memory is not None
+        if memory:  # a restore point from the start: a live recovery never lacks one
+            self._save_memory(step, self.plugins.resume_cursor)
+        memory_probe_at = step + MEMORY_PROBE_STEPS if memory else None
         if self.beat is not None:
             self.beat.training(step)
-        since = time.time()  # where the next step's interval starts (`step_clock`: no gap between steps)
+        # where the next step's interval starts (`step_clock`: no gap between steps); after the
+        # memory copy of the start it starts where that ended
+        since = self.rec.recorded_until if memory and self.rec.recorded_until else time.time()
         record_s = 0.0
         while step < end:
             fetch_start = time.time()
@@ -176,6 +206,9 @@ class TrainLoop:
             nan_fault = fault if fault is not None and fault.kind == "nan" else None
             if nan_fault is not None:
                 poison(self.params)
+            elif fault is not None and fault.kind == "corrupt":
+                self.plugins.corrupt_memory()
+                self.rec.mark(FAULT_INJECTED, kind="corrupt", step=step, fault_index=fault.index)
             elif fault is not None:
                 fire(fault, self.rec, step=step)
             if self.beat is not None:  # from here the rank waits for its peers: it is inside the step
@@ -206,6 +239,11 @@ class TrainLoop:
                 log.info("step %d/%d loss %.4f %.1f steps/s %.0f examples/s", step, end, loss_value,
                          rate, rate * batch.batch_size * self.config.world_size)
             due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
+            if memory and step < end:
+                if due_save or (self.memory_interval and step % self.memory_interval == 0):
+                    self._save_memory(step, last_cursor)
+                if step == memory_probe_at:  # (after the save: its all-reduce is the next step's)
+                    self._choose_memory_interval(end, step_times)
             if due_save and step < end:
                 self.blocking.append(self._save(step, last_cursor, loss_value))
                 if step == probe_at:
@@ -220,7 +258,9 @@ class TrainLoop:
             "step_s_median": statistics.median(step_times) if step_times else None,  # fetch to end of a step
             "record_s": record_s,  # time in the step events' record calls
             "cursor": last_cursor.to_dict() if last_cursor is not None else None,
-            "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking, **self.interval_choice},
+            "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking,
+                           "memory_saves": len(self.memory_blocking), "memory_blocking_s": self.memory_blocking,
+                           **self.interval_choice},
         }
         PREEMPTION.in_loop = False  # from here a SIGTERM ends the process (no step boundary is left)
         if self.beat is not None:

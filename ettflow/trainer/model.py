@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
 from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -93,7 +94,10 @@ class _Replicated(DataParallelWrapper):
         return None
 
 
-def shard(model: DLRM, config: ModelConfig, pg: dist.ProcessGroup, device: torch.device) -> DistributedModelParallel:
+def shard(model: DLRM, config: ModelConfig, pg: dist.ProcessGroup, device: torch.device, *,
+          known_plan: ShardingPlan | None = None) -> DistributedModelParallel:
+    """`known_plan`: a plan rank 0 made before for the same tables and world (a live recovery
+    rebuilds the module on a new group): rank 0 broadcasts it instead of planning again."""
     apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": config.sparse_lr})
     # ShardedTensor state: checkpoint.staging stages its local shards (DTensor output fails in
     # torchrec 1.8 when a rank holds no shard of a table: DTensor.from_local of a [0, 0] shard)
@@ -107,7 +111,10 @@ def shard(model: DLRM, config: ModelConfig, pg: dist.ProcessGroup, device: torch
         for cfg in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
     }
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    plan = planner.collective_plan(model, pg=pg)
+    if known_plan is None:
+        plan = planner.collective_plan(model, pg=pg)
+    else:  # every rank takes part in the broadcast; only rank 0's plan counts, as in collective_plan
+        plan = invoke_on_rank_and_broadcast_result(pg, 0, lambda: known_plan)
     dmp = DistributedModelParallel(module=model, env=env, device=device, plan=plan, data_parallel_wrapper=_Replicated())
     broadcast_dense(dmp, pg)
     return dmp

@@ -29,12 +29,15 @@ from ettflow.ett.spool import SpoolWriter
 from .checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult, TrainState
 from .checkpoint import init_lazy_optimizer_state as init_optimizer_state
 from .checkpoint.anchor import AnchorInfo, write_anchor
+from .checkpoint.config import CheckpointError
+from .checkpoint.memory_tier import MemoryCopyError, MemoryTier
 from .checkpoint.fingerprint import state_fingerprint
 from .compile.compiled import compile_module
 from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig
 from .data.batch import Batch
 from .data.windows import Cursor
+from .live_recovery import MEMORY, RestorePoint, agree_all_ok, describe_point
 from .numerics import refuse_nonfinite
 from .rank_state import RankState
 
@@ -44,10 +47,12 @@ DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part
 
 class TrainerPlugins:
     def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None,
-                 parent: Path | None = None) -> None:
+                 parent: Path | None = None, *, keeper: Any = None, warm_cache: bool | None = None) -> None:
         """resume: the run's own latest checkpoint (a restart), else None; parent: the anchor
         to warm start from when there is no own checkpoint (model and optimizer state only:
-        the step counter starts at 0 and the data cursor at the start of the run's windows)."""
+        the step counter starts at 0 and the data cursor at the start of the run's windows).
+        keeper: the run's in-memory checkpoint keeper (None: no in-memory tier). warm_cache: a
+        spare's process restored the compile cache already (its hit), so it is not restored again."""
         if resume is not None and parent is not None:
             raise ValueError("a rank restores its run's own checkpoint or warm starts from a parent, not both")
         self.config, self.rank, self.rec = config, rank, rec
@@ -57,7 +62,14 @@ class TrainerPlugins:
         self.manager: CheckpointManager | None = None
         self.train_state: TrainState | None = None
         self.dense_named: list[tuple[str, torch.Tensor]] = []  # checked before every save
-        if config.switches.compile and config.switches.compile_cache:
+        # the in-memory tier (a copy of every save in host memory that outlives the rank)
+        self.memory = (MemoryTier(keeper, rank, config.world_size, on_done=self._on_memory_done)
+                       if keeper is not None and config.switches.memory_checkpoint else None)
+        self.live_point: tuple[int, Cursor] | None = None  # where a live recovery resumed
+        if config.switches.compile and config.switches.compile_cache and warm_cache is not None:
+            self.cache_hit = warm_cache  # a spare restored the archive before it compiled (spare.py)
+        elif config.switches.compile and config.switches.compile_cache:
+            # (never twice in one process: extracting the archive rewrites the kernels it loaded)
             with rec.span("compile_cache_restore") as attrs:
                 restored = self.cache.restore()
                 attrs.update(hit=restored.hit, bytes=restored.bytes, reason=restored.reason)
@@ -65,7 +77,10 @@ class TrainerPlugins:
 
     @property
     def resume_step(self) -> int:
-        """The step the run continues at: its own checkpoint's, 0 for a cold or warm start."""
+        """The step the run continues at: a live recovery's restore point, its own checkpoint's,
+        0 for a cold or warm start."""
+        if self.live_point is not None:
+            return self.live_point[0]
         return self.resume.step if self.resume else 0
 
     @property
@@ -75,6 +90,8 @@ class TrainerPlugins:
 
     @property
     def resume_cursor(self) -> Cursor | None:
+        if self.live_point is not None:
+            return self.live_point[1]
         if not self.resume:
             return None
         if self.resharded:
@@ -87,7 +104,7 @@ class TrainerPlugins:
         mode = "async" if self.config.switches.async_checkpoint else "sync"
         self.manager = CheckpointManager(
             CheckpointConfig(root=self.config.checkpoint_dir, mode=mode, keep_last=self.config.keep_checkpoints),
-            process_group=state.ckpt_pg, on_commit=self._on_commit,
+            process_group=state.ckpt_pg, on_commit=self._on_commit, async_staging=self.async_staging,
         )
         self.train_state = TrainState(
             model=state.dmp, optimizers={"sparse": state.dmp.fused_optimizer, "dense": state.dense_opt}
@@ -96,6 +113,98 @@ class TrainerPlugins:
         self.dense_named = [pair for name in DENSE_MODULES
                             for pair in getattr(dlrm, name).named_parameters(prefix=name)]
         init_optimizer_state(state.dense_opt)
+
+    @property
+    def async_staging(self) -> bool:
+        """Stage a save in the background, waited for before the next backward (`wait_staged`):
+        with an accelerator (a DMA into pinned buffers overlaps the forward). On a CPU host the
+        copy holds the Python lock, so staging in the background only moves it into the next
+        step (measured: `ettflow.bench.save_blocking`): there the save copies while it blocks."""
+        return self.config.switches.async_checkpoint and torch.accelerator.is_available()
+
+    def wait_staged(self) -> None:
+        """Before a step changes parameters: the background staging of the last save must be
+        done; its wait is that save's blocking (recorded as `checkpoint_save_blocking`)."""
+        if self.manager is None:
+            return
+        staged = self.manager.wait_staged()
+        if staged is not None and staged.waited_s > 0:
+            self.rec.record("checkpoint_save_blocking", staged.start, staged.end, sync=False, step=staged.step,
+                            staging_wait=True)
+
+    def rebind(self, state: RankState, config: TrainerConfig, rec: SpoolWriter) -> None:
+        """After a live recovery rebuilt the process group and the sharded module: the next
+        attempt's config and spool, a checkpoint manager on the new checkpoint group and a
+        train state over the new module (the in-memory tier and compile cache are kept)."""
+        self.config, self.rec = config, rec
+        if self.manager is not None:
+            self.manager.close()
+        self.prepare_state(state)
+
+    def abandon_saves(self) -> None:
+        """A peer failed: the save in flight can never commit (its group is gone); drop it
+        without waiting on the group (a live recovery builds a new manager)."""
+        if self.manager is not None:
+            try:
+                self.manager.close()
+            except Exception as exc:  # noqa: BLE001 - expected: the save's collective lost its peer
+                log.info("checkpoint save in flight abandoned after a peer's failure: %s", exc)
+            self.manager = None
+        if self.memory is not None:
+            self.memory.wait()
+
+    def restore_point(self, state: RankState, point: RestorePoint) -> dict[str, Any]:
+        """A live recovery's restore, collective: the in-memory copy of `point.step` on every rank,
+        or, when it is missing or fails its checksum on any rank, the durable checkpoint on
+        every rank (with a warning); `point` itself may name the durable one."""
+        assert self.manager is not None and self.train_state is not None
+        attrs: dict[str, Any] = describe_point(point)
+        problem = None
+        if point.source == MEMORY:
+            if self.memory is None:
+                problem = "this rank has no in-memory tier"
+            else:
+                try:
+                    self.memory.restore(self.train_state, point.step)
+                except MemoryCopyError as exc:
+                    problem = str(exc)
+            if agree_all_ok(problem is None, state.pg):
+                self.live_point = (point.step, Cursor.from_dict(self.train_state.cursor))
+                return {**attrs, "source": "memory", "step": point.step}
+            log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
+                        point.step, problem or "a peer's copy failed")
+            attrs["memory_problem"] = problem or "a peer's copy failed its check"
+        durable = self.manager.latest() if point.source == MEMORY else None
+        path = durable.path if durable is not None else point.path
+        if path is None:
+            raise CheckpointError(f"live recovery: the in-memory copy of step {point.step} failed and the run has "
+                                  "no durable checkpoint; every rank restarts")
+        restored = self.manager.load(self.train_state, path)
+        self.live_point = (restored.checkpoint.step, Cursor.from_dict(self.train_state.cursor))
+        return {**attrs, "source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path)}
+
+    def save_memory(self, step: int, cursor: Cursor | None, *, since: float | None = None) -> float:
+        """A copy of the state at `step` into the in-memory tier; returns the seconds the loop was
+        blocked (recorded as `memory_save_blocking`, from `since` when given: the end of what the
+        loop recorded last). No tier: 0."""
+        if self.memory is None or self.train_state is None:
+            return 0.0
+        t0 = time.time() if since is None else min(since, time.time())
+        self.train_state.step, self.train_state.cursor = step, (cursor or Cursor()).to_dict()
+        self.memory.save(step, self.train_state)
+        t1 = time.time()
+        self.rec.record("memory_save_blocking", t0, t1, sync=False, step=step)
+        return t1 - t0
+
+    def corrupt_memory(self) -> None:
+        """The scripted `corrupt` fault: from now on this rank's copies are corrupted as the keeper
+        stores them (their checksums kept), so a restore from them must fail."""
+        if self.memory is not None:
+            self.memory.corrupt_copies = True
+
+    def _on_memory_done(self, result: Any) -> None:
+        self.rec.record("memory_save_background", result.start, result.end, step=result.step,
+                        bytes=result.nbytes, ok=result.ok)
 
     def check_finite(self, step: int, *, loss: float | None, action: str) -> None:
         """Raise (and record) a numerics failure unless the last loss and the dense parameters
@@ -145,11 +254,12 @@ class TrainerPlugins:
                             step=result.step, committed=result.committed, bytes=result.nbytes,
                             path=str(result.path) if result.path else None, error=result.error)
 
-    def save(self, step: int, cursor: Cursor, *, loss: float | None = None) -> float:
+    def save(self, step: int, cursor: Cursor, *, loss: float | None = None, since: float | None = None) -> float:
         """A periodic checkpoint; returns the seconds the training loop was blocked. Refused
         (a numerics failure) when `loss` or a dense parameter is not finite. The loop is blocked
-        from the call: the finite check is part of the save's blocking time."""
-        called = time.time()
+        from the call (`since`: from the end of what it recorded last, the step before): the
+        finite check is part of the save's blocking time."""
+        called = time.time() if since is None else min(since, time.time())
         self.check_finite(step, loss=loss, action=f"checkpoint at step {step}")
         result = self._save(step, cursor)
         start = min(called, result.blocking_start)
@@ -227,6 +337,8 @@ class TrainerPlugins:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()
+        if self.memory is not None:
+            self.memory.close()
 
 
 def common_cursor(info: CheckpointInfo) -> Cursor:

@@ -19,6 +19,7 @@ as dead is the node's failure, with the node named (`classify.on_lost_node`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -33,11 +34,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 
 from .classify import failure_from_exception, is_process_loss, on_lost_node
+from .checkpoint.state_keeper import start_keeper
 from .config import TrainerConfig
 from .faults import pending_faults
+from .live_recovery import RestorePoint, choose_restore_point, newest_committed
 from .placement import attempt_world_size, ranks_that_fit
+from .spare_pool import SparePool
 
+log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
+PARK_TIMEOUT_S = 10.0  # live recovery: how long the survivors of a failure may take to park
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -53,6 +59,28 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     else:
         ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
                  log_to_driver=True)
+
+
+# The keepers of the runs this process drives, held for the run's life: Ray ends an actor that
+# no handle refers to, and each attempt's group is dropped when the attempt ends.
+_KEEPERS: dict[str, object] = {}
+
+
+def run_keeper(run_id: str):
+    """The run's in-memory checkpoint keeper (started on first use, kept until `end_run`)."""
+    keeper = _KEEPERS.get(run_id)
+    if keeper is None:
+        keeper = _KEEPERS[run_id] = start_keeper(run_id)
+    return keeper
+
+
+def end_run(run_id: str) -> None:
+    """Free what a run keeps across its attempts (its in-memory checkpoint keeper)."""
+    keeper = _KEEPERS.pop(run_id, None)
+    if keeper is None or not ray.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        ray.kill(keeper, no_restart=True)
 
 
 def wants_gpu(config: TrainerConfig) -> bool:
@@ -86,6 +114,9 @@ class RayWorkerGroup:
         self.actors: list = []
         self.info: list[dict] = []
         self.refs: dict = {}
+        self.keeper = None  # the run's in-memory checkpoint keeper (memory_checkpoint)
+        self.spares: SparePool | None = None  # live recovery on a CPU placement
+        self.joining: int | None = None  # the rank a spare took (live recovery)
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -141,6 +172,10 @@ class RayWorkerGroup:
             for rank in range(self.world_size)
         ]
         self.info = ray.get([a.ready.remote() for a in self.actors])
+        if self.config.switches.memory_checkpoint:
+            self.keeper = run_keeper(self.run_id)
+        if self.config.switches.live_recovery and not gpu:
+            self.spares = SparePool(self.config, self.run_id, self.spool_root)
 
     def attempt_config(self) -> TrainerConfig:
         """What the ranks get: the run's config at this attempt's world size, less the scripted
@@ -153,7 +188,76 @@ class RayWorkerGroup:
 
     def launch(self) -> None:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
-        self.refs = {a.train.remote(addr, port): rank for rank, a in enumerate(self.actors)}
+        self.refs = {a.train.remote(addr, port, self.keeper): rank for rank, a in enumerate(self.actors)}
+        if self.spares is not None:
+            self.spares.start()  # its imports overlap the ranks' init; it prewarms once they train
+
+    # ---- live recovery (live_recovery.py) -----------------------------------------------
+    def training_started(self) -> None:
+        """The attempt trains: the warm spare prepares now, off the ranks' start."""
+        if self.spares is not None:
+            self.spares.prewarm()
+
+    def prepare_live(self, failure: Failure, timeout_s: float = PARK_TIMEOUT_S) -> RestorePoint | None:
+        """The restore point when this attempt can be recovered live from `failure` (a single
+        rank's process lost on a live node, every other rank parked within `timeout_s`, a spare
+        pool and a restore point); None: restart every rank (the reason is logged)."""
+        why = self._not_live(failure, timeout_s)
+        if why is not None:
+            log.info("attempt %d: every rank restarts (no live recovery: %s)", self.attempt, why)
+            return None
+        memory = ray.get(self.keeper.latest_common.remote(self.world_size)) if self.keeper is not None else None
+        durable = newest_committed(self.config.checkpoint_dir)
+        point = choose_restore_point(memory, *(durable if durable else (None, None)))
+        if point is None:
+            log.info("attempt %d: every rank restarts (no live recovery: no in-memory copy, no checkpoint)",
+                     self.attempt)
+        return point
+
+    def _not_live(self, failure: Failure, timeout_s: float) -> str | None:
+        """Why `failure` cannot be recovered live (None: it can, as far as the ranks go)."""
+        if self.spares is None:
+            return "no spare pool (a GPU placement)"
+        if not is_process_loss(failure) or failure.node is not None or not 0 <= failure.rank < len(self.actors):
+            return f"the failure is not one rank's lost process ({failure.summary})"
+        survivors = [r for r in range(len(self.actors)) if r != failure.rank]
+        waiting = [ref for ref, rank in self.refs.items() if rank in survivors]
+        done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout_s)
+        if len(done) < len(waiting):
+            return f"{len(waiting) - len(done)} surviving rank(s) did not stop within {timeout_s:g} s"
+        for ref in done:
+            self.refs.pop(ref)
+            with contextlib.suppress(RayActorError, RayTaskError):
+                ray.get(ref)
+        try:
+            parked = ray.get([self.actors[r].parked.remote() for r in survivors], timeout=timeout_s)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            return f"a survivor did not answer: {type(exc).__name__}"
+        if not all(parked):
+            return f"ranks {[r for r, p in zip(survivors, parked) if not p]} did not keep their state"
+        return None
+
+    def hand_off(self, attempt: int, failure: Failure) -> None:
+        """The spare (waited for when it is still starting) takes the failed rank's place in
+        `attempt`, which runs on this group."""
+        assert self.spares is not None
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[failure.rank], no_restart=True)
+        spare, info = self.spares.take(attempt, self.config.startup_timeout_s)
+        self.actors[failure.rank], self.info[failure.rank] = spare, info
+        self.attempt, self.joining = attempt, failure.rank
+
+    def resume(self, point: RestorePoint) -> None:
+        """The survivors rejoin and the spare joins with a new rendezvous, all from `point`;
+        a new spare starts in the background."""
+        config = self.attempt_config()
+        addr, port = ray.get(self.actors[0].rendezvous.remote())
+        self.refs = {}
+        for r, actor in enumerate(self.actors):
+            call = (actor.join.remote(config, self.attempt, r, addr, port, self.keeper, point) if r == self.joining
+                    else actor.rejoin.remote(config, self.attempt, addr, port, point))
+            self.refs[call] = r
+        self.spares.ensure()
 
     def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
         done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)
@@ -193,6 +297,8 @@ class RayWorkerGroup:
                     os.kill(info["pid"], signal.SIGKILL)
             ray.kill(actor, no_restart=True)
         self.actors, self.refs = [], {}
+        if self.spares is not None:
+            self.spares.close()
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -51,8 +51,10 @@ from .data.windows import list_windows
 from .evaluate import evaluate
 from .faults import due_in_phase, fire
 from .init_pipeline import InitPipeline, Stage
+from .live_recovery import RestorePoint, rebuild_sharded
 from .loop import TrainLoop
 from .model import DenseStep, build_dlrm, dense_optimizer, shard
+from .spare import WarmSpare
 from .plugins import TrainerPlugins
 from .preemption import PREEMPTION
 from .rank_heartbeat import RankHeartbeat, beat_file
@@ -97,15 +99,21 @@ def parent_anchor(config: TrainerConfig) -> Path | None:
 class TrainerSession:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
                  spool_root: Path | str, master_addr: str, master_port: int,
-                 *, process_started_at: float | None = None) -> None:
+                 *, process_started_at: float | None = None, keeper: Any = None) -> None:
+        """`keeper`: the run's in-memory checkpoint keeper (`checkpoint/memory_tier.py`), or
+        None (no in-memory tier)."""
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
+        self.spool_root = spool_root
         self.master = (master_addr, master_port)
+        self.keeper = keeper
         self.rec = SpoolWriter(spool_root, run_id, attempt, rank)
         self.process_started_at = process_started_at
         self.state = RankState()
         self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint
         self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
         self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank)
+        self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
+        self.warm_cache: bool | None = None  # a spare's compile-cache hit (its process restored the cache)
         PREEMPTION.attach(self.rec)
 
     # ---- stages -------------------------------------------------------------------------
@@ -145,7 +153,8 @@ class TrainerSession:
         self.state.dense_opt = dense_optimizer(dmp, self.config.model)
 
     def init_plugins(self) -> None:
-        self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume, self.parent)
+        self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume, self.parent,
+                                            keeper=self.keeper, warm_cache=self.warm_cache)
 
     def pre_train(self) -> None:
         self.state.plugins.prepare_state(self.state)
@@ -250,14 +259,96 @@ class TrainerSession:
                                 concurrent=self.config.switches.parallel_init)
         try:
             pipeline.start().wait_all()
+        except BaseException:
+            pipeline.close()
+            self.close()
+            raise
+        pipeline.close()
+        return self._train()
+
+    def _train(self) -> dict[str, Any]:
+        """The training loop; when it fails and live recovery may keep this rank, the session
+        parks instead of closing (`park`), else it closes."""
+        try:
             loop = TrainLoop(self.config, self.rank, self.attempt, self.state, self.rec, self.evaluate,
                              beat=self.beat)
             result = loop.run()
             result["finished_at"] = time.time()
-            return result
-        finally:
-            pipeline.close()
+        except BaseException:
+            if self.can_park:
+                self.park()
+            else:
+                self.close()
+            raise
+        self.close()
+        return result
+
+    # ---- live recovery (live_recovery.py) -----------------------------------------------
+    @property
+    def can_park(self) -> bool:
+        """Live recovery is on and the rank got far enough to keep something worth keeping."""
+        return self.config.switches.live_recovery and self.state.is_set("plugins") \
+            and self.state.is_set("dense_step") and self.state.is_set("dense_opt")
+
+    def park(self) -> None:
+        """Keep the process's state for a rejoin; close what belongs to the failed attempt."""
+        if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
+            self.state.batches.close()
+        self.state.plugins.abandon_saves()
+        self.beat.close()
+        PREEMPTION.detach(self.rec)
+        self.rec.close()
+        self.parked = True
+
+    def rejoin(self, config: TrainerConfig, attempt: int, master: tuple[str, int],
+               point: RestorePoint) -> dict[str, Any]:
+        """A survivor goes on training in attempt `attempt`: a new process group, the sharded
+        module rebuilt on it, `point` restored, then training (see live_recovery.py)."""
+        if not self.parked:
+            raise RuntimeError(f"rank {self.rank} was not parked: only a rank kept through a peer's failure rejoins")
+        self.config, self.attempt, self.master, self.parked = config, attempt, master, False
+        self.rec = SpoolWriter(self.spool_root, self.run_id, attempt, self.rank)
+        self.beat = RankHeartbeat(beat_file(self.spool_root, self.run_id, attempt, self.rank), self.rank)
+        PREEMPTION.attach(self.rec)
+        self.beat.start()
+        return self._resume(point)
+
+    def join(self, warm: WarmSpare, point: RestorePoint) -> dict[str, Any]:
+        """A spare takes this rank: the device, dense modules, dense optimizer and compiled step
+        it prepared ahead of time (`spare.WarmSpare`), the rank's own data pipelines and plugins,
+        then the same steps as a survivor's rejoin."""
+        self.beat.start()
+        try:
+            self.state.device = warm.device
+            self.state.dense_step, self.state.dense_opt = warm.dense_step, warm.dense_opt
+            self.state.compiled_step = warm.compiled_step
+            self.warm_cache = bool(warm.timings.get("cache_hit"))
+            for name, stage in (("preproc_creation", self.preproc_creation), ("init_plugins", self.init_plugins)):
+                with self.beat.phase(name), self.rec.span(name, spare=True):
+                    stage()
+        except BaseException:
             self.close()
+            raise
+        return self._resume(point)
+
+    def _resume(self, point: RestorePoint) -> dict[str, Any]:
+        try:
+            with self.beat.phase("process_group_init"), self.rec.span("process_group_rebuild",
+                                                                       world_size=self.config.world_size):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self.process_group_init()
+            with self.beat.phase("train_module_creation"), self.rec.span("module_reshard"):
+                rebuild_sharded(self.state, self.config)
+                self.state.plugins.rebind(self.state, self.config, self.rec)
+            with self.beat.phase("checkpoint_restore"), self.rec.span("checkpoint_restore", live=True) as attrs:
+                attrs.update(self.state.plugins.restore_point(self.state, point))
+            self.state.batches = self.state.data.batches(self.state.plugins.resume_cursor, prefetch=4)
+            self.state.first_batch = None
+        except BaseException:
+            self.close()
+            raise
+        return self._train()
 
     def close(self) -> None:
         if self.state.is_set("plugins"):

@@ -118,6 +118,7 @@ class MemoryTier:
         self._executor = ThreadPoolExecutor(1, "ettflow-memory")
         self._pending: Future[MemorySaveResult] | None = None
         self._closed = False
+        self.corrupt_copies = False  # the scripted `corrupt` fault: the keeper stores this rank's copies damaged
 
     @property
     def local_step(self) -> int | None:
@@ -151,7 +152,7 @@ class MemoryTier:
         arrays = [byte_view(t) for t in host.values()]
         meta = meta.with_checksum(arrays)
         try:
-            ray.get(self.keeper.store.remote(meta.to_json(), arrays))
+            ray.get(self.keeper.store.remote(meta.to_json(), arrays, corrupt=self.corrupt_copies))
             ok, error = True, None
         except Exception as e:  # noqa: BLE001 - the keeper is gone or refused: reported, not raised
             ok, error = False, f"{type(e).__name__}: {e}"

@@ -90,16 +90,18 @@ class StateKeeper:
         self.index = CopyIndex(keep=keep)
         self._lock = threading.Lock()
 
-    def store(self, meta: dict[str, Any], arrays: list[Any]) -> list[int]:
+    def store(self, meta: dict[str, Any], arrays: list[Any], *, corrupt: bool = False) -> list[int]:
         """Keep a copy. `arrays` arrive as read-only views of the object the rank's call put into
         the object store (owned by the rank: it goes when the rank does); the keeper puts them
-        again, as an object of its own, and keeps that reference. Returns the evicted steps."""
+        again, as an object of its own, and keeps that reference. Returns the evicted steps.
+        `corrupt`: the scripted `corrupt` fault (see `corrupt`), applied before the copy is
+        visible, so no restore ever sees it intact."""
         import numpy as np
         import ray
 
         if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays):
             raise TypeError("StateKeeper.store: the payload must be a list of uint8 arrays")
-        ref = ray.put(arrays)
+        ref = ray.put(_flipped(arrays) if corrupt else arrays)
         with self._lock:
             return self.index.store(dict(meta), [ref])
 
@@ -129,13 +131,20 @@ class StateKeeper:
 
         with self._lock:
             meta, refs = self.index.copies[rank][step]
-            arrays = [np.array(a, copy=True) for a in ray.get(refs[0])]
-            biggest = max(range(len(arrays)), key=lambda i: arrays[i].size)
-            arrays[biggest][arrays[biggest].size // 2] ^= 1
-            self.index.copies[rank][step] = (meta, [ray.put(arrays)])
+            self.index.copies[rank][step] = (meta, [ray.put(_flipped(ray.get(refs[0])))])
 
     def ping(self) -> str:
         return "ok"
+
+
+def _flipped(arrays: list[Any]) -> list[Any]:
+    """A copy of `arrays` with one bit flipped in the middle of the largest (fault injection)."""
+    import numpy as np
+
+    out = [np.array(a, copy=True) for a in arrays]
+    biggest = max(range(len(out)), key=lambda i: out[i].size)
+    out[biggest][out[biggest].size // 2] ^= 1
+    return out
 
 
 def start_keeper(run_id: str, *, keep: int = KEEP) -> Any:

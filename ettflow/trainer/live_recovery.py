@@ -1,0 +1,121 @@
+"""Live recovery, the rank side: healthy ranks keep running through a peer's failure, and a warm
+spare takes the failed rank's place.
+
+The protocol (the driver's side is `driver.py` and `ray_group.py`):
+
+1. A rank's process dies. Its peers' next collective fails at once (gloo reports the lost
+   connection); their `train` call ends with that error, but each keeps its session on its
+   actor, *parked* (`TrainerSession.park`): the process, its imports, the data pipelines, the
+   dense modules, their optimizer and the compiled dense step stay; the attempt's spool file,
+   heartbeat and checkpoint manager are closed (a save in flight never commits: its group
+   is gone).
+2. The driver picks a `RestorePoint`: the newest step every rank holds in the in-memory tier
+   (`checkpoint/memory_tier.py`), or the newest durable checkpoint when that is newer or
+   memory holds none, and hands the failed rank's place to a warm spare (`spare_handoff`,
+   scheduling): a process started ahead of time with its imports done, its dense modules
+   built and its dense step compiled from the compile cache (`prewarm`).
+3. The next attempt: every survivor `rejoin`s and the spare `join`s with a new rendezvous.
+   Each records, as its own phases:
+   - `process_group_rebuild` (owner scheduler): the old process group is destroyed and a new
+     one formed over the new rendezvous;
+   - `module_reshard` (owner trainer): the sharded embedding collection, which holds the old
+     group, is built again on the new one (`rebuild_sharded`); the dense modules, their
+     optimizer and the compiled step are the same objects, so nothing recompiles;
+   - `checkpoint_restore` (`source` "memory": every rank copies the restore point back into its
+     live tensors, the survivors from their own copy, the spare from the keeper's copy of the
+     rank it replaces; a copy that is missing or fails its checksum on any rank sends every
+     rank to the durable checkpoint together, with a warning; `source` "own": the durable one).
+   Training then goes on from the restore point's data cursor; the steps up to the failure
+   are replayed (wasted training), exactly as after a full restart.
+
+A failure this path does not cover (a lost node, a hang, an error in the rank's own code, no
+restore point, a survivor that does not park in time) restarts every rank, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from . import _torch_compat as compat
+from .checkpoint.layout import parse_name
+from .model import DenseStep, build_dlrm, shard
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
+    from .rank_state import RankState
+
+log = logging.getLogger("ettflow.trainer")
+
+MEMORY, DURABLE = "memory", "durable"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestorePoint:
+    """Where a live recovery resumes: `step`, from the in-memory tier (`source` MEMORY) or
+    from the durable checkpoint at `path` (`source` DURABLE)."""
+
+    step: int
+    source: str
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in (MEMORY, DURABLE):
+            raise ValueError(f"RestorePoint.source must be {MEMORY!r} or {DURABLE!r}, got {self.source!r}")
+        if self.step < 0:
+            raise ValueError(f"RestorePoint.step must be >= 0, got {self.step}")
+        if self.source == DURABLE and not self.path:
+            raise ValueError("a durable RestorePoint names its checkpoint folder (path)")
+
+
+def choose_restore_point(memory_step: int | None, durable_step: int | None,
+                         durable_path: str | None) -> RestorePoint | None:
+    """The newest of the two tiers; memory wins a tie (it is read from host memory). None:
+    neither holds a point, and live recovery cannot resume the ranks that kept running."""
+    if memory_step is not None and (durable_step is None or memory_step >= durable_step):
+        return RestorePoint(step=memory_step, source=MEMORY)
+    if durable_step is not None:
+        return RestorePoint(step=durable_step, source=DURABLE, path=durable_path)
+    return None
+
+
+def newest_committed(root: Path) -> tuple[int, str] | None:
+    """(step, path) of the newest committed checkpoint folder under `root`, by name only: the
+    ranks verify every byte before they read it (`CheckpointManager.load`), so the driver's
+    choice does not read the checkpoint (a scan would hash it all on the recovery's clock)."""
+    if not root.is_dir():
+        return None
+    found = [(parsed[0], str(child)) for child in root.iterdir()
+             if (parsed := parse_name(child.name)) is not None and parsed[1] == "final" and child.is_dir()]
+    return max(found) if found else None
+
+
+def rebuild_sharded(state: RankState, config: TrainerConfig) -> None:
+    """The sharded module again, on the rank's new process group (`state.pg`): a DLRM whose
+    dense modules are the ones `state.dense_step` holds (kept: the compiled step and the dense
+    optimizer refer to them), with a new sharded embedding collection and its fused optimizer, on
+    the plan rank 0 made before when it has one (same tables, same world). Its tables are
+    freshly initialized: the restore that follows overwrites them."""
+    dense: DenseStep = state.dense_step
+    compat.forget_dmp_initialization()  # the joining spare initializes its DMP as a fresh process
+    dlrm = build_dlrm(config.model, config.schema, device=state.device)
+    dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch = dense.dense_arch, dense.inter_arch, dense.over_arch
+    known = state.dmp.plan if state.is_set("dmp") and state.dmp.plan is not None else None  # a survivor's
+    state.dmp = shard(dlrm, config.model, state.pg, state.device, known_plan=known)
+
+
+def agree_all_ok(ok: bool, pg: dist.ProcessGroup) -> bool:
+    """True when `ok` holds on every rank of `pg` (one all-reduce)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+    return int(flag.item()) == 0
+
+
+def describe_point(point: RestorePoint) -> dict[str, Any]:
+    return {"restore_step": point.step, "restore_tier": point.source,
+            **({"path": point.path} if point.path else {})}

@@ -1,0 +1,66 @@
+"""A warm spare: a trainer process prepared ahead of time to take a failed rank's place.
+
+`prewarm` does, before any failure, everything of a rank's start that needs no rank, no process
+group and no data: the imports (torch, TorchRec, inductor), the device, the dense modules and
+their optimizer, and the compiled dense step (its graphs from the compile-cache archive when
+the run has one, one forward and backward on a synthetic batch, nothing updated). What it
+builds is a `WarmSpare`; `TrainerSession.join` turns it into a rank (live_recovery.py). The
+sharded embedding collection is not built here: it needs the new process group.
+
+Only where a spare holds no accelerator: on a CPU host here. On a GPU node the failed rank's
+place is taken by a new actor in the freed bundle (ray_group.py), which starts the slower way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compile.compiled import compile_module
+from .compile.process_cache import prepare_compile_env
+from .config import TrainerConfig
+from .data.batch import synthetic_batch
+from .model import DenseStep, build_dlrm
+
+
+@dataclass(eq=False)
+class WarmSpare:
+    """What a spare prepared: `dense_step` holds the dense modules the rank will train,
+    `dense_opt` their optimizer, `compiled_step` the compiled `dense_step` (None: eager)."""
+
+    device: torch.device
+    dense_step: DenseStep
+    dense_opt: torch.optim.Optimizer
+    compiled_step: nn.Module | None
+    timings: dict[str, Any]
+
+
+def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
+    """Build and compile a rank's dense part for `config` on `device` (see the module docstring)."""
+    t0 = time.time()
+    import pyarrow.dataset  # noqa: F401 - the rank's first Parquet read imports it (and pandas): not on the recovery
+
+    torch.set_num_threads(config.threads_per_rank)
+    dlrm = build_dlrm(config.model, config.schema, device=device)
+    dense_step = DenseStep(dlrm)
+    dense_opt = torch.optim.Adam(list(dense_step.parameters()), lr=config.model.dense_lr)
+    built = time.time()
+    compiled = None
+    cache_hit = None
+    if config.switches.compile:
+        if config.switches.compile_cache:
+            cache_hit = prepare_compile_env(config).restore().hit
+        compiled = compile_module(dense_step)
+        batch = synthetic_batch(config.schema, config.batch_size).to(device)
+        embedded = torch.randn(batch.batch_size, len(config.schema.sparse), config.model.embedding_dim,
+                               device=device, requires_grad=True)
+        loss, _ = compiled(batch.dense, embedded, batch.labels)
+        loss.backward()
+        for p in dense_step.parameters():
+            p.grad = None
+    return WarmSpare(device=device, dense_step=dense_step, dense_opt=dense_opt, compiled_step=compiled,
+                     timings={"build_s": built - t0, "compile_s": time.time() - built, "cache_hit": cache_hit})
