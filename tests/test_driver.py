@@ -392,3 +392,28 @@ def test_live_recovery_keeps_the_group_and_records_its_phases(tmp_path):
     assert m.exposed("spare_handoff") == 0.5
     assert m.exposed("process_group_rebuild") == 0.25 and m.exposed("module_reshard") == 0.25
     assert m.nof == 1 and m.failures[0].ttr_s == 2.0
+
+
+def test_no_spare_restarts_every_rank(tmp_path):
+    # the hand-off fails (no spare could start): the group is torn down and a new one reserved
+    run = Run(tmp_path, [{(1, 3): "die"}, finish_at(3)], restore_step=1)
+    groups: list[LiveScriptedGroup] = []
+
+    class NoSpare(LiveScriptedGroup):
+        def hand_off(self, attempt, failure) -> None:
+            self.run.clock.t += 0.5
+            raise RuntimeError("no warm spare within 240 s")
+
+    def factory(attempt: int) -> LiveScriptedGroup:
+        group = NoSpare(run, attempt, run.scripts[attempt])
+        groups.append(group)
+        return group
+
+    driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
+    result = driver.run(submitted_at=run.clock.t)
+    assert result.attempts == 2 and len(groups) == 2 and groups[0].torn_down
+    (handoff,) = run.markers("spare_handoff")
+    # the failed hand-off (0.5 s) and the kept group's teardown (0.5 s), then the new group queues 2 s
+    assert (handoff.start, handoff.end, handoff.attrs["handed"]) == (1005.0, 1006.0, False)
+    (scheduling,) = [e for e in run.markers("scheduling") if e.attempt == 1]
+    assert (scheduling.start, scheduling.end) == (1006.0, 1008.0)

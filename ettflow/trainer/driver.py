@@ -12,6 +12,14 @@ the next attempt, which restores the latest checkpoint and the compile cache and
 the checkpoint's cursor; RAISE stops the run with `TrainingFailed`. Scripted SIGKILLs by time
 are sent from here, once per run (`faults.pending_faults`).
 
+Live recovery (`Switches.live_recovery`, trainer/live_recovery.py): with a group that can
+(`LiveGroup`), a failure the group can recover live (one rank's lost process, the others
+parked) is not torn down. The driver still records the detection and the policy decides; on
+RESTART the next attempt runs on the same group: a warm spare takes the failed rank
+(`hand_off`, recorded as `spare_handoff`), and the survivors and the spare resume from the
+group's restore point (`resume`). The driver asks the group for its spare once training runs
+(`training_started`). A failure it cannot recover live restarts every rank, as above.
+
 The group is a collaborator (`group_factory(attempt) -> WorkerGroup`), and so is the policy,
 so tests can step this loop with a dummy group and no cluster; `RayWorkerGroup` is the real one.
 A group that is also a `PlacedGroup` says how many ranks its attempt runs (an elastic restart
@@ -21,6 +29,7 @@ may run fewer than the config's `world_size`) and on which node each is; the att
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,6 +46,8 @@ from .failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy
 from .faults import is_scripted_hang, pending_faults, record_fired
 from .progress import SpoolTail
 from .rank_heartbeat import PhaseBounds, find_hang
+
+log = logging.getLogger("ettflow.trainer")
 
 
 class WorkerGroup(Protocol):
@@ -190,15 +201,18 @@ class TrainingDriver:
                 t0 = self.clock()
                 try:  # the spare takes the failed rank; survivors and spare resume (live_recovery.py)
                     group.hand_off(attempt, failure)
-                except Exception:
+                    handed = True
+                except Exception as exc:  # noqa: BLE001 - no spare: every rank restarts, the slower way
+                    log.warning("attempt %d: no spare took rank %d (%s): every rank restarts", attempt,
+                                failure.rank, exc)
                     group.teardown()
-                    raise
-                finally:
-                    layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
-                    rec.record("spare_handoff", t0, self.clock(), world_size=self._world(group), rank=failure.rank,
-                               restore_step=getattr(point, "step", None), **layout)
-                group.resume(point)
-                return self._watch(attempt, group, rec)
+                    handed = False
+                layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
+                rec.record("spare_handoff", t0, self.clock(), world_size=self._world(group), rank=failure.rank,
+                           restore_step=getattr(point, "step", None), handed=handed, **layout)
+                if handed:
+                    group.resume(point)
+                    return self._watch(attempt, group, rec)
             group = self.group_factory(attempt)
             t0 = self.clock()
             try:

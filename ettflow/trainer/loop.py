@@ -47,6 +47,7 @@ from .step_clock import Fetch, resume_after
 
 log = logging.getLogger("ettflow.trainer")
 MEMORY_PROBE_STEPS = 5  # steps measured before the in-memory tier's interval is chosen
+MEMORY_BACKGROUND_SHARE = 0.1  # the most of the time between two in-memory copies their background work may take
 
 
 class TrainLoop:
@@ -113,18 +114,24 @@ class TrainLoop:
 
     def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> None:
         """The in-memory tier's interval: the optimizer's, fed with the measured blocking of a
-        memory copy (the same on every rank: all-reduced) instead of a durable save's."""
-        measured = torch.tensor([max(self.memory_blocking), sum(step_times) / max(len(step_times), 1)],
+        memory copy (the same on every rank: all-reduced) instead of a durable save's, and no
+        shorter than its background work allows (MEMORY_BACKGROUND_SHARE)."""
+        background = self.plugins.memory_background_s()
+        measured = torch.tensor([max(self.memory_blocking), sum(step_times) / max(len(step_times), 1), background],
                                 dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
-        csbt, step_s = float(measured[0]), max(float(measured[1]), 1e-6)
+        csbt, step_s, background = float(measured[0]), max(float(measured[1]), 1e-6), float(measured[2])
         rate = self.config.failure_rate_per_s
         model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
                            **({"failure_rate_per_s": rate} if rate is not None
                               else {"failures": self.config.expected_failures}))
-        choice = optimal_interval(model, min_interval_s=step_s)
-        self.memory_interval = max(1, round(choice.interval_s / step_s))
+        # the copy's checksum and hand-off run beside training on the same host: at most
+        # MEMORY_BACKGROUND_SHARE of the time between two copies, so they never crowd out the steps
+        floor_s = max(step_s, background / MEMORY_BACKGROUND_SHARE)
+        choice = optimal_interval(model, min_interval_s=floor_s)
+        self.memory_interval = max(1, round(max(choice.interval_s, floor_s) / step_s))
         self.interval_choice.update({"memory_interval_steps": self.memory_interval, "memory_blocking_s": csbt,
+                                     "memory_background_s": background,
                                      "memory_expected_wasted_s": choice.expected_wasted_s})
 
     def _save_memory(self, step: int, cursor) -> None:

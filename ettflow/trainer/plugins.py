@@ -66,6 +66,7 @@ class TrainerPlugins:
         self.memory = (MemoryTier(keeper, rank, config.world_size, on_done=self._on_memory_done)
                        if keeper is not None and config.switches.memory_checkpoint else None)
         self.live_point: tuple[int, Cursor] | None = None  # where a live recovery resumed
+        self._memory_background: list[float] = []  # seconds, each in-memory copy's background part
         if config.switches.compile and config.switches.compile_cache and warm_cache is not None:
             self.cache_hit = warm_cache  # a spare restored the archive before it compiled (spare.py)
         elif config.switches.compile and config.switches.compile_cache:
@@ -202,7 +203,16 @@ class TrainerPlugins:
         if self.memory is not None:
             self.memory.corrupt_copies = True
 
+    def memory_background_s(self) -> float:
+        """The longest background part (checksum + hand-off) of this rank's in-memory copies so
+        far, waiting for the one in flight (0: none)."""
+        if self.memory is None:
+            return 0.0
+        self.memory.wait()
+        return max(self._memory_background, default=0.0)
+
     def _on_memory_done(self, result: Any) -> None:
+        self._memory_background.append(result.end - result.start)
         self.rec.record("memory_save_background", result.start, result.end, step=result.step,
                         bytes=result.nbytes, ok=result.ok)
 

@@ -190,11 +190,11 @@ class RayWorkerGroup:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         self.refs = {a.train.remote(addr, port, self.keeper): rank for rank, a in enumerate(self.actors)}
         if self.spares is not None:
-            self.spares.start()  # its imports overlap the ranks' init; it prewarms once they train
+            self.spares.prewarm()  # beside the ranks' init: ready for an early failure
 
     # ---- live recovery (live_recovery.py) -----------------------------------------------
     def training_started(self) -> None:
-        """The attempt trains: the warm spare prepares now, off the ranks' start."""
+        """The attempt trains: the warm spare prepares now, if it does not already."""
         if self.spares is not None:
             self.spares.prewarm()
 

@@ -1,10 +1,11 @@
 """One warm spare per placement: a trainer actor started and prewarmed ahead of a failure.
 
 The pool keeps at most one spare and hands it out (`take`: wait until it is prewarmed, then it
-is the caller's). The first spare's process starts with the ranks (`start`: its imports overlap
-their init) and prewarms once training runs (`prewarm`: its compile does not compete with the
-ranks' own); a new spare starts and prewarms right after a hand-off, in the background, off the
-critical path. A failure that comes before the spare is ready waits for it (`take`).
+is the caller's). The first spare starts and prewarms with the ranks' init (`prewarm`; its
+imports and compile share the host with theirs, a cost the optimized mode's TTS carries, so
+that a failure early in training finds it ready); a new spare starts and prewarms right after a
+hand-off, in the background, off the critical path. A failure that comes before the spare is
+ready waits for it (`take`). `start` alone starts the process without its compile.
 
 A spare asks Ray for no CPU (`num_cpus=0`): it idles until it joins, and then runs in the
 place of a rank whose process, and whose share of the node, is gone. It holds no accelerator,
