@@ -198,7 +198,11 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
     corrupter = CorruptOnFailure(Path(env["spool_root"]), Path(env["work_root"]))
     corrupter.start()
     try:
-        state, run_id = run(env, fail_at=["kill:rank=0:step=17"])
+        # the durable tier's own fallback: every rank restarts from disk (a live recovery restores the
+        # in-memory copy and never reads the damaged folder; its fallback from a damaged in-memory
+        # copy: test_trainer_e2e.py::test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint)
+        state, run_id = run(env, fail_at=["kill:rank=0:step=17"],
+                            switches={"live_recovery": False, "memory_checkpoint": False})
     finally:
         corrupter.stop.set()
         corrupter.join()
@@ -323,7 +327,10 @@ def test_a_full_disk_fails_checkpoints_as_storage_keeps_the_spool_and_archives_o
     filler = FillAfterFirstCommit(small_disk, spool_root, work_root, leave=64 << 10)
     filler.start()
     try:
-        state, run_id = run(env)
+        # no warm spare (its process would unpack the compile cache, ~150 MB, onto this small disk
+        # too) and no in-memory copies (their events fill the last 64 KiB of the spool's disk
+        # before the checkpoints' failures are recorded): the case is the durable tier's
+        state, run_id = run(env, switches={"live_recovery": False, "memory_checkpoint": False})
     finally:
         filler.stop.set()
         filler.join()

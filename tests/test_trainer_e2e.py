@@ -20,7 +20,7 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.model import ModelConfig
-from ettflow.trainer.ray_group import RayWorkerGroup
+from ettflow.trainer.ray_group import RayWorkerGroup, end_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
@@ -48,7 +48,10 @@ def config(world, name: str, **over) -> TrainerConfig:
 def drive(world, cfg: TrainerConfig, run_id: str):
     spool = world / "spool"
     driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))
-    result = driver.run()
+    try:
+        result = driver.run()
+    finally:
+        end_run(run_id)  # the run's in-memory keeper (the flow's lease does this)
     events = read_spool(spool, run_id).events
     return result, events, compute_run_metrics(events)
 

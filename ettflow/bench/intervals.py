@@ -145,7 +145,7 @@ class IntervalBench:
         from ettflow.ett.spool import read_spool
         from ettflow.trainer.driver import TrainingDriver
         from ettflow.trainer.model import ModelConfig
-        from ettflow.trainer.ray_group import RayWorkerGroup
+        from ettflow.trainer.ray_group import RayWorkerGroup, end_run
 
         from .jobs import JobSpec, trainer_config
 
@@ -158,7 +158,10 @@ class IntervalBench:
                       checkpoint_every_steps=interval_steps, failure_rate_per_s=rate_per_s, eval_batches=0)
         cfg = cfg.with_switches(async_checkpoint=p.async_checkpoint)
         driver = TrainingDriver(cfg, run_id, self.spool, lambda a: RayWorkerGroup(cfg, run_id, a, self.spool))
-        result = driver.run(submitted_at=time.time())
+        try:
+            result = driver.run(submitted_at=time.time())
+        finally:
+            end_run(run_id)
         events = read_spool(self.spool, run_id).events
         return compute_run_metrics(events), events, result.rank0
 

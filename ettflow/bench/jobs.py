@@ -202,8 +202,11 @@ def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path |
     no flow, no publishing): examples/s, the median step, the time in its record calls. The
     recording overhead compares runs with `record_steps` on and off."""
     from ettflow.trainer.driver import TrainingDriver
-    from ettflow.trainer.ray_group import RayWorkerGroup
+    from ettflow.trainer.ray_group import RayWorkerGroup, end_run
 
     cfg = trainer_config(spec, "optimized", run_id, cache_root=cache_root)
     driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))
-    return driver.run(submitted_at=time.time()).rank0
+    try:
+        return driver.run(submitted_at=time.time()).rank0
+    finally:
+        end_run(run_id)

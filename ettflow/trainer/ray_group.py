@@ -117,6 +117,7 @@ class RayWorkerGroup:
         self.keeper = None  # the run's in-memory checkpoint keeper (memory_checkpoint)
         self.spares: SparePool | None = None  # live recovery on a CPU placement
         self.joining: int | None = None  # the rank a spare took (live recovery)
+        self.finished: set[int] = set()  # ranks whose training returned
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -245,7 +246,7 @@ class RayWorkerGroup:
             ray.kill(self.actors[failure.rank], no_restart=True)
         spare, info = self.spares.take(attempt, self.config.startup_timeout_s)
         self.actors[failure.rank], self.info[failure.rank] = spare, info
-        self.attempt, self.joining = attempt, failure.rank
+        self.attempt, self.joining, self.finished = attempt, failure.rank, set()
 
     def resume(self, point: RestorePoint) -> None:
         """The survivors rejoin and the spare joins with a new rendezvous, all from `point`;
@@ -267,6 +268,7 @@ class RayWorkerGroup:
             rank = self.refs.pop(ref)
             try:
                 finished[rank] = ray.get(ref)
+                self.finished.add(rank)
             except (RayActorError, RayTaskError) as exc:  # the process died, or the rank raised
                 failed.append(self._on_node(failure_from_exception(exc, rank=rank, attempt=self.attempt)))
         return finished, failed
@@ -299,6 +301,8 @@ class RayWorkerGroup:
         self.actors, self.refs = [], {}
         if self.spares is not None:
             self.spares.close()
+        if self.world_size and len(self.finished) == self.world_size:
+            end_run(self.run_id)  # trained to the end: nothing will restore from memory
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
