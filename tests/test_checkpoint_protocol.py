@@ -186,15 +186,17 @@ def test_failed_async_write_is_raised_once_and_never_committed(tmp_path, gated):
 
 @pytest.fixture
 def gated_staging(monkeypatch):
-    """Async staging whose copy (on the staging thread) ends only when `gate` is set."""
+    """Async staging whose copy (DCP's `DefaultStager._stage`, on the staging thread) starts only
+    when `gate` is set: the save cannot finish staging before the test looks (holding the
+    rebuild after the copy instead raced with a copy that ended before `stage` returned)."""
     gate = threading.Event()
-    rebuild_all = staging_mod.ShardedTensorStager._rebuild_all
+    copy = staging_mod.ShardedTensorStager._stage
 
-    def held(self, staged, found):
+    def held(self, state_dict, **kwargs):
         assert gate.wait(timeout=60), "test gate never opened"
-        return rebuild_all(self, staged, found)
+        return copy(self, state_dict, **kwargs)
 
-    monkeypatch.setattr(staging_mod.ShardedTensorStager, "_rebuild_all", held)
+    monkeypatch.setattr(staging_mod.ShardedTensorStager, "_stage", held)
     yield gate
     gate.set()
 
