@@ -27,8 +27,8 @@ REFRESH_HELP: dict[str, str] = {
             "on the first real batch, synchronous checkpoints, no compile cache, no in-memory checkpoints, every rank "
             "restarted after a failure, publishing in the trainer).",
     "switches": "Single switches on top of the mode, e.g. {\"compile_cache\": false}: parallel_init, fast_batch, "
-                "compile, compile_cache, async_checkpoint, memory_checkpoint (the in-memory checkpoint tier), live_recovery "
-                "(survivors keep running and a warm spare takes a failed rank), publish_in_trainer.",
+                "compile, compile_cache, async_checkpoint, memory_checkpoint (the in-memory checkpoint tier), "
+                "live_recovery (survivors keep running and a warm spare takes a failed rank), publish_in_trainer.",
     "architecture": "ModelConfig fields: embedding_dim, dense_arch, over_arch, learning rates (null: the defaults).",
     "data_root": "The folder of hourly data windows (window=YYYYMMDDHH/*.parquet); null: tiny synthetic data, "
                  "made on first use.",

@@ -78,7 +78,8 @@ class TrainerActor:
         if not self.parked():
             raise RuntimeError(f"rank {self.rank} has no parked session to rejoin with")
         self.config, self.attempt = config, attempt
-        return self._typed(self.session, lambda: self.session.rejoin(config, attempt, (master_addr, master_port), point))
+        session = self.session
+        return self._typed(session, lambda: session.rejoin(config, attempt, (master_addr, master_port), point))
 
     def prewarm(self) -> dict:
         """A spare: prepare everything of a rank's start that needs no rank (spare.py)."""
@@ -87,7 +88,8 @@ class TrainerActor:
 
         t0 = time.time()
         self.warm = prewarm(self.config, pick_device(self.config))
-        return {**self.warm.timings, "started_at": self.started_at, "ready_at": time.time(), "prewarm_s": time.time() - t0}
+        done = time.time()
+        return {**self.warm.timings, "started_at": self.started_at, "ready_at": done, "prewarm_s": done - t0}
 
     def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
              keeper, point) -> dict:

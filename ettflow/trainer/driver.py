@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
 from ettflow.ett.failures import Failure

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
-from ettflow.ett.events import DATA_STALL
+from ettflow.ett.events import DATA_STALL, FAULT_INJECTED
 from ettflow.ett.failures import Failure, FailureClass, FailureError
-from ettflow.ett.events import FAULT_INJECTED
 from ettflow.ett.spool import SpoolWriter
 
 from .config import FailAt, TrainerConfig

@@ -30,8 +30,8 @@ from .checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, Com
 from .checkpoint import init_lazy_optimizer_state as init_optimizer_state
 from .checkpoint.anchor import AnchorInfo, write_anchor
 from .checkpoint.config import CheckpointError
-from .checkpoint.memory_tier import MemoryCopyError, MemoryTier
 from .checkpoint.fingerprint import state_fingerprint
+from .checkpoint.memory_tier import MemoryCopyError, MemoryTier
 from .compile.compiled import compile_module
 from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig

@@ -33,8 +33,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 
-from .classify import failure_from_exception, is_process_loss, on_lost_node
 from .checkpoint.state_keeper import start_keeper
+from .classify import failure_from_exception, is_process_loss, on_lost_node
 from .config import TrainerConfig
 from .faults import pending_faults
 from .live_recovery import RestorePoint, choose_restore_point, newest_committed
@@ -258,7 +258,7 @@ class RayWorkerGroup:
             call = (actor.join.remote(config, self.attempt, r, addr, port, self.keeper, point) if r == self.joining
                     else actor.rejoin.remote(config, self.attempt, addr, port, point))
             self.refs[call] = r
-        self.spares.ensure()
+        self.spares.prewarm()  # the next spare, in the background
 
     def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
         done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)

@@ -54,11 +54,11 @@ from .init_pipeline import InitPipeline, Stage
 from .live_recovery import RestorePoint, rebuild_sharded
 from .loop import TrainLoop
 from .model import DenseStep, build_dlrm, dense_optimizer, shard
-from .spare import WarmSpare
 from .plugins import TrainerPlugins
 from .preemption import PREEMPTION
 from .rank_heartbeat import RankHeartbeat, beat_file
 from .rank_state import RankState
+from .spare import WarmSpare
 
 
 def pick_device(config: TrainerConfig) -> torch.device:

@@ -67,21 +67,10 @@ class SparePool:
         if self._spare.prewarmed is None:
             self._spare.prewarmed = self._spare.actor.prewarm.remote()
 
-    def ensure(self) -> None:
-        """A spare started and prewarming, now."""
-        self.prewarm()
-
-    def ready(self) -> bool:
-        """Whether the spare has finished prewarming (no wait)."""
-        if self._spare is None or self._spare.prewarmed is None:
-            return False
-        done, _ = ray.wait([self._spare.prewarmed], timeout=0)
-        return bool(done)
-
     def take(self, attempt: int, timeout_s: float) -> tuple[Any, dict]:
         """The spare, prewarmed (waits up to `timeout_s`; starts one if there is none), and its
         `ready()` info. It is the caller's from here."""
-        self.ensure()
+        self.prewarm()
         spare, self._spare = self._spare, None
         try:
             timings = ray.get(spare.prewarmed, timeout=timeout_s)

@@ -126,7 +126,6 @@ class StateKeeper:
         """Fault injection for tests (like the scripted faults of `trainer/faults.py`): replace
         the stored bytes of rank's copy at step with the same bytes, one bit flipped in the
         largest array, keeping the metadata and its checksum; restoring it must then fail."""
-        import numpy as np
         import ray
 
         with self._lock:
