@@ -364,19 +364,23 @@ class LiveScriptedGroup(ScriptedGroup):
         self.recoveries.append((attempt, self.failed_rank, point.step))
 
 
+def drive_live(run: Run, group_class: type[LiveScriptedGroup]) -> tuple:
+    """Drive `run` with groups of `group_class`; returns the result and every group made."""
+    groups: list[LiveScriptedGroup] = []
+
+    def factory(attempt: int) -> LiveScriptedGroup:
+        groups.append(group_class(run, attempt, run.scripts[attempt]))
+        return groups[-1]
+
+    driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
+    return driver.run(submitted_at=run.clock.t), groups
+
+
 def test_live_recovery_keeps_the_group_and_records_its_phases(tmp_path):
     # rank 1 dies on the 3rd poll (after steps 0 and 1; rank 0 also trained step 2); the same
     # group recovers live from the in-memory copy of step 1 and finishes
     run = Run(tmp_path, [{(1, 3): "die"}, finish_at(3)], restore_step=1)
-    groups: list[LiveScriptedGroup] = []
-
-    def factory(attempt: int) -> LiveScriptedGroup:
-        group = LiveScriptedGroup(run, attempt, run.scripts[attempt])
-        groups.append(group)
-        return group
-
-    driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
-    result = driver.run(submitted_at=run.clock.t)
+    result, groups = drive_live(run, LiveScriptedGroup)
     (group,) = groups  # no second group: nothing was torn down and reserved again
     assert result.attempts == 2 and group.recoveries == [(1, 1, 1)]
     assert group.spare_asked_at == 1003.0  # the spare is asked for once training runs, not before
@@ -397,20 +401,13 @@ def test_live_recovery_keeps_the_group_and_records_its_phases(tmp_path):
 def test_no_spare_restarts_every_rank(tmp_path):
     # the hand-off fails (no spare could start): the group is torn down and a new one reserved
     run = Run(tmp_path, [{(1, 3): "die"}, finish_at(3)], restore_step=1)
-    groups: list[LiveScriptedGroup] = []
 
     class NoSpare(LiveScriptedGroup):
         def hand_off(self, attempt, failure) -> None:
             self.run.clock.t += 0.5
             raise RuntimeError("no warm spare within 240 s")
 
-    def factory(attempt: int) -> LiveScriptedGroup:
-        group = NoSpare(run, attempt, run.scripts[attempt])
-        groups.append(group)
-        return group
-
-    driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
-    result = driver.run(submitted_at=run.clock.t)
+    result, groups = drive_live(run, NoSpare)
     assert result.attempts == 2 and len(groups) == 2 and groups[0].torn_down
     (handoff,) = run.markers("spare_handoff")
     # the failed hand-off (0.5 s) and the kept group's teardown (0.5 s), then the new group queues 2 s

@@ -93,17 +93,28 @@ class TrainLoop:
         end = start_step + available
         return min(end, self.config.max_steps) if self.config.max_steps else end
 
-    def _choose_interval(self, end_step: int, step_times: list[float]) -> None:
-        """After the probe save: the interval that minimizes expected wasted training."""
-        measured = torch.tensor([max(self.blocking), sum(step_times) / max(len(step_times), 1)],
+    def _optimize(self, end_step: int, step_times: list[float], blocking: list[float], *,
+                  background_s: float = 0.0):
+        """The optimizer's interval for a save whose measured blocking is `blocking` (the same on
+        every rank: the blocking, the mean step time and `background_s` are all-reduced), never
+        shorter than a step nor than its background work allows (MEMORY_BACKGROUND_SHARE).
+        Returns (choice, waste model, blocking s, step s, background s, shortest interval s)."""
+        measured = torch.tensor([max(blocking), sum(step_times) / max(len(step_times), 1), background_s],
                                 dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
-        csbt, step_s = float(measured[0]), max(float(measured[1]), 1e-6)
+        csbt, step_s, background = float(measured[0]), max(float(measured[1]), 1e-6), float(measured[2])
         rate = self.config.failure_rate_per_s  # the model's history; else a guess per job
         model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
                            **({"failure_rate_per_s": rate} if rate is not None
                               else {"failures": self.config.expected_failures}))
-        choice = optimal_interval(model, min_interval_s=step_s)
+        # background work (a copy's checksum and hand-off) shares the host with the steps: at most
+        # MEMORY_BACKGROUND_SHARE of the time between two saves, so it never crowds them out
+        floor_s = max(step_s, background / MEMORY_BACKGROUND_SHARE)
+        return optimal_interval(model, min_interval_s=floor_s), model, csbt, step_s, background, floor_s
+
+    def _choose_interval(self, end_step: int, step_times: list[float]) -> None:
+        """After the probe save: the interval that minimizes expected wasted training."""
+        choice, model, csbt, step_s, _, _ = self._optimize(end_step, step_times, self.blocking)
         self.interval = max(1, round(choice.interval_s / step_s))
         self.interval_choice = {"interval_steps": self.interval, "interval_s": choice.interval_s,
                                 "young_s": choice.young_s, "daly_s": choice.daly_s,
@@ -113,21 +124,9 @@ class TrainLoop:
 
     def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> None:
         """The in-memory tier's interval: the optimizer's, fed with the measured blocking of a
-        memory copy (the same on every rank: all-reduced) instead of a durable save's, and no
-        shorter than its background work allows (MEMORY_BACKGROUND_SHARE)."""
-        background = self.plugins.memory_background_s()
-        measured = torch.tensor([max(self.memory_blocking), sum(step_times) / max(len(step_times), 1), background],
-                                dtype=torch.float64)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
-        csbt, step_s, background = float(measured[0]), max(float(measured[1]), 1e-6), float(measured[2])
-        rate = self.config.failure_rate_per_s
-        model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
-                           **({"failure_rate_per_s": rate} if rate is not None
-                              else {"failures": self.config.expected_failures}))
-        # the copy's checksum and hand-off run beside training on the same host: at most
-        # MEMORY_BACKGROUND_SHARE of the time between two copies, so they never crowd out the steps
-        floor_s = max(step_s, background / MEMORY_BACKGROUND_SHARE)
-        choice = optimal_interval(model, min_interval_s=floor_s)
+        memory copy instead of a durable save's, and no shorter than its background work allows."""
+        choice, _, csbt, step_s, background, floor_s = self._optimize(
+            end_step, step_times, self.memory_blocking, background_s=self.plugins.memory_background_s())
         self.memory_interval = max(1, round(max(choice.interval_s, floor_s) / step_s))
         self.interval_choice.update({"memory_interval_steps": self.memory_interval, "memory_blocking_s": csbt,
                                      "memory_background_s": background,

@@ -321,16 +321,7 @@ class TrainerPlugins:
         """Compile the dense step with one forward and backward on `batch` (the fast batch
         or the first real one); nothing is updated: gradients are dropped. Sets
         `state.compiled_step`."""
-        device = state.device
-        compiled = compile_module(state.dense_step)
-        b = batch.to(device)
-        n_sparse, dim = len(self.config.schema.sparse), self.config.model.embedding_dim
-        embedded = torch.randn(b.batch_size, n_sparse, dim, device=device, requires_grad=True)
-        loss, _ = compiled(b.dense, embedded, b.labels)
-        loss.backward()
-        for p in state.dense_step.parameters():
-            p.grad = None
-        state.compiled_step = compiled
+        state.compiled_step = compile_dense_step(state.dense_step, batch, self.config, state.device)
         if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
             # Saved at once, before training: a rank killed early must still leave a warm
             # cache for its restart (a background save was seen cut short by such a kill).
@@ -349,6 +340,21 @@ class TrainerPlugins:
             self.manager.close()
         if self.memory is not None:
             self.memory.close()
+
+
+def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: TrainerConfig,
+                       device: torch.device) -> torch.nn.Module:
+    """`dense_step` compiled by one forward and backward on `batch` with random embeddings;
+    nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm."""
+    compiled = compile_module(dense_step)
+    b = batch.to(device)
+    n_sparse, dim = len(config.schema.sparse), config.model.embedding_dim
+    embedded = torch.randn(b.batch_size, n_sparse, dim, device=device, requires_grad=True)
+    loss, _ = compiled(b.dense, embedded, b.labels)
+    loss.backward()
+    for p in dense_step.parameters():
+        p.grad = None
+    return compiled
 
 
 def common_cursor(info: CheckpointInfo) -> Cursor:

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compile.compiled import compile_module
 from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig
 from .data.batch import synthetic_batch
 from .model import DenseStep, build_dlrm
+from .plugins import compile_dense_step
 
 
 @dataclass(eq=False)
@@ -54,13 +54,6 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
     if config.switches.compile:
         if config.switches.compile_cache:
             cache_hit = prepare_compile_env(config).restore().hit
-        compiled = compile_module(dense_step)
-        batch = synthetic_batch(config.schema, config.batch_size).to(device)
-        embedded = torch.randn(batch.batch_size, len(config.schema.sparse), config.model.embedding_dim,
-                               device=device, requires_grad=True)
-        loss, _ = compiled(batch.dense, embedded, batch.labels)
-        loss.backward()
-        for p in dense_step.parameters():
-            p.grad = None
+        compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config, device)
     return WarmSpare(device=device, dense_step=dense_step, dense_opt=dense_opt, compiled_step=compiled,
                      timings={"build_s": built - t0, "compile_s": time.time() - built, "cache_hit": cache_hit})
