@@ -259,3 +259,37 @@ def test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint(world, cl
         assert Path(restore.attrs["path"]).name == f"step_{restore.attrs['step']:010d}"
         assert restore.attrs["memory_problem"]
     assert_same_parameters(result, clean_run, tmp_path, "live-corrupt")
+
+
+# ---- the warm pool (trainer/warm_pool.py): a run's ranks start from processes prewarmed after the last ----
+
+def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(world, clean_run, tmp_path):
+    import ray
+
+    from ettflow.trainer.warm_pool import POOL
+
+    POOL.keep_warm(True)
+    try:
+        drive(world, config(world, "pool-first", max_steps=2, eval_batches=0), "pool-first")
+        assert POOL.wait_ready(180) == 3  # its teardown started 2 ranks and a spare for the next run
+        pooled = {ray.get(w.actor.ready.remote())["pid"] for w in POOL.workers}
+        POOL.keep_warm(False)  # the next run takes them and leaves nothing
+        result, events, m = drive(world, config(world, "pool-next", eval_at_start=True), "pool-next")
+        assert POOL.workers == []  # the ranks took two, the run's spare the third
+    finally:
+        POOL.close()
+    assert result.attempts == 1 and m.nof == 0
+    m.check_partition()
+    # both ranks ran in pooled processes; what each prepared is recorded off the clock
+    ranks = {beat_pid(world, "pool-next", 0, rank) for rank in (0, 1)}
+    assert ranks < pooled and len(ranks) == 2
+    starts = by(events, "spare_start")
+    assert sorted(e.attrs["for_rank"] for e in starts) == [0, 1] and all(e.attrs["pooled"] for e in starts)
+    # no process start and no compile on the run's clock: both were done before the run
+    assert all(e.attrs.get("part") != "process_start" for e in by(events, "device_init"))
+    for rank in (0, 1):
+        (compile_ev,) = by(events, "pt2_compile", rank)
+        assert compile_ev.attrs["batch"] == "prewarmed before the run (warm pool)"
+    assert result.rank0["compile"]["cache_hit"] and result.rank0["compile"]["recompiles"] == 0
+    # and the run is the run a fresh start makes
+    assert_same_parameters(result, clean_run, tmp_path, "pool-next")

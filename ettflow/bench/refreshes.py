@@ -215,19 +215,30 @@ def run_sequence(refresher: Refresher, mode: str, *, bar: Any = None,
     data = refresher.state / f"data-{mode}"
     generate_windows(data, SyntheticConfig(windows=2, rows_per_window=plan.rows_per_window, files_per_window=1,
                                            seed=plan.seed))
+    from ettflow.trainer.warm_pool import POOL
+
     rows = []
     for i in range(1, plan.refreshes + 1):
         if i > 1:
             append_window(data)
+            # refreshes are hours apart in production: the processes the last one left
+            # prewarming (optimized mode's warm pool) are ready before the next starts
+            POOL.wait_ready(120.0)
+        POOL.keep_warm(i < plan.refreshes)
         # the gate is off here: its scoring runs either way (same cost), but a noisy held-out
         # AUC must not change which windows the next refresh trains; MovieLens gates
-        result, events = refresher.run(refresher.params(f"seq-{mode}", data, mode=mode, gate_max_auc_drop=None))
+        try:
+            result, events = refresher.run(refresher.params(f"seq-{mode}", data, mode=mode, gate_max_auc_drop=None))
+        except BaseException:
+            POOL.close()
+            raise
         row = measure_refresh(mode, i, result, events)
         rows.append(row)
         say(f"{mode} refresh {i}: {_span(row.windows)} ({'warm' if row.warm else 'cold'}), TTS {row.tts_s:.1f} s, "
             f"ETT {row.ett_pct:.1f}%, wall {row.wall_s:.1f} s")
         if bar is not None:
             bar.update()
+    POOL.close()
     return rows
 
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 DEMO_FAILURE = "kill:rank=1:step=16"  # the default data gives 32 steps per rank
@@ -117,23 +118,42 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     if count < 1:
         print(f"ettflow refresh: --refreshes must be 1 or more, got {count}", file=sys.stderr)
         return 2
+    from ettflow.trainer.warm_pool import POOL
+
     done: list[str] = []
     code = 0
-    for i in range(count):
-        these = params if i == 0 else {**params, "fail_at": []}  # injected failures: the first refresh only
-        arrived = ensure_new_window(these)
-        if count > 1:
-            print(f"\nettflow refresh {i + 1} of {count}" + (f": new data arrived ({arrived})" if arrived else ""),
-                  flush=True)
-        elif arrived:
-            print(f"ettflow refresh: new data arrived ({arrived})", flush=True)
-        rc, run_id = _refresh_once(these, args)
-        code = max(code, rc)
-        if run_id is not None:
-            done.append(run_id)
+    try:
+        for i in range(count):
+            these = params if i == 0 else {**params, "fail_at": []}  # injected failures: the first refresh only
+            arrived = ensure_new_window(these)
+            if count > 1:
+                print(f"\nettflow refresh {i + 1} of {count}" + (f": new data arrived ({arrived})" if arrived else ""),
+                      flush=True)
+                if i > 0:
+                    wait_for_warm_pool(POOL)
+            elif arrived:
+                print(f"ettflow refresh: new data arrived ({arrived})", flush=True)
+            POOL.keep_warm(i < count - 1)  # a refresh that has a next one leaves its ranks' processes warm
+            rc, run_id = _refresh_once(these, args)
+            code = max(code, rc)
+            if run_id is not None:
+                done.append(run_id)
+    finally:
+        POOL.close()
     if count > 1 and done:
         print_comparison(done, params)
     return code
+
+
+def wait_for_warm_pool(pool, timeout_s: float = 120.0) -> None:
+    """Back to back, the next refresh waits for the processes the last one left prewarming (in
+    production refreshes are hours apart and they are long ready); says how long it waited."""
+    if not pool.workers:
+        return
+    t0 = time.monotonic()
+    ready = pool.wait_ready(timeout_s)
+    print(f"ettflow refresh: warm pool: {ready} trainer process(es) prewarmed for this refresh "
+          f"(waited {time.monotonic() - t0:.1f} s between refreshes)", flush=True)
 
 
 def _refresh_once(params: dict[str, Any], args: argparse.Namespace) -> tuple[int, str | None]:

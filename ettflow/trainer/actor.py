@@ -60,13 +60,25 @@ class TrainerActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
+    def adopt(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str) -> dict:
+        """A worker started ahead of time (warm_pool.py, spare_pool.py) becomes `rank` of
+        `run_id`'s `attempt` (rank -1: the run's spare, which gets its rank when it joins)."""
+        self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
+        self.spool_root = Path(spool_root)
+        _log_as(f"rank {rank}" if rank >= 0 else "spare")
+        return self.ready()
+
     def train(self, master_addr: str, master_port: int, keeper=None) -> dict:
         """Start the rank and train. `keeper`: the run's in-memory checkpoint keeper (None: no
-        in-memory tier). A session that fails may stay parked here for a `rejoin`."""
+        in-memory tier). A worker that prewarmed (warm_pool.py) starts from what it prepared,
+        with no process start on the run's clock. A session that fails may stay parked here for
+        a `rejoin`."""
         from .session import TrainerSession
 
+        warm, self.warm = self.warm, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
-                                 master_addr, master_port, process_started_at=self.started_at, keeper=keeper)
+                                 master_addr, master_port, keeper=keeper, warm=warm,
+                                 process_started_at=None if warm is not None else self.started_at)
         return self._typed(session, session.run)
 
     def parked(self) -> bool:

@@ -36,11 +36,14 @@ class Switches:
     # step), a pre-started warm spare takes the failed rank's place, and all restore from memory
     # (trainer/live_recovery.py); False: every rank restarts (today's recovery)
     live_recovery: bool = True
+    # warm pool: a run's ranks (and its spare) come from trainer processes prewarmed after the
+    # previous run of this process ended (trainer/warm_pool.py), when the process keeps a pool
+    warm_pool: bool = True
 
     @classmethod
     def baseline(cls) -> Switches:
         return cls(parallel_init=False, fast_batch=False, compile_cache=False, async_checkpoint=False,
-                   memory_checkpoint=False, live_recovery=False)
+                   memory_checkpoint=False, live_recovery=False, warm_pool=False)
 
     @classmethod
     def optimized(cls) -> Switches:

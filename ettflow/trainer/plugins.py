@@ -317,11 +317,16 @@ class TrainerPlugins:
         return split_windows(self.config)[0]
 
     # ---- compilation --------------------------------------------------------------------
-    def compile(self, state: RankState, batch: Batch) -> None:
+    def compile(self, state: RankState, batch: Batch | None, *, compiled: torch.nn.Module | None = None) -> None:
         """Compile the dense step with one forward and backward on `batch` (the fast batch
         or the first real one); nothing is updated: gradients are dropped. Sets
-        `state.compiled_step`."""
-        state.compiled_step = compile_dense_step(state.dense_step, batch, self.config, state.device)
+        `state.compiled_step`. `compiled`: the step this process compiled before the run
+        (warm_pool.py), taken as it is; its graphs are stored in the cache all the same when
+        the archive missed."""
+        if compiled is None and batch is None:
+            raise ValueError("compile needs a batch, or the step this process compiled before")
+        state.compiled_step = compiled if compiled is not None else compile_dense_step(
+            state.dense_step, batch, self.config, state.device)
         if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
             # Saved at once, before training: a rank killed early must still leave a warm
             # cache for its restart (a background save was seen cut short by such a kill).

@@ -32,6 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.ett.failures import Failure, FailureClass, FailureError
+from ettflow.ett.spool import SpoolWriter
 
 from .checkpoint.state_keeper import start_keeper
 from .classify import failure_from_exception, is_process_loss, on_lost_node
@@ -40,6 +41,7 @@ from .faults import pending_faults
 from .live_recovery import RestorePoint, choose_restore_point, newest_committed
 from .placement import attempt_world_size, ranks_that_fit
 from .spare_pool import SparePool
+from .warm_pool import POOL
 
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
@@ -118,6 +120,7 @@ class RayWorkerGroup:
         self.spares: SparePool | None = None  # live recovery on a CPU placement
         self.joining: int | None = None  # the rank a spare took (live recovery)
         self.finished: set[int] = set()  # ranks whose training returned
+        self.gpu = False  # the placement holds GPUs (no spare, no warm pool)
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -136,7 +139,7 @@ class RayWorkerGroup:
     def reserve(self) -> None:
         from .actor import TrainerActor
 
-        gpu = wants_gpu(self.config)
+        gpu = self.gpu = wants_gpu(self.config)
         bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}
         deadline = time.monotonic() + self.reserve_timeout_s
         self.world_size = self._wanted(bundle)
@@ -164,19 +167,40 @@ class RayWorkerGroup:
         config = self.attempt_config()
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
+        pooled = POOL.take(config, self._bundle_nodes()) if not gpu else [None] * self.world_size
         self.actors = [
-            remote.options(
+            pooled[rank][0].actor if pooled[rank] is not None else remote.options(
                 num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,
                 max_concurrency=2,  # a second thread answers calls while `train` runs
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(config, self.run_id, self.attempt, rank, self.spool_root, requested_at)
             for rank in range(self.world_size)
         ]
-        self.info = ray.get([a.ready.remote() for a in self.actors])
+        self.info = ray.get([
+            a.adopt.remote(config, self.run_id, self.attempt, rank, self.spool_root) if pooled[rank] is not None
+            else a.ready.remote() for rank, a in enumerate(self.actors)])
+        self._record_pooled(pooled)
         if self.config.switches.memory_checkpoint:
             self.keeper = run_keeper(self.run_id)
         if self.config.switches.live_recovery and not gpu:
             self.spares = SparePool(self.config, self.run_id, self.spool_root)
+
+    def _bundle_nodes(self) -> list[str | None]:
+        """Each bundle's node, by rank (None where Ray does not say)."""
+        table = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
+        return [table.get(rank) for rank in range(self.world_size)]
+
+    def _record_pooled(self, pooled: list) -> None:
+        """The ranks a warm pool started before the run: their start, off the clock."""
+        taken = [(rank, p) for rank, p in enumerate(pooled) if p is not None]
+        if not taken:
+            return
+        log.info("attempt %d: ranks %s start from the warm pool", self.attempt, [r for r, _ in taken])
+        with SpoolWriter(self.spool_root, self.run_id, self.attempt, -1) as rec:
+            for rank, (worker, timings) in taken:
+                rec.record("spare_start", worker.requested_at, timings["ready_at"], pooled=True, for_rank=rank,
+                           **{k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit",
+                                                                        "prewarm_s")})
 
     def attempt_config(self) -> TrainerConfig:
         """What the ranks get: the run's config at this attempt's world size, less the scripted
@@ -300,9 +324,12 @@ class RayWorkerGroup:
             ray.kill(actor, no_restart=True)
         self.actors, self.refs = [], {}
         if self.spares is not None:
-            self.spares.close()
+            self.spares.close()  # to the warm pool when the process keeps one
         if self.world_size and len(self.finished) == self.world_size:
             end_run(self.run_id)  # trained to the end: nothing will restore from memory
+            if not self.gpu:  # the next run's ranks and spare, prewarmed from now on
+                POOL.fill(self.config, self.world_size + (1 if self.config.switches.live_recovery else 0),
+                          self.spool_root)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -99,9 +99,12 @@ def parent_anchor(config: TrainerConfig) -> Path | None:
 class TrainerSession:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
                  spool_root: Path | str, master_addr: str, master_port: int,
-                 *, process_started_at: float | None = None, keeper: Any = None) -> None:
+                 *, process_started_at: float | None = None, keeper: Any = None,
+                 warm: WarmSpare | None = None) -> None:
         """`keeper`: the run's in-memory checkpoint keeper (`checkpoint/memory_tier.py`), or
-        None (no in-memory tier)."""
+        None (no in-memory tier). `warm`: what this process prepared before the run (a pooled
+        worker, warm_pool.py): the device, dense modules, dense optimizer and compiled step that
+        `device_init`, `train_module_creation` and `pt2_compile` then take instead of building."""
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = spool_root
         self.master = (master_addr, master_port)
@@ -113,13 +116,15 @@ class TrainerSession:
         self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
         self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank)
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
-        self.warm_cache: bool | None = None  # a spare's compile-cache hit (its process restored the cache)
+        self.warm = warm
+        # a prewarmed process's compile-cache hit (it restored the archive: never twice)
+        self.warm_cache: bool | None = bool(warm.timings.get("cache_hit")) if warm is not None else None
         PREEMPTION.attach(self.rec)
 
     # ---- stages -------------------------------------------------------------------------
     def device_init(self) -> torch.device:
         torch.set_num_threads(self.config.threads_per_rank)
-        device = pick_device(self.config)
+        device = self.warm.device if self.warm is not None else pick_device(self.config)
         self.state.device = device
         return device
 
@@ -146,6 +151,10 @@ class TrainerSession:
 
     def train_module_creation(self) -> None:
         device = self.state.device
+        if self.warm is not None:  # the prewarmed dense part, sharded embeddings built on this group
+            self.state.dense_step, self.state.dense_opt = self.warm.dense_step, self.warm.dense_opt
+            rebuild_sharded(self.state, self.config)
+            return
         dlrm = build_dlrm(self.config.model, self.config.schema, device=device)
         dmp = shard(dlrm, self.config.model, self.state.pg, device)
         self.state.dmp = dmp
@@ -195,6 +204,9 @@ class TrainerSession:
 
     def pt2_compile(self) -> dict[str, Any]:
         plugins = self.state.plugins
+        if self.warm is not None and self.warm.compiled_step is not None:
+            plugins.compile(self.state, None, compiled=self.warm.compiled_step)
+            return {"batch": "prewarmed before the run (warm pool)"}
         if self.config.switches.fast_batch:
             batch, source = synthetic_batch(self.config.schema, self.config.batch_size), "synthetic fast batch"
         else:

@@ -11,13 +11,15 @@ A spare asks Ray for no CPU (`num_cpus=0`): it idles until it joins, and then ru
 place of a rank whose process, and whose share of the node, is gone. It holds no accelerator,
 so the pool is used only on a CPU placement (see spare.py). Its start is recorded off the
 clock as `spare_start` (from the request to prewarmed, with the prewarm's timings).
+
+When this process keeps a warm pool (warm_pool.py), the first spare is one the pool prepared
+before the run (`pooled`), and a spare the run did not use goes back to the pool at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +29,18 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ettflow.ett.spool import SpoolWriter
 
 from .config import TrainerConfig
+from .warm_pool import POOL, PooledWorker, warm_key
 
 
 class SpareUnavailable(RuntimeError):
     """No spare could be prepared in time (its start failed or timed out)."""
 
 
-@dataclass
-class _Starting:
-    actor: Any
-    prewarmed: Any  # ObjectRef of prewarm() (None: not asked yet)
-    requested_at: float
-
-
 class SparePool:
     def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str) -> None:
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
-        self._spare: _Starting | None = None
+        self._spare: PooledWorker | None = None
+        self._pooled = False  # the spare came prewarmed from the warm pool
 
     @property
     def has_spare(self) -> bool:
@@ -54,12 +51,16 @@ class SparePool:
         dense step's compile) waits for `prewarm`, so it does not compete with the ranks' own start."""
         if self._spare is not None:
             return
+        (pooled,) = POOL.take(self.config, [None])
+        if pooled is not None:
+            self._spare, self._pooled = pooled[0], True
+            return
         from .actor import TrainerActor
 
         requested_at = time.time()
         actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
             self.config, self.run_id, -1, -1, str(self.spool_root), requested_at)
-        self._spare = _Starting(actor, None, requested_at)
+        self._spare, self._pooled = PooledWorker(actor, None, requested_at, warm_key(self.config)), False
 
     def prewarm(self) -> None:
         """Have the spare prepare (spare.py), in the background; starts one if there is none."""
@@ -71,21 +72,29 @@ class SparePool:
         """The spare, prewarmed (waits up to `timeout_s`; starts one if there is none), and its
         `ready()` info. It is the caller's from here."""
         self.prewarm()
-        spare, self._spare = self._spare, None
+        spare, pooled, self._spare = self._spare, self._pooled, None
         try:
             timings = ray.get(spare.prewarmed, timeout=timeout_s)
-            info = ray.get(spare.actor.ready.remote(), timeout=timeout_s)
+            info = ray.get(spare.actor.adopt.remote(self.config, self.run_id, attempt, -1, str(self.spool_root)),
+                           timeout=timeout_s)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
             with contextlib.suppress(Exception):
                 ray.kill(spare.actor, no_restart=True)
             raise SpareUnavailable(f"no warm spare within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
         with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
             rec.record("spare_start", spare.requested_at, timings["ready_at"], **{
-                k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s")})
+                k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s")},
+                pooled=pooled)
         return spare.actor, info
 
     def close(self) -> None:
+        """Stop the spare, or give it to the warm pool when the process keeps one (a prewarmed
+        spare the run did not need is the next run's)."""
         spare, self._spare = self._spare, None
-        if spare is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(spare.actor, no_restart=True)
+        if spare is None:
+            return
+        if spare.prewarmed is not None and self.config.switches.warm_pool:
+            POOL.give(spare)
+            return
+        with contextlib.suppress(Exception):
+            ray.kill(spare.actor, no_restart=True)

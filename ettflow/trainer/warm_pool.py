@@ -1,0 +1,169 @@
+"""Trainer processes kept warm between runs, so that a refresh's ranks start without a process start.
+
+A process that drives refresh after refresh (`ettflow refresh --refreshes N`, the continuous
+refresh bench, any long-lived driver) opens the pool (`keep_warm(True)`). When a run that has
+the `warm_pool` switch trains to the end and its group is torn down, the pool starts what the
+next run of the same shape needs: one trainer actor per rank, plus the run's spare when live
+recovery is on, each prewarmed as a spare is (spare.py: imports, dense modules and optimizer,
+the dense step compiled from the compile-cache archive). That happens after the devices were
+released, off every run's clock. The next run takes them (`take`): a pooled rank skips the
+process start, its imports and its compile (`TrainerSession` with `warm`), and the group's
+spare comes from the pool too (spare_pool.py). A run finds nothing to take when no earlier run
+of this process filled the pool, when the pool's workers were prepared for another shape
+(`warm_key`: they are then stopped), or when they are not prewarmed yet; its ranks then start
+the usual way.
+
+What a pooled worker prepared is recorded in the run that takes it, off the clock, as
+`spare_start` with `pooled` set (from its request to prewarmed; that is before the run began).
+
+A pooled worker asks Ray for no CPU (`num_cpus=0`): it idles until taken, and then runs in the
+bundle the run's placement reserved on its node (a worker on another node is not taken for
+that bundle). It holds no accelerator, so the pool is used on CPU placements only, like the
+spare. The pool belongs to this process (Ray ends its actors with the driver): a flow run that
+a worker starts in a process of its own starts its ranks the usual way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from .config import TrainerConfig
+
+log = logging.getLogger("ettflow.trainer")
+POOL_RUN_ID = "warm-pool"  # a pooled worker's run until a run takes it
+
+
+def warm_key(config: TrainerConfig) -> str:
+    """What a prewarmed worker depends on: the model, the batch's shapes, the device, the thread
+    count and the compile settings (the compile cache's own key, and where it lives)."""
+    sw = config.switches
+    return json.dumps({"model": asdict(config.model), "schema": asdict(config.schema),
+                       "batch_size": config.batch_size, "device": config.device,
+                       "threads": config.threads_per_rank, "compile": sw.compile,
+                       "compile_cache": sw.compile_cache, "cache_dir": str(config.compile_cache_dir)},
+                      sort_keys=True, default=str)
+
+
+@dataclass
+class PooledWorker:
+    """A trainer actor started ahead of a run: `prewarmed` is its `prewarm()` call (its result
+    the prewarm's timings), `requested_at` when it was asked for."""
+
+    actor: Any
+    prewarmed: Any
+    requested_at: float
+    key: str
+
+
+class WarmPool:
+    def __init__(self) -> None:
+        self.keeping = False
+        self.workers: list[PooledWorker] = []
+
+    # ---- the process's choice ------------------------------------------------------------
+    def keep_warm(self, on: bool) -> None:
+        """Whether runs that end fill the pool for the next one (off: the pool's workers stay
+        until taken or `close`d, and no new ones start)."""
+        self.keeping = on
+
+    # ---- filling -------------------------------------------------------------------------
+    def start(self, config: TrainerConfig, spool_root: Path | str) -> PooledWorker:
+        """A new worker for `config`, prewarming in the background (not in the pool yet)."""
+        from .actor import TrainerActor
+
+        requested_at = time.time()
+        actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
+            config, POOL_RUN_ID, -1, -1, str(spool_root), requested_at)
+        return PooledWorker(actor, actor.prewarm.remote(), requested_at, warm_key(config))
+
+    def give(self, worker: PooledWorker) -> None:
+        """Keep `worker` (a spare its run did not need) for the next run, when the pool is kept."""
+        if self.keeping and ray.is_initialized():
+            self.workers.append(worker)
+        else:
+            _stop(worker)
+
+    def fill(self, config: TrainerConfig, count: int, spool_root: Path | str) -> int:
+        """Start workers until the pool holds `count` for `config` (workers for another shape
+        are stopped); returns how many started. Nothing when the pool is not kept."""
+        if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
+            return 0
+        key = warm_key(config)
+        self._drop(lambda w: w.key != key)
+        started = max(count - len(self.workers), 0)
+        self.workers += [self.start(config, spool_root) for _ in range(started)]
+        if started:
+            log.info("warm pool: %d worker(s) starting for the next run", started)
+        return started
+
+    def wait_ready(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for every pooled worker to be prewarmed; returns how many are
+        (a worker whose start failed is dropped)."""
+        refs = [w.prewarmed for w in self.workers]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return len(self._ready())
+
+    # ---- taking --------------------------------------------------------------------------
+    def take(self, config: TrainerConfig, nodes: list[str | None]) -> list[tuple[PooledWorker, dict] | None]:
+        """For each wanted node (None: any node), a prewarmed worker of `config`'s shape on it
+        and its prewarm timings, or None (that rank starts the usual way). Taken workers are
+        the caller's; workers for another shape are stopped."""
+        out: list[tuple[PooledWorker, dict] | None] = [None] * len(nodes)
+        if not config.switches.warm_pool or not self.workers:
+            return out
+        key = warm_key(config)
+        self._drop(lambda w: w.key != key)
+        ready = self._ready()
+        for i, node in enumerate(nodes):
+            match = next((r for r in ready if node is None or r[1]["node_id"] == node), None)
+            if match is not None:
+                ready.remove(match)
+                self.workers.remove(match[0])
+                out[i] = match
+        return out
+
+    def _ready(self) -> list[tuple[PooledWorker, dict]]:
+        """The prewarmed workers with their timings and node; a failed one is dropped."""
+        done, _ = ray.wait([w.prewarmed for w in self.workers], num_returns=len(self.workers), timeout=0)
+        ready = []
+        for worker in [w for w in self.workers if w.prewarmed in done]:
+            try:
+                timings = ray.get(worker.prewarmed)
+                ready.append((worker, {**timings, **ray.get(worker.actor.ready.remote(), timeout=10)}))
+            except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+                log.warning("warm pool: a worker failed to prepare (%s: %s); dropped", type(exc).__name__, exc)
+                self.workers.remove(worker)
+                _stop(worker)
+        return ready
+
+    def _drop(self, which) -> None:
+        for worker in [w for w in self.workers if which(w)]:
+            self.workers.remove(worker)
+            _stop(worker)
+
+    def close(self) -> None:
+        """Stop every pooled worker; the pool is no longer kept."""
+        self.keeping = False
+        if ray.is_initialized():
+            self._drop(lambda w: True)
+        self.workers = []
+
+
+def _stop(worker: PooledWorker) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(worker.actor, no_restart=True)
+
+
+POOL = WarmPool()
+atexit.register(POOL.close)

@@ -1,0 +1,47 @@
+"""The warm pool's key: which runs may take a worker another run prepared (warm_pool.py).
+Taking, filling and the bitwise result of a pooled start run on the real stack in
+test_trainer_e2e.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ettflow.trainer.config import FailAt, TrainerConfig
+from ettflow.trainer.data.schema import criteo_schema
+from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.warm_pool import WarmPool, warm_key
+
+
+DATA = Path(__file__).parent  # any folder: the key never reads it
+
+
+def config(**over) -> TrainerConfig:
+    base = dict(data_root=str(DATA), schema=criteo_schema(100), work_dir="/work/a", compile_cache_root="/cache",
+                world_size=2, batch_size=32, model=ModelConfig(embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1)))
+    base.update(over)
+    return TrainerConfig(**base)
+
+
+def test_the_next_refresh_of_a_model_takes_what_the_last_one_prepared():
+    # what changes from refresh to refresh (its windows, work dir, steps, faults, world) keeps the key
+    same = [config(work_dir="/work/b"), config(max_steps=7), config(windows=("w1",)), config(world_size=1),
+            config(failures=(FailAt(kind="kill", rank=1, step=3),)), config(data_root=str(DATA.parent))]
+    assert {warm_key(c) for c in same} == {warm_key(config())}
+
+
+def test_a_worker_prepared_for_another_shape_is_never_taken():
+    base = config()
+    other = [config(batch_size=64), config(schema=criteo_schema(200)), config(threads_per_rank=2),
+             config(model=replace(base.model, over_arch=(32, 1))), config(compile_cache_root="/elsewhere"),
+             base.with_switches(compile=False), base.with_switches(compile_cache=False), config(device="cuda")]
+    keys = [warm_key(c) for c in other]
+    assert warm_key(base) not in keys and len(set(keys)) == len(keys)
+
+
+def test_a_pool_that_is_not_kept_starts_nothing_and_a_run_without_the_switch_takes_nothing():
+    pool = WarmPool()
+    assert pool.fill(config(), 3, "/spool") == 0 and pool.workers == []  # not kept: nothing starts
+    pool.keep_warm(True)
+    assert pool.fill(config().with_switches(warm_pool=False), 3, "/spool") == 0
+    assert pool.take(config().with_switches(warm_pool=False), [None, None]) == [None, None]
