@@ -12,7 +12,6 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.model import ModelConfig
 from ettflow.trainer.warm_pool import WarmPool, warm_key
 
-
 DATA = Path(__file__).parent  # any folder: the key never reads it
 
 

@@ -54,9 +54,8 @@ def finished_anchor(plan: RefreshPlan) -> Path | None:
 def record_queueing(plan: RefreshPlan, attempt: int, until: float, **attrs: Any) -> None:
     """The wait before an attempt that no driver measured: from submission (attempt 0) or
     from the end of the run's last recorded activity (a retry) to `until`."""
-    evs = run_spool.events(plan.spool_root, plan.run_id)
-    start = run_spool.on_clock_end(evs) if evs else (plan.submitted_at or until)
-    start = min(start or until, until)
+    last = run_spool.on_clock_end(run_spool.events(plan.spool_root, plan.run_id))  # off-clock events do not count
+    start = min(last or plan.submitted_at or until, until)
     run_spool.record(plan.spool_root, plan.run_id, attempt, "scheduling", start, until, **attrs)
 
 

@@ -94,14 +94,17 @@ class TrainLoop:
         return min(end, self.config.max_steps) if self.config.max_steps else end
 
     def _optimize(self, end_step: int, step_times: list[float], blocking: list[float], *,
-                  background_s: float = 0.0):
+                  background_s: float | None = 0.0):
         """The optimizer's interval for a save whose measured blocking is `blocking` (the same on
         every rank: the blocking, the mean step time and `background_s` are all-reduced), never
         shorter than a step nor than its background work allows (MEMORY_BACKGROUND_SHARE).
-        Returns (choice, waste model, blocking s, step s, background s, shortest interval s)."""
-        measured = torch.tensor([max(blocking), sum(step_times) / max(len(step_times), 1), background_s],
-                                dtype=torch.float64)
+        Returns (choice, waste model, blocking s, step s, background s, shortest interval s), or
+        None when `background_s` is None on any rank (its background work is still running)."""
+        measured = torch.tensor([max(blocking), sum(step_times) / max(len(step_times), 1), background_s or 0.0,
+                                 1.0 if background_s is None else 0.0], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
+        if measured[3] > 0:
+            return None
         csbt, step_s, background = float(measured[0]), max(float(measured[1]), 1e-6), float(measured[2])
         rate = self.config.failure_rate_per_s  # the model's history; else a guess per job
         model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
@@ -122,15 +125,21 @@ class TrainLoop:
                                 "save_blocking_s": csbt, "step_s": step_s,
                                 "expected_failures": model.expected_failures}
 
-    def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> None:
+    def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> bool:
         """The in-memory tier's interval: the optimizer's, fed with the measured blocking of a
-        memory copy instead of a durable save's, and no shorter than its background work allows."""
-        choice, _, csbt, step_s, background, floor_s = self._optimize(
-            end_step, step_times, self.memory_blocking, background_s=self.plugins.memory_background_s())
+        memory copy instead of a durable save's, and no shorter than its background work allows.
+        False: a rank's copy is still in flight, so its background time is not known yet (the
+        ranks agree to try again after the next step; nothing waits for it)."""
+        chosen = self._optimize(end_step, step_times, self.memory_blocking,
+                                background_s=self.plugins.memory_background_s())
+        if chosen is None:
+            return False
+        choice, _, csbt, step_s, background, floor_s = chosen
         self.memory_interval = max(1, round(max(choice.interval_s, floor_s) / step_s))
         self.interval_choice.update({"memory_interval_steps": self.memory_interval, "memory_blocking_s": csbt,
                                      "memory_background_s": background,
                                      "memory_expected_wasted_s": choice.expected_wasted_s})
+        return True
 
     def _save_memory(self, step: int, cursor) -> None:
         self.memory_blocking.append(self.plugins.save_memory(step, cursor, since=self.rec.recorded_until))
@@ -247,8 +256,8 @@ class TrainLoop:
             if memory and step < end:
                 if due_save or (self.memory_interval and step % self.memory_interval == 0):
                     self._save_memory(step, last_cursor)
-                if step == memory_probe_at:  # (after the save: its all-reduce is the next step's)
-                    self._choose_memory_interval(end, step_times)
+                if step == memory_probe_at and not self._choose_memory_interval(end, step_times):
+                    memory_probe_at += 1  # (after the save: its all-reduce is the next step's)
             if due_save and step < end:
                 self.blocking.append(self._save(step, last_cursor, loss_value))
                 if step == probe_at:

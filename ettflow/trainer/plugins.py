@@ -203,11 +203,14 @@ class TrainerPlugins:
         if self.memory is not None:
             self.memory.corrupt_copies = True
 
-    def memory_background_s(self) -> float:
+    def memory_background_s(self) -> float | None:
         """The longest background part (checksum + hand-off) of this rank's in-memory copies so
-        far, waiting for the one in flight (0: none)."""
+        far (0: none); None while one is still in flight (its time is not known yet, and
+        waiting for it would stop training)."""
         if self.memory is None:
             return 0.0
+        if self.memory.in_flight:
+            return None
         self.memory.wait()
         return max(self._memory_background, default=0.0)
 

@@ -68,11 +68,14 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 _KEEPERS: dict[str, object] = {}
 
 
-def run_keeper(run_id: str):
-    """The run's in-memory checkpoint keeper (started on first use, kept until `end_run`)."""
+def run_keeper(run_id: str, *, pooled: bool = False):
+    """The run's in-memory checkpoint keeper (started on first use, kept until `end_run`). Its
+    process starts beside the ranks' (nothing waits for it here: a rank's first copy does).
+    `pooled`: take the one the warm pool started ahead of the run, when it has one."""
     keeper = _KEEPERS.get(run_id)
     if keeper is None:
-        keeper = _KEEPERS[run_id] = start_keeper(run_id)
+        keeper = _KEEPERS[run_id] = (POOL.take_keeper() if pooled else None) \
+            or start_keeper(run_id, wait=False)
     return keeper
 
 
@@ -164,9 +167,12 @@ class RayWorkerGroup:
                     remove_placement_group(self.pg)
                     self.world_size = wanted
                     self.pg = self._placement_group(bundle)
+        placed = time.monotonic()
         config = self.attempt_config()
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
+        if self.config.switches.memory_checkpoint:
+            self.keeper = run_keeper(self.run_id, pooled=self.config.switches.warm_pool)  # starts with the ranks'
         pooled = POOL.take(config, self._bundle_nodes()) if not gpu else [None] * self.world_size
         self.actors = [
             pooled[rank][0].actor if pooled[rank] is not None else remote.options(
@@ -180,8 +186,9 @@ class RayWorkerGroup:
             a.adopt.remote(config, self.run_id, self.attempt, rank, self.spool_root) if pooled[rank] is not None
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
-        if self.config.switches.memory_checkpoint:
-            self.keeper = run_keeper(self.run_id)
+        log.info("attempt %d: placement ready in %.2f s, %d rank(s) up in %.2f s (%d from the warm pool)",
+                 self.attempt, placed - (deadline - self.reserve_timeout_s), self.world_size,
+                 time.monotonic() - placed, sum(p is not None for p in pooled))
         if self.config.switches.live_recovery and not gpu:
             self.spares = SparePool(self.config, self.run_id, self.spool_root)
 

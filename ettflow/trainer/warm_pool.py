@@ -5,7 +5,9 @@ refresh bench, any long-lived driver) opens the pool (`keep_warm(True)`). When a
 the `warm_pool` switch trains to the end and its group is torn down, the pool starts what the
 next run of the same shape needs: one trainer actor per rank, plus the run's spare when live
 recovery is on, each prewarmed as a spare is (spare.py: imports, dense modules and optimizer,
-the dense step compiled from the compile-cache archive). That happens after the devices were
+the dense step compiled from the compile-cache archive), and the run's in-memory checkpoint
+keeper when it has one (its process start would otherwise fall on the run's first in-memory
+copy, the ranks being up sooner than it). That happens after the devices were
 released, off every run's clock. The next run takes them (`take`): a pooled rank skips the
 process start, its imports and its compile (`TrainerSession` with `warm`), and the group's
 spare comes from the pool too (spare_pool.py). A run finds nothing to take when no earlier run
@@ -69,6 +71,7 @@ class WarmPool:
     def __init__(self) -> None:
         self.keeping = False
         self.workers: list[PooledWorker] = []
+        self.keeper: Any = None  # an in-memory checkpoint keeper started for the next run (state_keeper.py)
 
     # ---- the process's choice ------------------------------------------------------------
     def keep_warm(self, on: bool) -> None:
@@ -102,6 +105,10 @@ class WarmPool:
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
         self.workers += [self.start(config, spool_root) for _ in range(started)]
+        if config.switches.memory_checkpoint and self.keeper is None:
+            from .checkpoint.state_keeper import start_keeper
+
+            self.keeper = start_keeper(None, wait=False)
         if started:
             log.info("warm pool: %d worker(s) starting for the next run", started)
         return started
@@ -133,6 +140,11 @@ class WarmPool:
                 out[i] = match
         return out
 
+    def take_keeper(self) -> Any:
+        """The keeper started for the next run (its process up or starting), or None."""
+        keeper, self.keeper = self.keeper, None
+        return keeper
+
     def _ready(self) -> list[tuple[PooledWorker, dict]]:
         """The prewarmed workers with their timings and node; a failed one is dropped."""
         done, _ = ray.wait([w.prewarmed for w in self.workers], num_returns=len(self.workers), timeout=0)
@@ -140,7 +152,8 @@ class WarmPool:
         for worker in [w for w in self.workers if w.prewarmed in done]:
             try:
                 timings = ray.get(worker.prewarmed)
-                ready.append((worker, {**timings, **ray.get(worker.actor.ready.remote(), timeout=10)}))
+                node = ray.get(worker.actor.ready.remote(), timeout=10)["node_id"]
+                ready.append((worker, {**timings, "node_id": node}))  # ready_at: when its prewarm ended
             except (GetTimeoutError, RayActorError, RayTaskError) as exc:
                 log.warning("warm pool: a worker failed to prepare (%s: %s); dropped", type(exc).__name__, exc)
                 self.workers.remove(worker)
@@ -157,7 +170,10 @@ class WarmPool:
         self.keeping = False
         if ray.is_initialized():
             self._drop(lambda w: True)
-        self.workers = []
+            if self.keeper is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(self.keeper, no_restart=True)
+        self.workers, self.keeper = [], None
 
 
 def _stop(worker: PooledWorker) -> None:

@@ -167,6 +167,11 @@ class MemoryTier:
                 log.exception("memory tier on_done callback failed for step %d", meta.step)
         return result
 
+    @property
+    def in_flight(self) -> bool:
+        """A hand-off is still running in the background."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> MemorySaveResult | None:
         """Finish the pending hand-off; returns its result (None if there was none). A failed
         hand-off is not raised: its result has ok=False."""

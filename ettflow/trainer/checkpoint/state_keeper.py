@@ -146,9 +146,11 @@ def _flipped(arrays: list[Any]) -> list[Any]:
     return out
 
 
-def start_keeper(run_id: str, *, keep: int = KEEP) -> Any:
+def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True) -> Any:
     """The driver's call: the run's keeper actor, started on this node (this process owns it;
-    an existing keeper of the run is reused). Returns its ActorHandle once it answers.
+    an existing keeper of the run is reused; run_id None: a keeper with no name, started ahead
+    of a run by the warm pool). Returns its ActorHandle once it answers (`wait=False`: at once,
+    while its process starts; calls to it wait for it).
 
     Hold the handle for as long as the run may restore from memory: Ray ends a (non-detached)
     actor when the last handle of its owner goes, its name notwithstanding."""
@@ -156,11 +158,13 @@ def start_keeper(run_id: str, *, keep: int = KEEP) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
+    named = {"name": keeper_name(run_id), "get_if_exists": True} if run_id is not None else {}
     handle = ray.remote(StateKeeper).options(
-        name=keeper_name(run_id), get_if_exists=True, num_cpus=0, max_restarts=0, max_concurrency=HAND_OFFS,
+        **named, num_cpus=0, max_restarts=0, max_concurrency=HAND_OFFS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(keep)
-    ray.get(handle.ping.remote())
+    if wait:
+        ray.get(handle.ping.remote())
     return handle
 
 
