@@ -44,3 +44,19 @@ def test_a_pool_that_is_not_kept_starts_nothing_and_a_run_without_the_switch_tak
     pool.keep_warm(True)
     assert pool.fill(config().with_switches(warm_pool=False), 3, "/spool") == 0
     assert pool.take(config().with_switches(warm_pool=False), [None, None]) == [None, None]
+
+
+def test_a_spare_prewarms_beside_the_ranks_only_when_its_compile_finds_the_archive(tmp_path):
+    # (ray_group.launch: else it prewarms once training started, after rank 0 saved the archive)
+    from ettflow.trainer.compile import archive
+    from ettflow.trainer.compile.cache import CompileCache
+    from ettflow.trainer.compile.process_cache import cache_config, has_archive
+
+    cfg = config(compile_cache_root=str(tmp_path))
+    assert not has_archive(cfg)
+    path = archive.archive_path(tmp_path, CompileCache(cache_config(cfg)).key, "none")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    assert has_archive(cfg)
+    assert not has_archive(cfg.with_switches(compile_cache=False))
+    assert not has_archive(config(compile_cache_root=str(tmp_path), batch_size=64))  # another key

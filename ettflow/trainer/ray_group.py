@@ -36,6 +36,7 @@ from ettflow.ett.spool import SpoolWriter
 
 from .checkpoint.state_keeper import start_keeper
 from .classify import failure_from_exception, is_process_loss, on_lost_node
+from .compile.process_cache import has_archive
 from .config import TrainerConfig
 from .faults import pending_faults
 from .live_recovery import RestorePoint, choose_restore_point, newest_committed
@@ -221,8 +222,14 @@ class RayWorkerGroup:
     def launch(self) -> None:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         self.refs = {a.train.remote(addr, port, self.keeper): rank for rank, a in enumerate(self.actors)}
-        if self.spares is not None:
+        if self.spares is not None and self._spare_compiles_warm():
             self.spares.prewarm()  # beside the ranks' init: ready for an early failure
+        # (else when training starts: a cold compile of its own beside the ranks' would slow theirs)
+
+    def _spare_compiles_warm(self) -> bool:
+        """A spare prewarmed now would find the compile-cache archive (or compiles nothing)."""
+        sw = self.config.switches
+        return not sw.compile or (sw.compile_cache and has_archive(self.config))
 
     # ---- live recovery (live_recovery.py) -----------------------------------------------
     def training_started(self) -> None:
