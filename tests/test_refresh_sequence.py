@@ -52,3 +52,40 @@ def test_the_comparison_gives_each_component_its_share_of_the_wall():
     shares = [c for c in table.columns if c.endswith(" %") and c != "ETT %"]
     assert len(shares) == len(L2_ORDER)
     assert table[shares].sum(axis=1).tolist() == pytest.approx([100.0, 100.0])
+
+
+def test_each_refresh_but_the_last_leaves_its_trainer_processes_warm_for_the_next(tmp_path, monkeypatch):
+    # (what the pool then does on the real stack: test_trainer_e2e.py's warm-pool test)
+    from ettflow.cli import build_parser
+    from ettflow.flows import cli
+    from ettflow.trainer.warm_pool import POOL
+
+    monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
+    monkeypatch.setattr("ettflow.tasks.arrivals.ensure_new_window", lambda params: None)
+    calls: list[tuple] = []
+
+    def refresh_once(params, args):
+        calls.append(("refresh", POOL.keeping))
+        return 0, f"r{sum(c[0] == 'refresh' for c in calls)}"
+
+    monkeypatch.setattr(cli, "_refresh_once", refresh_once)
+    monkeypatch.setattr(cli, "wait_for_warm_pool", lambda pool: calls.append(("wait", pool is POOL)))
+    monkeypatch.setattr(cli, "print_comparison", lambda run_ids, params: calls.append(("compare", run_ids)))
+    args = build_parser().parse_args(["refresh", "--refreshes", "3", "--no-failure"])  # in process: no argv
+    assert cli.cmd_refresh(args) == 0
+    assert calls == [("refresh", True), ("wait", True), ("refresh", True), ("wait", True), ("refresh", False),
+                     ("compare", ["r1", "r2", "r3"])]
+    assert not POOL.keeping and POOL.workers == []  # closed at the end
+
+
+def test_one_refresh_keeps_no_pool(tmp_path, monkeypatch):
+    from ettflow.cli import build_parser
+    from ettflow.flows import cli
+    from ettflow.trainer.warm_pool import POOL
+
+    monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
+    monkeypatch.setattr("ettflow.tasks.arrivals.ensure_new_window", lambda params: None)
+    seen = []
+    monkeypatch.setattr(cli, "_refresh_once", lambda params, args: (seen.append(POOL.keeping), (0, "r1"))[1])
+    assert cli.cmd_refresh(build_parser().parse_args(["refresh", "--no-failure"])) == 0
+    assert seen == [False]
