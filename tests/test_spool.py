@@ -35,6 +35,20 @@ def test_write_and_read_back(tmp_path):
     assert spooled_runs(tmp_path) == ["r1"]
 
 
+def test_reading_only_some_phases_skips_the_rest_but_never_one_of_them(tmp_path):
+    with SpoolWriter(tmp_path, "r1", 0, 0) as w:
+        for step in range(50):  # (the note names a wanted phase: decoded, then dropped)
+            w.record("data_stall", step, step + 1, step=step, note="failure")
+        w.mark("failure", 20.5, failure_class="infrastructure")
+        w.mark("fault_injected", 3.0, fault_index=0)
+    with open(tmp_path / "r1" / "attempt-001.driver.jsonl", "w") as f:  # another writer's spacing
+        f.write(json.dumps({"run_id": "r1", "attempt": 1, "rank": -1, "phase": "failure", "start": 30.0,
+                            "end": 30.0, "attrs": {}}, indent=None, separators=(", ", ": ")) + "\n")
+    got = read_spool(tmp_path, "r1", phases=frozenset({"failure", "fault_injected"}))
+    assert [(e.phase, e.start) for e in got.events] == [("fault_injected", 3.0), ("failure", 20.5), ("failure", 30.0)]
+    assert got.problems == [] and len(read_spool(tmp_path, "r1").events) == 53
+
+
 def test_torn_last_line_and_corrupt_line_are_reported_rest_kept(tmp_path):
     with SpoolWriter(tmp_path, "r2", 1, 0) as w:
         for i in range(4):

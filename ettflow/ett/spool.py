@@ -248,7 +248,10 @@ class SpoolRead:
     bytes: int = 0  # total size of the files read, as read
 
 
-def read_file(path: Path | str, into: SpoolRead | None = None) -> SpoolRead:
+def read_file(path: Path | str, into: SpoolRead | None = None, *,
+              phases: frozenset[str] | None = None) -> SpoolRead:
+    """`phases`: only events of these phases are read (a line that does not name one of them
+    is not decoded: a run's steps are most of its spool)."""
     out = into if into is not None else SpoolRead()
     path = Path(path)
     data = path.read_bytes()
@@ -257,12 +260,15 @@ def read_file(path: Path | str, into: SpoolRead | None = None) -> SpoolRead:
     complete = data.endswith(b"\n")
     if complete:
         lines = lines[:-1]
+    wanted = tuple(json.dumps(p).encode() for p in phases) if phases is not None else None
     for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
+        if not raw.strip() or (wanted is not None and not any(w in raw for w in wanted)):
             continue
         torn = not complete and number == len(lines)
         try:
             record = json.loads(raw)
+            if phases is not None and record.get("phase") not in phases:
+                continue
             out.events.append(PhaseEvent.from_dict(record, where=f"at {path}:{number}"))
         except (ValueError, EventError) as exc:
             message = str(exc) if isinstance(exc, EventError) else f"not valid JSON ({exc})"
@@ -270,14 +276,15 @@ def read_file(path: Path | str, into: SpoolRead | None = None) -> SpoolRead:
     return out
 
 
-def read_spool(root: Path | str, run_id: str) -> SpoolRead:
-    """Every event of a run, from all its files, ordered by start time."""
+def read_spool(root: Path | str, run_id: str, *, phases: frozenset[str] | None = None) -> SpoolRead:
+    """Every event of a run (`phases`: only those phases'), from all its files, ordered by
+    start time."""
     folder = Path(root) / run_id
     if not folder.is_dir():
         raise FileNotFoundError(f"no spool for run {run_id!r} under {root} (expected {folder})")
     out = SpoolRead()
     for path in sorted(folder.glob("*.jsonl")):
-        read_file(path, out)
+        read_file(path, out, phases=phases)
     out.events.sort(key=lambda e: (e.start, e.end, e.attempt, e.rank, e.seq or 0))
     return out
 

@@ -132,5 +132,6 @@ def pending_faults(config: TrainerConfig, spool_root: Path | str, run_id: str) -
     what the next attempt's ranks and driver may still fire."""
     if not config.failures or not (Path(spool_root) / run_id).is_dir():
         return config
-    events = read_spool(spool_root, run_id).events
+    # only the markers: a recovery reads this on its clock, and the steps are most of the spool
+    events = read_spool(spool_root, run_id, phases=frozenset({FAILURE, FAULT_INJECTED})).events
     return replace(config, failures=pending(config.failures, fired_faults(config.failures, events)))
