@@ -256,8 +256,8 @@ class CheckpointManager:
             errno=errno,
             error_path=error_path,
         )
-        if error:
-            log.error("checkpoint of step %d failed: %s", step, error)
+        if error:  # raised by wait() (and recorded by on_commit); a peer's death fails it on purpose
+            log.debug("checkpoint of step %d failed (reported by wait()): %s", step, error)
         if self._on_commit is not None:
             try:
                 self._on_commit(result)
