@@ -42,7 +42,7 @@ from .faults import pending_faults
 from .live_recovery import RestorePoint, choose_restore_point, newest_committed
 from .placement import attempt_world_size, ranks_that_fit
 from .spare_pool import SparePool
-from .warm_pool import POOL
+from .warm_pool import POOL, record_start
 
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
@@ -168,7 +168,6 @@ class RayWorkerGroup:
                     remove_placement_group(self.pg)
                     self.world_size = wanted
                     self.pg = self._placement_group(bundle)
-        placed = time.monotonic()
         config = self.attempt_config()
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
@@ -187,9 +186,6 @@ class RayWorkerGroup:
             a.adopt.remote(config, self.run_id, self.attempt, rank, self.spool_root) if pooled[rank] is not None
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
-        log.info("attempt %d: placement ready in %.2f s, %d rank(s) up in %.2f s (%d from the warm pool)",
-                 self.attempt, placed - (deadline - self.reserve_timeout_s), self.world_size,
-                 time.monotonic() - placed, sum(p is not None for p in pooled))
         if self.config.switches.live_recovery and not gpu:
             self.spares = SparePool(self.config, self.run_id, self.spool_root)
 
@@ -206,9 +202,7 @@ class RayWorkerGroup:
         log.info("attempt %d: ranks %s start from the warm pool", self.attempt, [r for r, _ in taken])
         with SpoolWriter(self.spool_root, self.run_id, self.attempt, -1) as rec:
             for rank, (worker, timings) in taken:
-                rec.record("spare_start", worker.requested_at, timings["ready_at"], pooled=True, for_rank=rank,
-                           **{k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit",
-                                                                        "prewarm_s")})
+                record_start(rec, worker, timings, pooled=True, for_rank=rank)
 
     def attempt_config(self) -> TrainerConfig:
         """What the ranks get: the run's config at this attempt's world size, less the scripted

@@ -19,7 +19,6 @@ before the run (`pooled`), and a spare the run did not use goes back to the pool
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ettflow.ett.spool import SpoolWriter
 
 from .config import TrainerConfig
-from .warm_pool import POOL, PooledWorker, warm_key
+from .warm_pool import POOL, PooledWorker, record_start, start_worker
 
 
 class SpareUnavailable(RuntimeError):
@@ -55,12 +54,7 @@ class SparePool:
         if pooled is not None:
             self._spare, self._pooled = pooled[0], True
             return
-        from .actor import TrainerActor
-
-        requested_at = time.time()
-        actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
-            self.config, self.run_id, -1, -1, str(self.spool_root), requested_at)
-        self._spare, self._pooled = PooledWorker(actor, None, requested_at, warm_key(self.config)), False
+        self._spare, self._pooled = start_worker(self.config, self.run_id, self.spool_root), False
 
     def prewarm(self) -> None:
         """Have the spare prepare (spare.py), in the background; starts one if there is none."""
@@ -82,9 +76,7 @@ class SparePool:
                 ray.kill(spare.actor, no_restart=True)
             raise SpareUnavailable(f"no warm spare within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
         with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
-            rec.record("spare_start", spare.requested_at, timings["ready_at"], **{
-                k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s")},
-                pooled=pooled)
+            record_start(rec, spare, timings, pooled=pooled)
         return spare.actor, info
 
     def close(self) -> None:

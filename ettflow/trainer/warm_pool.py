@@ -67,6 +67,23 @@ class PooledWorker:
     key: str
 
 
+def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> PooledWorker:
+    """A trainer actor with no rank yet and no CPU of its own (a spare or a pooled worker); its
+    prewarm is not asked for."""
+    from .actor import TrainerActor
+
+    requested_at = time.time()
+    actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
+        config, run_id, -1, -1, str(spool_root), requested_at)
+    return PooledWorker(actor, None, requested_at, warm_key(config))
+
+
+def record_start(rec: Any, worker: PooledWorker, timings: dict, **attrs: Any) -> None:
+    """A prepared worker's start, off the clock: from its request to the end of its prewarm."""
+    rec.record("spare_start", worker.requested_at, timings["ready_at"], **attrs, **{
+        k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s")})
+
+
 class WarmPool:
     def __init__(self) -> None:
         self.keeping = False
@@ -82,12 +99,9 @@ class WarmPool:
     # ---- filling -------------------------------------------------------------------------
     def start(self, config: TrainerConfig, spool_root: Path | str) -> PooledWorker:
         """A new worker for `config`, prewarming in the background (not in the pool yet)."""
-        from .actor import TrainerActor
-
-        requested_at = time.time()
-        actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
-            config, POOL_RUN_ID, -1, -1, str(spool_root), requested_at)
-        return PooledWorker(actor, actor.prewarm.remote(), requested_at, warm_key(config))
+        worker = start_worker(config, POOL_RUN_ID, spool_root)
+        worker.prewarmed = worker.actor.prewarm.remote()
+        return worker
 
     def give(self, worker: PooledWorker) -> None:
         """Keep `worker` (a spare its run did not need) for the next run, when the pool is kept."""
