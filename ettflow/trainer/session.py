@@ -60,6 +60,10 @@ from .rank_heartbeat import RankHeartbeat, beat_file
 from .rank_state import RankState
 from .spare import WarmSpare
 
+# batches the data pipeline's thread keeps ready (about 90 KB each at the bench's size): enough to
+# ride out a burst in which the training thread, a save's staging or the recorder holds the CPU
+PREFETCH_BATCHES = 16
+
 
 def pick_device(config: TrainerConfig) -> torch.device:
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
@@ -193,7 +197,7 @@ class TrainerSession:
 
     def get_first_batch_data(self):
         start = self.state.plugins.resume_cursor
-        it = self.state.data.batches(start, prefetch=4)
+        it = self.state.data.batches(start, prefetch=PREFETCH_BATCHES)
         self.state.batches = it
         try:
             first = next(it)
@@ -355,7 +359,7 @@ class TrainerSession:
                 self.state.plugins.rebind(self.state, self.config, self.rec)
             with self.beat.phase("checkpoint_restore"), self.rec.span("checkpoint_restore", live=True) as attrs:
                 attrs.update(self.state.plugins.restore_point(self.state, point))
-            self.state.batches = self.state.data.batches(self.state.plugins.resume_cursor, prefetch=4)
+            self.state.batches = self.state.data.batches(self.state.plugins.resume_cursor, prefetch=PREFETCH_BATCHES)
             self.state.first_batch = None
         except BaseException:
             self.close()

@@ -9,7 +9,8 @@ The last, ragged global batch is dropped (its rows stay after the final cursor, 
 refresh that starts from that cursor trains them); every rank runs `num_batches()` steps.
 
 Building a pipeline reads only file footers and fails fast on a file that does not match the
-schema; rows are read when batches are made, one file at a time.
+schema; rows are read when batches are made, one file at a time: a file is decoded once into
+the batch layout (`batch.Columns`) and every batch is cut from it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ettflow.trainer.data.batch import Batch, table_to_batch
+from ettflow.trainer.data.batch import Batch, Columns, Rows, columns_to_batch, decode_table
 from ettflow.trainer.data.prefetch import Prefetcher
 from ettflow.trainer.data.schema import DataError, FeatureSchema
 from ettflow.trainer.data.windows import Cursor, PartFile, StreamIndex
@@ -48,7 +49,7 @@ class DataConfig:
     rank: int = 0
     world_size: int = 1
     windows: tuple[str, ...] | None = None
-    cached_files: int = 2  # decoded files kept in memory per rank
+    cached_files: int = 2  # decoded files kept in memory per rank (a batch spans at most two)
 
     def __post_init__(self) -> None:
         if isinstance(self.schema, Mapping):
@@ -74,7 +75,7 @@ class DataPipeline:
         self.config = config
         self.schema = config.schema
         self.index = StreamIndex(config.root, config.schema, config.windows)
-        self._tables: OrderedDict[Path, pa.Table] = OrderedDict()
+        self._decoded: OrderedDict[Path, Columns] = OrderedDict()
 
     @property
     def global_batch(self) -> int:
@@ -104,27 +105,16 @@ class DataPipeline:
         b, gb = self.config.batch_size, self.global_batch
         for _ in range(full_batches(self.index.total_rows - pos, b, self.config.world_size)):
             mine = pos + self.config.rank * b
-            table, source = self._rows(mine, mine + b)
-            yield table_to_batch(table, self.schema, source=source,
-                                 cursor_start=self.index.cursor(pos),
-                                 cursor_end=self.index.cursor(pos + gb))
+            yield columns_to_batch(self._rows(mine, mine + b), self.schema,
+                                   cursor_start=self.index.cursor(pos), cursor_end=self.index.cursor(pos + gb))
             pos += gb
 
-    def _rows(self, start: int, stop: int) -> tuple[pa.Table, str]:
-        pieces = self.index.locate(start, stop)
-        tables = [self._table(part).slice(lo, hi - lo) for part, lo, hi in pieces]
-        source = ", ".join(str(part.path) for part, _, _ in pieces)
-        if len(tables) == 1:
-            return tables[0], source
-        try:
-            return pa.concat_tables(tables, promote_options="permissive"), source
-        except pa.ArrowException as e:
-            raise DataError(source, None, f"disagree on column types and cannot be read as "
-                            f"one batch ({e}); write all parts with the same types") from e
+    def _rows(self, start: int, stop: int) -> list[Rows]:
+        return [self._columns(part).rows(lo, hi) for part, lo, hi in self.index.locate(start, stop)]
 
-    def _table(self, part: PartFile) -> pa.Table:
-        table = self._tables.get(part.path)
-        if table is None:
+    def _columns(self, part: PartFile) -> Columns:
+        columns = self._decoded.get(part.path)
+        if columns is None:
             try:
                 table = pq.read_table(part.path, columns=list(self.schema.columns))
             except (pa.ArrowException, OSError) as e:
@@ -132,7 +122,8 @@ class DataPipeline:
             if table.num_rows != part.num_rows:
                 raise DataError(part.path, None, f"has {table.num_rows} rows, its footer said "
                                 f"{part.num_rows} when the run started; it changed underneath")
-            self._tables[part.path] = table
-            while len(self._tables) > self.config.cached_files:
-                self._tables.popitem(last=False)
-        return table
+            columns = decode_table(table, self.schema, source=str(part.path))
+            self._decoded[part.path] = columns
+            while len(self._decoded) > self.config.cached_files:
+                self._decoded.popitem(last=False)
+        return columns
