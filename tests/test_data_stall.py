@@ -3,6 +3,9 @@ Every expected number is worked out by hand."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pandas as pd
 import pytest
 import timelines
@@ -11,6 +14,7 @@ from ettflow.ett import report
 from ettflow.ett.events import COMPONENTS, DATA_STALL, UNATTRIBUTED, component_of, owner_of
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter
+from ettflow.trainer.data.prefetch import Prefetcher, found_ready
 from ettflow.trainer.step_clock import STALL_THRESHOLD_S, Fetch, resume_after
 
 
@@ -36,6 +40,33 @@ def test_a_fetch_that_waited_is_a_stall_from_the_previous_interval_end_to_batch_
     assert f.stalled and f.wait_s == 0.5
     assert f.stall == (100.0, 100.75) and f.step_start == 100.75
     assert Fetch(since=1.0, fetch_start=1.0, ready=1.5, threshold_s=0.5).stall is None  # not above it
+
+
+def test_a_slow_fetch_of_a_batch_that_was_ready_stays_inside_the_step():
+    # the training thread got the CPU back late: not the data pipeline's wait
+    f = Fetch(since=100.0, fetch_start=100.25, ready=100.75, batch_was_ready=True)
+    assert f.wait_s == 0.5 and not f.stalled and f.stall is None and f.step_start == 100.0
+    with pytest.raises(ValueError, match="batch_was_ready must be a bool"):
+        Fetch(since=1.0, fetch_start=1.0, ready=1.0, batch_was_ready=1)
+
+
+def test_a_prefetcher_tells_whether_the_batch_was_waiting():
+    gate = threading.Event()
+
+    def source():
+        yield "a"
+        gate.wait(5)
+        yield "b"
+
+    pf = Prefetcher(source(), depth=2)
+    deadline = time.time() + 5
+    while pf._queue.qsize() < 1 and time.time() < deadline:
+        time.sleep(0.005)
+    assert next(pf) == "a" and pf.found_ready and found_ready(pf)
+    threading.Timer(0.05, gate.set).start()
+    assert next(pf) == "b" and not pf.found_ready and not found_ready(pf)  # it waited for the source
+    pf.close()
+    assert not found_ready(iter(["x"]))  # batches made in the training thread: the fetch is the pipeline's work
 
 
 @pytest.mark.parametrize("times", [(2.0, 1.0, 3.0), (1.0, 3.0, 2.0)])

@@ -36,6 +36,7 @@ from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 
 from .config import FailAt, TrainerConfig
+from .data.prefetch import found_ready
 from .faults import due, fire
 from .model import dense_parameters, sync_dense_grads
 from .numerics import loss_failure, poison, stop
@@ -214,7 +215,8 @@ class TrainLoop:
         while step < end:
             fetch_start = time.time()
             batch = first if first is not None else next(batches)
-            fetch = Fetch(since=min(since, fetch_start), fetch_start=fetch_start, ready=max(time.time(), fetch_start))
+            fetch = Fetch(since=min(since, fetch_start), fetch_start=fetch_start, ready=max(time.time(), fetch_start),
+                          batch_was_ready=first is not None or found_ready(batches))
             first = None
             fault = due(self.config.failures, attempt=self.attempt, rank=self.rank, step=step)
             nan_fault = fault if fault is not None and fault.kind == "nan" else None

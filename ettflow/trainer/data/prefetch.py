@@ -22,7 +22,8 @@ class _Raised:
 
 
 class Prefetcher(Generic[T]):
-    """Iterates `source` in a daemon thread, keeping up to `depth` items ready."""
+    """Iterates `source` in a daemon thread, keeping up to `depth` items ready. `found_ready`
+    tells whether the last `next()` found an item waiting (False: it waited for the source)."""
 
     def __init__(self, source: Iterable[T], *, depth: int = 2, name: str = "ettflow-prefetch"):
         if depth < 1:
@@ -31,6 +32,7 @@ class Prefetcher(Generic[T]):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
+        self.found_ready = False  # whether the last `next()` found an item waiting
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -59,7 +61,12 @@ class Prefetcher(Generic[T]):
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
-        item = self._queue.get()
+        try:
+            item = self._queue.get_nowait()
+            self.found_ready = True
+        except queue.Empty:
+            self.found_ready = False
+            item = self._queue.get()
         if item is _END:
             self._done = True
             raise StopIteration
@@ -84,3 +91,8 @@ class Prefetcher(Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def found_ready(it: object) -> bool:
+    """Whether the last item taken from `it` was waiting, made ahead (only a Prefetcher's are)."""
+    return isinstance(it, Prefetcher) and it.found_ready
