@@ -42,6 +42,25 @@ def test_a_fitting_file_passes_and_reports_its_rows(tmp_path):
     assert validate_parquet(_write(tmp_path / "a.parquet", _table()), SCHEMA) == 2
 
 
+def test_a_footer_is_read_once_per_process_until_the_file_changes(tmp_path, monkeypatch):
+    import os
+
+    import ettflow.trainer.data.schema as schema_mod
+
+    path = _write(tmp_path / "once.parquet", _table())
+    reads = []
+    real = pq.ParquetFile
+    monkeypatch.setattr(schema_mod.pq, "ParquetFile", lambda p: reads.append(p) or real(p))
+    assert validate_parquet(path, SCHEMA) == validate_parquet(path, SCHEMA) == 2
+    assert len(reads) == 1  # the second check is a stat
+    _write(path, pa.concat_tables([_table(), _table()]))
+    os.utime(path, ns=(1, 1))  # even a rewrite within the clock's resolution: size or time changes
+    assert validate_parquet(path, SCHEMA) == 4 and len(reads) == 2
+    _write(path, _table(y=pa.array(["a", "b"])))  # a rewrite that breaks the schema is caught
+    with pytest.raises(DataError, match="y"):
+        validate_parquet(path, SCHEMA)
+
+
 def test_string_ids_and_extra_columns_are_accepted(tmp_path):
     t = _table(s0=pa.array(["a", "b"]), tags=pa.array([["x"], []]), extra=pa.array([1, 2]))
     assert validate_parquet(_write(tmp_path / "a.parquet", t), SCHEMA) == 2

@@ -81,7 +81,7 @@ def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> 
 def record_start(rec: Any, worker: PooledWorker, timings: dict, **attrs: Any) -> None:
     """A prepared worker's start, off the clock: from its request to the end of its prewarm."""
     rec.record("spare_start", worker.requested_at, timings["ready_at"], **attrs, **{
-        k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s")})
+        k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s", "footers_s")})
 
 
 class WarmPool:

@@ -10,6 +10,7 @@ checked before training starts; a mismatch raises `DataError` naming the file an
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -187,12 +188,31 @@ def validate_arrow_schema(file: str | Path, arrow: pa.Schema, schema: FeatureSch
             raise DataError(file, name, problem)
 
 
+# files this process checked, by (path, size, modification time, schema): their row counts.
+# A window root's footers are read once per process (a spare reads them while it prewarms, so
+# a recovery's data index costs a stat per file); a rewritten file has a new key, and a file
+# that changed underneath anyway is caught when its rows are read (pipeline.py).
+_CHECKED: dict[tuple[str, int, int, FeatureSchema], int] = {}
+_CHECKED_MAX = 200_000
+
+
 def validate_parquet(path: str | Path, schema: FeatureSchema) -> int:
     """Check one file against `schema` from its footer alone; return its row count."""
+    try:
+        st = os.stat(path)
+        key = (str(path), st.st_size, st.st_mtime_ns, schema)
+    except OSError:
+        key = None
+    if key is not None and key in _CHECKED:
+        return _CHECKED[key]
     try:
         meta = pq.ParquetFile(path).metadata
         arrow = meta.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as e:
         raise DataError(path, None, f"is not a valid Parquet file ({e})") from e
     validate_arrow_schema(path, arrow, schema)
+    if key is not None:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[key] = meta.num_rows
     return meta.num_rows
