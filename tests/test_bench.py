@@ -57,7 +57,8 @@ def test_rows_are_refresh_parameters_the_flow_s_plan_accepts(flow_data, tmp_path
     assert opt.trainer.checkpoint_every_steps is None  # the optimizer's interval
     assert plans["optimized, fixed 50-step interval"].trainer.checkpoint_every_steps == 50
     off = plans["optimized, live recovery off"].trainer.switches
-    assert (off.live_recovery, off.memory_checkpoint, off.async_checkpoint) == (False, False, True)
+    assert (off.live_recovery, off.memory_checkpoint, off.warm_pool) == (False, False, False)
+    assert off.async_checkpoint
     assert opt.trainer.switches.live_recovery and opt.trainer.switches.memory_checkpoint
     for plan in plans.values():
         t = plan.trainer
@@ -126,7 +127,7 @@ def test_the_interval_a_run_trained_with_is_read_from_its_saves():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.timeout(1500)  # five flow runs, three baseline cold compiles: many minutes on two shared cores
+@pytest.mark.timeout(1800)  # six flow runs, three baseline cold compiles: many minutes on two shared cores
 def test_quick_bench_at_tiny_sizes(tmp_path, prefect_harness, ray_session, capsys):
     from ettflow.cli import main
     from ettflow.ett.warehouse import Warehouse
@@ -147,8 +148,11 @@ def test_quick_bench_at_tiny_sizes(tmp_path, prefect_harness, ray_session, capsy
     assert list(pair["NoF"][["baseline", "optimized"]]) == [2, 2]
     rows = pd.read_csv(results / "ett_rows.csv").set_index("row")
     assert list(rows.index) == ["baseline", "optimized", "optimized, fixed 4-step interval",
-                                "optimized, live recovery off"]
-    assert list(rows["interval"]) == ["probe", "probe", "fixed", "probe"] and list(rows["NoF"]) == [2] * 4
+                                "optimized, live recovery off", "optimized, warm pool off"]
+    assert list(rows["interval"]) == ["probe", "probe", "fixed", "probe", "probe"]
+    assert list(rows["NoF"]) == [2] * 5
+    # the warm-up (the previous refresh) and each optimized job leave the next one's ranks prewarmed
+    assert list(rows["pooled_ranks"]) == [0, 2, 2, 0, 0]
     assert rows.loc["optimized, fixed 4-step interval", "interval_steps"] == 4
     ttr = pd.read_csv(results / "ttr_live_recovery.csv")
     assert list(ttr["failure"].astype(str)) == ["1", "2", "mean"] and (ttr["TTR_off_s"] > 0).all()
@@ -158,7 +162,7 @@ def test_quick_bench_at_tiny_sizes(tmp_path, prefect_harness, ray_session, capsy
     assert shutdown.loc["baseline", "publish_s"] > 0  # published while the lease held the devices
     assert shutdown.loc["baseline", "device_held_after_last_step_s"] > shutdown.loc["baseline", "publish_s"]
     runs = Warehouse.open(url).runs_frame()  # every row's job (not the cache warm-up or overhead runs)
-    assert sorted(runs["mode"]) == ["baseline", "optimized", "optimized", "optimized"]
-    assert list(runs["nof"]) == [2] * 4
+    assert sorted(runs["mode"]) == ["baseline", "optimized", "optimized", "optimized", "optimized"]
+    assert list(runs["nof"]) == [2] * 5
     assert all((json.loads(t) if isinstance(t, str) else t)["benchmark"] for t in runs["tags"])
     assert "Command: `ettflow bench --quick" in (results / "results.md").read_text()

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: rows (the ablation rows beside the "
                    "default pair), ablation (compile), overhead")
     p.add_argument("--verbose", action="store_true", help="show every library's warnings and logs too")
+    p.add_argument("--no-warm-pool", dest="warm_pool", action="store_false",
+                   help="every job starts its ranks cold (default: the bench keeps a warm pool between jobs, as "
+                   "a long-lived driver of refreshes does, and adds the row 'optimized, warm pool off')")
     sizes = p.add_argument_group("sizes (override the quick/full plan)")
     sizes.add_argument("--lengths", help="training windows per job, comma-separated, e.g. 2,8,32")
     sizes.add_argument("--rows-per-window", type=int)
@@ -68,6 +71,8 @@ def plan_from(args: argparse.Namespace):
     plan = BenchPlan.quick() if args.quick else BenchPlan.full()
     changes = {k: getattr(args, k) for k in ("rows_per_window", "batch_size", "num_embeddings",
                                               "fixed_interval_steps") if getattr(args, k, None)}
+    if not getattr(args, "warm_pool", True):
+        changes["warm_pool"] = False
     if getattr(args, "lengths", None):
         changes["lengths"] = tuple(int(x) for x in args.lengths.split(","))
     return replace(plan, **changes)

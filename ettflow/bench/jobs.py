@@ -72,8 +72,13 @@ def fixed_interval_row(steps: int) -> Row:
     return Row(label=f"optimized, fixed {steps}-step interval", mode="optimized", interval_steps=steps)
 
 
+# issue 12's recovery off: no live recovery, no in-memory tier, no warm pool (a restart would
+# take its ranks' processes from the pool): every rank restarts from disk, the slower way
 LIVE_RECOVERY_OFF = Row(label="optimized, live recovery off", mode="optimized",
-                        switches={"live_recovery": False, "memory_checkpoint": False})
+                        switches={"live_recovery": False, "memory_checkpoint": False, "warm_pool": False})
+# the optimized mode with its ranks started the usual way, not from the processes the previous
+# run left prewarmed (trainer/warm_pool.py): what the pool takes off TTS, side by side
+WARM_POOL_OFF = Row(label="optimized, warm pool off", mode="optimized", switches={"warm_pool": False})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,7 +186,8 @@ def run_flow_job(spec: JobSpec, row: Row, state: Path, *, tags: dict[str, Any] |
 
 def warm_compile_cache(spec: JobSpec, state: Path) -> JobResult:
     """The previous refresh of the same model (2 steps, no kills, optimized): leaves the
-    compile-cache archive that the optimized jobs find."""
+    compile-cache archive that the optimized jobs find, and, when this process keeps a warm
+    pool, the prewarmed processes the next optimized job starts from."""
     return run_flow_job(replace(spec, kill_steps=(), max_steps=2), OPTIMIZED, state, tags={"bench": "warm-up"})
 
 

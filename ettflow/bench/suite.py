@@ -6,7 +6,12 @@ optimized go through the same tasks, the trainer lease included, with the same s
 the default (shortest) length two ablation rows run beside the pair: the optimized mode with
 the fixed interval (`BenchPlan.fixed_interval_steps`), and with live recovery and the memory
 checkpoint switched off, whose TTR per failure the optimized mode's is compared with
-(`ttr_tables`). Every number comes from real runs on this machine, side by side in one
+(`ttr_tables`), and with the warm pool off. The bench drives its jobs as a long-lived driver
+drives refresh after refresh (`BenchPlan.warm_pool`): a run that trains to the end leaves its
+ranks' processes prewarming for the next run of the same shape (trainer/warm_pool.py, the
+optimized mode's switch), and the bench waits until they are ready before the next job, as
+refreshes hours apart find them; the warm-up run (the previous refresh) leaves the first ones.
+Every number comes from real runs on this machine, side by side in one
 invocation; targets are ratios, reported with the margin by which they are met or missed.
 """
 
@@ -28,6 +33,7 @@ from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
 from ettflow.ett.events import L2_ORDER
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.data.windows import list_windows
+from ettflow.trainer.warm_pool import POOL
 
 from .compile_ablation import run_ablation
 from .jobs import (
@@ -35,6 +41,7 @@ from .jobs import (
     LIVE_RECOVERY_OFF,
     MODEL,
     OPTIMIZED,
+    WARM_POOL_OFF,
     JobResult,
     JobSpec,
     Row,
@@ -43,6 +50,8 @@ from .jobs import (
     trainer_rank0,
     warm_compile_cache,
 )
+
+POOL_READY_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +65,8 @@ class BenchPlan:
     ablation_batches: int = 8
     overhead_steps: int = 200
     overhead_repeats: int = 8  # pairs of runs with and without recording, interleaved (ABBA)
+    # the process keeps a warm pool, as a long-lived driver does (False: every job starts cold)
+    warm_pool: bool = True
 
     def __post_init__(self) -> None:
         if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
@@ -86,7 +97,8 @@ class BenchPlan:
         return tuple(int(f * base) for f in self.kill_fractions)
 
     def ablation_rows(self) -> tuple[Row, ...]:
-        return (fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF)
+        rows = (fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF)
+        return (*rows, WARM_POOL_OFF) if self.warm_pool else rows
 
 
 class Bench:
@@ -122,6 +134,8 @@ class Bench:
 
     def job(self, spec: JobSpec, row: Row, label: str) -> JobResult:
         name = f"L{label}-{row.slug}"
+        if POOL.workers:  # what the previous run left prewarming is ready before this one starts
+            POOL.wait_ready(POOL_READY_TIMEOUT_S)
         self.say(f"  {name} ...")
         result = run_flow_job(spec, row, self.state / name)
         m = result.metrics
@@ -135,8 +149,16 @@ class Bench:
     def pairs(self, windows: tuple[str, ...]) -> tuple[dict[int, tuple[JobResult, JobResult]], list[JobResult]]:
         """The pair (baseline, optimized) per length, and the ablation rows' jobs (default length)."""
         kills = self.plan.kill_steps()
-        self.say("warm-up: the previous refresh of the model (leaves its compile cache)")
-        warm_compile_cache(self.spec(windows, 1, ()), self.state / "warm-up")
+        POOL.keep_warm(self.plan.warm_pool)
+        try:
+            self.say("warm-up: the previous refresh of the model (leaves its compile cache"
+                     f"{' and the warm pool' if self.plan.warm_pool else ''})")
+            warm_compile_cache(self.spec(windows, 1, ()), self.state / "warm-up")
+            return self._pairs(windows, kills)
+        finally:
+            POOL.close()
+
+    def _pairs(self, windows: tuple[str, ...], kills: tuple[int, ...]) -> tuple[dict, list[JobResult]]:
         rows = self.plan.ablation_rows() if self.with_rows else ()
         out, extra = {}, []
         with tqdm(total=2 * len(self.plan.lengths) + len(rows), desc="ETT jobs", unit="job") as bar:
@@ -262,10 +284,18 @@ def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
     return frame.round(2).reset_index()
 
 
+def pooled_ranks(job: JobResult) -> int:
+    """How many of the job's first ranks started in processes the warm pool had prewarmed."""
+    return sum(1 for e in job.events if e.phase == "spare_start" and e.attrs.get("pooled")
+               and e.attrs.get("for_rank") is not None)
+
+
 def rows_table(jobs: Sequence[JobResult]) -> pd.DataFrame:
     """Every row at the default length side by side: the pair and the ablation rows, with
-    where each run's checkpoint interval came from (the plan's record: probe, fixed)."""
-    return pd.DataFrame([{"row": j.row, "interval": j.interval_source, **_row_values(j)} for j in jobs]).round(2)
+    where each run's checkpoint interval came from (the plan's record: probe, fixed) and how
+    many of its ranks started from the warm pool."""
+    return pd.DataFrame([{"row": j.row, "interval": j.interval_source, "pooled_ranks": pooled_ranks(j),
+                          **_row_values(j)} for j in jobs]).round(2)
 
 
 def ttr_tables(jobs: Sequence[JobResult], *, on: str = OPTIMIZED.label,
