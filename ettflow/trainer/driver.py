@@ -208,8 +208,8 @@ class TrainingDriver:
                     group.teardown()
                     handed = False
                 layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
-                rec.record("spare_handoff", t0, self.clock(), world_size=self._world(group), rank=failure.rank,
-                           restore_step=getattr(point, "step", None), handed=handed, **layout)
+                rec.record("spare_handoff", t0, self.clock(), sync=False, world_size=self._world(group),
+                           rank=failure.rank, restore_step=getattr(point, "step", None), handed=handed, **layout)
                 if handed:
                     group.resume(point)
                     return self._watch(attempt, group, rec)
@@ -219,7 +219,7 @@ class TrainingDriver:
                 group.reserve()
             finally:
                 layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
-                rec.record("scheduling", t0, self.clock(), world_size=self._world(group), **layout)
+                rec.record("scheduling", t0, self.clock(), sync=False, world_size=self._world(group), **layout)
             group.launch()
             return self._watch(attempt, group, rec)
         finally:
