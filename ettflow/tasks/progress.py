@@ -166,6 +166,7 @@ class ProgressReporter:
         self._restart: str | None = None  # the last restart, said until the next attempt trains
         self._told: set[int] = set()  # attempts whose ending failure the log has said
         self._quiet_since = time.time()
+        self._said: str | None = None  # the last progress line logged (the final report repeats it)
 
     def __enter__(self) -> ProgressReporter:
         self._show(f"attempt {run_spool.last_attempt(self.plan.spool_root, self.plan.run_id)} starting", None)
@@ -229,7 +230,9 @@ class ProgressReporter:
             return
         self._restart = None if s["step"] > 0 else self._restart
         text = step_text(s["step"], self.total, s["attempt"], s["loss"], s["examples_per_s"])
-        self.logger.info("training: %s", text)
+        if text != self._said:
+            self.logger.info("training: %s", text)
+            self._said = text
         pct = 100.0 * min(s["step"] / self.total, 1.0) if self.total else None
         if final and not succeeded:
             text = f"training stopped at {text}"

@@ -88,7 +88,7 @@ def scan(root: Path) -> CheckpointScan:
 
 def remove_uncommitted(root: Path) -> list[Path]:
     """Delete the `.tmp` folders of saves that never committed and half-deleted `.trash`
-    folders under `root` (never a committed `step_<n>`); logs each. Call it at a start,
+    folders under `root` (never a committed `step_<n>`); logs each (debug). Call it at a start,
     before any save of this job is in flight."""
     root = Path(root)
     removed: list[Path] = []
@@ -99,7 +99,8 @@ def remove_uncommitted(root: Path) -> list[Path]:
         if parsed is None or parsed[1] == "final" or not child.is_dir():
             continue
         why = "a save that never committed" if parsed[1] == "tmp" else "an interrupted delete"
-        log.warning("checkpoint cleanup: removing %s, left by %s", child, why)
+        # routine after a kill (the failure itself is reported where it is detected): not on the console
+        log.debug("checkpoint cleanup: removing %s, left by %s", child, why)
         remove_tree(child)
         removed.append(child)
     return removed
