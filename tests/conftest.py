@@ -5,7 +5,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 # ==============================================================================================
-# Warehouse fixtures (tests/test_warehouse.py): each warehouse test runs against a fresh SQLite
+# Warehouse fixtures: each warehouse test runs against a fresh SQLite
 # file and against the real local PostgreSQL. PostgreSQL gets a database made for this test
 # session (dropped at its end) and a fresh schema per test, so runs never collide. If
 # PostgreSQL is unreachable its tests FAIL; ETTFLOW_SKIP_POSTGRES=1 skips them instead.
@@ -85,8 +85,12 @@ def warehouse_url(request, tmp_path):
 # ============================================================================ end warehouse ===
 
 
-# ---- Ray fixtures (one Ray instance per test session) ----------------------------------
-import pytest  # noqa: E402
+# ==============================================================================================
+# One Ray, one Prefect test harness and one compile-cache archive for the session.
+# ==============================================================================================
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")  # a cold 2-core machine
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session")
@@ -98,16 +102,6 @@ def ray_session():
     ensure_ray(num_cpus=4)
     yield
     ray.shutdown()
-
-
-# ==============================================================================================
-# Flow fixtures (tests/test_flow*.py): one Prefect test harness (a temporary API server and
-# database) for the whole session; Ray comes from `ray_session` above. A cold machine needs
-# more than Prefect's default 20-30 s to start the API server.
-# ==============================================================================================
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session")
@@ -132,17 +126,37 @@ def flow_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def flow_work_root(tmp_path_factory):
-    """Checkpoints and the compile cache of every flow run of the session: the cold compile
-    (about 25 s per rank here) is paid once, later runs restore the cache."""
+    """The work root of every flow run of the session (checkpoints under <model>/runs); the
+    model `dlrm`'s compile cache in it is the session's (`compile_cache`)."""
     return tmp_path_factory.mktemp("flow-work")
 
 
-# ================================================================================ end flow ===
+@pytest.fixture(scope="session")
+def compile_cache(flow_work_root, tmp_path_factory, ray_session) -> Path:
+    """The session's compile-cache archive of the tiny model (helpers.flows.TINY, batch 32):
+    built once by a 2-step run of the real trainer (the session's one cold compile), then
+    restored by every run that compiles, flow runs of `dlrm` under `flow_work_root` and
+    trainer runs (their `compile_cache_root`) alike."""
+    from ettflow.trainer.compile.process_cache import has_archive
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    from helpers.flows import MODEL
+    from helpers.trainer_runs import config, drive
+
+    root = flow_work_root / MODEL / "compile-cache"
+    world = tmp_path_factory.mktemp("compile-cache-build")
+    generate_windows(world / "data", SyntheticConfig(windows=2, rows_per_window=256, files_per_window=1, seed=1))
+    cfg = config(world, "build", root, max_steps=2, eval_batches=0).with_switches(
+        live_recovery=False, memory_checkpoint=False)
+    if not has_archive(cfg):
+        drive(world, cfg, "compile-cache-build")
+    assert has_archive(cfg), f"the session's compile-cache archive was not written under {root}"
+    return root
 
 
 # ==============================================================================================
-# A real Prefect server (tests/test_flow_server.py, tests/test_fault_matrix_services.py,
-# tests/test_automations.py, and its UI for tests/test_browser.py): `prefect server start` in
+# A real Prefect server (the deployed path's e2e tests, and its UI for the browser test):
+# `prefect server start` in
 # its own PREFECT_HOME, once per session, with the process work pool `PREFECT_POOL` created.
 # Yields (env, api): the environment for `prefect` commands and workers
 # (no inherited PREFECT_* settings) and the API URL.
@@ -196,3 +210,30 @@ def prefect_server(tmp_path_factory):
 
 
 # ============================================================================= end server ===
+
+
+def pytest_configure(config):
+    """The third-party warnings ettflow's console drops by name (`ettflow.console.KNOWN_NOISE`)
+    are ignored in tests too, by the same names; any other warning shows in the summary.
+
+    Prefect configures its logging once, when `prefect.main` is first imported, and its console
+    handler keeps the `sys.stderr` of that moment: imported inside a test that captures output
+    (capsys), every later Prefect log line goes to that test's closed stream ("I/O operation
+    on closed file"). Importing it here binds the session's stream."""
+    import prefect.main  # noqa: F401
+
+    from ettflow.console import KNOWN_NOISE
+
+    for noise in KNOWN_NOISE:
+        if noise.category is not None:  # pytest splits a filter on ':', so the regex says it as \x3a
+            message = "(?s).*({})".format(noise.message.replace(":", r"\x3a"))
+            config.addinivalue_line("filterwarnings", f"ignore:{message}:{noise.category.__name__}")
+
+
+# Modules that must run after the rest of their level: the multinode cluster shuts the session's
+# Ray down while it runs (one Ray connection per driver) and starts a fresh one after it.
+RUN_LAST = ("test_multinode.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: every other order is kept

@@ -46,6 +46,10 @@ def register(subparsers) -> None:
     sizes.add_argument("--fixed-interval", type=int, dest="fixed_interval_steps",
                        help="steps between saves of the ablation row 'optimized, fixed N-step interval' (the "
                        "other jobs take the interval the flow's plan picks)")
+    sizes.add_argument("--overhead-repeats", type=int, help="interleaved pairs of the recording-overhead runs")
+    p.add_argument("--switch", action="append", default=[], metavar="NAME=BOOL", dest="switches",
+                   help="set a trainer switch on every job, both modes and every row (repeatable), e.g. "
+                   "compile=false for a smoke run of the command; results.md names it")
     p.set_defaults(func=main)
     parts = p.add_subparsers(dest="part", metavar="{refreshes,intervals}",
                              help="a measurement of its own (without one: the paired evaluation above)")
@@ -70,12 +74,26 @@ def plan_from(args: argparse.Namespace):
 
     plan = BenchPlan.quick() if args.quick else BenchPlan.full()
     changes = {k: getattr(args, k) for k in ("rows_per_window", "batch_size", "num_embeddings",
-                                              "fixed_interval_steps") if getattr(args, k, None)}
+                                              "fixed_interval_steps", "overhead_repeats") if getattr(args, k, None)}
+    if getattr(args, "switches", None):
+        changes["switches"] = parse_switches(args.switches)
     if not getattr(args, "warm_pool", True):
         changes["warm_pool"] = False
     if getattr(args, "lengths", None):
         changes["lengths"] = tuple(int(x) for x in args.lengths.split(","))
     return replace(plan, **changes)
+
+
+def parse_switches(items: list[str]) -> dict[str, bool]:
+    """`NAME=BOOL` items (true/false, 1/0, on/off) -> {name: bool}; a malformed one says so."""
+    out: dict[str, bool] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        flag = {"true": True, "1": True, "on": True, "false": False, "0": False, "off": False}.get(value.lower())
+        if not sep or not name or flag is None:
+            raise SystemExit(f"ettflow bench: --switch takes NAME=BOOL (true or false), got {item!r}")
+        out[name] = flag
+    return out
 
 
 def _targets(pairs, ablation, checkpoints, shutdown, overhead, ttr_ratio=None) -> pd.DataFrame:

@@ -96,6 +96,7 @@ class JobSpec:
     record_steps: bool = True
     max_steps: int | None = None
     eval_batches: int = 4
+    switches: dict[str, bool] = field(default_factory=dict)  # set on every job, over the row's (`--switch`)
 
     def failures(self) -> tuple[FailAt, ...]:
         return tuple(FailAt(kind="kill", rank=(i + 1) % self.world_size, step=s, attempt=i)
@@ -158,7 +159,8 @@ class JobResult:
 
 def flow_params(spec: JobSpec, row: Row, **over: Any) -> dict[str, Any]:
     """The `refresh_model` parameters of the job (besides the roots `Refresher.params` sets)."""
-    return {"mode": row.mode, "switches": dict(row.switches) or None, "architecture": spec.architecture(),
+    switches = {**row.switches, **spec.switches} or None
+    return {"mode": row.mode, "switches": switches, "architecture": spec.architecture(),
             "windows": list(spec.train_windows), "eval_windows": list(spec.held_out), "world_size": spec.world_size,
             "batch_size": spec.batch_size, "max_embeddings": spec.num_embeddings, "max_steps": spec.max_steps,
             "checkpoint_every_steps": row.interval_steps or spec.checkpoint_every_steps,
@@ -196,7 +198,9 @@ def trainer_config(spec: JobSpec, mode: str, run_id: str, *, cache_root: Path | 
         data_root=str(spec.data_root), schema=criteo_schema(spec.num_embeddings), windows=spec.train_windows,
         eval_windows=spec.held_out, work_dir=str(spec.work_root / run_id),
         compile_cache_root=str(cache_root) if cache_root else None, model=spec.model,
-        switches=Switches.preset(mode), world_size=spec.world_size, batch_size=spec.batch_size,
+        switches=replace(Switches.preset(mode), **{k: v for k, v in spec.switches.items()
+                                                   if k != "publish_in_trainer"}),
+        world_size=spec.world_size, batch_size=spec.batch_size,
         checkpoint_every_steps=spec.checkpoint_every_steps, failures=spec.failures(),
         max_failures=len(spec.kill_steps) + 1, record_steps=spec.record_steps, max_steps=spec.max_steps,
         eval_batches=spec.eval_batches, log_every=10_000,

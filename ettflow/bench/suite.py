@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -67,6 +67,8 @@ class BenchPlan:
     overhead_repeats: int = 8  # pairs of runs with and without recording, interleaved (ABBA)
     # the process keeps a warm pool, as a long-lived driver does (False: every job starts cold)
     warm_pool: bool = True
+    # switches set on every job, both modes and every row (`--switch`; e.g. compile off for a smoke run)
+    switches: dict[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
@@ -76,6 +78,7 @@ class BenchPlan:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BenchPlan.{name} must be an int >= 1, got {value!r}")
+        Row(label="every job", mode="optimized", switches=self.switches)  # names an unknown switch
         if not all(0 < f < 1 for f in self.kill_fractions):
             raise ValueError(f"BenchPlan.kill_fractions must lie in (0, 1), got {self.kill_fractions!r}")
 
@@ -130,7 +133,7 @@ class Bench:
     def spec(self, windows: tuple[str, ...], length: int, kill_steps: tuple[int, ...]) -> JobSpec:
         return JobSpec(data_root=self.data, train_windows=windows[:length], held_out=windows[-1:],
                        work_root=self.work, num_embeddings=self.plan.num_embeddings,
-                       batch_size=self.plan.batch_size, kill_steps=kill_steps)
+                       batch_size=self.plan.batch_size, kill_steps=kill_steps, switches=dict(self.plan.switches))
 
     def job(self, spec: JobSpec, row: Row, label: str) -> JobResult:
         name = f"L{label}-{row.slug}"

@@ -1,0 +1,52 @@
+"""Clean console output of the real `ettflow refresh` (the README's main job, in its own
+ETTFLOW_HOME): the default refresh, with its induced failure and a cold compile, prints fewer
+than 40 lines and no third-party warning, and ettflow's own lines stay. (`--verbose` showing
+the third-party lines again: e2e/test_refresh_process.py; the table itself: unit/test_console_noise.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ettflow.console import ray_skip_regex
+
+ROOT = Path(__file__).resolve().parents[2]
+ETTFLOW = Path(sys.executable).with_name("ettflow")
+
+# What a third-party warning looks like on the console (the known ones, and the shapes of any
+# other): a Python warning line, a library logger's WARNING, torch's own log prefix, Ray's notes.
+THIRD_PARTY = re.compile(
+    "|".join([ray_skip_regex(), r"\b\w+Warning: ", r"WARNING:(torch|torchrec|fbgemm|ray|prefect)",
+              r"\[rank\d+\]:[WE]\d{4}", r"\(raylet\)", r"Ray deduplicates logs", r"auth_token"])
+)
+
+
+def refresh(home: Path, *args: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "ETTFLOW_VERBOSE", "RAY_DEDUP_LOGS_SKIP_REGEX", "ETTFLOW_WAREHOUSE_URL")}
+    env.update(ETTFLOW_HOME=str(home), RAY_USAGE_STATS_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+    done = subprocess.run([str(ETTFLOW), "refresh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    out = (done.stdout + done.stderr).splitlines()
+    assert done.returncode == 0, "\n".join(out[-60:])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_default_refresh_is_short_and_free_of_third_party_warnings(tmp_path):
+    quiet = refresh(tmp_path)  # the default: 2 ranks, one induced SIGKILL and its recovery
+    noisy = [line for line in quiet if THIRD_PARTY.search(line)]
+    assert not noisy and len(quiet) < 40, (f"{len(quiet)} lines, {len(noisy)} of them third-party:\n"
+                                           + "\n".join(noisy) + "\n---- all of it:\n" + "\n".join(quiet))
+    text = "\n".join(quiet)
+    for own in ("ettflow refresh:", "trainer reserved", "attempt 0 failed", "trained to step", "published",
+                "effective_training", "snapshot:"):
+        assert own in text, own

@@ -1,0 +1,145 @@
+"""Fault-matrix case 3 on the deployed path: a deployment run whose flow process is SIGKILLed
+mid-training (a real `prefect server`, a process worker, the flow process's own local Ray):
+Prefect marks it CRASHED, `on_crashed` records an `orchestrator` failure in the row, closes the
+task runs it left open, and the trainer actors and the flow process's Ray die with their owner.
+
+It asserts the outcome and its message, that every spooled event is in the warehouse, the row
+(status, NoF, failure class, components summing to wall), and that no process of the run is
+left. Measured times are printed (`pytest -s`). (Case 4, the warehouse lost mid-run:
+e2e/test_warehouse_outage.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+
+from ettflow.ett.spool import read_spool
+
+from helpers.flows import PLAIN, TINY, assert_components_sum_to_wall, warehouse_row
+from helpers.prefect_cli import POOL, PREFECT, REPO, prefect
+from helpers.processes import alive, describe, processes_of, trainer_actors
+from helpers.spool import training_started
+from helpers.waiting import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+START_S = 240.0  # a cold start on a busy 2-core machine (worker, flow process, trainer init)
+BOUND_S = 60.0  # kill -> CRASHED, the row, the actors gone
+
+
+# ---- case 3: a crashed deployed run ------------------------------------------------------------
+
+
+def flow_run_process(worker: psutil.Process, flow_run_id: str) -> psutil.Process | None:
+    """The worker's child that runs the flow run: the topmost descendant whose environment
+    names the flow run (Prefect passes PREFECT__FLOW_RUN_ID to it)."""
+    runs = []
+    for p in worker.children(recursive=True):
+        try:
+            if p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                runs.append(p)
+        except psutil.Error:
+            continue
+    pids = {p.pid for p in runs}
+    top = [p for p in runs if p.ppid() not in pids]
+    return top[0] if top else None
+
+
+def api_state(api: str, flow_run_id: str) -> dict:
+    return httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()
+
+
+def task_runs(api: str, flow_run_id: str) -> list[dict]:
+    body = {"task_runs": {"flow_run_id": {"any_": [flow_run_id]}}}
+    return httpx.post(f"{api}/task_runs/filter", json=body, timeout=10).json()
+
+
+def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
+        prefect_server, tmp_path, flow_data, flow_work_root):
+    env, api = prefect_server  # conftest: the server, with prefect.yaml's work pool created
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
+    prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(tmp_path / "prefect.yaml"))
+    warehouse, spool = f"sqlite:///{tmp_path / 'warehouse.db'}", tmp_path / "spool"
+    params = {"data_root": str(flow_data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
+              "batch_size": 32, "max_steps": 60, "checkpoint_every_steps": 10, "eval_batches": 2,
+              "switches": PLAIN, "work_root": str(flow_work_root),
+              "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(spool), "warehouse_url": warehouse}
+    out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params", json.dumps(params))
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    # the flow process starts (and owns) its own local Ray, as on a worker without RAY_ADDRESS;
+    # every process it starts inherits ETTFLOW_HOME, which finds them afterwards
+    home = tmp_path / "home"
+    worker_env = {**{k: v for k, v in env.items() if k != "RAY_ADDRESS"}, "ETTFLOW_HOME": str(home)}
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process",
+                               "--run-once", "--limit", "1"], env=worker_env, cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: training_started(spool, flow_run_id) or worker.poll() is not None, START_S,
+                 "the deployed run to start training")
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
+        target = wait_for(lambda: flow_run_process(psutil.Process(worker.pid), flow_run_id), 10,
+                          "the worker's flow-run process")
+        actors = wait_for(trainer_actors, 30, "the trainer actors")
+        started = [p for p in processes_of(home) if p.pid != worker.pid]  # the flow process, its Ray
+        assert any("raylet" in " ".join(p.cmdline()) for p in started), describe(started)
+        assert api_state(api, flow_run_id)["state_type"] == "RUNNING"
+
+        killed = time.monotonic()
+        os.kill(target.pid, signal.SIGKILL)
+        crashed = wait_for(lambda: api_state(api, flow_run_id)["state_type"] == "CRASHED" and time.monotonic(),
+                           BOUND_S, "the flow run to be CRASHED", poll_s=0.05)
+        actors_gone = wait_for(lambda: not alive(actors) and time.monotonic(), BOUND_S,
+                               "the trainer actors to die with their flow process")
+        ray_gone = wait_for(lambda: not [p for p in alive(started) + processes_of(home) if p.pid != worker.pid]
+                            and time.monotonic(), BOUND_S, "the flow process's Ray to stop")
+        worker.wait(timeout=BOUND_S)  # --run-once: it exits once the crash is handled (hooks included)
+        archived = time.monotonic()
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        log.close()
+    print(f"\ncase 3: kill -> CRASHED {crashed - killed:.1f} s; trainer actors gone {actors_gone - killed:.1f} s; "
+          f"its Ray gone {ray_gone - killed:.1f} s; "
+          f"worker done (row written) {archived - killed:.1f} s")
+    worker_log = (tmp_path / "worker.log").read_text()
+
+    # the outcome and its message, through the API
+    state = api_state(api, flow_run_id)["state"]
+    assert state["type"] == "CRASHED", state
+    assert "-9" in state["message"] or "SIGKILL" in state["message"], state["message"]
+    # the crashed state tells the ETT (the hook set it again with the message), the orchestrator failure named
+    crashed_message = r"ETT \d+\.\d% · NoF \d+ \(.*orchestrator: Prefect marked the flow run CRASHED"
+    assert re.match(crashed_message, state["message"]), state["message"]
+    # the train task does not stay Running: the hook closed the task runs the dead process left open
+    tasks = task_runs(api, flow_run_id)
+    assert not [t["name"] for t in tasks if t["state_type"] in ("RUNNING", "PENDING", "SCHEDULED")], tasks
+    (train,) = [t for t in tasks if t["name"].startswith("train-")]
+    assert train["state_type"] == "CRASHED"
+
+    # the row: crashed, the orchestrator failure counted, nothing spooled missing, the partition exact
+    row, events, failures = warehouse_row(warehouse, flow_run_id)
+    assert row is not None, worker_log[-4000:]
+    assert row["status"] == "crashed" and row["nof"] >= 1, row.to_dict()
+    assert "orchestrator" in set(failures["failure_class"]), failures
+    marks = events[events["phase"].isin(["failure", "failure_detected"])]
+    assert any(a.get("detection") == "prefect_crashed" for a in marks["attrs"])  # the timeline has it
+    assert len(events) == len(read_spool(spool, flow_run_id).events)
+    assert row["effective_steps"] >= 1
+    assert_components_sum_to_wall(row)
+    assert f"run {flow_run_id} crashed: orchestrator failure recorded" in worker_log
+    found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    assert "ett-timeline-refresh-adhoc" in {a["key"] for a in found}
+    # nothing of the run is left: its trainer actors are gone, and so are their placement groups
+    assert not alive(actors) and not trainer_actors()
+    assert not processes_of(home), describe(processes_of(home))

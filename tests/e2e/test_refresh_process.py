@@ -1,0 +1,152 @@
+"""`ettflow refresh` killed with SIGKILL leaves nothing running and no RUNNING flow run.
+
+The real command (`.venv/bin/ettflow refresh`) runs as a subprocess with its own ETTFLOW_HOME
+and PREFECT_HOME (so it owns its Prefect database), tiny sizes, no compile, and a hang at step
+3 so that it is surely mid-training when the kill comes. Two such commands start side by side;
+once both spools show a `train_step`, one process of each gets SIGKILL, one after the other:
+
+- the supervisor (the `ettflow refresh` process): its worker notices, the run ends through
+  Prefect's crash handling (CRASHED, the crash hook archives the row as ``crashed``) and the
+  worker stops Ray and the ephemeral server before it exits;
+- the worker (the child that runs the flow; this command runs with `--verbose`, which must
+  show the third-party lines the default drops): the supervisor stops Ray's processes, marks
+  the run CRASHED through the worker's still running server, stops it, and exits 137.
+
+Either way, within `BOUND_S` of the kill, no process whose environment names that
+ETTFLOW_HOME (every process the command starts inherits it) or that was below the command at
+the kill is alive. The measured times are printed (`pytest -s`). These tests run in the same
+pytest session as every other (what once took the session's Ray and Prefect harness down was
+a test that stopped every descendant of pytest: integration/test_supervise_stop.py says so).
+The pieces, pure: unit/test_supervise.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers.processes import alive, describe, processes_of
+from helpers.spool import training_started
+
+ETTFLOW = Path(sys.executable).parent / "ettflow"
+BOUND_S = 30.0  # the worker's orderly crash may take SupervisorConfig.grace_s (20 s), then the stops
+START_S = 240.0  # cold start on a busy 2-core machine: Prefect server, Ray, the trainer's init
+# what `--verbose` shows and the default drops (TorchRec's planner, printed by the ranks before training)
+THIRD_PARTY = re.compile(r"topology was constructed directly|is_fx_tracing")
+
+
+def flow_runs(prefect_home: Path) -> list[tuple[str, str, str]]:
+    """(id, state type, state message) of every flow run in the test's Prefect database."""
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        return db.execute("SELECT fr.id, fr.state_type, s.message FROM flow_run fr "
+                          "LEFT JOIN flow_run_state s ON s.id = fr.state_id").fetchall()
+
+
+class Refresh:
+    """One `ettflow refresh` process of its own ETTFLOW_HOME and PREFECT_HOME under `folder`,
+    started at once; `kill` SIGKILLs one of its processes."""
+
+    def __init__(self, folder: Path, flow_data: Path, *extra: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.home, self.prefect_home = folder, folder / "home", folder / "prefect"
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PREFECT_API", "RAY_ADDRESS", "ETTFLOW_", "PREFECT__"))}
+        env.update(ETTFLOW_HOME=str(self.home), PREFECT_HOME=str(self.prefect_home), RAY_USAGE_STATS_ENABLED="0",
+                   PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+        self.log_path = folder / "refresh.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen(
+            [str(ETTFLOW), "refresh", "--data-root", str(flow_data), "--batch-size", "32", "--switch", "compile=false",
+             "--fail-at", "hang:rank=0:step=3", "--param", "max_embeddings=100", *extra],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.snapshot: list[psutil.Process] = []
+        self.killed_at = 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def training(self, *, shows: re.Pattern | None = None) -> bool:
+        """Whether it trains (and its console shows `shows`); fails the test if it ended."""
+        if self.proc.poll() is not None:
+            pytest.fail(f"`ettflow refresh` exited ({self.proc.returncode}) before training:\n{self.log()[-4000:]}")
+        return training_started(self.home / "spool") is not None and (shows is None or bool(shows.search(self.log())))
+
+    def kill(self, target: int) -> None:
+        """SIGKILL `target` (a process of this command's tree), noting the tree as it was."""
+        self.snapshot = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        assert any("raylet" in " ".join(p.cmdline()) for p in self.snapshot), describe(self.snapshot)
+        self.killed_at = time.monotonic()
+        os.kill(target, signal.SIGKILL)
+
+    def left(self) -> list[psutil.Process]:
+        self.proc.poll()  # reap the supervisor once it exits
+        return alive(self.snapshot) + processes_of(self.home)
+
+
+def wait_until_nothing_is_left(refreshes: list[Refresh]) -> list[float]:
+    """Per refresh, the seconds from its kill until nothing of it was left (fails after BOUND_S)."""
+    took: dict[int, float] = {}
+    while len(took) < len(refreshes):
+        for i, r in enumerate(refreshes):
+            if i in took:
+                continue
+            left = r.left()
+            if not left:
+                took[i] = time.monotonic() - r.killed_at
+            elif time.monotonic() - r.killed_at > BOUND_S:
+                for p in left:
+                    p.kill()
+                pytest.fail(f"{len(left)} process(es) outlived the killed `ettflow refresh` by {BOUND_S:g} s:\n"
+                            + "\n".join(describe(left)) + "\n" + r.log()[-4000:])
+        time.sleep(0.1)
+    for r in refreshes:
+        r._log.close()
+    return [took[i] for i in range(len(refreshes))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(tmp_path, flow_data):
+    command = Refresh(tmp_path / "command", flow_data)
+    worker_killed = Refresh(tmp_path / "worker", flow_data, "--verbose")
+    deadline = time.monotonic() + START_S
+    while not (command.training() and worker_killed.training(shows=THIRD_PARTY)):
+        assert time.monotonic() < deadline, "the two `ettflow refresh` did not both start training in time"
+        time.sleep(0.3)
+    (worker,) = [p for p in psutil.Process(worker_killed.proc.pid).children()
+                 if "ettflow.flows.supervise" in p.cmdline()]
+    # one kill at a time (the other command waits in its hang meanwhile): each cleanup's bound
+    # holds on two busy cores
+    command.kill(command.proc.pid)
+    took = wait_until_nothing_is_left([command])
+    worker_killed.kill(worker.pid)
+    took += wait_until_nothing_is_left([worker_killed])
+    print(f"\nSIGKILL of `ettflow refresh`: no process left after {took[0]:.1f} s; "
+          f"of its worker: {took[1]:.1f} s")
+
+    # the command killed: its worker crashed the run and the crash hook archived it
+    ((run_id, state, message),) = flow_runs(command.prefect_home)
+    assert state == "CRASHED", (state, message)
+    assert f"the `ettflow refresh` process (pid {command.proc.pid}) was killed" in message
+    from ettflow.ett.warehouse import Warehouse
+
+    with Warehouse.open(f"sqlite:///{command.home / 'warehouse.db'}") as wh:
+        runs = wh.runs_frame(run_id=run_id)
+    assert len(runs) == 1 and runs.iloc[0]["status"] == "crashed"
+    assert not THIRD_PARTY.search(command.log())  # the default console drops them
+
+    # the worker killed: the command crashed the run through the worker's server and exited 137
+    assert worker_killed.proc.wait(timeout=5) == 128 + signal.SIGKILL
+    ((_, state, message),) = flow_runs(worker_killed.prefect_home)
+    assert state == "CRASHED", (state, message)
+    assert f"the refresh worker process (pid {worker.pid}) was killed by SIGKILL" in message
+    assert "nothing it started is left running" in worker_killed.log()

@@ -1,0 +1,165 @@
+"""The real trainer: 2 Ray actors, TorchRec DMP over gloo, compiled dense step (from the
+session's compile cache), DCP checkpoints, real SIGKILLs, a NaN loss, a bad data file, the
+baseline's switches and the warm pool. Tiny sizes; the reference run (`clean_run`, e2e/conftest.py)
+is the one every interrupted run must end bitwise equal to."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from ettflow.trainer.checkpoint.anchor import read_anchor
+from ettflow.trainer.config import FailAt, Switches
+from ettflow.trainer.driver import TrainingFailed
+
+from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive, model_tensors
+
+pytestmark = [pytest.mark.slow]
+
+
+def test_two_ranks_train_and_held_out_loss_falls(clean_run):
+    result, events, m = clean_run
+    assert result.attempts == 1 and m.nof == 0
+    r0 = result.rank0
+    assert r0["final_step"] == STEPS and m.effective_steps == 2 * STEPS and m.replayed_steps == 0
+    assert r0["eval"]["loss"] < r0["eval_start"]["loss"] - 0.01
+    assert r0["eval"]["auc"] > 0.6 and r0["steps_per_s"] > 0 and r0["examples_per_s"] > 0
+    # the session's archive (conftest `compile_cache`) was restored: nothing compiled cold
+    assert r0["compile"]["cache_hit"] and r0["compile"]["recompiles"] == 0
+    m.check_partition()
+
+
+def test_steps_stalls_and_saves_tile_the_training_time(clean_run):
+    # each step's interval starts where the previous step, stall or save ended (`trainer.step_clock`),
+    # so nothing between a rank's first and last step is unattributed
+    _, events, _ = clean_run
+    saves = ("checkpoint_save_blocking", "memory_save_blocking")
+    for rank in (0, 1):
+        spans = sorted((e.start, e.end, e.phase) for e in events if e.rank == rank
+                       and e.phase in ("train_step", "data_stall", *saves))
+        assert len(by(events, "train_step", rank)) == STEPS and len(spans) > STEPS  # saves every 5 steps
+        for (_, end, _), (start, _, _) in zip(spans, spans[1:]):
+            assert start == end  # a step, stall or save starts exactly where the previous interval ended
+
+
+def test_fast_batch_compile_does_not_wait_for_real_data(clean_run):
+    # (the overlap itself, with a DPP slower than this tiny one: unit/test_init_pipeline.py)
+    _, events, _ = clean_run
+    for rank in (0, 1):
+        (compile_ev,) = by(events, "pt2_compile", rank)
+        (warmup,) = by(events, "get_first_batch_data", rank)
+        assert compile_ev.attrs["batch"] == "synthetic fast batch"
+        assert warmup.start < compile_ev.start  # the DPP warm-up started in the background first
+
+
+def test_a_nan_loss_and_a_sigkill_each_restart_every_rank_exactly_and_warm(trainer_world, compile_cache, clean_run,
+                                                                           tmp_path):
+    """A NaN loss on rank 0 at step 7 (attempt 0), then a SIGKILL of rank 1 at step 12
+    (attempt 1); live recovery off, so every rank restarts both times (the path a lost node,
+    a hang or a numerics failure takes, and the ablation's)."""
+    cfg = config(trainer_world, "nan-kill", compile_cache,
+                 failures=(FailAt(kind="nan", rank=0, step=7), FailAt(kind="kill", rank=1, step=12))).with_switches(
+        live_recovery=False, memory_checkpoint=False)
+    result, events, m = drive(trainer_world, cfg, "nan-kill")
+    assert result.attempts == 3 and m.nof == 2
+    assert [f.failure_class for f in m.failures] == ["numerics", "infrastructure"]
+    m.check_partition()
+    # the NaN ended attempt 0 with a numerics marker from rank 0 ...
+    (marker,) = by(events, "failure", rank=0, attempt=0)
+    assert marker.attrs["failure_class"] == "numerics" and marker.attrs["step"] == 7
+    assert marker.attrs["injected"] and marker.attrs["reason"] == "non-finite loss at step 7 on rank 0"
+    # ... the NaN step was never recorded as a step, on any rank, and nothing was saved after it
+    assert max(e.attrs["step"] for e in by(events, "train_step", attempt=0)) == 6
+    assert all(e.attrs["loss"] == e.attrs["loss"] for e in by(events, "train_step"))  # no NaN loss anywhere
+    assert sorted({e.attrs["step"] for e in by(events, "checkpoint_save_blocking", attempt=0)}) == [5]
+    assert by(events, "anchor_checkpoint", attempt=0) == []
+    (first_restore,) = by(events, "checkpoint_restore", rank=0, attempt=1)
+    assert first_restore.attrs["step"] == 5  # the last finite checkpoint
+    # the kill's restart resumed exactly at the restored checkpoint's cursor ...
+    (restore,) = by(events, "checkpoint_restore", rank=0, attempt=2)
+    first_step = min(by(events, "train_step", rank=0, attempt=2), key=lambda e: e.start)
+    assert list(first_step.cursor_start) == restore.attrs["cursor"]
+    assert restore.attrs["step"] in (5, 10)  # the step-10 save may still have been in flight at the kill
+    # ... both restarts replayed only what each failure lost, and every batch was new data exactly once
+    assert m.replayed_steps == 2 * (7 - 5) + 2 * (12 - restore.attrs["step"]) and m.effective_steps == 2 * STEPS
+    # the restarts found the compile cache: no compilation, no recompile
+    compile_report = result.rank0["compile"]
+    assert compile_report["cache_hit"] and compile_report["fxgraph_miss"] == 0 and compile_report["recompiles"] == 0
+    # and it ends with the parameters of the run that was never interrupted, all finite
+    anchor = model_tensors(result.rank0["anchor"], tmp_path / "anchor.pt")
+    assert all(torch.isfinite(t).all() for t in anchor.values() if t.is_floating_point())
+    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+
+
+def test_baseline_switches_compile_after_the_first_real_batch(trainer_world, compile_cache):
+    switches = Switches(parallel_init=False, fast_batch=False, compile_cache=True, async_checkpoint=False)
+    cfg = config(trainer_world, "baseline", compile_cache, switches=switches, max_steps=6, eval_batches=0)
+    result, events, m = drive(trainer_world, cfg, "baseline")
+    for rank in (0, 1):
+        (compile_ev,) = by(events, "pt2_compile", rank)
+        (warmup,) = by(events, "get_first_batch_data", rank)
+        assert compile_ev.start >= warmup.end and compile_ev.attrs["batch"] == "first real batch"
+        stages = sorted((e for e in events if e.rank == rank and e.phase in
+                         ("process_group_init", "preproc_creation", "train_module_creation")), key=lambda e: e.start)
+        assert all(a.end <= b.start for a, b in zip(stages, stages[1:]))  # sequential init
+    assert result.rank0["checkpoint"]["saves"] == 1 and by(events, "checkpoint_save_background") == []
+    anchor = result.rank0["anchor"]  # synchronous saves commit the anchor too
+    assert anchor and read_anchor(anchor)["run_id"] == "baseline" and read_anchor(anchor)["step"] == 6
+
+
+def test_bad_data_file_is_rejected_with_its_name_and_column(trainer_world, compile_cache):
+    data = trainer_world / "bad-data"
+    shutil.copytree(trainer_world / "data", data)
+    window = sorted(p for p in data.iterdir() if p.is_dir())[0]
+    part = sorted(window.glob("*.parquet"))[0]
+    table = pq.read_table(part)
+    broken = table.set_column(table.schema.get_field_index("int_3"), "int_3",
+                              pa.array(["x"] * table.num_rows, type=pa.string()))
+    pq.write_table(broken, part)
+    cfg = config(trainer_world, "bad", compile_cache, data_root=str(data)).with_switches(
+        compile=False, live_recovery=False, memory_checkpoint=False)
+    with pytest.raises(TrainingFailed, match=rf"{part}.*int_3"):
+        drive(trainer_world, cfg, "bad")
+
+
+# ---- the warm pool (trainer/warm_pool.py): a run's ranks start from processes prewarmed after the last ----
+
+def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(trainer_world, compile_cache, clean_run,
+                                                                               tmp_path):
+    import ray
+
+    from ettflow.trainer.warm_pool import POOL
+
+    POOL.keep_warm(True)
+    try:
+        drive(trainer_world, config(trainer_world, "pool-first", compile_cache, max_steps=2, eval_batches=0),
+              "pool-first")
+        assert POOL.wait_ready(180) == 4  # its teardown started 2 ranks, a spare and its successor for the next run
+        pooled = {ray.get(w.actor.ready.remote())["pid"] for w in POOL.workers}
+        POOL.keep_warm(False)  # the next run takes them and leaves nothing
+        result, events, m = drive(trainer_world, config(trainer_world, "pool-next", compile_cache, eval_at_start=True),
+                                  "pool-next")
+        # the ranks took two, the run's spare the third; no failure needed the spare's successor
+        assert len(POOL.workers) == 1
+    finally:
+        POOL.close()
+    assert result.attempts == 1 and m.nof == 0
+    m.check_partition()
+    # both ranks ran in pooled processes; what each prepared is recorded off the clock
+    ranks = {beat_pid(trainer_world, "pool-next", 0, rank) for rank in (0, 1)}
+    assert ranks < pooled and len(ranks) == 2
+    starts = by(events, "spare_start")
+    assert sorted(e.attrs["for_rank"] for e in starts) == [0, 1] and all(e.attrs["pooled"] for e in starts)
+    # no process start and no compile on the run's clock: both were done before the run
+    assert all(e.attrs.get("part") != "process_start" for e in by(events, "device_init"))
+    for rank in (0, 1):
+        (compile_ev,) = by(events, "pt2_compile", rank)
+        assert compile_ev.attrs["batch"] == "prewarmed before the run (warm pool)"
+    assert result.rank0["compile"]["cache_hit"] and result.rank0["compile"]["recompiles"] == 0
+    # and the run is the run a fresh start makes
+    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+

@@ -1,0 +1,175 @@
+"""Faults on the real trainer (2 Ray actors, gloo, TorchRec, DCP), tiny sizes, each run ending
+bitwise at the parameters of the uninterrupted reference run (`clean_run`, e2e/conftest.py):
+
+- live recovery: a SIGKILLed rank is replaced by a warm spare while rank 0 keeps its process and
+  compiled step, restored from the in-memory tier; a second kill comes before the new spare is
+  ready; a damaged in-memory copy sends every rank to the durable checkpoint;
+- detection: a hang in pt2_compile and one at step 0 are found by the phase watchdog within
+  their bounds (not by gloo's timeout);
+- preemption: an external SIGTERM and a scripted one are recorded as preemption, stop both
+  ranks at one step boundary with an emergency checkpoint, and each restart resumes exactly.
+
+Detection times are measured from the spool (failure_detected - failure) and printed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ettflow.ett.spool import read_spool
+from ettflow.trainer.config import FailAt
+from ettflow.trainer.ray_group import RayWorkerGroup
+
+from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive
+
+pytestmark = [pytest.mark.slow]
+
+SLACK_S = 10.0  # polling, a loaded 2-core machine; gloo's timeout (the old detector) was 300 s
+
+
+def restore_step(events, attempt: int) -> int:
+    (restore,) = by(events, "checkpoint_restore", rank=0, attempt=attempt)
+    return restore.attrs["step"]
+
+
+# ---- live recovery (trainer/live_recovery.py): survivors keep running, a warm spare joins ----
+
+def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_ready(trainer_world, compile_cache,
+                                                                                    clean_run, tmp_path):
+    """Rank 1 is killed at step 8, and again at step 9 of the attempt that recovered it, while
+    the spare that replaces the first spare may still be starting."""
+    cfg = config(trainer_world, "live", compile_cache, failures=(
+        FailAt(kind="kill", rank=1, step=8), FailAt(kind="kill", rank=1, step=9, attempt=1)))
+    result, events, m = drive(trainer_world, cfg, "live")
+    assert result.attempts == 3 and m.nof == 2
+    assert [f.failure_class for f in m.failures] == ["infrastructure", "infrastructure"]
+    m.check_partition()
+    # rank 0 kept its process and its compiled step throughout; rank 1 is a new process each time
+    pids = [beat_pid(trainer_world, "live", attempt, 0) for attempt in (0, 1, 2)]
+    assert len(set(pids)) == 1
+    assert len({beat_pid(trainer_world, "live", attempt, 1) for attempt in (0, 1, 2)}) == 3
+    assert by(events, "pt2_compile", attempt=1) == by(events, "pt2_compile", attempt=2) == []
+    assert result.rank0["compile"]["recompiles"] == 0 and result.rank0["compile"]["frames_compiled"] == 1
+    # each time a spare took rank 1; every rank rebuilt its group and module and restored
+    handoffs = sorted(by(events, "spare_handoff"), key=lambda e: e.attempt)
+    assert [(h.attempt, h.attrs["rank"]) for h in handoffs] == [(1, 1), (2, 1)]
+    assert [e.attrs.get("spare") for e in by(events, "preproc_creation", rank=1, attempt=1)] == [True]
+    for rank in (0, 1):
+        for phase in ("process_group_rebuild", "module_reshard"):
+            assert len(by(events, phase, rank=rank, attempt=1)) == 1, (phase, rank)
+        (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=1)
+        assert restore.attrs["source"] == "memory" and restore.attrs["step"] <= 8  # the in-memory tier
+    assert by(events, "device_init", attempt=1) == []  # no process started on the critical path
+    # the second hand-off waited for the spare that started after the first one
+    starts = sorted(by(events, "spare_start"), key=lambda e: e.start)
+    assert len(starts) >= 2 and starts[1].start >= handoffs[0].start and starts[1].end <= handoffs[1].end + 1e-6
+    # replayed only what each kill lost since the restored copy, trained every batch once
+    assert m.replayed_steps == 2 * (8 - restore_step(events, 1)) + 2 * (9 - restore_step(events, 2))
+    assert m.effective_steps == 2 * STEPS
+    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+
+
+def test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint(trainer_world, compile_cache, clean_run,
+                                                                       tmp_path):
+    # rank 1's in-memory copies are damaged from step 6 on; it is killed at step 11, while the
+    # durable save of step 10 may still be in flight (nothing torn may ever be restored)
+    cfg = config(trainer_world, "live-corrupt", compile_cache, failures=(FailAt(kind="corrupt", rank=1, step=6),
+                                                                       FailAt(kind="kill", rank=1, step=11)))
+    result, events, m = drive(trainer_world, cfg, "live-corrupt")
+    assert result.attempts == 2 and m.nof == 1
+    for rank in (0, 1):
+        (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=1)
+        assert restore.attrs["source"] == "own" and restore.attrs["step"] in (5, 10)  # the durable one
+        # a committed folder (the restore verified every file's checksum before reading it), never the
+        # step-10 save the kill interrupted
+        assert Path(restore.attrs["path"]).name == f"step_{restore.attrs['step']:010d}"
+        assert restore.attrs["memory_problem"]
+    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+
+
+# ---- detection: the phase watchdog ------------------------------------------------------------
+
+def detection_s(events, attempt: int) -> float:
+    (fault,) = by(events, "failure", attempt=attempt)
+    (detected,) = by(events, "failure_detected", attempt=attempt)
+    return detected.start - fault.start
+
+
+def test_hangs_in_compile_and_at_step_0_are_detected_within_their_bounds(trainer_world, compile_cache):
+    """Rank 1 hangs in pt2_compile (bound 15 s) in attempt 0, then at step 0 (bound 3 s) in
+    the attempt that restarted every rank (a hang is never recovered live)."""
+    cfg = config(trainer_world, "hangs", compile_cache, failures=(
+        FailAt.parse("hang:rank=1:phase=pt2_compile"), FailAt.parse("hang:rank=1:step=0")),
+        compile_timeout_s=15.0, step_timeout_s=3.0, eval_batches=0)
+    result, events, m = drive(trainer_world, cfg, "hangs")
+    compile_hang, step_hang = result.failures
+    assert result.attempts == 3 and m.nof == 2
+    assert [f.failure_class for f in m.failures] == ["infrastructure", "infrastructure"]
+    assert compile_hang.rank == 1 and compile_hang.reason.startswith("rank 1 hung in pt2_compile for ")
+    assert by(events, "train_step", attempt=0) == []  # attempt 0 never trained
+    assert (step_hang.rank, step_hang.step) == (1, 0) and step_hang.reason.startswith("rank 1 hung in train_step for ")
+    took = detection_s(events, 0), detection_s(events, 1)
+    print(f"\nhang in pt2_compile: detected {took[0]:.2f} s after it began (bound 15 s); "
+          f"at step 0: {took[1]:.2f} s (bound 3 s)")
+    assert took[0] <= 15.0 + SLACK_S and took[1] <= 3.0 + SLACK_S
+    assert result.rank0["final_step"] == STEPS
+    m.check_partition()
+
+
+# ---- preemption --------------------------------------------------------------------------------
+
+def test_an_external_and_a_scripted_sigterm_take_emergency_checkpoints_and_resume_exactly(
+        trainer_world, compile_cache, clean_run, tmp_path):
+    """Rank 1 gets a real SIGTERM (what a scheduler sends) once it trained 4 steps of attempt 0,
+    and a scripted preemption at step 18 (in attempt 1: fail_at fires in whichever attempt
+    reaches its step)."""
+    cfg = config(trainer_world, "preempt", compile_cache, failures=(FailAt.parse("preempt:rank=1:step=18"),),
+                 eval_batches=0)
+    spool, groups, sent = trainer_world / "spool", [], []
+
+    def factory(attempt: int):
+        groups.append(RayWorkerGroup(cfg, "preempt", attempt, spool))
+        return groups[-1]
+
+    def preempt_rank_1_in_training() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not sent:
+            try:
+                steps = [e for e in read_spool(spool, "preempt", phases=frozenset({"train_step"})).events
+                         if e.attempt == 0 and e.rank == 1]
+            except FileNotFoundError:
+                steps = []
+            if len(steps) >= 4:
+                os.kill(groups[0].info[1]["pid"], signal.SIGTERM)
+                sent.append(len(steps))
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=preempt_rank_1_in_training, daemon=True)
+    killer.start()
+    result, events, m = drive(trainer_world, cfg, "preempt", group_factory=factory)
+    killer.join()
+    assert sent, "rank 1 never trained 4 steps"
+    assert result.attempts == 3 and m.nof == 2
+    assert [f.failure_class for f in m.failures] == ["preemption", "preemption"]
+    assert [(f.rank, f.injected) for f in result.failures] == [(1, False), (1, True)]
+    saved = []
+    for attempt, failure in enumerate(result.failures):
+        (marker,) = by(events, "failure", attempt=attempt)
+        step = marker.attrs["step"]
+        assert marker.rank == 1 and step == failure.step
+        # the emergency checkpoint, unless the periodic save (every 5 steps) just saved this very step
+        assert marker.attrs["emergency_checkpoint"] == (None if step % 5 == 0 else step)
+        assert step in {e.attrs["step"] for e in by(events, "checkpoint_save_blocking", attempt=attempt)}
+        assert restore_step(events, attempt + 1) == step  # the restart resumed at the emergency checkpoint
+        saved.append(step)
+        print(f"\npreemption at step {step}: detected {detection_s(events, attempt):.2f} s after SIGTERM "
+              f"(emergency checkpoint included)")
+    assert saved[0] >= 4 and saved[1] == 18
+    assert m.replayed_steps == 0 and m.effective_steps == 2 * STEPS  # nothing lost, nothing replayed
+    m.check_partition()
+    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)

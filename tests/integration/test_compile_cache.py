@@ -1,0 +1,305 @@
+"""The PT2 compile cache: a cold run finds a corrupt archive of its own key, reports it, compiles
+cold and replaces it; a warm restart hits the new one (cache hits, nothing rebuilt, no
+recompile), another config misses (no archive), a too-large archive is skipped, and nothing is
+loaded from a folder or archive others could have written, or that does not match its manifest.
+
+Every process that compiles or calls prepare_env is a fresh interpreter, so no in-memory
+inductor state helps the warm run and this process's environment stays untouched. One of them
+compiles cold (`cold`, ~20-30 s); the warm one restores, the others compile nothing.
+(What needs no fresh process, archives and keys among it: tests/unit/test_compile_cache_archive.py.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from dataclasses import asdict
+
+import pytest
+
+from ettflow.trainer.compile import CompileCacheConfig, cache_key, key_parts
+from ettflow.trainer.compile.archive import (
+    UNPACK_ERRORS,
+    ArchiveUnverified,
+    archive_path,
+    find_archive,
+    manifest_path,
+    pack,
+    verify,
+    write_manifest,
+)
+from ettflow.trainer.compile.probe_cold_warm import DenseSize, spawn
+
+SIZE = DenseSize(batch=32, sparse=4, dim=8, dense_arch=(16, 8), over_arch=(16, 1))
+PLANTED = "planted"  # the file names of the corrupt archive's entries (inductor/fxgraph/<xx>/planted-<i>)
+
+
+def run_python(code: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=240)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def plant_torn_archive(base, root, key: str):
+    """A corrupt archive of `key` in `root`: torn mid-way, as if torn before its checksum was
+    taken (its manifest matches, so it passes verify and fails to unpack), after entries that
+    unpack whole (so a restore extracts some files before it fails)."""
+    src = base / "planted-src"
+    for i in range(8):
+        (src / "fxgraph" / f"{i:02d}").mkdir(parents=True)
+        (src / "fxgraph" / f"{i:02d}" / f"{PLANTED}-{i}").write_bytes(os.urandom(20_000))  # incompressible
+    packed = pack(src, "inductor", archive_path(root, key, "gz"), codec="gz", compresslevel=1, max_bytes=10**6)
+    data = packed.path.read_bytes()
+    packed.path.write_bytes(data[: len(data) // 2])
+    write_manifest(packed.path)
+    whole = 0  # entries a reader gets whole before the tear
+    with pytest.raises(UNPACK_ERRORS), tarfile.open(packed.path, mode="r:*") as tar:
+        for member in tar:
+            if (handle := tar.extractfile(member)) is not None:
+                handle.read()
+            whole += 1
+    assert whole >= 1, "the torn archive must hold whole entries before its tear"
+    verify(packed.path)
+    return packed.path
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """Process A (the module's one cold compile): the archive root holds a corrupt archive of A's
+    own key; the restore reports it and clears what it had extracted, A compiles the dense
+    model cold (2 steps: compile + forward + backward), saves (replacing the corrupt archive),
+    then counts a recompile of another function (eager, after the save) and tries a late
+    prepare_env."""
+    base = tmp_path_factory.mktemp("compile-cache")
+    root = base / "archives"
+    key = cache_key(key_parts(CompileCacheConfig(root=root, model=asdict(SIZE), threads=1)))
+    torn = plant_torn_archive(base, root, key)
+    work = base / "work-a"
+    result = run_python(f"""
+        import json, os
+        import torch
+        from ettflow.trainer.compile import CompileCache, CompileCacheConfig, CompileEnvError
+        from ettflow.trainer.compile.probe_cold_warm import DenseSize, build_dense_forward, train_steps
+        size = DenseSize(**{json.dumps(asdict(SIZE))})
+        cfg = CompileCacheConfig(root={str(root)!r}, work_dir={str(work)!r}, model={asdict(SIZE)!r}, threads=1)
+        cache = CompileCache(cfg)
+        cache.prepare_env()
+        r = cache.restore()
+        left = sorted(os.listdir(cache.inductor_dir))
+        steps = train_steps(build_dense_forward(size), size, steps=2)
+        s = cache.stats()
+        saved = cache.save()
+        fn = torch.compile(lambda x: torch.relu(x) * 2 + 1, backend="eager", dynamic=False)
+        fn(torch.randn(8)); fn(torch.randn(8)); fn(torch.randn(5))  # the new shape recompiles
+        after = cache.stats()
+        try:
+            CompileCache(cfg).prepare_env()
+            late = ""
+        except CompileEnvError as e:
+            late = str(e)
+        print("RESULT " + json.dumps(dict(
+            key=cache.key, hit=r.hit, miss=r.miss.value if r.miss else None, reason=r.reason, left=left,
+            first_step_s=steps[0], stats=s.to_dict(), saved=saved.saved, skipped=saved.skipped_reason,
+            archive_bytes=saved.bytes, save_s=saved.seconds, archive=str(saved.path),
+            after_save=after.to_dict(), late=late)))
+    """)
+    assert result["key"] == key  # the planted archive was of A's own key
+    return root, dict(result, torn=str(torn), work=str(work))
+
+
+def test_cold_run_reports_a_corrupt_archive_compiles_cold_and_replaces_it(cold):
+    root, a = cold
+    # the corrupt archive: a miss that says so; the partly extracted files were cleared
+    assert a["hit"] is False and a["miss"] == "unreadable" and "unreadable" in a["reason"]
+    assert a["torn"] in a["reason"] and a["left"] == []
+    s = a["stats"]
+    assert s["fxgraph_miss"] > 0 and s["fxgraph_hit"] == 0 and s["aot_miss"] == 1 and s["warm"] is False
+    assert s["compiles"] == 1 and s["recompiles"] == 0  # the second step reused the graph
+    assert s["built_objects"] > 0
+    # the save replaced the corrupt archive (same path) with what A compiled
+    assert a["saved"] is True and a["skipped"] is None and a["archive_bytes"] > 0
+    path = find_archive(root, a["key"])
+    assert str(path) == a["archive"] == a["torn"]
+    verify(path)
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+    assert any(n.startswith("inductor/fxgraph/") for n in names)
+    assert not any(PLANTED in n for n in names)  # nothing of the corrupt archive came along
+    # the precompiled header was redirected into the working folder, so it is archived
+    assert any(n.startswith("inductor/precompiled_headers/") and n.endswith(".gch")
+               for n in names)
+    assert any(n.endswith(".so") for n in names) and "mega_cache.bin" in names
+    assert not any(n.endswith(".lock") for n in names)
+    # the process's counters go on after the save: a new shape is one recompile
+    after = a["after_save"]
+    assert after["compiles"] == s["compiles"] + 2 and after["recompiles"] == 1 and after["warm"] is False
+    # too late for prepare_env once this process compiled
+    assert "before the first torch.compile" in a["late"]
+
+
+def test_warm_restart_hits_the_cache_without_recompiling(cold, tmp_path):
+    root, a = cold
+    b = spawn("warm", root, tmp_path / "work-b", SIZE, threads=1)  # a brand-new working folder
+    assert b["key"] == a["key"] and b["hit"] is True and b["restore_bytes"] > 0
+    s = b["stats"]
+    assert s["fxgraph_hit"] > 0 and s["fxgraph_miss"] == 0
+    assert s["aot_hit"] > 0 and s["aot_miss"] == 0
+    assert s["recompiles"] == 0 and s["compiles"] == 1
+    assert s["built_objects"] == 0  # no kernel library and no precompiled header rebuilt
+    assert s["warm"] is True
+    print(f"\ncold first step {a['first_step_s']:.2f} s (+ save {a['save_s']:.2f} s); warm "
+          f"restore {b['restore_s']:.2f} s + first step {b['first_step_s']:.2f} s")
+
+
+def test_other_config_misses_and_oversized_archive_is_skipped(cold, tmp_path):
+    root, a = cold
+    out = run_python(f"""
+        import json, os
+        import torch
+        from ettflow.trainer._torch_compat import precompiled_header_dir
+        from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+        cache = CompileCache(CompileCacheConfig(root={str(root)!r}, work_dir={str(tmp_path)!r},
+                             model={{"other": 1}}, threads=1, max_bytes=50_000))
+        env = cache.prepare_env()
+        miss = cache.restore()
+        nothing = cache.save()
+        (cache.inductor_dir / "fxgraph" / "ab").mkdir(parents=True)
+        (cache.inductor_dir / "fxgraph" / "ab" / "entry").write_bytes(os.urandom(200_000))
+        big = cache.save()
+        print("RESULT " + json.dumps(dict(
+            key=cache.key, hit=miss.hit, miss=miss.miss.value, reason=miss.reason, nothing=nothing.skipped_reason,
+            big=big.skipped_reason, saved=big.saved, root=sorted(os.listdir({str(root)!r})),
+            inductor=os.environ["TORCHINDUCTOR_CACHE_DIR"], triton=os.environ["TRITON_CACHE_DIR"],
+            header=precompiled_header_dir(), job=os.environ["TORCH_COMPILE_JOB_ID"],
+            job_cfg=torch.compiler.config.job_id, threads=torch.get_num_threads(), env=env)))
+    """)
+    assert out["key"] != a["key"] and out["hit"] is False
+    assert out["miss"] == "no_archive" and "no archive" in out["reason"]
+    assert "nothing compiled" in out["nothing"]
+    assert out["saved"] is False and "max_bytes" in out["big"]
+    # no new archive, no temporary left
+    assert out["root"] == [f"pt2-{a['key']}.manifest.json", f"pt2-{a['key']}.tar.gz"]
+    work = str(tmp_path / "inductor")
+    assert out["inductor"] == work and out["triton"].startswith(work)
+    assert out["header"].startswith(work)  # the precompiled header lands in the archive
+    assert out["job"] == out["job_cfg"] == f"ettflow-{out['key']}" and out["threads"] == 1
+
+
+# -- trust: what may be loaded ----------------------------------------------------------------
+
+TRUST_MODEL = {"trust-test": 1}
+FOREIGN_UID = 4242
+ENTRY = "inductor/fxgraph/ab/entry"
+
+
+def _trust_cases(base):
+    """Archive roots for the trust cases, each with an archive of TRUST_MODEL's key, made unsafe
+    one way each (names -> root). The foreign-owned ones need root to chown."""
+    key = cache_key(key_parts(CompileCacheConfig(root=base, model=TRUST_MODEL, threads=1)))
+    src = base / "src"
+    (src / "fxgraph" / "ab").mkdir(parents=True)
+    (src / "fxgraph" / "ab" / "entry").write_bytes(b"compiled" * 100)
+    names = ["good", "open_root", "open_archive", "tampered", "no_manifest"]
+    if os.getuid() == 0:
+        names += ["foreign_root", "foreign_archive"]
+    roots = {}
+    for name in names:
+        root = base / name / "archives"
+        packed = pack(src, "inductor", archive_path(root, key, "gz"), codec="gz", compresslevel=1,
+                      max_bytes=10**6)
+        if name == "open_root":
+            os.chmod(root, 0o777)
+        elif name == "open_archive":
+            os.chmod(packed.path, 0o666)
+        elif name == "tampered":  # same size, 64 bytes overwritten (the manifest is left as it was)
+            data = bytearray(packed.path.read_bytes())
+            mid = len(data) // 2
+            data[mid:mid + 64] = b"\xff" * 64
+            packed.path.write_bytes(bytes(data))
+        elif name == "no_manifest":
+            manifest_path(packed.path).unlink()
+        elif name == "foreign_root":
+            os.chown(root, FOREIGN_UID, FOREIGN_UID)
+        elif name == "foreign_archive":
+            os.chown(packed.path, FOREIGN_UID, FOREIGN_UID)
+        roots[name] = root
+    return roots
+
+
+@pytest.fixture(scope="module")
+def trust(tmp_path_factory):
+    """One fresh interpreter restores every case (restore only: nothing compiles)."""
+    base = tmp_path_factory.mktemp("trust")
+    roots = _trust_cases(base)
+    out = run_python(f"""
+        import json, logging, os
+        from pathlib import Path
+        from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+        warnings = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                warnings.append(record.getMessage())
+        logging.getLogger("ettflow.trainer.compile.cache").addHandler(Keep())
+        result = {{}}
+        for name, root in {json.dumps({k: str(v) for k, v in roots.items()})}.items():
+            work = Path(root).parent / "work" / "w"
+            cache = CompileCache(CompileCacheConfig(root=root, work_dir=work, model={TRUST_MODEL!r},
+                                                    threads=1))
+            cache.prepare_env()
+            r = cache.restore()
+            loaded = sorted(os.path.relpath(os.path.join(d, f), work) for d, _, fs in os.walk(work)
+                            for f in fs)
+            result[name] = dict(hit=r.hit, miss=r.miss.value if r.miss else None, reason=r.reason,
+                                files=r.files, loaded=loaded, logged=[w for w in warnings if root in w],
+                                work_mode=os.stat(work).st_mode & 0o777,
+                                inductor_mode=os.stat(cache.inductor_dir).st_mode & 0o777)
+        print("RESULT " + json.dumps(result))
+    """)
+    return roots, out
+
+
+def test_a_trusted_verified_archive_is_still_a_hit_and_folders_are_private(trust):
+    roots, out = trust
+    good = out["good"]
+    assert good["hit"] is True and good["miss"] is None and good["files"] == 1
+    assert good["loaded"] == [ENTRY] and good["logged"] == []
+    assert os.stat(roots["good"]).st_mode & 0o777 == 0o700  # the archive root pack created
+    assert good["work_mode"] == 0o700 and good["inductor_mode"] == 0o700
+
+
+@pytest.mark.parametrize("case, text", [
+    ("open_root", "is writable by others (mode 0o777): not loaded; fix with chmod go-w"),
+    ("open_archive", "is writable by others (mode 0o666): not loaded; fix with chmod go-w"),
+])
+def test_a_folder_or_archive_others_can_write_is_refused(trust, case, text):
+    roots, out = trust
+    r = out[case]
+    assert r["hit"] is False and r["miss"] == "untrusted" and text in r["reason"]
+    assert r["loaded"] == [] and r["logged"] and text in r["logged"][0]  # nothing unpacked, a warning
+
+
+@pytest.mark.parametrize("case", ["foreign_root", "foreign_archive"])
+def test_a_folder_or_archive_owned_by_another_user_is_refused(trust, case):
+    if os.getuid() != 0:
+        pytest.skip("needs root to chown a file to another uid")
+    roots, out = trust
+    r = out[case]
+    assert r["hit"] is False and r["miss"] == "untrusted"
+    assert f"is owned by uid {FOREIGN_UID}, not by this user (uid 0): not loaded" in r["reason"]
+    assert r["loaded"] == [] and r["logged"]
+
+
+def test_a_tampered_archive_or_one_without_manifest_is_refused_before_unpacking(trust):
+    roots, out = trust
+    tampered, bare = out["tampered"], out["no_manifest"]
+    assert tampered["hit"] is False and tampered["miss"] == "unverified"
+    assert "does not match its manifest's checksum" in tampered["reason"] and tampered["loaded"] == []
+    assert bare["miss"] == "unverified" and "has no manifest" in bare["reason"] and bare["loaded"] == []
+    assert tampered["logged"] and bare["logged"]
+    archive = next(roots["tampered"].glob("pt2-*.tar.gz"))
+    with pytest.raises(ArchiveUnverified, match="checksum"):
+        verify(archive)

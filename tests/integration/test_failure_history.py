@@ -1,0 +1,220 @@
+"""The failure-history estimate and the interval planned from it, on hand-built histories
+(exact numbers), and the history read out of a real warehouse (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.failure_history import (
+    HOUR_S,
+    EstimateConfig,
+    RunHistory,
+    SaveTier,
+    estimate,
+)
+from ettflow.ett.failures import FailureClass
+from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_interval
+
+INFRA, PREEMPT, PUBLISH = FailureClass.INFRASTRUCTURE, FailureClass.PREEMPTION, FailureClass.PUBLISH
+DAY = 24 * HOUR_S
+WINDOWS = ["window=2024010100", "window=2024010101", "window=2024010102"]  # conftest's flow_data
+
+
+def run(run_id: str, model: str, at: float, hours: float, failures=(), **kw) -> RunHistory:
+    return RunHistory(run_id=run_id, model=model, wall_start=at, training_s=hours * HOUR_S,
+                      failures=tuple(failures), **kw)
+
+
+def fleet_and_model() -> list[RunHistory]:
+    return [
+        run("o1", "other", 100.0, 0.5, [INFRA, INFRA, PUBLISH]),
+        run("o2", "other", 200.0, 0.5, [INFRA, PREEMPT]),
+        run("m1", "m", 300.0, 1.0, [INFRA, PUBLISH], effective_training_s=3000.0, effective_steps=600, windows=3,
+            detection_s=(0.5,), restore_s=(4.0,), saves={SaveTier.DURABLE: (1.0, 2.0, 3.0)}),
+    ]
+
+
+def test_estimate_value():
+    est = estimate(fleet_and_model(), model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    # fleet (other): 1 h, 3 infrastructure + 1 preemption (publish never counts) -> 3/h and 1/h
+    # own: 1 h, 1 infrastructure; posterior means (r S + k) / (S + T), S = T = 1 h
+    assert est.rate_of(INFRA) == pytest.approx((3 * 1 + 1) / 2) == 2.0
+    assert est.rate_of(PREEMPT) == pytest.approx(0.5)
+    assert est.rate_of(PUBLISH) == 0.0
+    assert est.rate_per_h == pytest.approx(2.5) and est.rate_per_s == pytest.approx(2.5 / 3600)
+    assert est.own_weight == 0.5 and est.own_failures == 1 and est.fleet_hours == 1.0 and est.runs == 1
+    assert est.save_blocking_s == {SaveTier.DURABLE: 2.0} and est.saves == {SaveTier.DURABLE: 3}
+    assert (est.detection_s, est.restore_s, est.step_s, est.steps_per_window) == (0.5, 4.0, 5.0, 200.0)
+    assert est.has_history
+    infra = next(c for c in est.classes if c.failure_class is INFRA)
+    assert (infra.alpha, infra.beta_h, infra.sd_per_h) == (4.0, 2.0, pytest.approx(1.0))
+
+
+def test_new_model_starts_at_the_fleet_rate_and_moves_to_its_own():
+    fleet = [run("o", "other", 0.0, 10.0, [INFRA] * 10)]  # 1/h
+    cfg = EstimateConfig(prior_hours=1.0)
+    rates, weights = [], []
+    for n in (0, 1, 3, 9):  # n runs of 1 h with 4 failures each: own rate 4/h
+        own = [run(f"m{i}", "m", 10.0 + i, 1.0, [INFRA] * 4) for i in range(n)]
+        est = estimate(fleet + own, model="m", now=100.0, config=cfg)
+        rates.append(est.rate_per_h)
+        weights.append(est.own_weight)
+    assert rates == pytest.approx([1.0, 5 / 2, 13 / 4, 37 / 10])  # (1 + 4n) / (1 + n)
+    assert weights == pytest.approx([0.0, 1 / 2, 3 / 4, 9 / 10])
+    # no history of its own: the fleet's rate, and no save cost: the trainer probes
+    est = estimate(fleet, model="m", now=100.0, config=cfg)
+    assert not est.has_history and est.runs == 0
+    assert plan_interval(est, windows=2, max_steps=None).source is IntervalSource.PROBE
+
+
+def test_a_rate_change_is_noticed_within_the_window():
+    # one 1 h run a day; 1 failure each until day 19, 5 failures each from day 20 (worse hardware)
+    history = [run(f"d{d}", "m", d * DAY, 1.0, [INFRA] * (1 if d < 20 else 5)) for d in range(31)]
+    cfg = EstimateConfig(window_s=10 * DAY, prior_hours=1.0, default_rate_per_h={INFRA: 1.0})
+    rate = [estimate(history, model="m", now=(t + 0.5) * DAY, config=cfg).rate_per_h for t in (19, 20, 25, 30)]
+    # windows: days 10..19 (10 runs, 10 failures); 11..20 (9 + 5); 16..25 (4 + 6 x 5); 21..30 (10 x 5)
+    assert rate == pytest.approx([11 / 11, 15 / 11, 35 / 11, 51 / 11])
+    everything = EstimateConfig(window_s=100 * DAY, prior_hours=1.0, default_rate_per_h={INFRA: 1.0})
+    # over all 31 days the change is diluted: (1 + 20 + 55) / (1 + 31)
+    assert estimate(history, model="m", now=30.5 * DAY, config=everything).rate_per_h == pytest.approx(76 / 32)
+
+
+def test_the_interval_is_the_optimizer_s_for_the_estimated_inputs():
+    est = estimate(fleet_and_model(), model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    planned = plan_interval(est, windows=3, max_steps=None)
+    # 200 new steps per window x 3 windows x 5 s a step; CSBT 2 s; 2.5 failures per hour
+    model = WasteModel(job_s=3000.0, save_blocking_s=2.0, failure_rate_per_s=2.5 / 3600)
+    choice = optimal_interval(model, min_interval_s=5.0)
+    assert planned.source is IntervalSource.HISTORY
+    assert planned.job_s == 3000.0 and planned.save_blocking_s == 2.0 and planned.rate_per_h == 2.5
+    assert planned.interval_s == choice.interval_s
+    assert planned.interval_steps == round(choice.interval_s / 5.0) == 15
+    assert planned.expected_wasted_s == pytest.approx(model.wasted_s(15 * 5.0))
+    # max_steps caps the expected training time
+    capped = plan_interval(est, windows=3, max_steps=100)
+    assert capped.job_s == 500.0
+    assert capped.interval_s == optimal_interval(WasteModel(job_s=500.0, save_blocking_s=2.0,
+                                                            failure_rate_per_s=2.5 / 3600),
+                                                 min_interval_s=5.0).interval_s
+    # a fixed interval is kept, with its expected waste beside it
+    fixed = plan_interval(est, windows=3, max_steps=None, fixed_steps=50)
+    assert (fixed.source, fixed.interval_steps, fixed.expected_wasted_s) == (
+        IntervalSource.FIXED, 50, pytest.approx(model.wasted_s(250.0)))
+    # what the run stores comes back the same
+    assert PlannedInterval.from_attrs(planned.to_attrs()) == planned
+    assert planned.to_attrs()["source"] == "history"
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="prior_hours"):
+        EstimateConfig(prior_hours=0)
+    with pytest.raises(ValueError, match="replaying classes"):
+        EstimateConfig(default_rate_per_h={PUBLISH: 1.0})
+
+
+def test_history_read_from_the_warehouse(warehouse_url):
+    """A run with a save on two ranks, an infrastructure failure and a recovery that restores
+    and replays (test_warehouse.run_events), read back from SQLite and PostgreSQL."""
+    from test_warehouse import archive
+
+    from ettflow.ett.failure_history_db import estimate_from_warehouse, read_history
+    from ettflow.ett.lineage import LineageRecord, Outcome
+    from ettflow.ett.warehouse import Warehouse
+
+    with Warehouse.open(warehouse_url) as wh:
+        archive(wh, "run-a", t0=1_000.0)
+        archive(wh, "run-b", t0=5_000.0, model="other")
+        archive(wh, "run-old", t0=10.0)  # before the window
+        wh.record_lineage(LineageRecord(model="dlrm", run_id="run-a", windows=("w1", "w2"),
+                                        outcome=Outcome.PUBLISHED))
+        history = read_history(wh, since=500.0)
+        est = estimate_from_warehouse(wh, model="dlrm", now=6_000.0,
+                                      config=EstimateConfig(window_s=5_500.0, prior_hours=1.0))
+    assert [h.run_id for h in history] == ["run-a", "run-b"]
+    a = history[0]
+    # steps 0-4 (5 s), save (1 s on both ranks), steps 5-7 (3 s) lost to the failure, restore
+    # (2 s), then steps 5-12: 5-7 replayed (3 s), 8-12 new; effective 13 s, wasted 6 s (the
+    # save, the replay and 2 s lost in flight from the failure to its detection); 13 steps a rank
+    assert (a.model, a.wall_start, a.training_s, a.effective_training_s, a.effective_steps) == (
+        "dlrm", 1_000.0, 19.0, 13.0, 13)
+    assert (a.failures, a.detection_s, a.restore_s, a.windows) == ((INFRA,), (2.0,), (2.0,), 2)
+    assert a.saves == {SaveTier.DURABLE: (1.0,)}
+    # 1 failure in 19 s of training; the fleet ("other"): 1 in 19 s; S = 1 h
+    fleet_rate = 3600 / 19
+    assert est.runs == 1 and est.rate_per_h == pytest.approx((fleet_rate + 1) / (1 + 19 / 3600))
+    assert est.save_blocking_s == {SaveTier.DURABLE: 1.0} and est.step_s == 1.0 and est.steps_per_window == 6.5
+
+
+def test_the_plan_takes_the_interval_from_history(flow_data, tmp_path):
+    """`with_interval`: history -> the trainer's interval in steps (no probe); none -> the probe
+    with the fleet's rate; the refresh's own checkpoint_every_steps wins."""
+    from ettflow.tasks.plan import plan_refresh, with_interval
+
+    from helpers.plans import params
+
+    est = estimate(fleet_and_model(), model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    plan = plan_refresh(params(flow_data, tmp_path, windows=WINDOWS), run_id="r1")
+    planned = with_interval(plan, est)
+    assert planned.interval == plan_interval(est, windows=3, max_steps=None)
+    assert planned.trainer.checkpoint_every_steps == 15
+    assert planned.trainer.failure_rate_per_s == pytest.approx(2.5 / 3600)
+    new_model = estimate(fleet_and_model()[:2], model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    probing = with_interval(plan, new_model)
+    assert probing.interval.source is IntervalSource.PROBE and probing.trainer.checkpoint_every_steps is None
+    assert probing.trainer.failure_rate_per_s == pytest.approx(4.0 / 3600)  # the fleet's 3 + 1 per hour
+    fixed = with_interval(plan_refresh(params(flow_data, tmp_path, windows=WINDOWS,
+                                              checkpoint_every_steps=7), run_id="r2"), est)
+    assert fixed.interval.source is IntervalSource.FIXED and fixed.trainer.checkpoint_every_steps == 7
+    empty = with_interval(plan, estimate([], model="m", now=1000.0))  # no hours anywhere
+    assert empty.interval.rate_per_h is None and empty.trainer.failure_rate_per_s is None
+    assert empty.interval.source is IntervalSource.PROBE and empty.interval.runs == 0
+    nothing = with_interval(plan, None)
+    assert nothing.interval.source is IntervalSource.PROBE and nothing.trainer.failure_rate_per_s is None
+
+
+def test_the_interval_is_stored_with_the_run_and_reported(warehouse_url, tmp_path, capsys):
+    """The spool marker -> the run's `checkpoint_interval` tag -> `report --intervals`, and the
+    ETT artifact's rows; realized waste from L2 (SQLite and PostgreSQL)."""
+    import json
+
+    from test_warehouse import run_events
+
+    from ettflow.cli import main
+    from ettflow.ett.events import CHECKPOINT_INTERVAL
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.spool import read_spool
+    from ettflow.ett.warehouse import RunInfo, Warehouse
+    from ettflow.tasks import run_spool
+    from ettflow.tasks.artifacts import interval_rows
+
+    planned = PlannedInterval(source=IntervalSource.HISTORY, rate_per_h=2.5, save_blocking_s=1.0, step_s=1.0,
+                              job_s=13.0, interval_s=5.2, interval_steps=5, expected_wasted_s=4.0, own_weight=0.5)
+    run_spool.record_interval(tmp_path, "run-a", 0, planned, 1_030.0)
+    marks = [e for e in read_spool(tmp_path, "run-a").events if e.phase == CHECKPOINT_INTERVAL]
+    assert run_spool.planned_interval(marks) == planned
+    events = run_events("run-a", t0=1_000.0)
+    events.append(marks[0].__class__(**{**marks[0].to_dict(), "seq": 99}))
+    metrics = compute_run_metrics(events)
+    assert metrics.components["wasted_training"] == 6.0  # the marker changes nothing in the metric
+    assert metrics.components == compute_run_metrics(events[:-1]).components
+    with Warehouse.open(warehouse_url) as wh:
+        wh.archive_run(RunInfo(run_id="run-a", model="dlrm", mode="optimized",
+                               tags=run_spool.interval_tags(marks)), events, metrics)
+        wh.archive_run(RunInfo(run_id="run-b", model="dlrm", mode="optimized"), run_events("run-b", t0=2_000.0),
+                       compute_run_metrics(run_events("run-b", t0=2_000.0)))
+    assert main(["report", "--url", warehouse_url, "--model", "dlrm", "--intervals", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["run"] for r in rows] == ["run-a", "run-b"]
+    a, b = rows
+    assert (a["source"], a["interval_steps"], a["rate_per_h"], a["csbt_s"], a["expected_wasted_s"]) == (
+        "history", 5, 2.5, 1.0, 4.0)
+    # realized: 6 s wasted = 3 s replay + 2 s lost in flight, 1 s save blocking; wall 54 s
+    assert (a["wasted_s"], a["replay_s"], a["save_blocking_s"], a["realized/expected"]) == (6.0, 5.0, 1.0, 1.5)
+    assert a["wasted%"] == round(100 * 6.0 / metrics.wall_s, 1)
+    assert (b["source"], b["expected_wasted_s"], b["wasted_s"]) == ("-", None, 6.0)
+    assert main(["report", "--url", warehouse_url, "--intervals"]) == 2
+    assert "--intervals needs --model" in capsys.readouterr().err
+    shown = {r["metric"]: (r["exposed"], r["raw"]) for r in interval_rows(planned, metrics)}
+    assert shown["checkpoint interval s (history; raw: steps)"] == (5.2, 5)
+    assert shown["expected wasted s (raw: realized wasted_training)"] == (4.0, 6.0)

@@ -1,0 +1,65 @@
+"""A refresh with nothing to train, through Prefect (no Ray: nothing is reserved): it ends
+Completed with a message saying so and is archived as `skipped`; a refresh that finds the
+model's windows claimed by another one waits `claim_wait_s`, then is skipped the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ettflow.ett import lineage
+from ettflow.ett.lineage import LineageRecord, Outcome
+from ettflow.ett.spool import read_spool
+from ettflow.ett.warehouse import Warehouse
+from ettflow.flows.refresh import refresh_model
+from ettflow.trainer.data.windows import list_windows
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def env(tmp_path, flow_data, prefect_harness):
+    return {"data_root": str(flow_data), "max_embeddings": 100, "work_root": str(tmp_path / "work"),
+            "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(tmp_path / "spool"),
+            "warehouse_url": f"sqlite:///{tmp_path / 'warehouse.db'}", "model": "skippy"}
+
+
+def run(env, **over):
+    state = refresh_model(**{**env, **over}, return_state=True)
+    return state, str(state.state_details.flow_run_id)
+
+
+def assert_archived_as_skipped(env, run_id, reason):
+    evs = read_spool(env["spool_root"], run_id).events
+    assert [(e.phase, e.attrs.get("stage"), e.attrs.get("outcome")) for e in evs] == [
+        ("scheduling", "claim_windows", "skipped")]  # no reservation, no training: only the decision
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        (row,) = wh.runs_frame(run_id=run_id).to_dict("records")
+        (rec,) = [r for r in wh.lineage("skippy") if r.run_id == run_id]
+    assert row["status"] == "skipped" and row["tags"]["skip_reason"] == reason and not row["started_training"]
+    assert rec.outcome is Outcome.SKIPPED and rec.reason == reason and rec.windows == ()
+
+
+def test_nothing_new_to_train_is_skipped(env, flow_data):
+    known = list_windows(flow_data)
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        wh.record_lineage(LineageRecord(model="skippy", run_id="r0", windows=known[:2], outcome=Outcome.PUBLISHED,
+                                        anchor="/a0", created_at=1.0, finished_at=2.0))
+    state, run_id = run(env)
+    reason = (f"nothing new to train for model skippy: watermark {known[1]} is the newest window before the "
+              f"held-out {known[2]}")
+    assert state.is_completed() and state.message == reason
+    assert state.result() == {"run_id": run_id, "model": "skippy", "outcome": "skipped", "reason": reason}
+    assert_archived_as_skipped(env, run_id, reason)
+    assert not (Path(env["work_root"]) / "skippy" / "runs" / run_id).exists()
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        assert wh.watermark("skippy") == known[1]
+
+
+def test_windows_held_by_another_refresh_are_left_to_it(env, flow_data):
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        lineage.claim_windows(wh, "skippy", "other-run", lambda mark, parent: (list_windows(flow_data)[:2], None))
+    state, run_id = run(env, claim_wait_s=0.5)
+    assert state.is_completed() and state.message.startswith("model skippy is being refreshed by run other-run")
+    assert_archived_as_skipped(env, run_id, state.message)

@@ -1,0 +1,55 @@
+"""The in-memory checkpoint tier (memory_tier.py, state_keeper.py) with the session's Ray: a
+MemoryTier in this process against a real keeper: local and keeper restores, a missing and a
+corrupted copy, a dead keeper. (The pure parts: tests/unit/test_memory_copy.py; the project's
+sharded DLRM in Ray actors: tests/e2e/test_memory_tier_ranks.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
+
+from helpers.plain_model import plain_state, plain_step
+from helpers.state_fingerprint import fingerprint
+
+
+def test_memory_tier_saves_to_the_keeper_restores_and_refuses_damaged_or_missing_copies(ray_session):
+    import ray
+
+    from ettflow.trainer.checkpoint.state_keeper import find_keeper, start_keeper
+
+    keeper = start_keeper("memtier-unit")
+    assert find_keeper("memtier-unit")._actor_id == keeper._actor_id
+    done = []
+    tier = MemoryTier(keeper, 0, 1, on_done=done.append)
+    state = plain_state()
+    marks = {}
+    for s in range(4):
+        plain_step(state, s)
+        assert tier.save(s + 1, state) >= 0
+        marks[s + 1] = fingerprint(state)
+    tier.wait()
+    outcomes = [(r.step, r.ok, r.nbytes > 0, r.end >= r.start) for r in done]
+    assert outcomes == [(s, True, True, True) for s in range(1, 5)]
+    assert ray.get(keeper.inventory.remote()) == {0: [3, 4]} and tier.latest_common() == 4
+
+    plain_step(state, 4)
+    restored = tier.restore(state, 4)
+    assert (restored["where"], restored["step"], restored["cursor"]) == ("local", 4, {"row": 8})
+    assert fingerprint(state) == marks[4]
+    assert tier.restore(state, 3)["where"] == "keeper" and fingerprint(state) == marks[3]
+    with pytest.raises(MemoryCopyError, match=r"holds no copy of rank 0 at step 2 \(it holds steps \[3, 4\]\)"):
+        tier.restore(state, 2)
+    ray.get(keeper.corrupt.remote(0, 3))
+    with pytest.raises(MemoryCopyError, match="copy of rank 0 at step 3 is damaged"):
+        tier.restore(state, 3)
+    assert fingerprint(state) == marks[3]  # refused before anything was copied
+
+    ray.kill(keeper, no_restart=True)  # the keeper is gone: saves go on, restores say why
+    plain_step(state, 3)
+    tier.save(5, state)
+    assert not tier.wait().ok and done[-1].error
+    with pytest.raises(MemoryCopyError, match="copy of rank 0 at step 3 is unreachable"):
+        tier.restore(state, 3)
+    assert tier.restore(state, 5)["where"] == "local"  # its own copy needs no keeper
+    tier.close()

@@ -1,0 +1,108 @@
+"""The PT2 compile cache's parts that need no fresh process: what the key holds, config
+errors, archives (pack, unpack, the size bound, pruning), the recompile counter and the sweep
+of dead processes' working folders. (Compiling, restoring and trusting archives, each in a
+fresh interpreter: tests/integration/test_compile_cache.py.)"""
+
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from ettflow.trainer.compile import CompileCacheConfig, RecompileCounter, cache_key, key_parts
+from ettflow.trainer.compile.archive import UNPACK_ERRORS, ArchiveTooLarge, find_archive, pack, prune, unpack, verify
+from ettflow.trainer.compile.probe_cold_warm import DenseSize
+
+SIZE = DenseSize(batch=32, sparse=4, dim=8, dense_arch=(16, 8), over_arch=(16, 1))
+
+
+def test_key_changes_with_what_the_graphs_depend_on(tmp_path):
+    base = CompileCacheConfig(root=tmp_path, model=asdict(SIZE))
+    key = cache_key(key_parts(base))
+    assert key == cache_key(key_parts(CompileCacheConfig(root=tmp_path / "x", model=asdict(SIZE))))
+    other_model = {**asdict(SIZE), "batch": 64}
+    assert key != cache_key(key_parts(CompileCacheConfig(root=tmp_path, model=other_model)))
+    threads = CompileCacheConfig(root=tmp_path, model=asdict(SIZE), threads=2)
+    assert key != cache_key(key_parts(threads))
+    parts = key_parts(base)
+    assert parts["device"] == "cpu" and parts["torch"] and parts["python"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_bytes=0), "max_bytes"),
+    (dict(threads=0), "threads"),
+    (dict(device="tpu"), "device"),
+    (dict(codec="zip"), "codec"),
+    (dict(model={"f": object()}), "JSON"),
+])
+def test_config_errors_say_what_to_fix(tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        CompileCacheConfig(root=tmp_path, **bad)
+
+
+def test_pack_unpack_round_trip_bound_and_prune(tmp_path):
+    src = tmp_path / "src"
+    (src / "fxgraph" / "ab").mkdir(parents=True)
+    (src / "fxgraph" / "ab" / "entry").write_bytes(b"x" * 1000)
+    (src / "locks").mkdir()
+    (src / "locks" / "k.lock").write_bytes(b"")
+    root = tmp_path / "root"
+    packed = pack(src, "inductor", root / "pt2-k1.tar.gz", codec="gz", compresslevel=1,
+                  max_bytes=10_000, mega_cache=b"mega")
+    assert packed.files == 1 and find_archive(root, "k1") == packed.path
+    files, mega = unpack(packed.path, tmp_path / "out")
+    assert files == 1 and mega == b"mega"
+    assert verify(packed.path)["sha256"] == packed.sha256 and len(packed.sha256) == 64
+    assert (tmp_path / "out" / "inductor" / "fxgraph" / "ab" / "entry").read_bytes() == b"x" * 1000
+    with pytest.raises(ArchiveTooLarge):
+        pack(src, "inductor", root / "pt2-k2.tar", codec="none", compresslevel=0, max_bytes=500)
+    assert sorted(p.name for p in root.iterdir()) == ["pt2-k1.manifest.json", "pt2-k1.tar.gz"]
+    (root / "pt2-bad.tar.gz").write_bytes(b"not an archive")
+    with pytest.raises(UNPACK_ERRORS):
+        unpack(root / "pt2-bad.tar.gz", tmp_path / "out2")
+    for k in ("k3", "k4", "k5"):
+        shutil.copy(packed.path, root / f"pt2-{k}.tar.gz")
+    killed_save = root / ".pt2-k6.tar.gz.x1.tmp"
+    killed_save.write_bytes(b"partial")
+    os.utime(killed_save, (1, 1))
+    removed = prune(root, keep=2, protect=root / "pt2-k5.tar.gz")
+    assert len(removed) == 4 and killed_save in removed and (root / "pt2-k5.tar.gz").exists()
+    assert len(list(root.glob("pt2-*"))) == 2  # the pruned k1's manifest went with it
+
+
+def test_recompile_counter_counts_only_recompiles():
+    import torch
+
+    counter = RecompileCounter().install()
+    try:
+        fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        fn(torch.ones(2))
+        fn(torch.ones(2))
+        fn(torch.ones(3))
+        assert counter.compiles == 2 and counter.recompiles == 1
+    finally:
+        counter.uninstall()
+        torch.compiler.reset()
+
+
+def _a_pid_no_process_has() -> int:
+    """A pid no process holds now (from the top of the pid range: the least likely to be reused soon)."""
+    import psutil
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text()) if Path("/proc/sys/kernel/pid_max").exists() \
+        else 2**22
+    return next(pid for pid in range(pid_max - 1, 1, -1) if not psutil.pid_exists(pid))
+
+
+def test_working_folders_of_dead_processes_are_swept(tmp_path):
+    from ettflow.trainer.compile.env import make_work_dir
+
+    dead = tmp_path / f"ettflow-pt2-{_a_pid_no_process_has()}-abc"
+    live = tmp_path / f"ettflow-pt2-{os.getppid()}-abc"
+    other = tmp_path / "ettflow-pt2-notapid"
+    for folder in (dead, live, other):
+        (folder / "inductor").mkdir(parents=True)
+    mine = make_work_dir(str(tmp_path))
+    assert mine.name.startswith(f"ettflow-pt2-{os.getpid()}-") and mine.is_dir()
+    assert not dead.exists() and live.exists() and other.exists()

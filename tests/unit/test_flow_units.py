@@ -1,0 +1,277 @@
+"""The refresh flow's parts without Prefect or Ray: parameters, the lease, the spool notes,
+the archiving hooks on a run without a spool, the timeline picture, the CLI's parameters,
+retention. (Archiving to a real warehouse: tests/integration/test_flow_archiving.py.)"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from ettflow.ett.sample import write_sample_run
+from ettflow.ett.spool import SpoolWriter, read_spool
+from ettflow.ett.warehouse import Warehouse
+from ettflow.tasks import archive, run_spool
+from ettflow.tasks.lease import TrainerLease
+from ettflow.tasks.plan import ParameterError, RefreshParams, parse_failures, plan_refresh, resolve_switches, slug
+from ettflow.tasks.timeline_plot import render_timeline
+
+from helpers.plans import params
+
+
+def test_plan_builds_the_trainer_config(flow_data, tmp_path):
+    plan = plan_refresh(params(flow_data, tmp_path, fail_at=["kill:rank=1:step=30", "publish:times=2"]),
+                        run_id="r1", submitted_at=5.0, artifact_slug="Refresh Adhoc")
+    t = plan.trainer
+    assert t.work_dir == str(tmp_path / "work" / "dlrm" / "runs" / "r1")
+    assert t.compile_cache_dir == tmp_path / "work" / "dlrm" / "compile-cache"
+    assert {f.num_embeddings for f in t.schema.sparse} == {100}
+    assert len(t.failures) == 1 and t.failures[0].step == 30 and plan.publish_failures == 2
+    assert plan.artifact_slug == "refresh-adhoc" and not plan.publish_in_trainer and plan.mode == "optimized"
+
+
+def test_modes_and_single_switches():
+    sw, in_trainer = resolve_switches("baseline", None)
+    assert in_trainer and not sw.parallel_init and not sw.async_checkpoint
+    sw, in_trainer = resolve_switches("optimized", {"publish_in_trainer": True, "fast_batch": False})
+    assert in_trainer and not sw.fast_batch and sw.parallel_init
+
+
+@pytest.mark.parametrize(
+    ("over", "name", "text"),
+    [
+        ({"world_size": 0}, "world_size", ">= 1"),
+        ({"mode": "fast"}, "mode", "baseline, optimized"),
+        ({"switches": {"warp": True}}, "switches", "unknown switch 'warp'"),
+        ({"switches": {"compile": "yes"}}, "switches", "true or false"),
+        ({"fail_at": ["explode:step=3"]}, "fail_at", "explode"),
+        ({"fail_at": ["kill:rank=2:step=3"]}, "fail_at", "world_size is 2"),
+        ({"fail_at": ["publish:when=3"]}, "fail_at", "when"),
+        ({"windows": ["window=1999010100"]}, "windows", "not in the data"),
+        ({"architecture": {"embedding_dim": 8}}, "architecture", "dense_arch"),
+        ({"batch_size": True}, "batch_size", "int"),
+        ({"model": "My Model"}, "model", "lowercase"),
+        ({"device": "tpu"}, "device", "auto, cpu or cuda"),
+    ],
+)
+def test_a_bad_parameter_is_named(flow_data, tmp_path, over, name, text):
+    with pytest.raises(ParameterError, match=rf"parameter '{name}' .*{text}") as info:
+        plan_refresh(params(flow_data, tmp_path, **over), run_id="r1")
+    assert info.value.parameter == name
+
+
+def test_missing_data_root_is_named(tmp_path):
+    with pytest.raises(ParameterError, match="parameter 'data_root'"):
+        plan_refresh(params(tmp_path / "nowhere", tmp_path), run_id="r1")
+
+
+def test_failure_specs():
+    faults, publish = parse_failures(["hang:step=5", "publish", "publish:times=2"])
+    assert faults[0].kind == "hang" and publish == 3
+    assert slug("Refresh_Model v2") == "refresh-model-v2"
+
+
+class FakeGroup:
+    def __init__(self, log, attempt):
+        self.log, self.attempt = log, attempt
+
+    def reserve(self):
+        self.log.append(("reserve", self.attempt))
+
+    def launch(self):
+        pass
+
+    def poll(self, timeout_s):
+        return {0: {}, 1: {}}, []
+
+    def kill(self, rank):
+        pass
+
+    def teardown(self):
+        self.log.append(("teardown", self.attempt))
+
+
+def test_lease_holds_a_trained_group_until_release(tmp_path):
+    log = []
+    lease = TrainerLease(run_id="r1", spool_root=tmp_path, world_size=2,
+                         make_group=lambda a: FakeGroup(log, a), first_attempt=3)
+    lease.reserve()
+    assert lease.has_reserved and log == [("reserve", 3)]
+    failed = lease.group_for(3)  # the reserved group: reserving again is a no-op
+    failed.reserve()
+    failed.teardown()  # a failed attempt (no rank finished) is torn down at once
+    assert log == [("reserve", 3), ("teardown", 3)] and not lease.has_reserved
+    done = lease.group_for(4)
+    done.reserve()
+    done.poll(0)
+    done.teardown()  # trained: the devices stay held
+    assert log[-1] == ("reserve", 4) and lease.holding is done
+    held = lease.release()
+    assert log[-1] == ("teardown", 4) and held >= 0 and lease.release() == 0.0
+    (shutdown,) = read_spool(tmp_path, "r1").events
+    assert (shutdown.phase, shutdown.attempt, shutdown.rank) == ("shutdown", 4, -1)
+
+
+def test_task_failures_are_marked_once(tmp_path):
+    assert run_spool.next_attempt(tmp_path, "r1") == 0
+    with SpoolWriter(tmp_path, "r1", 0, -1) as rec:
+        rec.mark("failure_detected", 10.0, failure_class="infrastructure", reason="rank 1 died")
+    assert not run_spool.record_task_failure(tmp_path, "r1", 0, RuntimeError("x"), task="train", at=11.0)
+    assert run_spool.record_task_failure(tmp_path, "r1", 1, ValueError("bad"), task="train", at=12.0)
+    marks = [e for e in read_spool(tmp_path, "r1").events if e.attempt == 1]
+    assert marks[0].attrs["failure_class"] == "user" and marks[0].attrs["task_retry"]
+    assert run_spool.next_attempt(tmp_path, "r1") == 2
+
+
+def test_hooks_skip_a_run_without_spool(tmp_path, monkeypatch, caplog):
+    """A hook never raises for a run that spooled nothing (a parameter was refused before
+    anything ran): it logs that there is nothing to archive and writes nothing: no warehouse
+    (neither the one ETTFLOW_WAREHOUSE_URL names nor the default under ETTFLOW_HOME), no spool
+    folder for the run, no pending mark."""
+    monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("ETTFLOW_WAREHOUSE_URL", f"sqlite:///{tmp_path / 'warehouse.db'}")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    flow_run = SimpleNamespace(id="0f0f", parameters={"spool_root": str(spool)}, deployment_id=None,
+                               run_count=1)
+    with caplog.at_level(logging.WARNING, logger="ettflow.tasks"):
+        archive.archive_on_flow_state(SimpleNamespace(name="refresh-model"), flow_run,
+                                      SimpleNamespace(type=SimpleNamespace(value="FAILED")))
+    assert f"run 0f0f has no spooled events under {spool}: nothing to archive" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["spool"] and list(spool.iterdir()) == []
+
+
+def test_timeline_picture(tmp_path):
+    from ettflow.ett.run_metrics import compute_run_metrics
+
+    write_sample_run(tmp_path, "run-b", seed=2)
+    events = read_spool(tmp_path, "run-b").events
+    png = render_timeline(events, compute_run_metrics(events))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_cli_parameters():
+    import argparse
+
+    from ettflow.flows import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["refresh", "--mode", "baseline", "--switch", "fast_batch=true",
+                              "--param", "max_embeddings=500", "--world-size", "2"])
+    p = cli.parameters(args)
+    assert p["mode"] == "baseline" and p["switches"] == {"fast_batch": True}
+    assert p["max_embeddings"] == 500 and p["fail_at"] == [cli.DEMO_FAILURE] and p["world_size"] == 2
+    assert cli.parameters(parser.parse_args(["refresh", "--no-failure"]))["fail_at"] == []
+
+
+def test_the_flow_passes_every_parameter_by_name():
+    """`RefreshParams` lists the flow's parameters with the flow's defaults (the flow builds
+    its plan from them by name); an unknown parameter is refused by name."""
+    import inspect
+    from dataclasses import fields
+
+    from ettflow.flows.refresh import refresh_model
+
+    flow_params = {n: p.default for n, p in inspect.signature(refresh_model.fn).parameters.items()}
+    assert flow_params == {f.name: f.default for f in fields(RefreshParams)}
+    with pytest.raises(ParameterError, match="parameter 'colour' is not a parameter") as info:
+        RefreshParams.from_mapping({"colour": "red"})
+    assert info.value.parameter == "colour"
+
+
+SECRET = "s3cret-pw"
+PASSWORD_URL = f"postgresql+psycopg://postgres:{SECRET}@127.0.0.1:5999/x"
+
+
+def test_a_warehouse_url_with_a_password_is_refused(flow_data, tmp_path):
+    with pytest.raises(ParameterError, match="parameter 'warehouse_url' holds a password") as info:
+        plan_refresh(params(flow_data, tmp_path, warehouse_url=PASSWORD_URL), run_id="r1")
+    assert "ETTFLOW_WAREHOUSE_URL" in str(info.value) and "warehouse_secret" in str(info.value)
+    assert SECRET not in str(info.value)
+    plan = plan_refresh(params(flow_data, tmp_path, warehouse_url="postgresql+psycopg://postgres@h/x",
+                               warehouse_secret="team-warehouse"), run_id="r1")
+    assert plan.warehouse == {"warehouse_url": "postgresql+psycopg://postgres@h/x",
+                              "warehouse_secret": "team-warehouse"}
+
+
+def test_redact_url():
+    from ettflow.ett.redact import has_password, redact_url
+
+    assert redact_url(PASSWORD_URL) == "postgresql+psycopg://postgres:***@127.0.0.1:5999/x"
+    assert redact_url("sqlite:////tmp/w.db") == "sqlite:////tmp/w.db"
+    assert redact_url(f"no scheme //u:{SECRET}@host") == "no scheme //u:***@host"
+    assert has_password(PASSWORD_URL) and not has_password("postgresql://u@h/db")
+
+
+def test_resolve_warehouse_url_without_a_secret(monkeypatch):
+    from ettflow.tasks.warehouse_url import resolve_warehouse_url, warehouse_source
+
+    monkeypatch.delenv("ETTFLOW_WAREHOUSE_URL", raising=False)
+    assert resolve_warehouse_url({}) is None
+    assert resolve_warehouse_url({"warehouse_url": "sqlite:////tmp/w.db"}) == "sqlite:////tmp/w.db"
+    assert warehouse_source({"warehouse_url": "sqlite:////tmp/w.db"}) == "the warehouse_url parameter"
+    with pytest.raises(ParameterError, match="parameter 'warehouse_url' holds a password") as info:
+        resolve_warehouse_url({"warehouse_url": PASSWORD_URL})
+    assert SECRET not in str(info.value)
+
+
+def test_an_unreachable_warehouse_is_named_redacted(monkeypatch):
+    from ettflow.tasks.warehouse_url import WarehouseUnavailable, open_check
+
+    monkeypatch.setenv("ETTFLOW_WAREHOUSE_URL", PASSWORD_URL)
+    with pytest.raises(WarehouseUnavailable) as info:
+        open_check({})
+    text = str(info.value)
+    assert text.startswith("warehouse postgresql+psycopg://postgres:***@127.0.0.1:5999/x is unreachable: ")
+    assert text.endswith("fix ETTFLOW_WAREHOUSE_URL") and SECRET not in text and "\n" not in text
+
+
+def test_cli_never_passes_or_prints_a_password():
+    import argparse
+
+    from ettflow.flows import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    for argv in (["--warehouse-url", PASSWORD_URL], ["--param", f"warehouse_url={PASSWORD_URL}"]):
+        args = parser.parse_args(["refresh", *argv])
+        assert "warehouse_url" not in cli.parameters(args) and cli.private_warehouse_url(args) == PASSWORD_URL
+    plain = parser.parse_args(["refresh", "--warehouse-url", "sqlite:////tmp/w.db"])
+    assert cli.parameters(plain)["warehouse_url"] == "sqlite:////tmp/w.db" and cli.private_warehouse_url(plain) is None
+
+
+def test_retention_keeps_the_last_refreshes_the_current_and_the_parent():
+    from ettflow.ett.lineage import LineageRecord, Outcome
+    from ettflow.tasks.retention import doomed_runs
+
+    def rec(run, t, outcome=Outcome.PUBLISHED, anchor=True):
+        return LineageRecord(model="m", run_id=run, windows=("w",), outcome=outcome, created_at=t, finished_at=t + 1,
+                             anchor=f"/{run}" if anchor else None)
+
+    refreshes = [rec("r1", 1), rec("r2", 2), rec("r3", 3, Outcome.GATED), rec("r4", 4, Outcome.FAILED),
+                 rec("r5", 5, Outcome.SKIPPED, anchor=False), rec("r0", 0)]
+    folders = {"r0": True, "r1": True, "r2": True, "r3": True, "r4": True, "old": True, "training": False, "now": False}
+    # keep 2: r4, r3 (newest with anchors); r2 is current (last published); r0 the parent; no-anchor folders stay
+    assert doomed_runs(folders, refreshes, keep=2, protected={"now", "r0"}) == ["old", "r1"]
+    assert doomed_runs(folders, refreshes, keep=10, protected=set()) == ["old"]
+    assert doomed_runs(folders, [], keep=1, protected={"r1"}) == ["old", "r0", "r2", "r3", "r4"]
+
+
+def test_prune_task_removes_only_doomed_folders(tmp_path, flow_data, monkeypatch):
+    from ettflow.ett.lineage import LineageRecord, Outcome
+    from ettflow.tasks.retention import apply_retention
+
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    plan = plan_refresh(params(flow_data, tmp_path, warehouse_url=url, keep_refreshes=1), run_id="now")
+    for run in ("a", "b", "c"):
+        (plan.runs_root / run / "checkpoints" / "1").mkdir(parents=True)
+        (plan.runs_root / run / "checkpoints" / "1" / "anchor.json").write_text("{}")
+    with Warehouse.open(url) as wh:
+        for t, run in enumerate(("a", "b", "c")):
+            wh.record_lineage(LineageRecord(model="dlrm", run_id=run, windows=("w",), anchor=f"/{run}",
+                                            outcome=Outcome.PUBLISHED if run != "c" else Outcome.GATED,
+                                            created_at=t, finished_at=t))
+    assert apply_retention(plan) == (["a"], 2)  # c: the last refresh; b: the current anchor
+    assert sorted(p.name for p in plan.runs_root.iterdir()) == ["b", "c"]

@@ -1,0 +1,111 @@
+"""A run whose driver died: the heartbeat that tells it, the orchestrator failure its spool gets
+(placed once), and the metric of a failure after which nothing restarts. Pure or file-only."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ettflow.ett.events import COMPONENTS, UNATTRIBUTED
+from ettflow.ett.failures import FailureClass
+from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file, read_heartbeat, stale_bound_s
+from ettflow.ett.orphans import place_orphan_failure, record_orchestrator_failure
+from ettflow.ett.run_metrics import compute_run_metrics
+from ettflow.ett.spool import SpoolWriter, read_spool
+
+from helpers.timelines import Timeline
+
+
+def trained_then_silent() -> Timeline:
+    """Submitted at 0, init 0-10, 20 steps 10-30, then the driver died (no more events)."""
+    t = Timeline("orphan")
+    t.mark("submitted", 0).ev("scheduling", 0, 2, rank=-1).ev("device_init", 2, 10)
+    return t.steps(10, 0, 20)
+
+
+def test_an_orchestrator_failure_with_no_restart_after_it():
+    t = trained_then_silent()
+    t.fail(31.0, 38.6, failure_class="orchestrator", failed_rank=-1, reason="driver died")
+    m = compute_run_metrics(t.events)
+    (f,) = m.failures
+    assert m.nof == 1 and f.failure_class == "orchestrator" and not f.recovered and not f.cascaded
+    assert m.wall_end == 38.6 and f.detected_at == 38.6 and f.failed_at == 31.0
+    assert f.ttr_s == 0.0  # TTR runs to the wall end, which is the detection
+    assert m.effective_s == 20.0
+    assert m.phases["lost_in_flight"].exposed_s == pytest.approx(8.6)  # last step end -> detection
+    m.check_partition()
+    assert sum(m.components[c] for c in (*COMPONENTS, UNATTRIBUTED)) == pytest.approx(m.wall_s)
+
+
+def test_orphan_failure_goes_on_the_last_attempt_or_the_next_when_that_one_failed():
+    t = trained_then_silent()
+    placed = place_orphan_failure(t.events, last_alive=31.0, detected_at=38.6)
+    assert (placed.attempt, placed.failed_at, placed.detected_at) == (0, 31.0, 38.6)
+    # never detected before the last spooled work
+    assert place_orphan_failure(t.events, last_alive=5.0, detected_at=12.0).detected_at == 30.0
+    # no heartbeat: the last on-clock event's end is the last sign of life
+    assert place_orphan_failure(t.events, last_alive=None, detected_at=40.0).failed_at == 30.0
+    t.fail(30.5, 31.0, failure_class="infrastructure", failed_rank=1)  # attempt 0 failed, then the driver died
+    assert place_orphan_failure(t.events, last_alive=32.0, detected_at=40.0).attempt == 1
+    t.next_attempt().fail(32.0, 40.0, failure_class="orchestrator")
+    assert place_orphan_failure(t.events, last_alive=32.0, detected_at=40.0) is None  # already there
+
+
+def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
+    with SpoolWriter(tmp_path, "r", 0, -1) as d:
+        d.mark("submitted", 0.0)
+    with SpoolWriter(tmp_path, "r", 0, 0) as w:
+        for i in range(3):
+            w.record("train_step", 1 + i, 2 + i, cursor_start=i, cursor_end=i + 1)
+    kw = dict(last_alive=4.5, detected_at=12.5, reason="driver died", detection="heartbeat")
+    placed = record_orchestrator_failure(tmp_path, "r", **kw)
+    assert (placed.attempt, placed.failed_at, placed.detected_at) == (0, 4.5, 12.5)
+    assert record_orchestrator_failure(tmp_path, "r", **kw) is None
+    events = read_spool(tmp_path, "r").events
+    marks = [e for e in events if e.phase in ("failure", "failure_detected")]
+    assert [(e.phase, e.start, e.rank) for e in marks] == [("failure", 4.5, -1), ("failure_detected", 12.5, -1)]
+    assert all(e.attrs["failure_class"] == FailureClass.ORCHESTRATOR.value and e.attrs["detection"] == "heartbeat"
+               for e in marks)
+    m = compute_run_metrics(events)
+    assert m.nof == 1 and m.wall_end == 12.5
+    m.check_partition()
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_heartbeat_beats_and_records_how_the_block_ended(tmp_path):
+    with RunHeartbeat(tmp_path, "hb", every_s=0.05, labels={"model": "m", "mode": "baseline"}):
+        first = read_heartbeat(tmp_path, "hb")
+        assert first is not None and not first.ended and first.labels["model"] == "m"
+        assert first.bound_s == stale_bound_s(0.05) and first.is_live(first.last_beat)
+        assert _wait_for(lambda: heartbeat_file(tmp_path, "hb").stat().st_mtime > first.last_beat)
+    done = read_heartbeat(tmp_path, "hb")
+    assert done.ended and done.outcome == "completed" and not done.is_orphaned(done.last_beat + 1e6)
+    with pytest.raises(ValueError), RunHeartbeat(tmp_path, "hb2", every_s=0.05):
+        raise ValueError("the body failed")
+    assert read_heartbeat(tmp_path, "hb2").outcome == "failed"
+    with pytest.raises(KeyboardInterrupt), RunHeartbeat(tmp_path, "hb3", every_s=0.05):
+        raise KeyboardInterrupt
+    assert read_heartbeat(tmp_path, "hb3").outcome == "crashed"
+    assert read_heartbeat(tmp_path, "never") is None
+    with pytest.raises(ValueError, match="every_s"):
+        RunHeartbeat(tmp_path, "x", every_s=0)
+
+
+def test_a_stale_heartbeat_is_an_orphan_detected_at_last_beat_plus_the_bound(tmp_path):
+    with RunHeartbeat(tmp_path, "dead", every_s=1.0):
+        pass
+    path = heartbeat_file(tmp_path, "dead")
+    data = path.read_text().replace('"ended_at"', '"_ended_at"').replace('"outcome"', '"_outcome"')
+    path.write_text(data)  # as if the process died inside the block
+    beat = read_heartbeat(tmp_path, "dead")
+    assert not beat.ended and beat.detection_at == beat.last_beat + 3 * 1.0 + 2.0
+    assert beat.is_live(beat.last_beat + 4.9) and beat.is_orphaned(beat.last_beat + 5.1)
