@@ -2,8 +2,8 @@
 
 The real command (`.venv/bin/ettflow refresh`) runs as a subprocess with its own ETTFLOW_HOME
 and PREFECT_HOME (so it owns its Prefect database), tiny sizes, no compile, and a hang at step
-3 so that it is surely mid-training when the kill comes. Two such commands start side by side;
-once both spools show a `train_step`, one process of each gets SIGKILL, one after the other:
+3 so that it is surely mid-training when the kill comes. Two such commands run one after
+the other; once its spool shows a `train_step`, one process of each gets SIGKILL:
 
 - the supervisor (the `ettflow refresh` process): its worker notices, the run ends through
   Prefect's crash handling (CRASHED, the crash hook archives the row as ``crashed``) and the
@@ -36,6 +36,7 @@ import pytest
 
 from helpers.processes import alive, describe, processes_of
 from helpers.spool import training_started
+from helpers.waiting import wait_for
 
 ETTFLOW = Path(sys.executable).parent / "ettflow"
 BOUND_S = 30.0  # the worker's orderly crash may take SupervisorConfig.grace_s (20 s), then the stops
@@ -116,18 +117,16 @@ def wait_until_nothing_is_left(refreshes: list[Refresh]) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(tmp_path, flow_data):
+    # one command at a time: each kill's cleanup bound must hold on two busy cores
     command = Refresh(tmp_path / "command", flow_data)
-    worker_killed = Refresh(tmp_path / "worker", flow_data, "--verbose")
-    deadline = time.monotonic() + START_S
-    while not (command.training() and worker_killed.training(shows=THIRD_PARTY)):
-        assert time.monotonic() < deadline, "the two `ettflow refresh` did not both start training in time"
-        time.sleep(0.3)
-    (worker,) = [p for p in psutil.Process(worker_killed.proc.pid).children()
-                 if "ettflow.flows.supervise" in p.cmdline()]
-    # one kill at a time (the other command waits in its hang meanwhile): each cleanup's bound
-    # holds on two busy cores
+    wait_for(command.training, START_S, "`ettflow refresh` to start training", poll_s=0.3)
     command.kill(command.proc.pid)
     took = wait_until_nothing_is_left([command])
+    worker_killed = Refresh(tmp_path / "worker", flow_data, "--verbose")
+    wait_for(lambda: worker_killed.training(shows=THIRD_PARTY), START_S,
+             "`ettflow refresh --verbose` to start training and show TorchRec's planner lines", poll_s=0.3)
+    (worker,) = [p for p in psutil.Process(worker_killed.proc.pid).children()
+                 if "ettflow.flows.supervise" in p.cmdline()]
     worker_killed.kill(worker.pid)
     took += wait_until_nothing_is_left([worker_killed])
     print(f"\nSIGKILL of `ettflow refresh`: no process left after {took[0]:.1f} s; "
