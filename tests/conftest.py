@@ -234,6 +234,35 @@ def pytest_configure(config):
 # Ray down while it runs (one Ray connection per driver) and starts a fresh one after it.
 RUN_LAST = ("test_multinode.py",)
 
+# The suite runs on two pytest-xdist workers (scripts/test.sh: `-n 2`). Each test file is one
+# unit of work, sent whole to one worker, so a file's module fixtures are built once; session
+# fixtures are built at most once per worker. The files below share a unit because they share
+# costly session fixtures (the real Prefect server, the measured runs of tests/e2e/conftest.py).
+UNITS = {name: "deployed-path" for name in ("test_automations.py", "test_browser.py", "test_deployed_run.py",
+                                              "test_deployed_crash.py")}
+# Under xdist the costliest units go first (as a two-worker run's durations rank them: `.ci/run`
+# prints them), so that the two workers end about together; the rest keep their order.
+COSTLY_FIRST = ("deployed-path", "test_trainer_faults.py", "test_trainer.py", "test_flow_refresh.py",
+                "test_fault_matrix.py", "test_console.py", "test_continuous_refresh.py", "test_bench.py",
+                "test_refresh_process.py", "test_compile_cache.py")
+
 
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(COSTLY_FIRST)}
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and must collect in one order
+        items.sort(key=lambda item: first.get(UNITS.get(item.path.name, item.path.name), len(first)))
     items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: every other order is kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Units of work by file (`UNITS` joins some), in collection order (not reordered by size)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return UNITS.get(Path(path).name, path)
+
+    config.option.loadscopereorder = False
+    return FileUnits(config, log)

@@ -20,7 +20,7 @@ writer raises `SpoolWriteError`: an `OSError` that keeps the errno and the file,
 class. An fsync that fails in the group-commit thread is raised by the next `record` (and every
 one after it: the writer is broken once the kernel lost a write).
 
-The reader keeps every good line: a torn last line (a write cut by a kill) is reported and
+The reader keeps every good line: a torn last line (a write cut by a kill or a full disk) is reported and
 skipped, and so is any corrupt line, each with its file and line number. `SpoolRead.bytes`
 is how much it read, which the archive stores to tell later whether the spool grew.
 """
@@ -240,7 +240,7 @@ class SpoolProblem:
     path: str
     line: int
     message: str
-    torn: bool = False  # the last line of a file, cut by a kill mid-write
+    torn: bool = False  # the last line of a file, cut by a kill or a refused write (ENOSPC) mid-line
 
     def __str__(self) -> str:
         kind = "torn last line" if self.torn else "corrupt line"

@@ -90,7 +90,7 @@ def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
         assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
         target = wait_for(lambda: flow_run_process(psutil.Process(worker.pid), flow_run_id), 10,
                           "the worker's flow-run process")
-        actors = wait_for(trainer_actors, 30, "the trainer actors")
+        actors = wait_for(lambda: trainer_actors(home), 30, "the trainer actors")
         started = [p for p in processes_of(home) if p.pid != worker.pid]  # the flow process, its Ray
         assert any("raylet" in " ".join(p.cmdline()) for p in started), describe(started)
         assert api_state(api, flow_run_id)["state_type"] == "RUNNING"
@@ -141,5 +141,5 @@ def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
     found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
     assert "ett-timeline-refresh-adhoc" in {a["key"] for a in found}
     # nothing of the run is left: its trainer actors are gone, and so are their placement groups
-    assert not alive(actors) and not trainer_actors()
+    assert not alive(actors) and not trainer_actors(home)
     assert not processes_of(home), describe(processes_of(home))

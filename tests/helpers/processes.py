@@ -25,9 +25,16 @@ def processes_of(home: Path) -> list[psutil.Process]:
     return live_processes(lambda p: p.environ().get("ETTFLOW_HOME") == str(home))
 
 
-def trainer_actors() -> list[psutil.Process]:
-    """Live `ray::TrainerActor` processes (Ray titles an actor's worker process so)."""
-    return live_processes(lambda p: " ".join(p.cmdline()).startswith("ray::TrainerActor"))
+def trainer_actors(home: Path | None = None) -> list[psutil.Process]:
+    """Live `ray::TrainerActor` processes (Ray titles an actor's worker process so) of this
+    test's runs: those whose environment has ETTFLOW_HOME=`home` (a Ray its flow process
+    started), else those below this process (the session's Ray). Never another test's: the
+    suite runs on two workers at once."""
+    if home is not None:
+        mine = {p.pid for p in processes_of(home)}
+    else:
+        mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    return live_processes(lambda p: p.pid in mine and " ".join(p.cmdline()).startswith("ray::TrainerActor"))
 
 
 def alive(snapshot: list[psutil.Process]) -> list[psutil.Process]:
