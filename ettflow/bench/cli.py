@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from .output import Clock, write_tables
+
 if TYPE_CHECKING:
     from .jobs import JobResult
     from .suite import Bench
@@ -131,14 +133,6 @@ def _meets(measured: float, goal: str) -> bool:
     return measured >= float(bound) if op == ">=" else measured <= float(bound)
 
 
-def markdown(frame: pd.DataFrame) -> str:
-    cells = [[str(c) for c in frame.columns]] + [[f"{v:g}" if isinstance(v, float) else str(v) for v in row]
-                                                  for row in frame.itertuples(index=False)]
-    lines = ["| " + " | ".join(r) + " |" for r in cells]
-    lines.insert(1, "|" + "---|" * len(frame.columns))
-    return "\n".join(lines)
-
-
 @dataclass(frozen=True)
 class Measured:
     """What the suite measured: the ETT pair per job length (shortest first), the ablation
@@ -149,23 +143,6 @@ class Measured:
     rows: list[JobResult]
     ablation: pd.DataFrame | None
     overhead: pd.DataFrame | None
-
-
-class Clock:
-    """The benchmark's progress lines, each stamped with the seconds since it started;
-    written above any progress bar (tqdm), so the bar stays at the bottom."""
-
-    def __init__(self) -> None:
-        self.started = time.time()
-
-    def elapsed(self) -> float:
-        return time.time() - self.started
-
-    def say(self, msg: str) -> None:
-        from tqdm import tqdm
-
-        tqdm.write(f"[{self.elapsed():7.1f} s] {msg}", file=sys.stdout)
-        sys.stdout.flush()
 
 
 def measure(bench: Bench, skip: set[str]) -> Measured:
@@ -243,19 +220,6 @@ def save_results(out: Path, tables: dict[str, pd.DataFrame], pairs: dict[int, tu
     plots.ett_vs_length(tables["job_length"], out / "ett_vs_length.png")
     plots.wasted_vs_interval(curve, choice, out / "wasted_vs_interval.png")
     write_tables(out, tables, header=header)
-
-
-def write_tables(out: Path, tables: dict[str, pd.DataFrame], *, header: str, footer: str | None = None) -> None:
-    """Print every table, and write each as `<name>.csv` and all of them into `results.md`
-    (after `header`, before `footer`)."""
-    md = [header, ""]
-    for name, frame in tables.items():
-        frame.to_csv(out / f"{name}.csv", index=False)
-        print(f"\n== {name} ==\n{frame.to_string(index=False)}")
-        md += [f"## {name}", "", markdown(frame), ""]
-    if footer is not None:
-        md += [footer, ""]
-    (out / "results.md").write_text("\n".join(md))
 
 
 def archive_jobs(url: str | None, jobs: list[JobResult], *, quick: bool) -> str:

@@ -281,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
     from ettflow.trainer.ray_group import ensure_ray
 
-    from .cli import Clock, write_tables
+    from .output import Clock, write_tables
 
     quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = IntervalBenchPlan(refreshes=args.refreshes, rate_per_s=args.rate, seed=args.seed)

@@ -330,7 +330,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import plots
-    from .cli import Clock, write_tables
+    from .output import Clock, write_tables
 
     plan = SequencePlan(refreshes=args.refreshes, rows_per_window=args.rows_per_window, batch_size=args.batch_size,
                         modes=tuple(filter(None, args.modes.split(","))), movielens_windows=args.movielens_windows,

@@ -29,16 +29,13 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection, Table, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .warehouse_db import WRITE
+from .warehouse_db import WRITE, OpenWarehouse
 from .warehouse_models import RefreshLineage, WindowClaim
-
-if TYPE_CHECKING:
-    from .warehouse import Warehouse
 
 __all__ = ["Busy", "Claimed", "LineageRecord", "Outcome", "claim_windows", "finish_refresh", "last_published",
            "lineage", "record_lineage", "release_claims", "watermark"]
@@ -143,19 +140,19 @@ def _last_published(conn: Connection, model: str) -> LineageRecord | None:
     return LineageRecord.from_row(row) if row is not None else None
 
 
-def last_published(wh: Warehouse, model: str) -> LineageRecord | None:
+def last_published(wh: OpenWarehouse, model: str) -> LineageRecord | None:
     """The model's most recently finished PUBLISHED refresh: the next refresh's parent."""
     with wh.engine.connect() as conn:
         return _last_published(conn, model)
 
 
-def watermark(wh: Warehouse, model: str) -> str | None:
+def watermark(wh: OpenWarehouse, model: str) -> str | None:
     """The last window of the model's last PUBLISHED refresh (None: never published)."""
     last = last_published(wh, model)
     return last.last_window if last is not None else None
 
 
-def lineage(wh: Warehouse, model: str) -> list[LineageRecord]:
+def lineage(wh: OpenWarehouse, model: str) -> list[LineageRecord]:
     """Every refresh of the model, oldest first."""
     stmt = select(_LINEAGE).where(_LINEAGE.c.model == model).order_by(_LINEAGE.c.created_at, _LINEAGE.c.run_id)
     with wh.engine.connect() as conn:
@@ -165,7 +162,7 @@ def lineage(wh: Warehouse, model: str) -> list[LineageRecord]:
 # -- writing ------------------------------------------------------------------------------
 
 
-def _write(wh: Warehouse) -> Connection:
+def _write(wh: OpenWarehouse) -> Connection:
     if wh.engine.dialect.name not in _INSERT:
         from .warehouse_db import WarehouseError
 
@@ -187,13 +184,13 @@ def _lock_model(conn: Connection, model: str) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
 
 
-def record_lineage(wh: Warehouse, record: LineageRecord) -> None:
+def record_lineage(wh: OpenWarehouse, record: LineageRecord) -> None:
     """Write the record (upsert by run id)."""
     with _write(wh) as conn, conn.begin():
         _upsert(conn, _LINEAGE, [record.row()])
 
 
-def finish_refresh(wh: Warehouse, record: LineageRecord) -> None:
+def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> None:
     """Record how the refresh ended and, in the same transaction, settle its claims: `done`
     when PUBLISHED, released otherwise (a later refresh claims those windows again)."""
     with _write(wh) as conn, conn.begin():
@@ -206,7 +203,7 @@ def finish_refresh(wh: Warehouse, record: LineageRecord) -> None:
             conn.execute(delete(_CLAIMS).where(mine))
 
 
-def release_claims(wh: Warehouse, model: str, run_id: str) -> int:
+def release_claims(wh: OpenWarehouse, model: str, run_id: str) -> int:
     """Drop the run's live claims (not its done ones); returns how many."""
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, model)
@@ -215,7 +212,7 @@ def release_claims(wh: Warehouse, model: str, run_id: str) -> int:
         return gone.rowcount or 0
 
 
-def claim_windows(wh: Warehouse, model: str, run_id: str,
+def claim_windows(wh: OpenWarehouse, model: str, run_id: str,
                   choose: Callable[[str | None, LineageRecord | None], tuple[Sequence[str], Any]], *,
                   now: float | None = None, stale_after_s: float = STALE_AFTER_S) -> Claimed | Busy:
     """Claim the windows `choose(watermark, parent)` returns (as `(windows, choice)`) for the

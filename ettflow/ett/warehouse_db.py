@@ -27,6 +27,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from alembic import command
 from alembic.config import Config
@@ -49,6 +50,17 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 # lock up front, so a writer waits on the busy timeout instead of failing on a stale snapshot).
 WRITE = "ettflow_write"
 _MIGRATION_LOCK_KEY = 0x65747466_6C6F7701  # pg_advisory_lock key: "ettflow" + 1
+
+
+class OpenWarehouse(Protocol):
+    """What the table modules (`ett.lineage`, ...) read and write through: an engine and the
+    URL to show. `ett.warehouse.Warehouse` is one; they take this, not it, so that it can
+    delegate to them without an import circle."""
+
+    engine: Engine
+
+    @property
+    def display_url(self) -> str: ...
 
 
 class WarehouseError(RuntimeError):

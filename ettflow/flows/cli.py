@@ -18,15 +18,9 @@ import sys
 import time
 from typing import Any
 
+from ettflow.flows.env_defaults import set_env_defaults
+
 DEMO_FAILURE = "kill:rank=1:step=16"  # the default data gives 32 steps per rank
-
-
-def _env_defaults() -> None:
-    """Before Prefect is imported: a cold machine needs longer than 20 s for the ephemeral
-    API server; no analytics; no Ray usage stats."""
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def _value(text: str) -> Any:
@@ -97,7 +91,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
     if supervise.should_supervise(args):  # the `ettflow refresh` process: the work runs in a child
         return supervise.run_supervised(args.argv)
-    _env_defaults()
+    set_env_defaults()
     from ettflow.console import quiet_third_party
 
     quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported

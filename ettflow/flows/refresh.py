@@ -138,7 +138,7 @@ def refresh_model(
         keep_refreshes=keep_refreshes, gate_max_auc_drop=gate_max_auc_drop,
         gate_max_logloss_increase=gate_max_logloss_increase,
         placement_strategy=placement_strategy, min_world_size=min_world_size, capacity_wait_s=capacity_wait_s))
-    checked = check_warehouse(plan, return_state=True)
+    checked = check_warehouse(plan.warehouse, return_state=True)
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
     reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)

@@ -11,7 +11,7 @@ processes:
   worker dies of a signal, the supervisor kills Ray's processes at once, marks the worker's
   unfinished flow runs CRASHED through the still running API server (the worker's report
   names it), stops that server and every other process left below it, and exits non-zero.
-- the **worker** (`python -m ettflow.flows.supervise`) runs the command's real work. Its
+- the **worker** (`python -m ettflow`, which calls `worker_main`) runs the command's real work. Its
   `ParentGuard` thread polls its parent; when the supervisor is gone (killed), it sends the
   worker SIGTERM, so the run ends through Prefect's own crash handling: the flow run is
   CRASHED and its `on_crashed` hooks archive the run. The worker then restates the CRASHED
@@ -48,11 +48,13 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+from ettflow.flows.env_defaults import set_env_defaults
 
 SUPERVISOR_ENV = "ETTFLOW_REFRESH_SUPERVISOR"  # the supervisor's pid, in the worker's environment
 ARGV_ENV = "ETTFLOW_REFRESH_ARGV"  # the command's argv as JSON (not on the worker's command line)
@@ -169,14 +171,12 @@ def mark_crashed(api_url: str, tag: str, message: str, *, restate_crashed: bool)
 
 def run_supervised(argv: list[str], config: SupervisorConfig = SupervisorConfig()) -> int:
     """Run `ettflow <argv>` in a worker process and wait; leave nothing running behind it."""
-    from ettflow.flows.cli import _env_defaults
-
-    _env_defaults()
+    set_env_defaults()
     reaper = become_subreaper()
     folder = Path(tempfile.mkdtemp(prefix="ettflow-refresh-"))
     report = folder / "worker.json"
     env = {**os.environ, SUPERVISOR_ENV: str(os.getpid()), ARGV_ENV: json.dumps(argv), REPORT_ENV: str(report)}
-    worker = subprocess.Popen([sys.executable, "-m", "ettflow.flows.supervise"], env=env,
+    worker = subprocess.Popen([sys.executable, "-m", "ettflow"], env=env,  # worker_main: ettflow/__main__.py
                               stdin=subprocess.DEVNULL, start_new_session=True)
     forward = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
     previous = {s: signal.signal(s, lambda signum, _f: worker.send_signal(forward[signum])) for s in forward}
@@ -272,8 +272,8 @@ def _start_api(tag: str) -> WorkerReport:
     return WorkerReport(api_url=server.api_url, server_pid=server.server_process.pid, tag=tag)
 
 
-def worker_main(config: SupervisorConfig = SupervisorConfig()) -> int:
-    """The worker: run `ettflow <argv>` under a `ParentGuard`. On a normal exit, Prefect's and
+def worker_main(run: Callable[[list[str]], int], config: SupervisorConfig = SupervisorConfig()) -> int:
+    """The worker: `run(argv)` (the `ettflow` command's main) under a `ParentGuard`. On a normal exit, Prefect's and
     Ray's own exit handlers run first (logs and events are flushed, Ray shuts down, the
     ephemeral server stops), then `_stop_leftovers`, registered first; an orphaned worker ends
     through `_end_orphaned`."""
@@ -286,17 +286,13 @@ def worker_main(config: SupervisorConfig = SupervisorConfig()) -> int:
     guard.start()
     code = 1
     try:
-        from ettflow.flows.cli import _env_defaults
-
-        _env_defaults()
+        set_env_defaults()
         import prefect
 
         guard.report = _start_api(f"{TAG_PREFIX}{uuid.uuid4().hex[:12]}")
         guard.report.write(report_path)
         with prefect.tags(guard.report.tag):
-            from ettflow.cli import main
-
-            code = main(argv)
+            code = run(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except KeyboardInterrupt:
@@ -353,5 +349,3 @@ def _name(p: psutil.Process) -> str:
         return ""
 
 
-if __name__ == "__main__":
-    sys.exit(worker_main())

@@ -164,19 +164,6 @@ def crash_open_task_runs(flow_run_id: str, message: str | None) -> int:
     return len(left)
 
 
-def deployment_name(flow_run) -> str | None:
-    if not getattr(flow_run, "deployment_id", None):
-        return None
-    try:
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            return client.read_deployment(flow_run.deployment_id).name
-    except Exception:  # noqa: BLE001 - the key falls back to the flow name
-        log.warning("could not read deployment %s", flow_run.deployment_id, exc_info=True)
-        return None
-
-
 def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, artifact_slug: str) -> None:
     from .artifacts import create_run_artifacts, timeline_file
     from .timeline_plot import render_timeline
@@ -229,7 +216,7 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
 
     params = dict(params if params is not None else flow_run.parameters or {})
     run_id = str(flow_run.id)
-    deployment = deployment_name(flow_run)
+    deployment = run_labels.deployment_name(flow_run)
     archived = archive_run(run_id, params, status=state.value, flow_run_id=run_id,
                            tags={"flow_run_count": getattr(flow_run, "run_count", 1), "deployment": deployment})
     if archived is not None and archived.status == "skipped":

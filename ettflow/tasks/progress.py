@@ -115,7 +115,7 @@ def planned_steps(config) -> int | None:
     """Steps each rank runs from the start of the data (None if the data cannot be read)."""
     try:
         from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
-        from ettflow.trainer.session import split_windows
+        from ettflow.trainer.data.windows import split_windows
 
         train, _ = split_windows(config)
         data = DataPipeline(DataConfig(root=config.data_root, schema=config.schema, batch_size=config.batch_size,

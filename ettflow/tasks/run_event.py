@@ -72,7 +72,7 @@ def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None 
     from prefect.events import emit_event
     from prefect.settings import PREFECT_API_URL
 
-    from .archive import deployment_name
+    from .run_labels import deployment_name
 
     if not PREFECT_API_URL.value():
         return None

@@ -99,3 +99,17 @@ def restate_with_message(flow_run_id: str, state_type: str, message: str) -> boo
         log.warning("could not set the %s message of flow run %s", state_type, flow_run_id, exc_info=True)
         return False
     return True
+
+
+def deployment_name(flow_run) -> str | None:
+    """The name of the deployment that started `flow_run` (None: none, or the API cannot say)."""
+    if not getattr(flow_run, "deployment_id", None):
+        return None
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            return client.read_deployment(flow_run.deployment_id).name
+    except Exception:  # noqa: BLE001 - the key falls back to the flow name
+        log.warning("could not read deployment %s", flow_run.deployment_id, exc_info=True)
+        return None

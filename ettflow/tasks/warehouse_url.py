@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -29,9 +29,6 @@ from ettflow.ett.warehouse import Warehouse, WarehouseError
 from ettflow.ett.warehouse_db import ENV_URL, default_url
 
 from .errors import ParameterError
-
-if TYPE_CHECKING:
-    from .plan import RefreshPlan
 
 
 class WarehouseUnavailable(RuntimeError):
@@ -105,11 +102,12 @@ def open_check(params: Mapping[str, Any]) -> str:
 
 
 @task(name="check-warehouse", cache_policy=NO_CACHE)
-def check_warehouse(plan: RefreshPlan) -> str | State:
-    """Fail fast: the run's warehouse opens (connect + schema), else a Failed state carrying
-    `WarehouseUnavailable` or `ParameterError` (no traceback: the message is the whole story)."""
+def check_warehouse(warehouse: Mapping[str, str | None]) -> str | State:
+    """Fail fast: the run's warehouse (`RefreshPlan.warehouse`) opens (connect + schema), else a
+    Failed state carrying `WarehouseUnavailable` or `ParameterError` (no traceback: the message
+    is the whole story)."""
     try:
-        shown = open_check(plan.warehouse)
+        shown = open_check(warehouse)
     except (ParameterError, WarehouseUnavailable) as exc:  # e.g. no such Secret block; unreachable
         return Failed(message=str(exc), data=exc)
     get_run_logger().info("warehouse %s is reachable", shown)

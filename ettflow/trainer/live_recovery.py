@@ -35,43 +35,19 @@ restore point, a survivor that does not park in time) restarts every rank, as be
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from . import _torch_compat as compat
 from .checkpoint.layout import parse_name
 from .model import DenseStep, build_dlrm, shard
+from .protocol import DURABLE, MEMORY, RestorePoint
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
     from .rank_state import RankState
 
 log = logging.getLogger("ettflow.trainer")
-
-MEMORY, DURABLE = "memory", "durable"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestorePoint:
-    """Where a live recovery resumes: `step`, from the in-memory tier (`source` MEMORY) or
-    from the durable checkpoint at `path` (`source` DURABLE)."""
-
-    step: int
-    source: str
-    path: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.source not in (MEMORY, DURABLE):
-            raise ValueError(f"RestorePoint.source must be {MEMORY!r} or {DURABLE!r}, got {self.source!r}")
-        if self.step < 0:
-            raise ValueError(f"RestorePoint.step must be >= 0, got {self.step}")
-        if self.source == DURABLE and not self.path:
-            raise ValueError("a durable RestorePoint names its checkpoint folder (path)")
-
 
 def choose_restore_point(memory_step: int | None, durable_step: int | None,
                          durable_path: str | None) -> RestorePoint | None:
@@ -107,15 +83,3 @@ def rebuild_sharded(state: RankState, config: TrainerConfig) -> None:
     dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch = dense.dense_arch, dense.inter_arch, dense.over_arch
     known = state.dmp.plan if state.is_set("dmp") and state.dmp.plan is not None else None  # a survivor's
     state.dmp = shard(dlrm, config.model, state.pg, state.device, known_plan=known)
-
-
-def agree_all_ok(ok: bool, pg: dist.ProcessGroup) -> bool:
-    """True when `ok` holds on every rank of `pg` (one all-reduce)."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-    return int(flag.item()) == 0
-
-
-def describe_point(point: RestorePoint) -> dict[str, Any]:
-    return {"restore_step": point.step, "restore_tier": point.source,
-            **({"path": point.path} if point.path else {})}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,14 +32,18 @@ from .checkpoint.anchor import AnchorInfo, write_anchor
 from .checkpoint.config import CheckpointError
 from .checkpoint.fingerprint import state_fingerprint
 from .checkpoint.memory_tier import MemoryCopyError, MemoryTier
-from .compile.compiled import compile_module
+from .collective import agree_all_ok
+from .compile.compiled import compile_dense_step
 from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig
 from .data.batch import Batch
-from .data.windows import Cursor
-from .live_recovery import MEMORY, RestorePoint, agree_all_ok, describe_point
+from .data.windows import Cursor, split_windows
 from .numerics import refuse_nonfinite
-from .rank_state import RankState
+from .protocol import MEMORY, RestorePoint
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
 
 log = logging.getLogger("ettflow.trainer")
 DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part of the DLRM
@@ -100,20 +104,21 @@ class TrainerPlugins:
         return Cursor.from_dict(self.resume.cursors[self.rank])
 
     # ---- checkpoints --------------------------------------------------------------------
-    def prepare_state(self, state: RankState) -> None:
-        """Build the checkpoint manager and the train state; create lazy optimizer state."""
+    def prepare_state(self, dmp: DistributedModelParallel, dense_opt: torch.optim.Optimizer,
+                      ckpt_pg: dist.ProcessGroup) -> None:
+        """Build the checkpoint manager (its collectives on `ckpt_pg`) and the train state of the
+        sharded module `dmp` and the dense optimizer; create lazy optimizer state."""
         mode = "async" if self.config.switches.async_checkpoint else "sync"
         self.manager = CheckpointManager(
             CheckpointConfig(root=self.config.checkpoint_dir, mode=mode, keep_last=self.config.keep_checkpoints),
-            process_group=state.ckpt_pg, on_commit=self._on_commit, async_staging=self.async_staging,
+            process_group=ckpt_pg, on_commit=self._on_commit, async_staging=self.async_staging,
         )
-        self.train_state = TrainState(
-            model=state.dmp, optimizers={"sparse": state.dmp.fused_optimizer, "dense": state.dense_opt}
-        )
-        dlrm = state.dmp.module
+        self.ckpt_pg = ckpt_pg
+        self.train_state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": dense_opt})
+        dlrm = dmp.module
         self.dense_named = [pair for name in DENSE_MODULES
                             for pair in getattr(dlrm, name).named_parameters(prefix=name)]
-        init_optimizer_state(state.dense_opt)
+        init_optimizer_state(dense_opt)
 
     @property
     def async_staging(self) -> bool:
@@ -133,14 +138,15 @@ class TrainerPlugins:
             self.rec.record("checkpoint_save_blocking", staged.start, staged.end, sync=False, step=staged.step,
                             staging_wait=True)
 
-    def rebind(self, state: RankState, config: TrainerConfig, rec: SpoolWriter) -> None:
+    def rebind(self, dmp: DistributedModelParallel, dense_opt: torch.optim.Optimizer, ckpt_pg: dist.ProcessGroup,
+               config: TrainerConfig, rec: SpoolWriter) -> None:
         """After a live recovery rebuilt the process group and the sharded module: the next
         attempt's config and spool, a checkpoint manager on the new checkpoint group and a
         train state over the new module (the in-memory tier and compile cache are kept)."""
         self.config, self.rec = config, rec
         if self.manager is not None:
             self.manager.close()
-        self.prepare_state(state)
+        self.prepare_state(dmp, dense_opt, ckpt_pg)
 
     def abandon_saves(self) -> None:
         """A peer failed: the save in flight can never commit (its group is gone); drop it
@@ -154,14 +160,15 @@ class TrainerPlugins:
         if self.memory is not None:
             self.memory.wait()
 
-    def restore_point(self, state: RankState, point: RestorePoint) -> dict[str, Any]:
+    def restore_point(self, point: RestorePoint) -> dict[str, Any]:
         """A live recovery's restore, collective: the in-memory copy of `point.step` on every rank,
         or, when it is missing or fails its checksum on any rank, the durable checkpoint on
-        every rank (with a warning); `point` itself may name the durable one."""
+        every rank (with a warning); `point` itself may name the durable one. The ranks agree
+        on the checkpoint group (gloo: its flag is a CPU tensor, which an NCCL group refuses)."""
         assert self.manager is not None and self.train_state is not None
-        attrs: dict[str, Any] = describe_point(point)
+        attrs: dict[str, Any] = point.spool_attrs()
         problem = None
-        if point.source == MEMORY:
+        if point.source is MEMORY:
             if self.memory is None:
                 problem = "this rank has no in-memory tier"
             else:
@@ -169,13 +176,13 @@ class TrainerPlugins:
                     self.memory.restore(self.train_state, point.step)
                 except MemoryCopyError as exc:
                     problem = str(exc)
-            if agree_all_ok(problem is None, state.pg):
+            if agree_all_ok(problem is None, self.ckpt_pg):
                 self.live_point = (point.step, Cursor.from_dict(self.train_state.cursor))
                 return {**attrs, "source": "memory", "step": point.step}
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
             attrs["memory_problem"] = problem or "a peer's copy failed its check"
-        durable = self.manager.latest() if point.source == MEMORY else None
+        durable = self.manager.latest() if point.source is MEMORY else None
         path = durable.path if durable is not None else point.path
         if path is None:
             raise CheckpointError(f"live recovery: the in-memory copy of step {point.step} failed and the run has "
@@ -315,21 +322,19 @@ class TrainerPlugins:
         return self.config.warm_start_from or None
 
     def _windows(self) -> tuple[str, ...]:
-        from .session import split_windows  # session builds the plugins: imported here, not at the top
-
         return split_windows(self.config)[0]
 
     # ---- compilation --------------------------------------------------------------------
-    def compile(self, state: RankState, batch: Batch | None, *, compiled: torch.nn.Module | None = None) -> None:
-        """Compile the dense step with one forward and backward on `batch` (the fast batch
-        or the first real one); nothing is updated: gradients are dropped. Sets
-        `state.compiled_step`. `compiled`: the step this process compiled before the run
+    def compile(self, dense_step: torch.nn.Module, device: torch.device, batch: Batch | None, *,
+                compiled: torch.nn.Module | None = None) -> torch.nn.Module:
+        """The dense step compiled with one forward and backward on `batch` (the fast batch
+        or the first real one); nothing is updated: gradients are dropped.
+        `compiled`: the step this process compiled before the run
         (warm_pool.py), taken as it is; its graphs are stored in the cache all the same when
         the archive missed."""
         if compiled is None and batch is None:
             raise ValueError("compile needs a batch, or the step this process compiled before")
-        state.compiled_step = compiled if compiled is not None else compile_dense_step(
-            state.dense_step, batch, self.config, state.device)
+        compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
         if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
             # Saved at once, before training: a rank killed early must still leave a warm
             # cache for its restart (a background save was seen cut short by such a kill).
@@ -337,6 +342,7 @@ class TrainerPlugins:
             with self.rec.span("compile_cache_save") as attrs:
                 saved = self.cache.save()
                 attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
+        return compiled
 
     def compile_report(self) -> dict[str, Any]:
         report = self.cache.stats().to_dict()
@@ -348,21 +354,6 @@ class TrainerPlugins:
             self.manager.close()
         if self.memory is not None:
             self.memory.close()
-
-
-def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: TrainerConfig,
-                       device: torch.device) -> torch.nn.Module:
-    """`dense_step` compiled by one forward and backward on `batch` with random embeddings;
-    nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm."""
-    compiled = compile_module(dense_step)
-    b = batch.to(device)
-    n_sparse, dim = len(config.schema.sparse), config.model.embedding_dim
-    embedded = torch.randn(b.batch_size, n_sparse, dim, device=device, requires_grad=True)
-    loss, _ = compiled(b.dense, embedded, b.labels)
-    loss.backward()
-    for p in dense_step.parameters():
-        p.grad = None
-    return compiled
 
 
 def common_cursor(info: CheckpointInfo) -> Cursor:

@@ -47,15 +47,16 @@ from .checkpoint.latest import latest_checkpoint
 from .config import TrainerConfig
 from .data.batch import synthetic_batch
 from .data.pipeline import DataConfig, DataPipeline
-from .data.windows import list_windows
+from .data.windows import split_windows
 from .evaluate import evaluate
 from .faults import due_in_phase, fire
 from .init_pipeline import InitPipeline, Stage
-from .live_recovery import RestorePoint, rebuild_sharded
+from .live_recovery import rebuild_sharded
 from .loop import TrainLoop
 from .model import DenseStep, build_dlrm, dense_optimizer, shard
 from .plugins import TrainerPlugins
 from .preemption import PREEMPTION
+from .protocol import RestorePoint
 from .rank_heartbeat import RankHeartbeat, beat_file
 from .rank_state import RankState
 from .spare import WarmSpare
@@ -73,20 +74,6 @@ def pick_device(config: TrainerConfig) -> torch.device:
         raise RuntimeError("device='cuda' but this rank sees no GPU (check CUDA_VISIBLE_DEVICES)")
     torch.cuda.set_device(0)  # Ray gives each rank one visible GPU
     return torch.device("cuda", 0)
-
-
-def split_windows(config: TrainerConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Training windows and held-out windows: with no windows given, every window but the
-    last trains and the last is held out."""
-    if config.windows is not None:
-        return config.windows, tuple(config.eval_windows or ())
-    names = list_windows(config.data_root)
-    if len(names) < 2:
-        raise ValueError(
-            f"{config.data_root} has {len(names)} window(s): give `windows` explicitly, or at "
-            "least two windows so the last can be held out for evaluation"
-        )
-    return tuple(names[:-1]), tuple(config.eval_windows or names[-1:])
 
 
 def parent_anchor(config: TrainerConfig) -> Path | None:
@@ -171,7 +158,7 @@ class TrainerSession:
                                             keeper=self.keeper, warm_cache=self.warm_cache)
 
     def pre_train(self) -> None:
-        self.state.plugins.prepare_state(self.state)
+        self.state.plugins.prepare_state(self.state.dmp, self.state.dense_opt, self.state.ckpt_pg)
         if self.evaluates_at_start:
             self.state.eval_start = self.evaluate()
 
@@ -210,7 +197,8 @@ class TrainerSession:
     def pt2_compile(self) -> dict[str, Any]:
         plugins = self.state.plugins
         if self.warm is not None and self.warm.compiled_step is not None:
-            plugins.compile(self.state, None, compiled=self.warm.compiled_step)
+            self.state.compiled_step = plugins.compile(self.state.dense_step, self.state.device, None,
+                                                       compiled=self.warm.compiled_step)
             return {"batch": "prewarmed before the run (warm pool)"}
         if self.config.switches.fast_batch:
             batch, source = synthetic_batch(self.config.schema, self.config.batch_size), "synthetic fast batch"
@@ -218,7 +206,7 @@ class TrainerSession:
             batch, source = self.state.first_batch, "first real batch"
             if batch is None:
                 return {"batch": "none: no data to train"}
-        plugins.compile(self.state, batch)
+        self.state.compiled_step = plugins.compile(self.state.dense_step, self.state.device, batch)
         return {"batch": source}
 
     # ---- the whole rank -----------------------------------------------------------------
@@ -357,9 +345,10 @@ class TrainerSession:
                 self.process_group_init()
             with self.beat.phase("train_module_creation"), self.rec.span("module_reshard"):
                 rebuild_sharded(self.state, self.config)
-                self.state.plugins.rebind(self.state, self.config, self.rec)
+                self.state.plugins.rebind(self.state.dmp, self.state.dense_opt, self.state.ckpt_pg, self.config,
+                                          self.rec)
             with self.beat.phase("checkpoint_restore"), self.rec.span("checkpoint_restore", live=True) as attrs:
-                attrs.update(self.state.plugins.restore_point(self.state, point))
+                attrs.update(self.state.plugins.restore_point(point))
             self.state.batches = self.state.data.batches(self.state.plugins.resume_cursor, prefetch=PREFETCH_BATCHES)
             self.state.first_batch = None
         except BaseException:

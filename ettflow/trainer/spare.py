@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compile.compiled import compile_dense_step
 from .compile.process_cache import prepare_compile_env
 from .config import TrainerConfig
 from .data.batch import synthetic_batch
 from .data.schema import DataError
 from .data.windows import StreamIndex
 from .model import DenseStep, build_dlrm
-from .plugins import compile_dense_step
 
 log = logging.getLogger("ettflow.trainer")
 

@@ -126,7 +126,7 @@ def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(
     wait_for(lambda: worker_killed.training(shows=THIRD_PARTY), START_S,
              "`ettflow refresh --verbose` to start training and show TorchRec's planner lines", poll_s=0.3)
     (worker,) = [p for p in psutil.Process(worker_killed.proc.pid).children()
-                 if "ettflow.flows.supervise" in p.cmdline()]
+                 if p.cmdline()[1:3] == ["-m", "ettflow"]]  # the worker (flows/supervise.py)
     worker_killed.kill(worker.pid)
     took += wait_until_nothing_is_left([worker_killed])
     print(f"\nSIGKILL of `ettflow refresh`: no process left after {took[0]:.1f} s; "

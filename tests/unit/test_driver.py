@@ -16,7 +16,7 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.failure_policy import FailureDecision
 from ettflow.trainer.faults import due, pending_faults, record_fired
-from ettflow.trainer.live_recovery import MEMORY, RestorePoint
+from ettflow.trainer.protocol import MEMORY, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
 INFRA, USER, DATA = FailureClass.INFRASTRUCTURE, FailureClass.USER, FailureClass.DATA

@@ -1,9 +1,11 @@
-"""Imports run one way: flows -> tasks -> (trainer, publish) -> ett.
+"""Imports run one way: cli -> bench -> flows -> tasks -> (trainer, publish) -> ett, and no
+module imports another that imports it back, however long the way round.
 
 Every module of the package is read (not imported) and each of its import statements, at
 any depth (function-level and `TYPE_CHECKING` imports included, relative ones resolved), is
-checked against the layers it must not reach. A wrong-way import fails here, naming the file
-and line; the last test adds one to a copy of the package to show that it would.
+checked against the layers it must not reach, and the graph of those imports is searched for
+circles. A wrong-way import fails here, naming the file and line, and a circle naming its
+modules; the probe tests add one to a copy of the package to show that it would.
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ import pytest
 import ettflow
 
 PACKAGE = Path(ettflow.__file__).parent
-FORBIDDEN = {  # package -> the ettflow packages it must never import
-    "ettflow.ett": ("ettflow.tasks", "ettflow.flows", "ettflow.trainer", "ettflow.publish"),
-    "ettflow.trainer": ("ettflow.tasks", "ettflow.flows"),
-    "ettflow.publish": ("ettflow.tasks", "ettflow.flows"),
-    "ettflow.tasks": ("ettflow.flows",),
+CLI = "ettflow.cli"  # the `ettflow` command: only `python -m ettflow` (ettflow/__main__.py) imports it
+FORBIDDEN = {  # package (or module) -> the ettflow packages it must never import
+    "ettflow.ett": ("ettflow.tasks", "ettflow.flows", "ettflow.trainer", "ettflow.publish", "ettflow.bench", CLI),
+    "ettflow.trainer": ("ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
+    "ettflow.publish": ("ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
+    "ettflow.tasks": ("ettflow.flows", "ettflow.bench", CLI),
+    "ettflow.flows": ("ettflow.bench", CLI),
+    "ettflow.bench": (CLI,),
+    "ettflow.console": (CLI,),
+    "ettflow.paths": (CLI,),
 }
 
 
@@ -61,14 +68,97 @@ def violations(root: Path) -> list[str]:
     return found
 
 
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (a name resolves to the
+    longest module it names: `from .x import f` is module x, `from . import x` too). A module's
+    own packages are left out: importing `a.b.c` runs `a/b/__init__.py`, which is not a circle."""
+    modules = {module_name(p, root) for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        deps = set()
+        for _, targets in imports(path, root):
+            for target in targets:
+                parts = target.split(".")
+                while parts and ".".join(parts) not in modules:
+                    parts.pop()
+                found = ".".join(parts)
+                if found and found != name and not name.startswith(found + "."):
+                    deps.add(found)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each strongly connected set of two or more modules, sorted (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_imports_run_one_way():
     assert violations(PACKAGE) == []
+
+
+def test_no_module_imports_itself_back():
+    assert circles(import_graph(PACKAGE)) == []
+
+
+def test_circles_are_found_however_long():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}, "f": {"a"}}
+    assert circles(graph) == [["a", "b", "c"], ["e", "e2"]]
+
+
+@pytest.mark.parametrize(
+    ("files", "circle"),
+    [
+        ({"tasks/x_probe_a.py": "from . import x_probe_b\n", "tasks/x_probe_b.py": "from .x_probe_a import f\n"},
+         ["ettflow.tasks.x_probe_a", "ettflow.tasks.x_probe_b"]),
+        ({"trainer/x_probe_a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .x_probe_b import B\n",
+          "trainer/x_probe_b.py": "def f():\n    from ettflow.trainer import x_probe_a\n"},
+         ["ettflow.trainer.x_probe_a", "ettflow.trainer.x_probe_b"]),
+    ],
+)
+def test_a_circle_is_caught(tmp_path, files, circle):
+    root = tmp_path / "ettflow"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    for where, source in files.items():
+        (root / where).write_text(source)
+    assert circles(import_graph(root)) == [circle]
 
 
 def test_every_layer_is_scanned():
     names = {module_name(p, PACKAGE) for p in PACKAGE.rglob("*.py")}
     for pkg in FORBIDDEN:
-        assert any(n.startswith(pkg + ".") for n in names), f"{pkg} has no modules: is FORBIDDEN stale?"
+        assert any(n == pkg or n.startswith(pkg + ".") for n in names), f"{pkg} has no modules: is FORBIDDEN stale?"
 
 
 @pytest.mark.parametrize(
@@ -81,6 +171,9 @@ def test_every_layer_is_scanned():
         ("ett/x_layering_probe.py", "from ettflow.trainer.config import TrainerConfig\n"),
         ("tasks/x_layering_probe.py", "from ettflow import flows\n"),
         ("tasks/x_layering_probe.py", "if True:\n    def f():\n        from ..flows.refresh import refresh_model\n"),
+        ("flows/x_layering_probe.py", "def f():\n    from ettflow.cli import main\n"),
+        ("bench/x_layering_probe.py", "from ettflow import cli\n"),
+        ("trainer/x_layering_probe.py", "from ettflow.bench import jobs\n"),
     ],
 )
 def test_a_wrong_way_import_is_caught(tmp_path, where, source):

@@ -7,9 +7,13 @@ The batch size is fixed, so `dynamic=False` (each new shape is a recompile, coun
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import TrainerConfig
+    from ..data.batch import Batch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,3 +26,18 @@ def compile_module(fn_or_module: F, *, dynamic: bool = False, fullgraph: bool = 
             f"compile_module takes a function or an nn.Module, got {type(fn_or_module).__name__}"
         )
     return torch.compile(fn_or_module, backend="inductor", dynamic=dynamic, fullgraph=fullgraph)
+
+
+def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: TrainerConfig,
+                       device: torch.device) -> torch.nn.Module:
+    """`dense_step` compiled by one forward and backward on `batch` with random embeddings;
+    nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm."""
+    compiled = compile_module(dense_step)
+    b = batch.to(device)
+    n_sparse, dim = len(config.schema.sparse), config.model.embedding_dim
+    embedded = torch.randn(b.batch_size, n_sparse, dim, device=device, requires_grad=True)
+    loss, _ = compiled(b.dense, embedded, b.labels)
+    loss.backward()
+    for p in dense_step.parameters():
+        p.grad = None
+    return compiled

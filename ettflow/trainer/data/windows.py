@@ -17,9 +17,12 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettflow.trainer.data.schema import DataError, FeatureSchema, validate_parquet
+
+if TYPE_CHECKING:
+    from ettflow.trainer.config import TrainerConfig
 
 
 @dataclass(frozen=True, kw_only=True, order=True)
@@ -159,3 +162,17 @@ class StreamIndex:
                 start = part.offset + hi
             k += 1
         return out
+
+
+def split_windows(config: TrainerConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Training windows and held-out windows: with no windows given, every window but the
+    last trains and the last is held out."""
+    if config.windows is not None:
+        return config.windows, tuple(config.eval_windows or ())
+    names = list_windows(config.data_root)
+    if len(names) < 2:
+        raise ValueError(
+            f"{config.data_root} has {len(names)} window(s): give `windows` explicitly, or at "
+            "least two windows so the last can be held out for evaluation"
+        )
+    return tuple(names[:-1]), tuple(config.eval_windows or names[-1:])
