@@ -34,6 +34,7 @@ from ettflow.ett.run_metrics import RunMetrics, compute_run_metrics
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.protocol import RankResult
 
 MODEL = "bench-dlrm"  # the model every job refreshes (its compile cache is shared)
 MODES = ("baseline", "optimized")
@@ -207,7 +208,7 @@ def trainer_config(spec: JobSpec, mode: str, run_id: str, *, cache_root: Path | 
     )
 
 
-def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path | None) -> dict[str, Any]:
+def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path | None) -> RankResult:
     """Rank 0's result of one optimized run of the trainer alone (the driver and its Ray group,
     no flow, no publishing): examples/s, the median step, the time in its record calls. The
     recording overhead compares runs with `record_steps` on and off."""
@@ -217,6 +218,9 @@ def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path |
     cfg = trainer_config(spec, "optimized", run_id, cache_root=cache_root)
     driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))
     try:
-        return driver.run(submitted_at=time.time()).rank0
+        rank0 = driver.run(submitted_at=time.time()).rank0
     finally:
         end_run(run_id)
+    if rank0 is None:
+        raise RuntimeError(f"bench run {run_id} finished without a result from rank 0")
+    return rank0

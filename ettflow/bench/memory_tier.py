@@ -98,10 +98,11 @@ class BenchRank:
         """Seconds to hand the current host copy over `how` (checksum excluded)."""
         import ray
 
-        from ettflow.trainer.checkpoint.memory_copy import byte_view
+        from ettflow.trainer.checkpoint.memory_copy import CopyMeta, byte_view
 
         arrays = [byte_view(t) for t in self.tier._host.buffers.values()]
-        meta = {"rank": self.rank, "step": step}
+        meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size, cursor={},
+                        nbytes=sum(a.nbytes for a in arrays), layout=())
         start = time.perf_counter()
         if how == "own put":
             ref = ray.put(arrays)

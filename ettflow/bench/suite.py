@@ -203,10 +203,10 @@ class Bench:
                 r0 = trainer_rank0(replace(spec, record_steps=record),
                                    f"bench-{self.stamp}-overhead-{'on' if record else 'off'}-{pair}",
                                    self.state / "overhead-spool", cache_root=self.cache)
-                rates[record].append(r0["examples_per_s"])
-                step_s[record].append(r0["step_s_median"])
+                rates[record].append(r0.examples_per_s)
+                step_s[record].append(r0.step_s_median)
                 if record:  # the record calls' own time, as a share of the loop's (same run: no noise between runs)
-                    inline.append(100 * r0["record_s"] * r0["steps_per_s"] / r0["steps_this_attempt"])
+                    inline.append(100 * r0.record_s * r0.steps_per_s / r0.steps_this_attempt)
         # per step, the median is robust to the bursts of a shared machine; as rates (1 / step_s)
         stats = overhead_stats([1 / s for s in step_s[True]], [1 / s for s in step_s[False]])
         loop = overhead_stats(rates[True], rates[False])

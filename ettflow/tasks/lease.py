@@ -21,6 +21,7 @@ from typing import Any
 
 from ettflow.ett.failures import Failure
 from ettflow.trainer.driver import LiveGroup, PlacedGroup, WorkerGroup
+from ettflow.trainer.protocol import RankResult
 
 from . import run_spool
 
@@ -71,7 +72,7 @@ class HeldGroup:
     def resume(self, point: Any) -> None:
         self.group.resume(point)
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
+    def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]:
         done, failed = self.group.poll(timeout_s)
         self.finished.update(done)
         return done, failed

@@ -25,6 +25,7 @@ from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.checkpoint.latest import latest_checkpoint
 from ettflow.trainer.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.failure_policy import DefaultFailurePolicy, FailureDecision
+from ettflow.trainer.protocol import RankResult
 
 from . import run_spool
 from .archive import archive_on_task_state
@@ -35,11 +36,11 @@ from .progress import ProgressReporter
 @dataclass(frozen=True)
 class Trained:
     run_id: str
-    anchor: str
+    anchor: str | None  # the anchor checkpoint folder rank 0 wrote (None: it wrote none)
     attempts: int  # attempts this task ran (0: the anchor was already there)
     reused: bool  # training had finished before (flow retry): nothing was trained now
     failures: list[Failure] = field(default_factory=list)  # this try's, in order
-    rank0: dict[str, Any] = field(default_factory=dict)
+    rank0: RankResult | None = None  # what rank 0 returned (None: reused)
 
 
 def finished_anchor(plan: RefreshPlan) -> Path | None:
@@ -164,17 +165,17 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
         lease.release()
         raise
-    rank0 = {k: result.rank0.get(k) for k in ("final_step", "loss", "eval", "steps_per_s", "examples_per_s")}
-    logger.info("trained to step %s in %d attempt(s); anchor %s", rank0["final_step"], result.attempts,
-                result.rank0.get("anchor"))
-    return Trained(plan.run_id, str(result.rank0.get("anchor")), attempts=result.attempts, reused=False,
+    rank0 = result.rank0
+    logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step if rank0 else None,
+                result.attempts, rank0.anchor if rank0 else None)
+    return Trained(plan.run_id, rank0.anchor if rank0 else None, attempts=result.attempts, reused=False,
                    failures=result.failures, rank0=rank0)
 
 
 @task(name="anchor-checkpoint", cache_policy=NO_CACHE)
 def anchor_checkpoint(plan: RefreshPlan, trained: Trained) -> str:
     """The run's anchor checkpoint, checked: committed, and written by this run."""
-    path = Path(trained.anchor) if trained.anchor not in ("", "None") else None
+    path = Path(trained.anchor) if trained.anchor else None
     if path is None or not path.is_dir():
         path = finished_anchor(plan)
     info = read_anchor(path) if path is not None else None

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ettflow.ett.failures import FailureError
 
 from .classify import failure_from_exception
 from .config import TrainerConfig
+from .protocol import PrewarmTimings, RankResult, RestorePoint, WorkerInfo
 
 
 class TrainerActor:
@@ -46,12 +48,12 @@ class TrainerActor:
 
         PREEMPTION.install(config.preemption_grace_s)
 
-    def ready(self) -> dict:
+    def ready(self) -> WorkerInfo:
         import ray
 
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "created_at": self.started_at,
-                "ready_at": time.time()}
+        return WorkerInfo(pid=os.getpid(), node_ip=ray.util.get_node_ip_address(),
+                          node_id=ray.get_runtime_context().get_node_id(), created_at=self.started_at,
+                          ready_at=time.time())
 
     def rendezvous(self) -> tuple[str, int]:
         import ray
@@ -60,7 +62,7 @@ class TrainerActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def adopt(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str) -> dict:
+    def adopt(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str) -> WorkerInfo:
         """A worker started ahead of time (warm_pool.py, spare_pool.py) becomes `rank` of
         `run_id`'s `attempt` (rank -1: the run's spare, which gets its rank when it joins)."""
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
@@ -68,7 +70,7 @@ class TrainerActor:
         _log_as(f"rank {rank}" if rank >= 0 else "spare")
         return self.ready()
 
-    def train(self, master_addr: str, master_port: int, keeper=None) -> dict:
+    def train(self, master_addr: str, master_port: int, keeper=None) -> RankResult:
         """Start the rank and train. `keeper`: the run's in-memory checkpoint keeper (None: no
         in-memory tier). A worker that prewarmed (warm_pool.py) starts from what it prepared,
         with no process start on the run's clock. A session that fails may stay parked here for
@@ -85,7 +87,8 @@ class TrainerActor:
         """Whether this rank kept its session through a peer's failure (it can `rejoin`)."""
         return self.session is not None and self.session.parked
 
-    def rejoin(self, config: TrainerConfig, attempt: int, master_addr: str, master_port: int, point) -> dict:
+    def rejoin(self, config: TrainerConfig, attempt: int, master_addr: str, master_port: int,
+               point: RestorePoint) -> RankResult:
         """A survivor goes on in `attempt` (live_recovery.py)."""
         if not self.parked():
             raise RuntimeError(f"rank {self.rank} has no parked session to rejoin with")
@@ -93,7 +96,7 @@ class TrainerActor:
         session = self.session
         return self._typed(session, lambda: session.rejoin(config, attempt, (master_addr, master_port), point))
 
-    def prewarm(self) -> dict:
+    def prewarm(self) -> PrewarmTimings:
         """A spare: prepare everything of a rank's start that needs no rank (spare.py)."""
         from .session import pick_device
         from .spare import prewarm
@@ -101,10 +104,10 @@ class TrainerActor:
         t0 = time.time()
         self.warm = prewarm(self.config, pick_device(self.config))
         done = time.time()
-        return {**self.warm.timings, "started_at": self.started_at, "ready_at": done, "prewarm_s": done - t0}
+        return replace(self.warm.timings, started_at=self.started_at, ready_at=done, prewarm_s=done - t0)
 
     def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
-             keeper, point) -> dict:
+             keeper, point: RestorePoint) -> RankResult:
         """A spare takes `rank` in `attempt` (live_recovery.py)."""
         from .session import TrainerSession
 
@@ -117,7 +120,7 @@ class TrainerActor:
         warm, self.warm = self.warm, None
         return self._typed(session, lambda: session.join(warm, point))
 
-    def _typed(self, session, run) -> dict:
+    def _typed(self, session, run) -> RankResult:
         self.session = session
         try:
             return run()

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
 from ettflow.ett.failures import Failure
@@ -45,6 +45,7 @@ from .config import TrainerConfig
 from .failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
 from .faults import is_scripted_hang, pending_faults, record_fired
 from .progress import SpoolTail
+from .protocol import RankResult, RestorePoint
 from .rank_heartbeat import PhaseBounds, find_hang
 
 log = logging.getLogger("ettflow.trainer")
@@ -55,7 +56,7 @@ class WorkerGroup(Protocol):
 
     def launch(self) -> None: ...  # start training on every rank
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]: ...  # finished, failed
+    def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]: ...  # finished, failed
 
     def kill(self, rank: int) -> None: ...  # SIGKILL the rank's process
 
@@ -80,18 +81,18 @@ class LiveGroup(WorkerGroup, Protocol):
 
     def training_started(self) -> None: ...  # the attempt trains: prepare a spare now
 
-    def prepare_live(self, failure: Failure) -> Any: ...  # the restore point, None: restart every rank
+    def prepare_live(self, failure: Failure) -> RestorePoint | None: ...  # None: restart every rank
 
     def hand_off(self, attempt: int, failure: Failure) -> None: ...  # a spare takes the failed rank's place
 
-    def resume(self, point: Any) -> None: ...  # survivors rejoin, the spare joins: training goes on
+    def resume(self, point: RestorePoint) -> None: ...  # survivors rejoin, the spare joins: training goes on
 
 
 @dataclass(frozen=True)
 class AttemptSucceeded:
     """Every rank finished; `ranks` holds what each returned."""
 
-    ranks: dict[int, dict]
+    ranks: dict[int, RankResult]
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class AttemptFailed:
 
     failure: Failure
     all_failures: tuple[Failure, ...]
-    live: tuple[LiveGroup, Any] | None = None  # the group kept for a live recovery, and its restore point
+    live: tuple[LiveGroup, RestorePoint] | None = None  # the group kept for a live recovery, and its restore point
 
 
 AttemptOutcome = AttemptSucceeded | AttemptFailed
@@ -137,11 +138,11 @@ class TrainingResult:
     run_id: str
     attempts: int
     failures: list[Failure] = field(default_factory=list)  # this run's, in order
-    ranks: dict[int, dict] = field(default_factory=dict)  # what each rank returned
+    ranks: dict[int, RankResult] = field(default_factory=dict)  # what each rank returned
 
     @property
-    def rank0(self) -> dict:
-        return self.ranks.get(0, {})
+    def rank0(self) -> RankResult | None:
+        return self.ranks.get(0)
 
 
 class TrainingDriver:
@@ -174,7 +175,7 @@ class TrainingDriver:
         if submitted_at is not None or first_attempt == 0:
             with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
                 rec.mark("submitted", submitted_at if submitted_at is not None else self.clock())
-        live: tuple[LiveGroup, Any, Failure] | None = None
+        live: tuple[LiveGroup, RestorePoint, Failure] | None = None
         while True:
             result.attempts += 1
             outcome = self._attempt(attempt, live)
@@ -193,7 +194,7 @@ class TrainingDriver:
             live = (*outcome.live, failure) if outcome.live is not None else None
             attempt += 1
 
-    def _attempt(self, attempt: int, live: tuple[LiveGroup, Any, Failure] | None = None) -> AttemptOutcome:
+    def _attempt(self, attempt: int, live: tuple[LiveGroup, RestorePoint, Failure] | None = None) -> AttemptOutcome:
         rec = SpoolWriter(self.spool_root, self.run_id, attempt, -1)
         try:
             if live is not None:
@@ -209,7 +210,7 @@ class TrainingDriver:
                     handed = False
                 layout = {"nodes": list(group.placement)} if isinstance(group, PlacedGroup) else {}
                 rec.record("spare_handoff", t0, self.clock(), sync=False, world_size=self._world(group),
-                           rank=failure.rank, restore_step=getattr(point, "step", None), handed=handed, **layout)
+                           rank=failure.rank, restore_step=point.step, handed=handed, **layout)
                 if handed:
                     group.resume(point)
                     return self._watch(attempt, group, rec)
@@ -235,7 +236,7 @@ class TrainingDriver:
         pending = pending_faults(self.config, self.spool_root, self.run_id).failures
         timed_kills = [f for f in pending if f.after_s is not None and f.attempt in (None, attempt) and f.rank < world]
         bounds, launched_at = PhaseBounds.of(self.config), self.clock()
-        finished: dict[int, dict] = {}
+        finished: dict[int, RankResult] = {}
         spare_asked = False
         while True:
             done, failed = group.poll(self.poll_s)
@@ -260,7 +261,7 @@ class TrainingDriver:
                 return self._recover(attempt, group, rec, failed)
             if len(finished) == world:
                 # shutdown runs from the ranks' end of work until the devices are released
-                ended = min(min(r.get("finished_at", now) for r in finished.values()), now)
+                ended = min(min(r.finished_at or now for r in finished.values()), now)
                 group.teardown()
                 rec.record("shutdown", ended, self.clock(), failed=False)
                 return AttemptSucceeded(finished)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from .faults import due, fire
 from .model import dense_parameters, sync_dense_grads
 from .numerics import loss_failure, poison, stop
 from .preemption import PREEMPTION, StopDecision
+from .protocol import CheckpointReport, Evaluation, IntervalChoice, MemoryIntervalChoice, RankResult
 from .rank_heartbeat import SAVE, RankHeartbeat
 from .rank_state import RankState
 from .step_clock import Fetch, resume_after
@@ -52,7 +53,8 @@ MEMORY_BACKGROUND_SHARE = 0.1  # the most of the time between two in-memory copi
 
 class TrainLoop:
     def __init__(self, config: TrainerConfig, rank: int, attempt: int, state: RankState,
-                 rec: SpoolWriter, evaluate, *, beat: RankHeartbeat | None = None) -> None:
+                 rec: SpoolWriter, evaluate: Callable[[], Evaluation | None], *,
+                 beat: RankHeartbeat | None = None) -> None:
         self.evaluate = evaluate
         self.beat = beat
         self.saved_step: int | None = None  # the last step this attempt saved a checkpoint at
@@ -66,7 +68,8 @@ class TrainLoop:
         compiled = state.compiled_step
         self.step_fn = compiled if compiled is not None else state.dense_step
         self.interval = config.checkpoint_every_steps
-        self.interval_choice: dict[str, Any] = {}
+        self.interval_choice: IntervalChoice | None = None  # chosen after the probe save
+        self.memory_interval_choice: MemoryIntervalChoice | None = None
         self.blocking: list[float] = []
         self.memory_interval: int | None = None  # steps between in-memory copies (chosen after a few steps)
         self.memory_blocking: list[float] = []
@@ -120,11 +123,10 @@ class TrainLoop:
         """After the probe save: the interval that minimizes expected wasted training."""
         choice, model, csbt, step_s, _, _ = self._optimize(end_step, step_times, self.blocking)
         self.interval = max(1, round(choice.interval_s / step_s))
-        self.interval_choice = {"interval_steps": self.interval, "interval_s": choice.interval_s,
-                                "young_s": choice.young_s, "daly_s": choice.daly_s,
-                                "expected_wasted_s": choice.expected_wasted_s,
-                                "save_blocking_s": csbt, "step_s": step_s,
-                                "expected_failures": model.expected_failures}
+        self.interval_choice = IntervalChoice(interval_steps=self.interval, interval_s=choice.interval_s,
+                                              young_s=choice.young_s, daly_s=choice.daly_s,
+                                              expected_wasted_s=choice.expected_wasted_s, save_blocking_s=csbt,
+                                              step_s=step_s, expected_failures=model.expected_failures)
 
     def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> bool:
         """The in-memory tier's interval: the optimizer's, fed with the measured blocking of a
@@ -137,9 +139,9 @@ class TrainLoop:
             return False
         choice, _, csbt, step_s, background, floor_s = chosen
         self.memory_interval = max(1, round(max(choice.interval_s, floor_s) / step_s))
-        self.interval_choice.update({"memory_interval_steps": self.memory_interval, "memory_blocking_s": csbt,
-                                     "memory_background_s": background,
-                                     "memory_expected_wasted_s": choice.expected_wasted_s})
+        self.memory_interval_choice = MemoryIntervalChoice(interval_steps=self.memory_interval,
+                                                           save_blocking_s=csbt, background_s=background,
+                                                           expected_wasted_s=choice.expected_wasted_s)
         return True
 
     def _save_memory(self, step: int, cursor) -> None:
@@ -184,14 +186,14 @@ class TrainLoop:
                               reason=f"rank {self.rank} stopped at step {step}: a peer was preempted")
         raise FailureError(failure)
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RankResult:
         PREEMPTION.in_loop = True
         try:
             return self._run()
         finally:
             PREEMPTION.in_loop = False
 
-    def _run(self) -> dict[str, Any]:
+    def _run(self) -> RankResult:
         step = self.plugins.resume_step
         end = self._steps_total(step)
         first = self.state.first_batch
@@ -266,29 +268,25 @@ class TrainLoop:
                     self._choose_interval(end, step_times)
             since = resume_after(t1, self.rec.recorded_until)  # after a save: at its end, never inside it
         elapsed = max(time.time() - t_train, 1e-9)
-        result: dict[str, Any] = {
-            "rank": self.rank, "attempt": self.attempt, "final_step": step,
-            "steps_this_attempt": len(step_times),
-            "loss": loss_value if loss_value is not None else float("nan"),
-            "steps_per_s": len(step_times) / elapsed, "examples_per_s": examples * self.config.world_size / elapsed,
-            "step_s_median": statistics.median(step_times) if step_times else None,  # fetch to end of a step
-            "record_s": record_s,  # time in the step events' record calls
-            "cursor": last_cursor.to_dict() if last_cursor is not None else None,
-            "checkpoint": {"saves": len(self.blocking), "blocking_s": self.blocking,
-                           "memory_saves": len(self.memory_blocking), "memory_blocking_s": self.memory_blocking,
-                           **self.interval_choice},
-        }
         PREEMPTION.in_loop = False  # from here a SIGTERM ends the process (no step boundary is left)
         if self.beat is not None:
             self.beat.leave("train_step")
         with self.rec.span("anchor_checkpoint", step=step) as attrs, self._phase(SAVE):
             anchor = self.plugins.save_anchor(step, last_cursor, self.rec.run_id, loss=loss_value)
-            attrs["path"] = result["anchor"] = str(anchor) if anchor else None
+            attrs["path"] = str(anchor) if anchor else None
+        evaluation = None
         if self.state.eval_data is not None and self.config.eval_batches > 0:
             with self.rec.span("evaluation") as attrs, self._phase("evaluation"):
-                result["eval"] = self.evaluate()
-                attrs.update(result["eval"] or {})
-        result["eval_start"] = self.state.eval_start
-        result["compile"] = self.plugins.compile_report()
-        return result
+                evaluation = self.evaluate()
+                attrs.update(evaluation.spool_attrs() if evaluation is not None else {})
+        return RankResult(
+            rank=self.rank, attempt=self.attempt, final_step=step, steps_this_attempt=len(step_times),
+            loss=loss_value if loss_value is not None else float("nan"),
+            steps_per_s=len(step_times) / elapsed, examples_per_s=examples * self.config.world_size / elapsed,
+            step_s_median=statistics.median(step_times) if step_times else None,  # fetch to end of a step
+            record_s=record_s,  # time in the step events' record calls
+            checkpoint=CheckpointReport(blocking_s=tuple(self.blocking), memory_blocking_s=tuple(self.memory_blocking),
+                                        interval=self.interval_choice, memory_interval=self.memory_interval_choice),
+            compile=self.plugins.compile_report(), anchor=str(anchor) if anchor else None, eval=evaluation,
+            eval_start=self.state.eval_start)
 

@@ -39,7 +39,7 @@ from .config import TrainerConfig
 from .data.batch import Batch
 from .data.windows import Cursor, split_windows
 from .numerics import refuse_nonfinite
-from .protocol import MEMORY, RestorePoint
+from .protocol import MEMORY, CompileReport, RestorePoint
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -63,6 +63,7 @@ class TrainerPlugins:
         self.resume, self.parent = resume, parent
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
+        self.ckpt_pg: dist.ProcessGroup | None = None  # the checkpoint group (prepare_state)
         self.manager: CheckpointManager | None = None
         self.train_state: TrainState | None = None
         self.dense_named: list[tuple[str, torch.Tensor]] = []  # checked before every save
@@ -344,10 +345,8 @@ class TrainerPlugins:
                 attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
         return compiled
 
-    def compile_report(self) -> dict[str, Any]:
-        report = self.cache.stats().to_dict()
-        report["cache_hit"] = self.cache_hit
-        return report
+    def compile_report(self) -> CompileReport:
+        return CompileReport(stats=self.cache.stats(), cache_hit=self.cache_hit)
 
     def close(self) -> None:
         if self.manager is not None:

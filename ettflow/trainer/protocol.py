@@ -2,15 +2,22 @@
 pooled workers): frozen dataclasses, pickled by Ray as they are, so that no side reads a dict
 by string key or parses a message.
 
+- `RankResult`: what a rank's `train` (or `rejoin`, `join`) returns to the driver when it
+  finished, with its `CheckpointReport`, `CompileReport` and `Evaluation`s;
+- `WorkerInfo`: where a trainer actor's process runs (its `ready`/`adopt` answer);
+- `PrewarmTimings`: what a spare's or pooled worker's `prewarm` took;
 - `RestorePoint`: where a live recovery resumes (the driver picks it, every rank restores it);
   its tier is a `RestoreTier`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
+
+from .compile.stats import CompileStats
 
 
 class RestoreTier(str, Enum):
@@ -50,3 +57,135 @@ class RestorePoint:
         """The point as the restore's spool attributes."""
         return {"restore_step": self.step, "restore_tier": self.source.value,
                 **({"path": self.path} if self.path else {})}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """Mean BCE loss and AUC over `examples` held-out rows (every rank's)."""
+
+    loss: float
+    auc: float
+    examples: int
+
+    @classmethod
+    def of(cls, measured: Mapping[str, Any] | None) -> Evaluation | None:
+        """From `evaluate.evaluate`'s numbers (None or empty: nothing was evaluated)."""
+        if not measured:
+            return None
+        return cls(loss=float(measured["loss"]), auc=float(measured["auc"]), examples=int(measured["examples"]))
+
+    def spool_attrs(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntervalChoice:
+    """The durable checkpoint interval a rank chose after its probe save (`ett.checkpoint_interval`):
+    `interval_steps` (= `interval_s` / `step_s`), Young's and Daly's intervals, the expected
+    wasted training at that interval, from the measured save blocking and step time."""
+
+    interval_steps: int
+    interval_s: float
+    young_s: float
+    daly_s: float
+    expected_wasted_s: float
+    save_blocking_s: float
+    step_s: float
+    expected_failures: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryIntervalChoice:
+    """The in-memory tier's interval, chosen as `IntervalChoice` is from a memory copy's
+    blocking (`save_blocking_s`) and no shorter than its background work (`background_s`)."""
+
+    interval_steps: int
+    save_blocking_s: float
+    background_s: float
+    expected_wasted_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointReport:
+    """A rank's checkpoint saves in its attempt: the seconds each durable save and each
+    in-memory copy blocked the loop, and the intervals it chose (None: not chosen, e.g. a
+    fixed interval or no probe)."""
+
+    blocking_s: tuple[float, ...] = ()
+    memory_blocking_s: tuple[float, ...] = ()
+    interval: IntervalChoice | None = None
+    memory_interval: MemoryIntervalChoice | None = None
+
+    @property
+    def saves(self) -> int:
+        return len(self.blocking_s)
+
+    @property
+    def memory_saves(self) -> int:
+        return len(self.memory_blocking_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileReport:
+    """What the compiler did in the rank's process, and whether the compile-cache archive hit."""
+
+    stats: CompileStats = field(default_factory=CompileStats)
+    cache_hit: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankResult:
+    """A rank that finished its attempt: the last step it trained (`final_step`) and that
+    step's loss, the steps of this attempt and their rates (examples over every rank), the
+    median step time (fetch to end of a step) and the time in the step events' record calls,
+    its anchor checkpoint (rank 0 names the folder; None: no anchor written), the held-out
+    evaluation at the end and, on a cold start, before training, and when it finished."""
+
+    rank: int
+    attempt: int
+    final_step: int
+    steps_this_attempt: int
+    loss: float
+    steps_per_s: float
+    examples_per_s: float
+    step_s_median: float | None
+    record_s: float
+    checkpoint: CheckpointReport
+    compile: CompileReport
+    anchor: str | None = None
+    eval: Evaluation | None = None
+    eval_start: Evaluation | None = None
+    finished_at: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """Where a trainer actor's process runs: its pid on node `node_id` (address `node_ip`),
+    when the process started (`created_at`; for a rank, never before the driver asked for it)
+    and when it answered (`ready_at`)."""
+
+    pid: int
+    node_ip: str
+    node_id: str
+    created_at: float
+    ready_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrewarmTimings:
+    """A prepared worker's `prewarm` (spare.py): building the dense part, compiling it (with
+    the compile cache's hit; None: not compiled, or no cache), reading the data footers, and
+    the whole of it from `started_at` (the process start) to `ready_at`."""
+
+    build_s: float
+    compile_s: float
+    cache_hit: bool | None
+    footers_s: float
+    started_at: float | None = None
+    ready_at: float | None = None
+    prewarm_s: float | None = None
+
+    def spool_attrs(self) -> dict[str, Any]:
+        """As a `spare_start` event's attributes."""
+        return {"build_s": self.build_s, "compile_s": self.compile_s, "cache_hit": self.cache_hit,
+                "footers_s": self.footers_s, **({"prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {})}

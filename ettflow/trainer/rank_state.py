@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .data.pipeline import DataPipeline
     from .model import DenseStep
     from .plugins import TrainerPlugins
+    from .protocol import Evaluation
 
 # The init stage that sets each stage-bound field (see session.py for the stage graph).
 SET_BY: dict[str, str] = {
@@ -77,7 +78,7 @@ class RankState:
     batches: Iterator[Batch] = field(init=False)
     first_batch: Batch | None = field(init=False)
     compiled_step: nn.Module | None = None  # set by pt2_compile
-    eval_start: dict[str, float] | None = None  # set by pre_train (eval_at_start)
+    eval_start: Evaluation | None = None  # set by pre_train (eval_at_start)
 
     def __getattr__(self, name: str) -> Any:
         # only called when the attribute is missing: an unset stage-bound field

@@ -39,8 +39,9 @@ from .classify import failure_from_exception, is_process_loss, on_lost_node
 from .compile.process_cache import has_archive
 from .config import TrainerConfig
 from .faults import pending_faults
-from .live_recovery import RestorePoint, choose_restore_point, newest_committed
+from .live_recovery import choose_restore_point, newest_committed
 from .placement import attempt_world_size, ranks_that_fit
+from .protocol import RankResult, RestorePoint, WorkerInfo
 from .spare_pool import SparePool
 from .warm_pool import POOL, record_start
 
@@ -123,7 +124,7 @@ class RayWorkerGroup:
         self.world_size = config.world_size  # this attempt's ranks: fewer on an elastic restart
         self.pg = None
         self.actors: list = []
-        self.info: list[dict] = []
+        self.info: list[WorkerInfo] = []
         self.refs: dict = {}
         self.keeper = None  # the run's in-memory checkpoint keeper (memory_checkpoint)
         self.spares: SparePool | None = None  # live recovery on a CPU placement
@@ -134,7 +135,7 @@ class RayWorkerGroup:
     @property
     def placement(self) -> tuple[str, ...]:
         """Each rank's Ray node id, by rank (empty before `reserve`)."""
-        return tuple(i["node_id"] for i in self.info)
+        return tuple(i.node_id for i in self.info)
 
     def _wanted(self, bundle: dict) -> int:
         nodes = live_nodes()
@@ -297,9 +298,9 @@ class RayWorkerGroup:
             self.refs[call] = r
         self.spares.prewarm()  # the next spare, in the background
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, dict], list[Failure]]:
+    def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]:
         done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)
-        finished: dict[int, dict] = {}
+        finished: dict[int, RankResult] = {}
         failed: list[Failure] = []
         for ref in done:
             rank = self.refs.pop(ref)
@@ -314,15 +315,15 @@ class RayWorkerGroup:
         """A lost process whose node the cluster lists as dead is the node's failure."""
         if not is_process_loss(failure) or not 0 <= failure.rank < len(self.info):
             return failure
-        node = self.info[failure.rank]["node_id"]
+        node = self.info[failure.rank].node_id
         if node in live_nodes():
             return failure
-        return on_lost_node(failure, node=node, address=self.info[failure.rank]["node_ip"])
+        return on_lost_node(failure, node=node, address=self.info[failure.rank].node_ip)
 
     def kill(self, rank: int) -> None:
         info = self.info[rank]
-        if info["node_ip"] == ray.util.get_node_ip_address():
-            os.kill(info["pid"], signal.SIGKILL)
+        if info.node_ip == ray.util.get_node_ip_address():
+            os.kill(info.pid, signal.SIGKILL)
         else:
             ray.kill(self.actors[rank], no_restart=True)
 
@@ -331,9 +332,9 @@ class RayWorkerGroup:
         # a rank takes for a preemption (preemption.py), and the group's end is not one
         for rank, actor in enumerate(self.actors):
             info = self.info[rank] if rank < len(self.info) else None
-            if info is not None and info["node_ip"] == ray.util.get_node_ip_address():
+            if info is not None and info.node_ip == ray.util.get_node_ip_address():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(info["pid"], signal.SIGKILL)
+                    os.kill(info.pid, signal.SIGKILL)
             ray.kill(actor, no_restart=True)
         self.actors, self.refs = [], {}
         if self.spares is not None:

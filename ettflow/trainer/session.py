@@ -34,6 +34,7 @@ import datetime
 import itertools
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ from .loop import TrainLoop
 from .model import DenseStep, build_dlrm, dense_optimizer, shard
 from .plugins import TrainerPlugins
 from .preemption import PREEMPTION
-from .protocol import RestorePoint
+from .protocol import Evaluation, RankResult, RestorePoint
 from .rank_heartbeat import RankHeartbeat, beat_file
 from .rank_state import RankState
 from .spare import WarmSpare
@@ -110,7 +111,7 @@ class TrainerSession:
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
         self.warm = warm
         # a prewarmed process's compile-cache hit (it restored the archive: never twice)
-        self.warm_cache: bool | None = bool(warm.timings.get("cache_hit")) if warm is not None else None
+        self.warm_cache: bool | None = bool(warm.timings.cache_hit) if warm is not None else None
         PREEMPTION.attach(self.rec)
 
     # ---- stages -------------------------------------------------------------------------
@@ -172,13 +173,13 @@ class TrainerSession:
         """Only for a cold start: before a restore the model is not the one that trains."""
         return self.config.eval_at_start and not self.restores
 
-    def evaluate(self) -> dict[str, float] | None:
+    def evaluate(self) -> Evaluation | None:
         data = self.state.eval_data
         if data is None or self.config.eval_batches < 1:
             return None
         batches = itertools.islice(data.batches(None), self.config.eval_batches)
-        return evaluate(self.state.dmp.module.sparse_arch, self.state.dense_step, batches,
-                        self.state.device, self.state.pg)
+        return Evaluation.of(evaluate(self.state.dmp.module.sparse_arch, self.state.dense_step, batches,
+                                      self.state.device, self.state.pg))
 
     def checkpoint_restore(self) -> dict[str, Any]:
         return self.state.plugins.restore()
@@ -252,7 +253,7 @@ class TrainerSession:
             out.append(Stage("pt2_compile", self.pt2_compile, compile_needs))
         return out
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RankResult:
         if self.process_started_at is not None:
             # the process start and runtime import belong to device init
             self.rec.record("device_init", self.process_started_at, time.time(), part="process_start")
@@ -271,14 +272,13 @@ class TrainerSession:
         pipeline.close()
         return self._train()
 
-    def _train(self) -> dict[str, Any]:
+    def _train(self) -> RankResult:
         """The training loop; when it fails and live recovery may keep this rank, the session
         parks instead of closing (`park`), else it closes."""
         try:
             loop = TrainLoop(self.config, self.rank, self.attempt, self.state, self.rec, self.evaluate,
                              beat=self.beat)
-            result = loop.run()
-            result["finished_at"] = time.time()
+            result = replace(loop.run(), finished_at=time.time())
         except BaseException:
             if self.can_park:
                 self.park()
@@ -306,7 +306,7 @@ class TrainerSession:
         self.parked = True
 
     def rejoin(self, config: TrainerConfig, attempt: int, master: tuple[str, int],
-               point: RestorePoint) -> dict[str, Any]:
+               point: RestorePoint) -> RankResult:
         """A survivor goes on training in attempt `attempt`: a new process group, the sharded
         module rebuilt on it, `point` restored, then training (see live_recovery.py)."""
         if not self.parked:
@@ -318,7 +318,7 @@ class TrainerSession:
         self.beat.start()
         return self._resume(point)
 
-    def join(self, warm: WarmSpare, point: RestorePoint) -> dict[str, Any]:
+    def join(self, warm: WarmSpare, point: RestorePoint) -> RankResult:
         """A spare takes this rank: the device, dense modules, dense optimizer and compiled step
         it prepared ahead of time (`spare.WarmSpare`), the rank's own data pipelines and plugins,
         then the same steps as a survivor's rejoin."""
@@ -327,7 +327,7 @@ class TrainerSession:
             self.state.device = warm.device
             self.state.dense_step, self.state.dense_opt = warm.dense_step, warm.dense_opt
             self.state.compiled_step = warm.compiled_step
-            self.warm_cache = bool(warm.timings.get("cache_hit"))
+            self.warm_cache = bool(warm.timings.cache_hit)
             for name, stage in (("preproc_creation", self.preproc_creation), ("init_plugins", self.init_plugins)):
                 with self.beat.phase(name), self.rec.span(name, spare=True):
                     stage()
@@ -336,7 +336,7 @@ class TrainerSession:
             raise
         return self._resume(point)
 
-    def _resume(self, point: RestorePoint) -> dict[str, Any]:
+    def _resume(self, point: RestorePoint) -> RankResult:
         try:
             with self.beat.phase("process_group_init"), self.rec.span("process_group_rebuild",
                                                                        world_size=self.config.world_size):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from .data.batch import synthetic_batch
 from .data.schema import DataError
 from .data.windows import StreamIndex
 from .model import DenseStep, build_dlrm
+from .protocol import PrewarmTimings
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -43,7 +43,7 @@ class WarmSpare:
     dense_step: DenseStep
     dense_opt: torch.optim.Optimizer
     compiled_step: nn.Module | None
-    timings: dict[str, Any]
+    timings: PrewarmTimings
 
 
 def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
@@ -65,8 +65,8 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
     compiled_at = time.time()
     read_footers(config)
     return WarmSpare(device=device, dense_step=dense_step, dense_opt=dense_opt, compiled_step=compiled,
-                     timings={"build_s": built - t0, "compile_s": compiled_at - built, "cache_hit": cache_hit,
-                              "footers_s": time.time() - compiled_at})
+                     timings=PrewarmTimings(build_s=built - t0, compile_s=compiled_at - built, cache_hit=cache_hit,
+                                            footers_s=time.time() - compiled_at))
 
 
 def read_footers(config: TrainerConfig) -> None:

@@ -28,6 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ettflow.ett.spool import SpoolWriter
 
 from .config import TrainerConfig
+from .protocol import WorkerInfo
 from .warm_pool import POOL, PooledWorker, record_start, start_worker
 
 
@@ -62,7 +63,7 @@ class SparePool:
         if self._spare.prewarmed is None:
             self._spare.prewarmed = self._spare.actor.prewarm.remote()
 
-    def take(self, attempt: int, timeout_s: float) -> tuple[Any, dict]:
+    def take(self, attempt: int, timeout_s: float) -> tuple[Any, WorkerInfo]:
         """The spare, prewarmed (waits up to `timeout_s`; starts one if there is none), and its
         `ready()` info. It is the caller's from here."""
         self.prewarm()

@@ -40,6 +40,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from .config import TrainerConfig
+from .protocol import PrewarmTimings
 
 log = logging.getLogger("ettflow.trainer")
 POOL_RUN_ID = "warm-pool"  # a pooled worker's run until a run takes it
@@ -78,10 +79,9 @@ def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> 
     return PooledWorker(actor, None, requested_at, warm_key(config))
 
 
-def record_start(rec: Any, worker: PooledWorker, timings: dict, **attrs: Any) -> None:
+def record_start(rec: Any, worker: PooledWorker, timings: PrewarmTimings, **attrs: Any) -> None:
     """A prepared worker's start, off the clock: from its request to the end of its prewarm."""
-    rec.record("spare_start", worker.requested_at, timings["ready_at"], **attrs, **{
-        k: v for k, v in timings.items() if k in ("build_s", "compile_s", "cache_hit", "prewarm_s", "footers_s")})
+    rec.record("spare_start", worker.requested_at, timings.ready_at, **attrs, **timings.spool_attrs())
 
 
 class WarmPool:
@@ -136,22 +136,23 @@ class WarmPool:
         return len(self._ready())
 
     # ---- taking --------------------------------------------------------------------------
-    def take(self, config: TrainerConfig, nodes: list[str | None]) -> list[tuple[PooledWorker, dict] | None]:
+    def take(self, config: TrainerConfig,
+             nodes: list[str | None]) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
         """For each wanted node (None: any node), a prewarmed worker of `config`'s shape on it
         and its prewarm timings, or None (that rank starts the usual way). Taken workers are
         the caller's; workers for another shape are stopped."""
-        out: list[tuple[PooledWorker, dict] | None] = [None] * len(nodes)
+        out: list[tuple[PooledWorker, PrewarmTimings] | None] = [None] * len(nodes)
         if not config.switches.warm_pool or not self.workers:
             return out
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
         ready = self._ready()
         for i, node in enumerate(nodes):
-            match = next((r for r in ready if node is None or r[1]["node_id"] == node), None)
+            match = next((r for r in ready if node is None or r[2] == node), None)
             if match is not None:
                 ready.remove(match)
                 self.workers.remove(match[0])
-                out[i] = match
+                out[i] = match[:2]
         return out
 
     def take_keeper(self) -> Any:
@@ -159,15 +160,15 @@ class WarmPool:
         keeper, self.keeper = self.keeper, None
         return keeper
 
-    def _ready(self) -> list[tuple[PooledWorker, dict]]:
-        """The prewarmed workers with their timings and node; a failed one is dropped."""
+    def _ready(self) -> list[tuple[PooledWorker, PrewarmTimings, str]]:
+        """The prewarmed workers with their timings and node id; a failed one is dropped."""
         done, _ = ray.wait([w.prewarmed for w in self.workers], num_returns=len(self.workers), timeout=0)
         ready = []
         for worker in [w for w in self.workers if w.prewarmed in done]:
             try:
                 timings = ray.get(worker.prewarmed)
-                node = ray.get(worker.actor.ready.remote(), timeout=10)["node_id"]
-                ready.append((worker, {**timings, "node_id": node}))  # ready_at: when its prewarm ended
+                node = ray.get(worker.actor.ready.remote(), timeout=10).node_id
+                ready.append((worker, timings, node))  # timings.ready_at: when its prewarm ended
             except (GetTimeoutError, RayActorError, RayTaskError) as exc:
                 log.warning("warm pool: a worker failed to prepare (%s: %s); dropped", type(exc).__name__, exc)
                 self.workers.remove(worker)

@@ -25,11 +25,11 @@ def test_two_ranks_train_and_held_out_loss_falls(clean_run):
     result, events, m = clean_run
     assert result.attempts == 1 and m.nof == 0
     r0 = result.rank0
-    assert r0["final_step"] == STEPS and m.effective_steps == 2 * STEPS and m.replayed_steps == 0
-    assert r0["eval"]["loss"] < r0["eval_start"]["loss"] - 0.01
-    assert r0["eval"]["auc"] > 0.6 and r0["steps_per_s"] > 0 and r0["examples_per_s"] > 0
+    assert r0.final_step == STEPS and m.effective_steps == 2 * STEPS and m.replayed_steps == 0
+    assert r0.eval.loss < r0.eval_start.loss - 0.01
+    assert r0.eval.auc > 0.6 and r0.steps_per_s > 0 and r0.examples_per_s > 0
     # the session's archive (conftest `compile_cache`) was restored: nothing compiled cold
-    assert r0["compile"]["cache_hit"] and r0["compile"]["recompiles"] == 0
+    assert r0.compile.cache_hit and r0.compile.stats.recompiles == 0
     m.check_partition()
 
 
@@ -87,12 +87,12 @@ def test_a_nan_loss_and_a_sigkill_each_restart_every_rank_exactly_and_warm(train
     # ... both restarts replayed only what each failure lost, and every batch was new data exactly once
     assert m.replayed_steps == 2 * (7 - 5) + 2 * (12 - restore.attrs["step"]) and m.effective_steps == 2 * STEPS
     # the restarts found the compile cache: no compilation, no recompile
-    compile_report = result.rank0["compile"]
-    assert compile_report["cache_hit"] and compile_report["fxgraph_miss"] == 0 and compile_report["recompiles"] == 0
+    compiled = result.rank0.compile
+    assert compiled.cache_hit and compiled.stats.fxgraph_miss == 0 and compiled.stats.recompiles == 0
     # and it ends with the parameters of the run that was never interrupted, all finite
-    anchor = model_tensors(result.rank0["anchor"], tmp_path / "anchor.pt")
+    anchor = model_tensors(result.rank0.anchor, tmp_path / "anchor.pt")
     assert all(torch.isfinite(t).all() for t in anchor.values() if t.is_floating_point())
-    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
 def test_baseline_switches_compile_after_the_first_real_batch(trainer_world, compile_cache):
@@ -106,8 +106,8 @@ def test_baseline_switches_compile_after_the_first_real_batch(trainer_world, com
         stages = sorted((e for e in events if e.rank == rank and e.phase in
                          ("process_group_init", "preproc_creation", "train_module_creation")), key=lambda e: e.start)
         assert all(a.end <= b.start for a, b in zip(stages, stages[1:]))  # sequential init
-    assert result.rank0["checkpoint"]["saves"] == 1 and by(events, "checkpoint_save_background") == []
-    anchor = result.rank0["anchor"]  # synchronous saves commit the anchor too
+    assert result.rank0.checkpoint.saves == 1 and by(events, "checkpoint_save_background") == []
+    anchor = result.rank0.anchor  # synchronous saves commit the anchor too
     assert anchor and read_anchor(anchor)["run_id"] == "baseline" and read_anchor(anchor)["step"] == 6
 
 
@@ -139,7 +139,7 @@ def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(tr
         drive(trainer_world, config(trainer_world, "pool-first", compile_cache, max_steps=2, eval_batches=0),
               "pool-first")
         assert POOL.wait_ready(180) == 4  # its teardown started 2 ranks, a spare and its successor for the next run
-        pooled = {ray.get(w.actor.ready.remote())["pid"] for w in POOL.workers}
+        pooled = {ray.get(w.actor.ready.remote()).pid for w in POOL.workers}
         POOL.keep_warm(False)  # the next run takes them and leaves nothing
         result, events, m = drive(trainer_world, config(trainer_world, "pool-next", compile_cache, eval_at_start=True),
                                   "pool-next")
@@ -159,7 +159,7 @@ def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(tr
     for rank in (0, 1):
         (compile_ev,) = by(events, "pt2_compile", rank)
         assert compile_ev.attrs["batch"] == "prewarmed before the run (warm pool)"
-    assert result.rank0["compile"]["cache_hit"] and result.rank0["compile"]["recompiles"] == 0
+    assert result.rank0.compile.cache_hit and result.rank0.compile.stats.recompiles == 0
     # and the run is the run a fresh start makes
-    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 

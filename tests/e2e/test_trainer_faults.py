@@ -54,7 +54,7 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     assert len(set(pids)) == 1
     assert len({beat_pid(trainer_world, "live", attempt, 1) for attempt in (0, 1, 2)}) == 3
     assert by(events, "pt2_compile", attempt=1) == by(events, "pt2_compile", attempt=2) == []
-    assert result.rank0["compile"]["recompiles"] == 0 and result.rank0["compile"]["frames_compiled"] == 1
+    assert result.rank0.compile.stats.recompiles == 0 and result.rank0.compile.stats.frames_compiled == 1
     # each time a spare took rank 1; every rank rebuilt its group and module and restored
     handoffs = sorted(by(events, "spare_handoff"), key=lambda e: e.attempt)
     assert [(h.attempt, h.attrs["rank"]) for h in handoffs] == [(1, 1), (2, 1)]
@@ -71,7 +71,7 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     # replayed only what each kill lost since the restored copy, trained every batch once
     assert m.replayed_steps == 2 * (8 - restore_step(events, 1)) + 2 * (9 - restore_step(events, 2))
     assert m.effective_steps == 2 * STEPS
-    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
 def test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint(trainer_world, compile_cache, clean_run,
@@ -89,7 +89,7 @@ def test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint(trainer_w
         # step-10 save the kill interrupted
         assert Path(restore.attrs["path"]).name == f"step_{restore.attrs['step']:010d}"
         assert restore.attrs["memory_problem"]
-    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
 # ---- detection: the phase watchdog ------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_hangs_in_compile_and_at_step_0_are_detected_within_their_bounds(trainer
     print(f"\nhang in pt2_compile: detected {took[0]:.2f} s after it began (bound 15 s); "
           f"at step 0: {took[1]:.2f} s (bound 3 s)")
     assert took[0] <= 15.0 + SLACK_S and took[1] <= 3.0 + SLACK_S
-    assert result.rank0["final_step"] == STEPS
+    assert result.rank0.final_step == STEPS
     m.check_partition()
 
 
@@ -145,7 +145,7 @@ def test_an_external_and_a_scripted_sigterm_take_emergency_checkpoints_and_resum
             except FileNotFoundError:
                 steps = []
             if len(steps) >= 4:
-                os.kill(groups[0].info[1]["pid"], signal.SIGTERM)
+                os.kill(groups[0].info[1].pid, signal.SIGTERM)
                 sent.append(len(steps))
             time.sleep(0.02)
 
@@ -172,4 +172,4 @@ def test_an_external_and_a_scripted_sigterm_take_emergency_checkpoints_and_resum
     assert saved[0] >= 4 and saved[1] == 18
     assert m.replayed_steps == 0 and m.effective_steps == 2 * STEPS  # nothing lost, nothing replayed
     m.check_partition()
-    assert_same_parameters(result.rank0["anchor"], clean_run[0].rank0["anchor"], tmp_path)
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)

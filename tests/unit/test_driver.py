@@ -19,6 +19,8 @@ from ettflow.trainer.faults import due, pending_faults, record_fired
 from ettflow.trainer.protocol import MEMORY, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
+from helpers.rank_results import finished
+
 INFRA, USER, DATA = FailureClass.INFRASTRUCTURE, FailureClass.USER, FailureClass.DATA
 
 
@@ -91,7 +93,7 @@ class ScriptedGroup:
                 self.run.cursor[rank] += 1
                 self.beat(rank, since=t0 + 1.0)
             elif action == "finish":
-                done[rank] = {"finished_at": t0}
+                done[rank] = finished(rank, at=t0, attempt=self.attempt)
             elif action == "die":
                 failed.append(died(rank))
             elif action == "raise":

@@ -105,8 +105,8 @@ def test_host_buffers_are_reused_and_the_checksum_covers_bytes_and_layout():
         tensors_of((("x", "pickle", (1,)),), [np.zeros(4, np.uint8)])
 
 
-def _meta(rank: int, step: int, world_size: int = 2) -> dict:
-    return {"rank": rank, "step": step, "world_size": world_size}
+def _meta(rank: int, step: int, world_size: int = 2) -> CopyMeta:
+    return CopyMeta(step=step, rank=rank, world_size=world_size, cursor={}, nbytes=0, layout=())
 
 
 def test_the_keeper_index_keeps_the_newest_two_per_rank_and_finds_the_newest_common_step():

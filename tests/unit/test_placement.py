@@ -16,6 +16,8 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.driver import TrainingDriver
 from ettflow.trainer.placement import Placement, PlacementStrategy, attempt_world_size, ranks_that_fit
 
+from helpers.rank_results import finished
+
 
 def test_ranks_that_fit_by_strategy():
     nodes = [{"CPU": 2.0, "memory": 1e9}, {"CPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}]
@@ -93,7 +95,7 @@ class PlacedScriptedGroup:
         pass
 
     def poll(self, timeout_s: float):
-        return {r: {"finished_at": 5.0} for r in range(self.world_size)}, []
+        return {r: finished(r, at=5.0) for r in range(self.world_size)}, []
 
     def kill(self, rank: int) -> None:
         raise AssertionError("nothing is killed here")

@@ -190,7 +190,7 @@ def tensors_of(layout: Layout, arrays: list[np.ndarray]) -> dict[str, torch.Tens
 
 @dataclass(frozen=True, kw_only=True)
 class CopyMeta:
-    """What a copy is: the JSON-able metadata the keeper stores beside the payload."""
+    """What a copy is: the metadata the keeper stores beside the payload (`to_json`: as JSON)."""
 
     step: int
     rank: int

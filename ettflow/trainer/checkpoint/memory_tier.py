@@ -152,7 +152,7 @@ class MemoryTier:
         arrays = [byte_view(t) for t in host.values()]
         meta = meta.with_checksum(arrays)
         try:
-            ray.get(self.keeper.store.remote(meta.to_json(), arrays, corrupt=self.corrupt_copies))
+            ray.get(self.keeper.store.remote(meta, arrays, corrupt=self.corrupt_copies))
             ok, error = True, None
         except Exception as e:  # noqa: BLE001 - the keeper is gone or refused: reported, not raised
             ok, error = False, f"{type(e).__name__}: {e}"
@@ -223,14 +223,17 @@ class MemoryTier:
             if found is None:
                 held = ray.get(self.keeper.steps.remote(rank))
                 raise MemoryCopyError(f"the keeper holds no copy of rank {rank} at step {step} (it holds steps {held})")
-            meta_json, refs = found
+            meta, refs = found
             arrays = ray.get(refs[0])
         except RayError as e:  # the keeper died, or the copy's node did
             raise MemoryCopyError(f"the in-memory copy of rank {rank} at step {step} is unreachable: "
                                   f"{type(e).__name__}: {e}") from e
         if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays):
             raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} is not a list of uint8 arrays")
-        return CopyMeta.from_json(meta_json), arrays
+        if not isinstance(meta, CopyMeta):
+            raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} has no CopyMeta "
+                                  f"({type(meta).__name__})")
+        return meta, arrays
 
     def close(self) -> None:
         """Finish the pending hand-off and free the host buffers (the keeper keeps its copies)."""

@@ -15,19 +15,32 @@ durable checkpoint covers that). Ray 2.56 removed `ray.put(_owner=...)`, which w
 the rank put an object the keeper owns in one copy.
 
 `CopyIndex` is the pure bookkeeping (newest copies per rank, the newest step every rank has);
-`StateKeeper` is the actor around it. Metadata is a JSON-able dict (`memory_tier.CopyMeta`),
-the payload a list of uint8 arrays: nothing else crosses to or from the keeper.
+`StateKeeper` is the actor around it. Metadata is a `memory_copy.CopyMeta` (frozen, with the
+copy's checksum), the payload a list of uint8 arrays: nothing else crosses to or from the keeper.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 KEEP = 2  # copies kept per rank: the newest, and the one before it (the newest may be one rank short)
 NAME_PREFIX = "ettflow-keeper-"
 HAND_OFFS = 8  # the keeper's threads: ranks whose hand-offs run side by side
+
+
+class KeptMeta(Protocol):
+    """What the index reads of a copy's metadata (`memory_copy.CopyMeta` has it)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 
 def keeper_name(run_id: str) -> str:
@@ -44,15 +57,15 @@ class CopyIndex:
     is part of its meta: `latest_common` counts only copies of the world size asked for."""
 
     keep: int = KEEP
-    copies: dict[int, dict[int, tuple[dict[str, Any], Any]]] = field(default_factory=dict)
+    copies: dict[int, dict[int, tuple[KeptMeta, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"CopyIndex.keep must be an int >= 1, got {self.keep!r}")
 
-    def store(self, meta: dict[str, Any], payload: Any) -> list[int]:
+    def store(self, meta: KeptMeta, payload: Any) -> list[int]:
         """Add (or replace) the copy of meta's (rank, step); returns the steps evicted."""
-        rank, step = meta["rank"], meta["step"]
+        rank, step = meta.rank, meta.step
         mine = self.copies.setdefault(rank, {})
         mine[step] = (meta, payload)
         evicted = sorted(mine)[: max(len(mine) - self.keep, 0)]
@@ -60,7 +73,7 @@ class CopyIndex:
             del mine[old]
         return evicted
 
-    def get(self, rank: int, step: int) -> tuple[dict[str, Any], Any] | None:
+    def get(self, rank: int, step: int) -> tuple[KeptMeta, Any] | None:
         return self.copies.get(rank, {}).get(step)
 
     def steps(self, rank: int) -> list[int]:
@@ -71,7 +84,7 @@ class CopyIndex:
         `world_size` ranks); None when there is none."""
         common: set[int] | None = None
         for rank in range(world_size):
-            held = {s for s, (meta, _) in self.copies.get(rank, {}).items() if meta["world_size"] == world_size}
+            held = {s for s, (meta, _) in self.copies.get(rank, {}).items() if meta.world_size == world_size}
             common = held if common is None else common & held
         return max(common) if common else None
 
@@ -90,7 +103,7 @@ class StateKeeper:
         self.index = CopyIndex(keep=keep)
         self._lock = threading.Lock()
 
-    def store(self, meta: dict[str, Any], arrays: list[Any], *, corrupt: bool = False) -> list[int]:
+    def store(self, meta: KeptMeta, arrays: list[Any], *, corrupt: bool = False) -> list[int]:
         """Keep a copy. `arrays` arrive as read-only views of the object the rank's call put into
         the object store (owned by the rank: it goes when the rank does); the keeper puts them
         again, as an object of its own, and keeps that reference. Returns the evicted steps.
@@ -103,9 +116,9 @@ class StateKeeper:
             raise TypeError("StateKeeper.store: the payload must be a list of uint8 arrays")
         ref = ray.put(_flipped(arrays) if corrupt else arrays)
         with self._lock:
-            return self.index.store(dict(meta), [ref])
+            return self.index.store(meta, [ref])
 
-    def fetch(self, rank: int, step: int) -> tuple[dict[str, Any], list[Any]] | None:
+    def fetch(self, rank: int, step: int) -> tuple[KeptMeta, list[Any]] | None:
         """(meta, [payload ref]) of rank's copy at step, or None when the keeper has none."""
         with self._lock:
             return self.index.get(rank, step)
