@@ -97,7 +97,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 def ray_session():
     import ray
 
-    from ettflow.trainer.ray_group import ensure_ray
+    from ettflow.trainer.group.ray_group import ensure_ray
 
     ensure_ray(num_cpus=4)
     yield

@@ -149,7 +149,7 @@ def measure(bench: Bench, skip: set[str]) -> Measured:
     """Run every measurement of the plan (ETT pairs and the ablation rows, then the compile
     ablation and the overhead unless skipped) on a local Ray started once, before the first
     job (as a long-lived worker has it)."""
-    from ettflow.trainer.ray_group import ensure_ray
+    from ettflow.trainer.group.ray_group import ensure_ray
 
     windows = bench.prepare_data()
     t0 = time.time()

@@ -143,9 +143,9 @@ class IntervalBench:
     def run(self, windows: tuple[str, ...], run_id: str, *, kills: tuple[int, ...], interval_steps: int | None,
             rate_per_s: float | None) -> tuple[RunMetrics, list, dict]:
         from ettflow.ett.spool import read_spool
-        from ettflow.trainer.driver import TrainingDriver
+        from ettflow.trainer.group.driver import TrainingDriver
+        from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
         from ettflow.trainer.model import ModelConfig
-        from ettflow.trainer.ray_group import RayWorkerGroup, end_run
 
         from .jobs import JobSpec, trainer_config
 
@@ -280,7 +280,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
-    from ettflow.trainer.ray_group import ensure_ray
+    from ettflow.trainer.group.ray_group import ensure_ray
 
     from .output import Clock, write_tables
 

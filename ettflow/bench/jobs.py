@@ -12,7 +12,7 @@ the release (optimized), record the lineage, archive.
 Each job is the first refresh of the model `MODEL` in a warehouse, spool and snapshot root of
 its own (`<state>/<run label>/`), so no job's history, lineage or gate depends on the jobs run
 before it; with no history the plan's interval is the trainer's probe save and the optimizer
-(`ett.interval_plan`, `trainer/loop.py`). Every job shares the data root and the work root,
+(`ett.interval_plan`, `trainer/rank/loop.py`). Every job shares the data root and the work root,
 hence the model's compile cache: `warm_compile_cache` is the previous refresh of the same
 model, which leaves the archive the optimized mode finds (a continuous refresh's steady state).
 
@@ -78,7 +78,7 @@ def fixed_interval_row(steps: int) -> Row:
 LIVE_RECOVERY_OFF = Row(label="optimized, live recovery off", mode="optimized",
                         switches={"live_recovery": False, "memory_checkpoint": False, "warm_pool": False})
 # the optimized mode with its ranks started the usual way, not from the processes the previous
-# run left prewarmed (trainer/warm_pool.py): what the pool takes off TTS, side by side
+# run left prewarmed (trainer/group/warm_pool.py): what the pool takes off TTS, side by side
 WARM_POOL_OFF = Row(label="optimized, warm pool off", mode="optimized", switches={"warm_pool": False})
 
 
@@ -212,8 +212,8 @@ def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path |
     """Rank 0's result of one optimized run of the trainer alone (the driver and its Ray group,
     no flow, no publishing): examples/s, the median step, the time in its record calls. The
     recording overhead compares runs with `record_steps` on and off."""
-    from ettflow.trainer.driver import TrainingDriver
-    from ettflow.trainer.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.group.driver import TrainingDriver
+    from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
 
     cfg = trainer_config(spec, "optimized", run_id, cache_root=cache_root)
     driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     from ettflow.trainer.checkpoint.state_keeper import HAND_OFFS, StateKeeper, start_keeper
-    from ettflow.trainer.ray_group import ensure_ray
+    from ettflow.trainer.group.ray_group import ensure_ray
 
     ensure_ray()
     keeper = start_keeper(RUN_ID)  # held: the keeper lives while the driver holds its handle

@@ -215,7 +215,7 @@ def run_sequence(refresher: Refresher, mode: str, *, bar: Any = None,
     data = refresher.state / f"data-{mode}"
     generate_windows(data, SyntheticConfig(windows=2, rows_per_window=plan.rows_per_window, files_per_window=1,
                                            seed=plan.seed))
-    from ettflow.trainer.warm_pool import POOL
+    from ettflow.trainer.group.warm_pool import POOL
 
     rows = []
     for i in range(1, plan.refreshes + 1):

@@ -8,7 +8,7 @@ the fixed interval (`BenchPlan.fixed_interval_steps`), and with live recovery an
 checkpoint switched off, whose TTR per failure the optimized mode's is compared with
 (`ttr_tables`), and with the warm pool off. The bench drives its jobs as a long-lived driver
 drives refresh after refresh (`BenchPlan.warm_pool`): a run that trains to the end leaves its
-ranks' processes prewarming for the next run of the same shape (trainer/warm_pool.py, the
+ranks' processes prewarming for the next run of the same shape (trainer/group/warm_pool.py, the
 optimized mode's switch), and the bench waits until they are ready before the next job, as
 refreshes hours apart find them; the warm-up run (the previous refresh) leaves the first ones.
 Every number comes from real runs on this machine, side by side in one
@@ -33,7 +33,7 @@ from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
 from ettflow.ett.events import L2_ORDER
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.data.windows import list_windows
-from ettflow.trainer.warm_pool import POOL
+from ettflow.trainer.group.warm_pool import POOL
 
 from .compile_ablation import run_ablation
 from .jobs import (

@@ -112,7 +112,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     if count < 1:
         print(f"ettflow refresh: --refreshes must be 1 or more, got {count}", file=sys.stderr)
         return 2
-    from ettflow.trainer.warm_pool import POOL
+    from ettflow.trainer.group.warm_pool import POOL
 
     done: list[str] = []
     code = 0

@@ -118,7 +118,7 @@ def score_snapshot(folder: str, config: PublishConfig, schema) -> Scores:
     from pathlib import Path
 
     from ettflow.publish.validate import held_out, logloss, score_in_fresh_process
-    from ettflow.trainer.evaluate import auc
+    from ettflow.trainer.rank.evaluate import auc
 
     verify_snapshot(folder)
     data = held_out(config, schema)

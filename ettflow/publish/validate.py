@@ -25,7 +25,7 @@ from ettflow.publish.config import PublishConfig, PublishError, SnapshotValidati
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
 from ettflow.trainer.data.schema import FeatureSchema
 from ettflow.trainer.data.windows import list_windows
-from ettflow.trainer.evaluate import auc
+from ettflow.trainer.rank.evaluate import auc
 
 LOADCHECK = Path(__file__).with_name("loadcheck.py")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ettflow.ett.failures import Failure
-from ettflow.trainer.driver import LiveGroup, PlacedGroup, WorkerGroup
+from ettflow.trainer.group.driver import LiveGroup, PlacedGroup, WorkerGroup
 from ettflow.trainer.protocol import RankResult
 
 from . import run_spool
@@ -55,7 +55,7 @@ class HeldGroup:
     def launch(self) -> None:
         self.group.launch()
 
-    # live recovery: the held group continues into the next attempt (trainer/live_recovery.py)
+    # live recovery: the held group continues into the next attempt (trainer/rank/live_recovery.py)
     def training_started(self) -> None:
         if isinstance(self.group, LiveGroup):
             self.group.training_started()

@@ -38,8 +38,8 @@ from ettflow import paths
 from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_interval
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
+from ettflow.trainer.group.placement import Placement, PlacementStrategy
 from ettflow.trainer.model import ModelConfig
-from ettflow.trainer.placement import Placement, PlacementStrategy
 
 from .errors import ParameterError
 from .warehouse_url import check_warehouse_params
@@ -92,7 +92,7 @@ class RefreshParams:
     keep_refreshes: int = 3
     gate_max_auc_drop: float | None = 0.01
     gate_max_logloss_increase: float | None = None
-    # placement on the Ray cluster (issue 13; trainer/placement.py)
+    # placement on the Ray cluster (issue 13; trainer/group/placement.py)
     placement_strategy: str = "PACK"
     min_world_size: int | None = None
     capacity_wait_s: float = 600.0
@@ -270,7 +270,7 @@ def with_lineage(plan: RefreshPlan, watermark: str | None, parent: LineageRecord
 
 
 def _placement(p: Mapping[str, Any], world_size: int) -> Placement:
-    """The ranks' placement on the Ray cluster (trainer/placement.py), from the flow's parameters."""
+    """The ranks' placement on the Ray cluster (trainer/group/placement.py), from the flow's parameters."""
     strategy = p.get("placement_strategy", "PACK")
     names = [s.value for s in PlacementStrategy]
     if strategy not in names:

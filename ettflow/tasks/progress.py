@@ -27,7 +27,7 @@ from uuid import UUID
 
 from ettflow.ett.failures import Failure
 from ettflow.ett.run_summary import failure_line
-from ettflow.trainer.progress import SpoolTail
+from ettflow.trainer.group.progress import SpoolTail
 from ettflow.trainer.rank_heartbeat import RankBeat
 
 from . import run_spool

@@ -23,8 +23,8 @@ from ettflow.ett.failures import Failure
 from ettflow.tasks.plan import RefreshPlan
 from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.checkpoint.latest import latest_checkpoint
-from ettflow.trainer.driver import TrainingDriver, TrainingFailed
-from ettflow.trainer.failure_policy import DefaultFailurePolicy, FailureDecision
+from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
+from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision
 from ettflow.trainer.protocol import RankResult
 
 from . import run_spool
@@ -61,7 +61,7 @@ def record_queueing(plan: RefreshPlan, attempt: int, until: float, **attrs: Any)
 
 
 def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
-    from ettflow.trainer.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
 
     def make_group(attempt: int) -> RayWorkerGroup:
         return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root)
@@ -79,7 +79,7 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
     if anchor is not None:
         logger.info("run %s already trained (anchor %s): nothing to reserve", plan.run_id, anchor)
         return None
-    from ettflow.trainer.ray_group import ensure_ray
+    from ettflow.trainer.group.ray_group import ensure_ray
 
     attempt = run_spool.next_attempt(plan.spool_root, plan.run_id)
     lease = new_lease(plan, attempt)

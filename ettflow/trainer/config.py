@@ -11,11 +11,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ettflow.trainer.group.placement import Placement
+
 from .data.schema import FeatureSchema
 from .model import ModelConfig
-from .placement import Placement
 
-# nan: a dense parameter turns NaN (trainer/loop.py); corrupt: the rank's in-memory copies are corrupted
+# nan: a dense parameter turns NaN (trainer/rank/loop.py); corrupt: the rank's in-memory copies are corrupted
 FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt", "corrupt")
 # phases a scripted `hang` may stop in instead of a step (`hang:rank=1:phase=pt2_compile`)
 HANG_PHASES = ("device_init", "process_group_init", "preproc_creation", "train_module_creation", "init_plugins",
@@ -34,10 +35,10 @@ class Switches:
     memory_checkpoint: bool = True
     # live recovery: when one rank fails, the healthy ranks keep their processes (imports, compiled
     # step), a pre-started warm spare takes the failed rank's place, and all restore from memory
-    # (trainer/live_recovery.py); False: every rank restarts (today's recovery)
+    # (trainer/rank/live_recovery.py); False: every rank restarts (today's recovery)
     live_recovery: bool = True
     # warm pool: a run's ranks (and its spare) come from trainer processes prewarmed after the
-    # previous run of this process ended (trainer/warm_pool.py), when the process keeps a pool
+    # previous run of this process ended (trainer/group/warm_pool.py), when the process keeps a pool
     warm_pool: bool = True
 
     @classmethod

@@ -83,7 +83,7 @@ def fire(fault: FailAt, recorder: SpoolWriter, *, step: int | None) -> None:
     if fault.kind in ("nan", "corrupt"):
         raise ValueError(f"the {fault.kind} fault is carried out by the training loop, not by fire()")
     if fault.kind == "preempt":
-        from .preemption import PREEMPTION
+        from ettflow.trainer.rank.preemption import PREEMPTION
 
         PREEMPTION.fault_index = fault.index
         os.kill(os.getpid(), signal.SIGTERM)

@@ -27,7 +27,7 @@ from ettflow.ett.failures import FailureClass
 from ettflow.ett.spool import read_spool
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.placement import Placement, PlacementStrategy
+from ettflow.trainer.group.placement import Placement, PlacementStrategy
 
 from helpers.flows import PLAIN, flow_env, run
 
@@ -46,7 +46,7 @@ def cluster(prefect_harness):
     import ray
     from ray.cluster_utils import Cluster
 
-    from ettflow.trainer.ray_group import ensure_ray
+    from ettflow.trainer.group.ray_group import ensure_ray
 
     shared_was_up = ray.is_initialized()
     ray.shutdown()
@@ -184,7 +184,7 @@ def test_a_restart_that_may_not_shrink_waits_for_capacity_within_its_bound(clust
     min_world_size fails as infrastructure past capacity_wait_s; with a longer bound it waits
     until a node joins (3 s later) and then places all four ranks over both nodes."""
     from ettflow.ett.failures import FailureError
-    from ettflow.trainer.ray_group import RayWorkerGroup, ensure_ray, live_nodes
+    from ettflow.trainer.group.ray_group import RayWorkerGroup, ensure_ray, live_nodes
 
     ensure_ray()  # joins RAY_ADDRESS, the cluster
     for node in list(cluster.worker_nodes):

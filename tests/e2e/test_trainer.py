@@ -14,7 +14,7 @@ import torch
 
 from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.config import FailAt, Switches
-from ettflow.trainer.driver import TrainingFailed
+from ettflow.trainer.group.driver import TrainingFailed
 
 from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive, model_tensors
 
@@ -126,13 +126,13 @@ def test_bad_data_file_is_rejected_with_its_name_and_column(trainer_world, compi
         drive(trainer_world, cfg, "bad")
 
 
-# ---- the warm pool (trainer/warm_pool.py): a run's ranks start from processes prewarmed after the last ----
+# ---- the warm pool (trainer/group/warm_pool.py): a run's ranks start from processes prewarmed after the last ----
 
 def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(trainer_world, compile_cache, clean_run,
                                                                                tmp_path):
     import ray
 
-    from ettflow.trainer.warm_pool import POOL
+    from ettflow.trainer.group.warm_pool import POOL
 
     POOL.keep_warm(True)
     try:

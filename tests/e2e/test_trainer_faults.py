@@ -23,7 +23,7 @@ import pytest
 
 from ettflow.ett.spool import read_spool
 from ettflow.trainer.config import FailAt
-from ettflow.trainer.ray_group import RayWorkerGroup
+from ettflow.trainer.group.ray_group import RayWorkerGroup
 
 from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive
 
@@ -37,7 +37,7 @@ def restore_step(events, attempt: int) -> int:
     return restore.attrs["step"]
 
 
-# ---- live recovery (trainer/live_recovery.py): survivors keep running, a warm spare joins ----
+# ---- live recovery (trainer/rank/live_recovery.py): survivors keep running, a warm spare joins ----
 
 def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_ready(trainer_world, compile_cache,
                                                                                     clean_run, tmp_path):

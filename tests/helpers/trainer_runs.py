@@ -39,8 +39,8 @@ def config(world: Path, name: str, compile_cache: Path, **over):
 def drive(world: Path, cfg, run_id: str, group_factory=None):
     """Run the driver to the end: (result, spooled events, metrics). The run's in-memory
     keeper is freed afterwards, as the flow's lease does."""
-    from ettflow.trainer.driver import TrainingDriver
-    from ettflow.trainer.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.group.driver import TrainingDriver
+    from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
 
     spool = world / "spool"
     factory = group_factory or (lambda a: RayWorkerGroup(cfg, run_id, a, spool))

@@ -14,7 +14,7 @@ from ettflow.ett.events import COMPONENTS, DATA_STALL, UNATTRIBUTED, component_o
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.data.prefetch import Prefetcher, found_ready
-from ettflow.trainer.step_clock import STALL_THRESHOLD_S, Fetch, resume_after
+from ettflow.trainer.rank.step_clock import STALL_THRESHOLD_S, Fetch, resume_after
 
 from helpers import timelines
 

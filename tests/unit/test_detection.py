@@ -13,8 +13,8 @@ from test_driver import Run, ScriptedGroup, finish_at
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.driver import TrainingDriver
 from ettflow.trainer.faults import is_scripted_hang
+from ettflow.trainer.group.driver import TrainingDriver
 from ettflow.trainer.rank_heartbeat import (
     SAVE,
     TRAINING,

@@ -13,9 +13,9 @@ from ettflow.tasks import run_spool
 from ettflow.trainer.classify import primary_failure
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.driver import TrainingDriver, TrainingFailed
-from ettflow.trainer.failure_policy import FailureDecision
 from ettflow.trainer.faults import due, pending_faults, record_fired
+from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
+from ettflow.trainer.group.failure_policy import FailureDecision
 from ettflow.trainer.protocol import MEMORY, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
@@ -325,7 +325,7 @@ def test_a_task_retry_shares_the_run_budget(tmp_path):
     assert [f.attempt for f in exc.failures] == [0, 1, 2] and "3 failures exceed the budget of 2" in exc.why
 
 class LiveScriptedGroup(ScriptedGroup):
-    """A scripted group that recovers live (trainer/live_recovery.py): the survivors park, the
+    """A scripted group that recovers live (trainer/rank/live_recovery.py): the survivors park, the
     spare hand-off takes 0.5 s, then every rank records `process_group_rebuild` (0.25 s),
     `module_reshard` (0.25 s) and an instant in-memory restore of `run.restore_step`, and the
     same group goes on with the next attempt's script."""

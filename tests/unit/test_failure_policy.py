@@ -17,9 +17,9 @@ from ettflow.tasks.trainer import _retry_training
 from ettflow.trainer.classify import failure_from_exception
 from ettflow.trainer.config import FAIL_AT_GRAMMAR, FAULT_KINDS, FailAt, TrainerConfig
 from ettflow.trainer.data.schema import DataError, criteo_schema
-from ettflow.trainer.driver import TrainingFailed
-from ettflow.trainer.failure_policy import DefaultFailurePolicy, FailureDecision, failure_counts
 from ettflow.trainer.faults import InjectedFailure, due, fired_faults, pending
+from ettflow.trainer.group.driver import TrainingFailed
+from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, failure_counts
 
 C = FailureClass
 RESTART, RAISE = FailureDecision.RESTART, FailureDecision.RAISE

@@ -11,9 +11,9 @@ import pytest
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.trainer.config import Switches, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.init_pipeline import InitPipeline, Stage
-from ettflow.trainer.rank_state import SET_BY, RankState, StateNotReady
-from ettflow.trainer.session import TrainerSession
+from ettflow.trainer.rank.init_pipeline import InitPipeline, Stage
+from ettflow.trainer.rank.rank_state import SET_BY, RankState, StateNotReady
+from ettflow.trainer.rank.session import TrainerSession
 
 
 def spans(tmp_path, run_id="r"):

@@ -22,7 +22,7 @@ from ettflow.trainer.checkpoint.anchor import (
 from ettflow.trainer.config import FailAt
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.model import ModelConfig
-from ettflow.trainer.numerics import loss_failure, nonfinite_parameters, poison, refuse_nonfinite
+from ettflow.trainer.rank.numerics import loss_failure, nonfinite_parameters, poison, refuse_nonfinite
 
 SCHEMA = criteo_schema(10)
 MODEL = ModelConfig(embedding_dim=4, dense_arch=(8, 4), over_arch=(8, 1))

@@ -13,8 +13,8 @@ from ettflow.tasks.plan import plan_refresh
 from ettflow.trainer.classify import on_lost_node
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.driver import TrainingDriver
-from ettflow.trainer.placement import Placement, PlacementStrategy, attempt_world_size, ranks_that_fit
+from ettflow.trainer.group.driver import TrainingDriver
+from ettflow.trainer.group.placement import Placement, PlacementStrategy, attempt_world_size, ranks_that_fit
 
 from helpers.rank_results import finished
 

@@ -58,7 +58,7 @@ def test_each_refresh_but_the_last_leaves_its_trainer_processes_warm_for_the_nex
     # (what the pool then does on the real stack: test_trainer_e2e.py's warm-pool test)
     from ettflow.cli import build_parser
     from ettflow.flows import cli
-    from ettflow.trainer.warm_pool import POOL
+    from ettflow.trainer.group.warm_pool import POOL
 
     monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
     monkeypatch.setattr("ettflow.tasks.arrivals.ensure_new_window", lambda params: None)
@@ -81,7 +81,7 @@ def test_each_refresh_but_the_last_leaves_its_trainer_processes_warm_for_the_nex
 def test_one_refresh_keeps_no_pool(tmp_path, monkeypatch):
     from ettflow.cli import build_parser
     from ettflow.flows import cli
-    from ettflow.trainer.warm_pool import POOL
+    from ettflow.trainer.group.warm_pool import POOL
 
     monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
     monkeypatch.setattr("ettflow.tasks.arrivals.ensure_new_window", lambda params: None)

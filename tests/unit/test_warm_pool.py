@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
+from ettflow.trainer.group.warm_pool import WarmPool, warm_key
 from ettflow.trainer.model import ModelConfig
-from ettflow.trainer.warm_pool import WarmPool, warm_key
 
 DATA = Path(__file__).parent  # any folder: the key never reads it
 

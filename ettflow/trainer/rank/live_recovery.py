@@ -1,7 +1,7 @@
 """Live recovery, the rank side: healthy ranks keep running through a peer's failure, and a warm
 spare takes the failed rank's place.
 
-The protocol (the driver's side is `driver.py` and `ray_group.py`):
+The protocol (the driver's side is `group/driver.py`, `group/ray_group.py` and `group/restore_choice.py`):
 
 1. A rank's process dies. Its peers' next collective fails at once (gloo reports the lost
    connection); their `train` call ends with that error, but each keeps its session on its
@@ -35,41 +35,16 @@ restore point, a survivor that does not park in time) restarts every rank, as be
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _torch_compat as compat
-from .checkpoint.layout import parse_name
-from .model import DenseStep, build_dlrm, shard
-from .protocol import DURABLE, MEMORY, RestorePoint
+from ettflow.trainer import _torch_compat as compat
+from ettflow.trainer.model import DenseStep, build_dlrm, shard
 
 if TYPE_CHECKING:
-    from .config import TrainerConfig
-    from .rank_state import RankState
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.rank.rank_state import RankState
 
 log = logging.getLogger("ettflow.trainer")
-
-def choose_restore_point(memory_step: int | None, durable_step: int | None,
-                         durable_path: str | None) -> RestorePoint | None:
-    """The newest of the two tiers; memory wins a tie (it is read from host memory). None:
-    neither holds a point, and live recovery cannot resume the ranks that kept running."""
-    if memory_step is not None and (durable_step is None or memory_step >= durable_step):
-        return RestorePoint(step=memory_step, source=MEMORY)
-    if durable_step is not None:
-        return RestorePoint(step=durable_step, source=DURABLE, path=durable_path)
-    return None
-
-
-def newest_committed(root: Path) -> tuple[int, str] | None:
-    """(step, path) of the newest committed checkpoint folder under `root`, by name only: the
-    ranks verify every byte before they read it (`CheckpointManager.load`), so the driver's
-    choice does not read the checkpoint (a scan would hash it all on the recovery's clock)."""
-    if not root.is_dir():
-        return None
-    found = [(parsed[0], str(child)) for child in root.iterdir()
-             if (parsed := parse_name(child.name)) is not None and parsed[1] == "final" and child.is_dir()]
-    return max(found) if found else None
-
 
 def rebuild_sharded(state: RankState, config: TrainerConfig) -> None:
     """The sharded module again, on the rank's new process group (`state.pg`): a DLRM whose

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ettflow.ett.spool import spool_file
-
-from .rank_heartbeat import RankBeat, beat_file, read_beat
+from ettflow.trainer.rank_heartbeat import RankBeat, beat_file, read_beat
 
 
 @dataclass

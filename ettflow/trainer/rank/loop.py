@@ -34,17 +34,16 @@ from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
 from ettflow.ett.events import DATA_STALL, FAULT_INJECTED
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
-
-from .config import FailAt, TrainerConfig
-from .data.prefetch import found_ready
-from .faults import due, fire
-from .model import dense_parameters, sync_dense_grads
-from .numerics import loss_failure, poison, stop
-from .preemption import PREEMPTION, StopDecision
-from .protocol import CheckpointReport, Evaluation, IntervalChoice, MemoryIntervalChoice, RankResult
-from .rank_heartbeat import SAVE, RankHeartbeat
-from .rank_state import RankState
-from .step_clock import Fetch, resume_after
+from ettflow.trainer.config import FailAt, TrainerConfig
+from ettflow.trainer.data.prefetch import found_ready
+from ettflow.trainer.faults import due, fire
+from ettflow.trainer.model import dense_parameters, sync_dense_grads
+from ettflow.trainer.protocol import CheckpointReport, Evaluation, IntervalChoice, MemoryIntervalChoice, RankResult
+from ettflow.trainer.rank.numerics import loss_failure, poison, stop
+from ettflow.trainer.rank.preemption import PREEMPTION, StopDecision
+from ettflow.trainer.rank.rank_state import RankState
+from ettflow.trainer.rank.step_clock import Fetch, resume_after
+from ettflow.trainer.rank_heartbeat import SAVE, RankHeartbeat
 
 log = logging.getLogger("ettflow.trainer")
 MEMORY_PROBE_STEPS = 5  # steps measured before the in-memory tier's interval is chosen

@@ -20,11 +20,11 @@ if TYPE_CHECKING:
     from torch import nn
     from torchrec.distributed import DistributedModelParallel
 
-    from .data.batch import Batch
-    from .data.pipeline import DataPipeline
-    from .model import DenseStep
-    from .plugins import TrainerPlugins
-    from .protocol import Evaluation
+    from ettflow.trainer.data.batch import Batch
+    from ettflow.trainer.data.pipeline import DataPipeline
+    from ettflow.trainer.model import DenseStep
+    from ettflow.trainer.protocol import Evaluation
+    from ettflow.trainer.rank.plugins import TrainerPlugins
 
 # The init stage that sets each stage-bound field (see session.py for the stage graph).
 SET_BY: dict[str, str] = {
@@ -49,7 +49,7 @@ class StateNotReady(RuntimeError):
         self.field, self.stage = name, stage
         super().__init__(
             f"rank state {name!r} was read before init stage {stage!r} set it: the stage that reads it "
-            f"must list {stage!r} in its needs (trainer/session.py, TrainerSession.stages)")
+            f"must list {stage!r} in its needs (trainer/rank/session.py, TrainerSession.stages)")
 
 
 @dataclass(eq=False, repr=False)

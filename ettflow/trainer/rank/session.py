@@ -42,25 +42,24 @@ import torch
 import torch.distributed as dist
 
 from ettflow.ett.spool import SpoolWriter
-
-from .checkpoint import CheckpointInfo
-from .checkpoint.latest import latest_checkpoint
-from .config import TrainerConfig
-from .data.batch import synthetic_batch
-from .data.pipeline import DataConfig, DataPipeline
-from .data.windows import split_windows
-from .evaluate import evaluate
-from .faults import due_in_phase, fire
-from .init_pipeline import InitPipeline, Stage
-from .live_recovery import rebuild_sharded
-from .loop import TrainLoop
-from .model import DenseStep, build_dlrm, dense_optimizer, shard
-from .plugins import TrainerPlugins
-from .preemption import PREEMPTION
-from .protocol import Evaluation, RankResult, RestorePoint
-from .rank_heartbeat import RankHeartbeat, beat_file
-from .rank_state import RankState
-from .spare import WarmSpare
+from ettflow.trainer.checkpoint import CheckpointInfo
+from ettflow.trainer.checkpoint.latest import latest_checkpoint
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.data.batch import synthetic_batch
+from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
+from ettflow.trainer.data.windows import split_windows
+from ettflow.trainer.faults import due_in_phase, fire
+from ettflow.trainer.model import DenseStep, build_dlrm, dense_optimizer, shard
+from ettflow.trainer.protocol import Evaluation, RankResult, RestorePoint
+from ettflow.trainer.rank.evaluate import evaluate
+from ettflow.trainer.rank.init_pipeline import InitPipeline, Stage
+from ettflow.trainer.rank.live_recovery import rebuild_sharded
+from ettflow.trainer.rank.loop import TrainLoop
+from ettflow.trainer.rank.plugins import TrainerPlugins
+from ettflow.trainer.rank.preemption import PREEMPTION
+from ettflow.trainer.rank.rank_state import RankState
+from ettflow.trainer.rank.spare import WarmSpare
+from ettflow.trainer.rank_heartbeat import RankHeartbeat, beat_file
 
 # batches the data pipeline's thread keeps ready (about 90 KB each at the bench's size). Measured:
 # 16 instead of 4 did not change the fetches that waited (their queue was full either way: the

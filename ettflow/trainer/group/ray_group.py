@@ -33,17 +33,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
-
-from .checkpoint.state_keeper import start_keeper
-from .classify import failure_from_exception, is_process_loss, on_lost_node
-from .compile.process_cache import has_archive
-from .config import TrainerConfig
-from .faults import pending_faults
-from .live_recovery import choose_restore_point, newest_committed
-from .placement import attempt_world_size, ranks_that_fit
-from .protocol import RankResult, RestorePoint, WorkerInfo
-from .spare_pool import SparePool
-from .warm_pool import POOL, record_start
+from ettflow.trainer.checkpoint.state_keeper import start_keeper
+from ettflow.trainer.classify import failure_from_exception, is_process_loss, on_lost_node
+from ettflow.trainer.compile.process_cache import has_archive
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.faults import pending_faults
+from ettflow.trainer.group.placement import attempt_world_size, ranks_that_fit
+from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed
+from ettflow.trainer.group.spare_pool import SparePool
+from ettflow.trainer.group.warm_pool import POOL, record_start
+from ettflow.trainer.protocol import RankResult, RestorePoint, WorkerInfo
 
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
@@ -147,7 +146,7 @@ class RayWorkerGroup:
                                strategy=self.config.placement.strategy.value)
 
     def reserve(self) -> None:
-        from .actor import TrainerActor
+        from ettflow.trainer.rank.actor import TrainerActor
 
         gpu = self.gpu = wants_gpu(self.config)
         bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}

@@ -39,8 +39,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .config import TrainerConfig
-from .protocol import PrewarmTimings
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.protocol import PrewarmTimings
 
 log = logging.getLogger("ettflow.trainer")
 POOL_RUN_ID = "warm-pool"  # a pooled worker's run until a run takes it
@@ -71,7 +71,7 @@ class PooledWorker:
 def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> PooledWorker:
     """A trainer actor with no rank yet and no CPU of its own (a spare or a pooled worker); its
     prewarm is not asked for."""
-    from .actor import TrainerActor
+    from ettflow.trainer.rank.actor import TrainerActor
 
     requested_at = time.time()
     actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
@@ -120,7 +120,7 @@ class WarmPool:
         started = max(count - len(self.workers), 0)
         self.workers += [self.start(config, spool_root) for _ in range(started)]
         if config.switches.memory_checkpoint and self.keeper is None:
-            from .checkpoint.state_keeper import start_keeper
+            from ettflow.trainer.checkpoint.state_keeper import start_keeper
 
             self.keeper = start_keeper(None, wait=False)
         if started:

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .compile.compiled import compile_dense_step
-from .compile.process_cache import prepare_compile_env
-from .config import TrainerConfig
-from .data.batch import synthetic_batch
-from .data.schema import DataError
-from .data.windows import StreamIndex
-from .model import DenseStep, build_dlrm
-from .protocol import PrewarmTimings
+from ettflow.trainer.compile.compiled import compile_dense_step
+from ettflow.trainer.compile.process_cache import prepare_compile_env
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.data.batch import synthetic_batch
+from ettflow.trainer.data.schema import DataError
+from ettflow.trainer.data.windows import StreamIndex
+from ettflow.trainer.model import DenseStep, build_dlrm
+from ettflow.trainer.protocol import PrewarmTimings
 
 log = logging.getLogger("ettflow.trainer")
 

@@ -26,10 +26,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ettflow.ett.spool import SpoolWriter
-
-from .config import TrainerConfig
-from .protocol import WorkerInfo
-from .warm_pool import POOL, PooledWorker, record_start, start_worker
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.group.warm_pool import POOL, PooledWorker, record_start, start_worker
+from ettflow.trainer.protocol import WorkerInfo
 
 
 class SpareUnavailable(RuntimeError):

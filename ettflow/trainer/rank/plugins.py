@@ -25,21 +25,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ettflow.ett.spool import SpoolWriter
-
-from .checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult, TrainState
-from .checkpoint import init_lazy_optimizer_state as init_optimizer_state
-from .checkpoint.anchor import AnchorInfo, write_anchor
-from .checkpoint.config import CheckpointError
-from .checkpoint.fingerprint import state_fingerprint
-from .checkpoint.memory_tier import MemoryCopyError, MemoryTier
-from .collective import agree_all_ok
-from .compile.compiled import compile_dense_step
-from .compile.process_cache import prepare_compile_env
-from .config import TrainerConfig
-from .data.batch import Batch
-from .data.windows import Cursor, split_windows
-from .numerics import refuse_nonfinite
-from .protocol import MEMORY, CompileReport, RestorePoint
+from ettflow.trainer.checkpoint import (
+    CheckpointConfig,
+    CheckpointInfo,
+    CheckpointManager,
+    CommitResult,
+    SaveResult,
+    TrainState,
+)
+from ettflow.trainer.checkpoint import init_lazy_optimizer_state as init_optimizer_state
+from ettflow.trainer.checkpoint.anchor import AnchorInfo, write_anchor
+from ettflow.trainer.checkpoint.config import CheckpointError
+from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
+from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
+from ettflow.trainer.compile.compiled import compile_dense_step
+from ettflow.trainer.compile.process_cache import prepare_compile_env
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.data.batch import Batch
+from ettflow.trainer.data.windows import Cursor, split_windows
+from ettflow.trainer.protocol import MEMORY, CompileReport, RestorePoint
+from ettflow.trainer.rank.collective import agree_all_ok
+from ettflow.trainer.rank.numerics import refuse_nonfinite
 
 if TYPE_CHECKING:
     import torch.distributed as dist

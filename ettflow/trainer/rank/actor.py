@@ -14,10 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ettflow.ett.failures import FailureError
-
-from .classify import failure_from_exception
-from .config import TrainerConfig
-from .protocol import PrewarmTimings, RankResult, RestorePoint, WorkerInfo
+from ettflow.trainer.classify import failure_from_exception
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.protocol import PrewarmTimings, RankResult, RestorePoint, WorkerInfo
 
 
 class TrainerActor:
@@ -27,7 +26,7 @@ class TrainerActor:
         from ettflow.console import quiet_third_party, verbose_from_env
 
         quiet_third_party(verbose_from_env())  # before torch/torchrec/fbgemm are imported
-        from .session import process_start_time
+        from ettflow.trainer.rank.session import process_start_time
 
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = Path(spool_root)
@@ -41,10 +40,10 @@ class TrainerActor:
         for noisy in ("torchrec", "root", "fbgemm_gpu", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         # before anything imports inductor: compile dirs, job id and thread count
-        from .compile.process_cache import prepare_compile_env
+        from ettflow.trainer.compile.process_cache import prepare_compile_env
 
         prepare_compile_env(config)
-        from .preemption import PREEMPTION
+        from ettflow.trainer.rank.preemption import PREEMPTION
 
         PREEMPTION.install(config.preemption_grace_s)
 
@@ -58,7 +57,7 @@ class TrainerActor:
     def rendezvous(self) -> tuple[str, int]:
         import ray
 
-        from .session import free_port
+        from ettflow.trainer.rank.session import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
@@ -75,7 +74,7 @@ class TrainerActor:
         in-memory tier). A worker that prewarmed (warm_pool.py) starts from what it prepared,
         with no process start on the run's clock. A session that fails may stay parked here for
         a `rejoin`."""
-        from .session import TrainerSession
+        from ettflow.trainer.rank.session import TrainerSession
 
         warm, self.warm = self.warm, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
@@ -98,8 +97,8 @@ class TrainerActor:
 
     def prewarm(self) -> PrewarmTimings:
         """A spare: prepare everything of a rank's start that needs no rank (spare.py)."""
-        from .session import pick_device
-        from .spare import prewarm
+        from ettflow.trainer.rank.session import pick_device
+        from ettflow.trainer.rank.spare import prewarm
 
         t0 = time.time()
         self.warm = prewarm(self.config, pick_device(self.config))
@@ -109,7 +108,7 @@ class TrainerActor:
     def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
              keeper, point: RestorePoint) -> RankResult:
         """A spare takes `rank` in `attempt` (live_recovery.py)."""
-        from .session import TrainerSession
+        from ettflow.trainer.rank.session import TrainerSession
 
         if self.warm is None:
             raise RuntimeError("join before prewarm: a spare prepares first")

@@ -12,7 +12,7 @@ the next attempt, which restores the latest checkpoint and the compile cache and
 the checkpoint's cursor; RAISE stops the run with `TrainingFailed`. Scripted SIGKILLs by time
 are sent from here, once per run (`faults.pending_faults`).
 
-Live recovery (`Switches.live_recovery`, trainer/live_recovery.py): with a group that can
+Live recovery (`Switches.live_recovery`, trainer/rank/live_recovery.py): with a group that can
 (`LiveGroup`), a failure the group can recover live (one rank's lost process, the others
 parked) is not torn down. The driver still records the detection and the policy decides; on
 RESTART the next attempt runs on the same group: a warm spare takes the failed rank
@@ -39,14 +39,13 @@ from typing import Protocol, runtime_checkable
 from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
 from ettflow.ett.failures import Failure
 from ettflow.ett.spool import SpoolWriter, read_file, spool_file
-
-from .classify import is_process_loss, primary_failure
-from .config import TrainerConfig
-from .failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
-from .faults import is_scripted_hang, pending_faults, record_fired
-from .progress import SpoolTail
-from .protocol import RankResult, RestorePoint
-from .rank_heartbeat import PhaseBounds, find_hang
+from ettflow.trainer.classify import is_process_loss, primary_failure
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fired
+from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
+from ettflow.trainer.group.progress import SpoolTail
+from ettflow.trainer.protocol import RankResult, RestorePoint
+from ettflow.trainer.rank_heartbeat import PhaseBounds, find_hang
 
 log = logging.getLogger("ettflow.trainer")
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .data.batch import Batch
+from ettflow.trainer.data.batch import Batch
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:

@@ -1,0 +1,30 @@
+"""The driver's choice of a live recovery's restore point (`rank/live_recovery.py` has the protocol)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ettflow.trainer.checkpoint.layout import parse_name
+from ettflow.trainer.protocol import DURABLE, MEMORY, RestorePoint
+
+
+def choose_restore_point(memory_step: int | None, durable_step: int | None,
+                         durable_path: str | None) -> RestorePoint | None:
+    """The newest of the two tiers; memory wins a tie (it is read from host memory). None:
+    neither holds a point, and live recovery cannot resume the ranks that kept running."""
+    if memory_step is not None and (durable_step is None or memory_step >= durable_step):
+        return RestorePoint(step=memory_step, source=MEMORY)
+    if durable_step is not None:
+        return RestorePoint(step=durable_step, source=DURABLE, path=durable_path)
+    return None
+
+
+def newest_committed(root: Path) -> tuple[int, str] | None:
+    """(step, path) of the newest committed checkpoint folder under `root`, by name only: the
+    ranks verify every byte before they read it (`CheckpointManager.load`), so the driver's
+    choice does not read the checkpoint (a scan would hash it all on the recovery's clock)."""
+    if not root.is_dir():
+        return None
+    found = [(parsed[0], str(child)) for child in root.iterdir()
+             if (parsed := parse_name(child.name)) is not None and parsed[1] == "final" and child.is_dir()]
+    return max(found) if found else None
