@@ -17,6 +17,7 @@ from ettflow.ett.failures import FailureError
 from ettflow.trainer.classify import failure_from_exception
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.protocol import PrewarmTimings, RankResult, RestorePoint, WorkerInfo
+from ettflow.trainer.rank.phase import RankLifecycle, RankPhase
 
 
 class TrainerActor:
@@ -30,8 +31,9 @@ class TrainerActor:
 
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = Path(spool_root)
-        self.session = None  # kept only while parked (live recovery)
-        self.warm = None  # a spare's prepared state (spare.py) until it joins
+        self.session = None  # kept only while PARKED (live recovery)
+        self.warm = None  # a spare's or pooled worker's prepared state (spare.py) while PREWARMED
+        self.lifecycle = RankLifecycle(f"rank {rank}" if rank >= 0 else "a spare")
         # Ray may hand this actor a worker process it started earlier (its pool): the rank's
         # own start counts from when the driver asked for it, never before.
         self.started_at = max(process_start_time(), requested_at)
@@ -64,8 +66,10 @@ class TrainerActor:
     def adopt(self, config: TrainerConfig, run_id: str, attempt: int, rank: int, spool_root: str) -> WorkerInfo:
         """A worker started ahead of time (warm_pool.py, spare_pool.py) becomes `rank` of
         `run_id`'s `attempt` (rank -1: the run's spare, which gets its rank when it joins)."""
+        self.lifecycle.require("adopt", RankPhase.IDLE, RankPhase.PREWARMED)
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = Path(spool_root)
+        self.lifecycle.who = f"rank {rank}" if rank >= 0 else "a spare"
         _log_as(f"rank {rank}" if rank >= 0 else "spare")
         return self.ready()
 
@@ -76,21 +80,24 @@ class TrainerActor:
         a `rejoin`."""
         from ettflow.trainer.rank.session import TrainerSession
 
+        self.lifecycle.enter(RankPhase.TRAINING, "train")
         warm, self.warm = self.warm, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
                                  master_addr, master_port, keeper=keeper, warm=warm,
                                  process_started_at=None if warm is not None else self.started_at)
         return self._typed(session, session.run)
 
+    def phase(self) -> RankPhase:
+        return self.lifecycle.phase
+
     def parked(self) -> bool:
         """Whether this rank kept its session through a peer's failure (it can `rejoin`)."""
-        return self.session is not None and self.session.parked
+        return self.lifecycle.phase is RankPhase.PARKED
 
     def rejoin(self, config: TrainerConfig, attempt: int, master_addr: str, master_port: int,
                point: RestorePoint) -> RankResult:
         """A survivor goes on in `attempt` (live_recovery.py)."""
-        if not self.parked():
-            raise RuntimeError(f"rank {self.rank} has no parked session to rejoin with")
+        self.lifecycle.enter(RankPhase.TRAINING, "rejoin")
         self.config, self.attempt = config, attempt
         session = self.session
         return self._typed(session, lambda: session.rejoin(config, attempt, (master_addr, master_port), point))
@@ -100,8 +107,10 @@ class TrainerActor:
         from ettflow.trainer.rank.session import pick_device
         from ettflow.trainer.rank.spare import prewarm
 
+        self.lifecycle.require("prewarm", RankPhase.IDLE)
         t0 = time.time()
         self.warm = prewarm(self.config, pick_device(self.config))
+        self.lifecycle.enter(RankPhase.PREWARMED, "prewarm")
         done = time.time()
         return replace(self.warm.timings, started_at=self.started_at, ready_at=done, prewarm_s=done - t0)
 
@@ -110,9 +119,10 @@ class TrainerActor:
         """A spare takes `rank` in `attempt` (live_recovery.py)."""
         from ettflow.trainer.rank.session import TrainerSession
 
-        if self.warm is None:
-            raise RuntimeError("join before prewarm: a spare prepares first")
+        self.lifecycle.require("join", RankPhase.PREWARMED)  # a spare prepares first
+        self.lifecycle.enter(RankPhase.TRAINING, "join")
         self.config, self.attempt, self.rank = config, attempt, rank
+        self.lifecycle.who = f"rank {rank}"
         _log_as(f"rank {rank}")
         session = TrainerSession(config, self.run_id, attempt, rank, self.spool_root, master_addr, master_port,
                                  keeper=keeper)
@@ -120,16 +130,22 @@ class TrainerActor:
         return self._typed(session, lambda: session.join(warm, point))
 
     def _typed(self, session, run) -> RankResult:
+        """Run the TRAINING call `run`; the rank ends FINISHED, PARKED (its session kept for a
+        rejoin) or FAILED."""
         self.session = session
         try:
-            return run()
-        except FailureError:
-            raise  # already typed (a scripted fault, a numerics check)
-        except Exception as exc:  # every error leaves the rank typed, its cause chained
-            raise FailureError(failure_from_exception(exc, rank=self.rank, attempt=self.attempt)) from exc
-        finally:
+            result = run()
+        except BaseException as exc:
             if not session.parked:
                 self.session = None
+            self.lifecycle.enter(RankPhase.PARKED if session.parked else RankPhase.FAILED, "fail")
+            if isinstance(exc, FailureError) or not isinstance(exc, Exception):
+                raise  # already typed (a scripted fault, a numerics check), or not an error (an exit)
+            # every error leaves the rank typed, its cause chained
+            raise FailureError(failure_from_exception(exc, rank=self.rank, attempt=self.attempt)) from exc
+        self.session = None
+        self.lifecycle.enter(RankPhase.FINISHED, "finish")
+        return result
 
 
 def _log_as(who: str) -> None:
