@@ -137,6 +137,11 @@ def compile_cache(flow_work_root, tmp_path_factory, ray_session) -> Path:
     built once by a 2-step run of the real trainer (the session's one cold compile), then
     restored by every run that compiles, flow runs of `dlrm` under `flow_work_root` and
     trainer runs (their `compile_cache_root`) alike."""
+    import shutil
+    from dataclasses import replace
+
+    from filelock import FileLock
+
     from ettflow.trainer.compile.process_cache import has_archive
     from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 
@@ -144,13 +149,22 @@ def compile_cache(flow_work_root, tmp_path_factory, ray_session) -> Path:
     from helpers.trainer_runs import config, drive
 
     root = flow_work_root / MODEL / "compile-cache"
-    world = tmp_path_factory.mktemp("compile-cache-build")
-    generate_windows(world / "data", SyntheticConfig(windows=2, rows_per_window=256, files_per_window=1, seed=1))
-    cfg = config(world, "build", root, max_steps=2, eval_batches=0).with_switches(
-        live_recovery=False, memory_checkpoint=False)
-    if not has_archive(cfg):
-        drive(world, cfg, "compile-cache-build")
-    assert has_archive(cfg), f"the session's compile-cache archive was not written under {root}"
+    # under xdist, the first worker builds it in the session's folder that holds every worker's
+    # temp folder, and every worker copies it (each its own: a run that misses writes to it)
+    session_tmp = tmp_path_factory.getbasetemp()
+    shared = (session_tmp.parent if os.environ.get("PYTEST_XDIST_WORKER") else session_tmp) / "compile-cache"
+    with FileLock(str(shared) + ".lock"):
+        world = shared.with_name("compile-cache-build")
+        if not (world / "data").is_dir():
+            generate_windows(world / "data",
+                             SyntheticConfig(windows=2, rows_per_window=256, files_per_window=1, seed=1))
+        cfg = config(world, "build", shared, max_steps=2, eval_batches=0).with_switches(
+            live_recovery=False, memory_checkpoint=False)
+        if not has_archive(cfg):
+            drive(world, cfg, "compile-cache-build")
+        assert has_archive(cfg), f"the session's compile-cache archive was not written under {shared}"
+        shutil.copytree(shared, root, dirs_exist_ok=True)
+    assert has_archive(replace(cfg, compile_cache_root=str(root))), f"the archive was not copied to {root}"
     return root
 
 
@@ -238,11 +252,12 @@ RUN_LAST = ("test_multinode.py",)
 # unit of work, sent whole to one worker, so a file's module fixtures are built once; session
 # fixtures are built at most once per worker. The files below share a unit because they share
 # costly session fixtures (the real Prefect server, the measured runs of tests/e2e/conftest.py).
-UNITS = {name: "deployed-path" for name in ("test_automations.py", "test_browser.py", "test_deployed_run.py",
-                                              "test_deployed_crash.py")}
+UNITS = {**{name: "deployed-path" for name in ("test_automations.py", "test_browser.py", "test_deployed_run.py",
+                                                 "test_deployed_crash.py")},
+         **{name: "trainer" for name in ("test_trainer.py", "test_trainer_faults.py")}}  # e2e/conftest `clean_run`
 # Under xdist the costliest units go first (as a two-worker run's durations rank them: `.ci/run`
 # prints them), so that the two workers end about together; the rest keep their order.
-COSTLY_FIRST = ("deployed-path", "test_trainer_faults.py", "test_trainer.py", "test_flow_refresh.py",
+COSTLY_FIRST = ("trainer", "deployed-path", "test_flow_refresh.py",
                 "test_fault_matrix.py", "test_console.py", "test_continuous_refresh.py", "test_bench.py",
                 "test_refresh_process.py", "test_compile_cache.py")
 

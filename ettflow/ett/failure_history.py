@@ -9,7 +9,9 @@ built by `failure_history_db.read_history`) and returns a `HistoryEstimate`:
   training loop, where a failure costs replay).
 - the save-blocking time (CSBT) per checkpoint tier (`SaveTier`): the mean over the model's
   saves, a save's blocking being the longest of its ranks' (the loop waits for all of them).
-  Only the durable tier exists today; a memory tier's saves carry their own tier.
+  The history holds durable saves only (`failure_history_db.TIER_OF_KIND`); the in-memory
+  tier's copies are not archived as saves, and a run chooses their interval from the blocking
+  it measures itself (trainer/rank/loop.py).
 - the detection time (failure -> detected) and the restore time (`checkpoint_restore` of a
   recovery attempt), means over the model's failures and recoveries;
 - the training time per new step and the new steps per window (to size the next refresh).
@@ -46,8 +48,8 @@ REPLAY_CLASSES: tuple[FailureClass, ...] = tuple(c for c in FailureClass if c.re
 class SaveTier(str, enum.Enum):
     """Where a periodic checkpoint goes; each tier has its own save cost (and interval)."""
 
-    DURABLE = "durable"  # DCP on the checkpoint folder (today's only tier)
-    MEMORY = "memory"  # an in-memory copy that outlives a rank (issue 10), not built yet
+    DURABLE = "durable"  # DCP on the checkpoint folder
+    MEMORY = "memory"  # an in-memory copy that outlives a rank (trainer/checkpoint/memory_tier.py); not in the history
 
     def __str__(self) -> str:
         return self.value

@@ -23,14 +23,8 @@ caller restores the durable DCP checkpoint, with a warning.
 Where the copies live: in the Ray object store, as objects the keeper owns (state_keeper.py).
 The rank's background thread hands the copy to the keeper (the call puts it into the object
 store once), and the keeper puts it again as its own object, on the driver's node, keeping only
-the reference and the metadata. Measured by `ettflow/bench/memory_tier.py` on the bench's
-default model (criteo_schema(20_000), dim 16, 2 ranks: 33.6 MB a rank) on this shared 2-core
-host, medians of 7, the slower rank: a memory save blocks 0.007 s (an async DCP save 0.018 s,
-a sync one 0.364 s); its background part takes 0.072 s (sha256 0.022 s; the hand-off 0.068 s
-with the keeper taking both ranks' hand-offs side by side, 0.150 s when it took them in turn);
-a restore takes 0.029 s from the rank's own copy, 0.034 s from the keeper's (the durable
-checkpoint: 0.193 s). The rank's own `ray.put` alone took 0.032 s and 0.091 s in two runs:
-background numbers on this host move with the other jobs on its two cores.
+the reference and the metadata. Its cost beside the durable saves (blocking, background,
+restore) is measured by `ettflow/bench/memory_tier.py`; BENCHMARKS.md has the numbers.
 The options it was chosen over:
 - the rank's own object (`ray.put` in the rank): one copy, but Ray frees an object when its
   owner dies, which is the case the tier exists for; `ray.put(_owner=keeper)`, which gave the

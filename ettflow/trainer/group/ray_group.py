@@ -47,9 +47,9 @@ from ettflow.trainer.protocol import RankResult, RestorePoint, WorkerInfo
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
 # the warm pool prepares, beside the next run's ranks, its spare and the spare's successor: the
-# spare that replaces it after a hand-off is then taken prewarmed from the pool, and a second
-# failure soon after the first finds it ready (started after the hand-off it needed 13.8 s on
-# this 2-core host, beside two training ranks)
+# spare that replaces it after a hand-off is then taken prewarmed from the pool, so a second
+# failure soon after the first finds it ready (one started only after the hand-off prepares
+# while the ranks train, and is seconds late)
 SPARES_AHEAD = 2
 PARK_TIMEOUT_S = 10.0  # live recovery: how long the survivors of a failure may take to park
 
