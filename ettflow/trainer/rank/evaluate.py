@@ -42,16 +42,17 @@ def evaluate(sparse_arch, dense_step, batches: Iterable[Batch], device: torch.de
         batch = batch.to(device)
         embedded = sparse_arch(batch.sparse)
         _, logits = dense_step(batch.dense, embedded, batch.labels)
-        labels.append(batch.labels.float().cpu())
-        scores.append(logits.float().cpu())
+        labels.append(batch.labels.float())
+        scores.append(logits.float())
     if not labels:
         return {}
-    y, s = torch.cat(labels), torch.cat(scores)
+    y, s = torch.cat(labels), torch.cat(scores)  # on the rank's device: an NCCL group gathers CUDA tensors only
     if pg is not None and dist.get_world_size(pg) > 1:
         ys = [torch.empty_like(y) for _ in range(dist.get_world_size(pg))]
         ss = [torch.empty_like(s) for _ in range(dist.get_world_size(pg))]
         dist.all_gather(ys, y, group=pg)
         dist.all_gather(ss, s, group=pg)
         y, s = torch.cat(ys), torch.cat(ss)
+    y, s = y.cpu(), s.cpu()
     loss = torch.nn.functional.binary_cross_entropy_with_logits(s, y).item()
     return {"loss": loss, "auc": auc(y.numpy(), s.numpy()), "examples": int(y.numel())}

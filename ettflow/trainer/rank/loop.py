@@ -104,7 +104,8 @@ class TrainLoop:
         Returns (choice, waste model, blocking s, step s, background s, shortest interval s), or
         None when `background_s` is None on any rank (its background work is still running)."""
         measured = torch.tensor([max(blocking), sum(step_times) / max(len(step_times), 1), background_s or 0.0,
-                                 1.0 if background_s is None else 0.0], dtype=torch.float64)
+                                 1.0 if background_s is None else 0.0], dtype=torch.float64,
+                                device=self.state.device)  # the training group's device (NCCL: CUDA only)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
         if measured[3] > 0:
             return None
