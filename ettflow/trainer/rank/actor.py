@@ -87,9 +87,6 @@ class TrainerActor:
                                  process_started_at=None if warm is not None else self.started_at)
         return self._typed(session, session.run)
 
-    def phase(self) -> RankPhase:
-        return self.lifecycle.phase
-
     def parked(self) -> bool:
         """Whether this rank kept its session through a peer's failure (it can `rejoin`)."""
         return self.lifecycle.phase is RankPhase.PARKED
