@@ -203,7 +203,7 @@ class IntervalBench:
                     steps = planned.interval_steps if planned.source is not IntervalSource.PROBE else None
                     run_id = f"ibench-{self.stamp}-{i}-{policy}"
                     m, events, rank0 = self.run(windows, run_id, kills=ks, interval_steps=steps, rate_per_s=rate)
-                    chosen = rank0.checkpoint.interval if rank0 is not None else None
+                    chosen = rank0.checkpoint.interval
                     used = steps or (chosen.interval_steps if chosen is not None else None)
                     houses[policy].archive_run(RunInfo(run_id=run_id, model=MODEL, mode=policy,
                                                        tags={TAG: planned.to_attrs(), "benchmark": True}),

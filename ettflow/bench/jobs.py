@@ -218,9 +218,6 @@ def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path |
     cfg = trainer_config(spec, "optimized", run_id, cache_root=cache_root)
     driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))
     try:
-        rank0 = driver.run(submitted_at=time.time()).rank0
+        return driver.run(submitted_at=time.time()).rank0
     finally:
         end_run(run_id)
-    if rank0 is None:
-        raise RuntimeError(f"bench run {run_id} finished without a result from rank 0")
-    return rank0

@@ -166,10 +166,9 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease.release()
         raise
     rank0 = result.rank0
-    logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step if rank0 else None,
-                result.attempts, rank0.anchor if rank0 else None)
-    return Trained(plan.run_id, rank0.anchor if rank0 else None, attempts=result.attempts, reused=False,
-                   failures=result.failures, rank0=rank0)
+    logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
+    return Trained(plan.run_id, rank0.anchor, attempts=result.attempts, reused=False, failures=result.failures,
+                   rank0=rank0)
 
 
 @task(name="anchor-checkpoint", cache_policy=NO_CACHE)

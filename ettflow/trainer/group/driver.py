@@ -140,8 +140,9 @@ class TrainingResult:
     ranks: dict[int, RankResult] = field(default_factory=dict)  # what each rank returned
 
     @property
-    def rank0(self) -> RankResult | None:
-        return self.ranks.get(0)
+    def rank0(self) -> RankResult:
+        """Rank 0's result (the driver returns only when every rank finished)."""
+        return self.ranks[0]
 
 
 class TrainingDriver:

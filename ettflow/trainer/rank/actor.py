@@ -33,12 +33,12 @@ class TrainerActor:
         self.spool_root = Path(spool_root)
         self.session = None  # kept only while PARKED (live recovery)
         self.warm = None  # a spare's or pooled worker's prepared state (spare.py) while PREWARMED
-        self.lifecycle = RankLifecycle(f"rank {rank}" if rank >= 0 else "a spare")
+        self.lifecycle = RankLifecycle(_who(rank))
         # Ray may hand this actor a worker process it started earlier (its pool): the rank's
         # own start counts from when the driver asked for it, never before.
         self.started_at = max(process_start_time(), requested_at)
         logging.basicConfig(level=logging.INFO)
-        _log_as(f"rank {rank}" if rank >= 0 else "spare")
+        _log_as(_who(rank))
         for noisy in ("torchrec", "root", "fbgemm_gpu", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         # before anything imports inductor: compile dirs, job id and thread count
@@ -67,10 +67,9 @@ class TrainerActor:
         """A worker started ahead of time (warm_pool.py, spare_pool.py) becomes `rank` of
         `run_id`'s `attempt` (rank -1: the run's spare, which gets its rank when it joins)."""
         self.lifecycle.require("adopt", RankPhase.IDLE, RankPhase.PREWARMED)
-        self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
+        self.config, self.run_id, self.attempt = config, run_id, attempt
         self.spool_root = Path(spool_root)
-        self.lifecycle.who = f"rank {rank}" if rank >= 0 else "a spare"
-        _log_as(f"rank {rank}" if rank >= 0 else "spare")
+        self._become(rank)
         return self.ready()
 
     def train(self, master_addr: str, master_port: int, keeper=None) -> RankResult:
@@ -80,6 +79,7 @@ class TrainerActor:
         a `rejoin`."""
         from ettflow.trainer.rank.session import TrainerSession
 
+        self.lifecycle.require("train", RankPhase.IDLE, RankPhase.PREWARMED)
         self.lifecycle.enter(RankPhase.TRAINING, "train")
         warm, self.warm = self.warm, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
@@ -94,6 +94,7 @@ class TrainerActor:
     def rejoin(self, config: TrainerConfig, attempt: int, master_addr: str, master_port: int,
                point: RestorePoint) -> RankResult:
         """A survivor goes on in `attempt` (live_recovery.py)."""
+        self.lifecycle.require("rejoin", RankPhase.PARKED)  # only a rank kept through a peer's failure
         self.lifecycle.enter(RankPhase.TRAINING, "rejoin")
         self.config, self.attempt = config, attempt
         session = self.session
@@ -118,13 +119,18 @@ class TrainerActor:
 
         self.lifecycle.require("join", RankPhase.PREWARMED)  # a spare prepares first
         self.lifecycle.enter(RankPhase.TRAINING, "join")
-        self.config, self.attempt, self.rank = config, attempt, rank
-        self.lifecycle.who = f"rank {rank}"
-        _log_as(f"rank {rank}")
+        self.config, self.attempt = config, attempt
+        self._become(rank)
         session = TrainerSession(config, self.run_id, attempt, rank, self.spool_root, master_addr, master_port,
                                  keeper=keeper)
         warm, self.warm = self.warm, None
         return self._typed(session, lambda: session.join(warm, point))
+
+    def _become(self, rank: int) -> None:
+        """This process is `rank` from now on (-1: the run's spare): in its errors and log lines."""
+        self.rank = rank
+        self.lifecycle.who = _who(rank)
+        _log_as(_who(rank))
 
     def _typed(self, session, run) -> RankResult:
         """Run the TRAINING call `run`; the rank ends FINISHED, PARKED (its session kept for a
@@ -143,6 +149,10 @@ class TrainerActor:
         self.session = None
         self.lifecycle.enter(RankPhase.FINISHED, "finish")
         return result
+
+
+def _who(rank: int) -> str:
+    return f"rank {rank}" if rank >= 0 else "spare"
 
 
 def _log_as(who: str) -> None:
