@@ -25,17 +25,15 @@ from helpers.prefect_cli import POOL, REPO, prefect
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_deploy_run_and_archive_through_a_worker(prefect_server, tmp_path, flow_data, flow_work_root, monkeypatch,
-                                                 capsys):
+def test_deploy_run_and_archive_through_a_worker(prefect_server, tmp_path, flow_data, flow_work_root, compile_cache,
+                                                 monkeypatch, capsys):
     env, api = prefect_server  # conftest: the server, with the work pool POOL created
     shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
     out = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(tmp_path / "prefect.yaml"))
     assert "refresh-model/refresh-scheduled" in out and "refresh-model/refresh-adhoc" in out
     warehouse = f"sqlite:///{tmp_path / 'warehouse.db'}"
-    # no compile: this worker's tests run without the session's compile-cache archive (conftest GROUPS)
     params = {"data_root": str(flow_data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
               "batch_size": 32, "max_steps": 20, "checkpoint_every_steps": 10, "eval_batches": 2,
-              "switches": {"compile": False},
               "work_root": str(flow_work_root), "snapshot_root": str(tmp_path / "snapshots"),
               "spool_root": str(tmp_path / "spool"), "warehouse_url": warehouse}
     out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params", json.dumps(params))
