@@ -179,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import cli as bench_cli
     from .flows import cli as flows_cli
     from .publish import cli as publish_cli
+    from .stack import cli as stack_cli
     from .tasks import archive_cli, automations_cli
     from .trainer.data import cli as data_cli
 
+    stack_cli.register(sub)
     flows_cli.register(sub)
     archive_cli.register(sub)
     automations_cli.register(sub)

@@ -78,7 +78,7 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     Noise(source="ray auth", logger="ray._private.authentication.authentication_token_setup",
           message=r"Token authentication is enabled|Generated new authentication token"),
     Noise(source="ray init", logger="ray._private.worker",
-          message=r"Started a local Ray instance|Connected to Ray cluster"),
+          message=r"Started a local Ray instance|Connect(ed|ing) to (existing )?Ray cluster"),
     Noise(source="raylet", message=r"A worker died or was killed while executing a task"),
     # Prefect: the ephemeral server's banner, and the engine's success boilerplate
     Noise(source="prefect server", logger="prefect", message=r"(Starting|Stopping) temporary server"),

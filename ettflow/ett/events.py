@@ -63,6 +63,7 @@ FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a fail
 # or work in the background that the critical path does not wait for).
 PHASE_COMPONENT: dict[str, str | None] = {
     "scheduling": "scheduling",
+    "ray_start": "scheduling",  # a local Ray started for the run (no cluster to join): on its clock
     **{stage: "trainer_init" for stage in INIT_STAGES},
     "checkpoint_restore": "trainer_init",
     "compile_cache_restore": "pt2_compile",

@@ -6,6 +6,13 @@ synthetic data) and, unless told otherwise, with one induced SIGKILL so a first 
 failure and its recovery. Progress is logged while it works; at the end come the run's
 L1/L2 report, the snapshot folder and the timeline picture.
 
+How it differs from the deployed path (`ettflow up --refreshes N`, README): here one Python
+process runs every refresh, with an ephemeral Prefect API and a local Ray that it starts itself
+(on the first refresh's clock) and the trainer processes one refresh leaves warm for the next;
+a deployment's refresh is a new process that a Prefect worker starts, joining a Ray that
+outlives it. Same flow, same tasks, same trainer: the numbers differ by what a long-lived
+process keeps.
+
 `register(subparsers)` adds the command to `ettflow`'s sub-parsers.
 """
 
@@ -232,7 +239,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `refresh` to `ettflow`'s sub-parsers."""
-    p = subparsers.add_parser("refresh", help="run one refresh end to end here and print its ETT report",
+    p = subparsers.add_parser("refresh", help="run one refresh end to end in this process and print its ETT report "
+                                              "(the in-process convenience; `ettflow up --refreshes N` runs them "
+                                              "as deployment runs)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=cmd_refresh)

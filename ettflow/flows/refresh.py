@@ -1,6 +1,7 @@
 """`refresh_model`: one refresh of a recommendation model, end to end.
 
     check the warehouse (fail fast, before anything is reserved)
+    -> on the default synthetic data with nothing new: the next window arrives (`tasks.arrivals`)
     -> claim the windows past the model's watermark (none new, or another refresh holds them:
        the run ends Completed as skipped, nothing reserved)
     -> reserve the trainer (Ray placement; the queueing is the scheduling phase)
@@ -31,6 +32,7 @@ from ettflow.ett.lineage import Outcome
 from ettflow.ett.run_summary import FinalState, run_name, state_message
 from ettflow.flows.parameter_help import with_parameter_help
 from ettflow.tasks.archive import archive_on_flow_state, finish_run
+from ettflow.tasks.arrivals import arrive_windows
 from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
 from ettflow.tasks.plan import RefreshParams, RefreshPlan, plan_refresh
 from ettflow.tasks.progress import RunProgress
@@ -128,7 +130,7 @@ def refresh_model(
     On several Ray nodes (README "Running at scale"), `work_root` and `spool_root` must be
     storage every node shares.
     """
-    plan = _plan(RefreshParams(
+    params = RefreshParams(
         model=model, mode=mode, switches=switches, architecture=architecture, data_root=data_root, windows=windows,
         eval_windows=eval_windows, max_embeddings=max_embeddings, world_size=world_size, batch_size=batch_size,
         max_steps=max_steps, checkpoint_every_steps=checkpoint_every_steps, eval_batches=eval_batches,
@@ -137,10 +139,13 @@ def refresh_model(
         bootstrap_windows=bootstrap_windows, warm_start=warm_start, claim_wait_s=claim_wait_s,
         keep_refreshes=keep_refreshes, gate_max_auc_drop=gate_max_auc_drop,
         gate_max_logloss_increase=gate_max_logloss_increase,
-        placement_strategy=placement_strategy, min_world_size=min_world_size, capacity_wait_s=capacity_wait_s))
+        placement_strategy=placement_strategy, min_world_size=min_world_size, capacity_wait_s=capacity_wait_s)
+    plan = _plan(params)
     checked = check_warehouse(plan.warehouse, return_state=True)
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
+    if arrive_windows(plan, params):  # the demo's next window arrived (never on a user's data): plan with it
+        plan = _plan(params)
     reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
     progress = RunProgress(plan.run_id, plan.artifact_slug)
     progress.show("claiming the windows past the model's watermark")

@@ -7,16 +7,23 @@ data root) have a fixed set of synthetic windows, so a second refresh, or the RE
 run again, would find nothing new and be skipped: this appends the next window (synthetic,
 with the slow drift of `trainer.data.synthetic.append_window`) exactly when that would happen.
 A data root or windows given by the user are never touched.
+
+The flow calls it (`arrive_windows`, once the warehouse is checked), so a deployment's scheduled
+refresh of the demo trains a new window each time, as `ettflow refresh` does; appends are
+serialized by a lock beside the data, so two refreshes starting together add one window.
 """
 
 from __future__ import annotations
 
+import fcntl
 from collections.abc import Mapping
 from typing import Any
 
+from prefect import get_run_logger
+
 from ettflow.ett.warehouse import Warehouse
 
-from .plan import default_data_root
+from .plan import RefreshParams, RefreshPlan, default_data_root
 from .warehouse_url import resolve_warehouse_url
 from .window_choice import select_windows
 
@@ -32,8 +39,23 @@ def ensure_new_window(params: Mapping[str, Any]) -> str | None:
     root = default_data_root()
     with Warehouse.open(resolve_warehouse_url(params)) as wh:
         mark = wh.watermark(params.get("model") or "dlrm")
-    choice = select_windows(list_windows(root), mark, max_windows=int(params.get("max_windows") or 4),
-                            bootstrap=params.get("bootstrap_windows"))
-    if not choice.nothing_new:
+    with open(root / ".append.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        choice = select_windows(list_windows(root), mark, max_windows=int(params.get("max_windows") or 4),
+                                bootstrap=params.get("bootstrap_windows"))
+        if not choice.nothing_new:
+            return None
+        return append_window(root).name
+
+
+def arrive_windows(plan: RefreshPlan, params: RefreshParams) -> str | None:
+    """`ensure_new_window` in the flow, once its warehouse is checked: the demo's next window,
+    when it needs one (None: the user's data or windows, or something new already there)."""
+    if params.data_root or params.windows:
         return None
-    return append_window(root).name
+    arrived = ensure_new_window({"model": plan.model, "max_windows": params.max_windows,
+                                 "bootstrap_windows": params.bootstrap_windows, **plan.warehouse})
+    if arrived:
+        get_run_logger().info("new data arrived on the default synthetic source: %s (the next hourly window, "
+                              "drifting as `ettflow data append` makes it)", arrived)
+    return arrived

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -31,6 +31,9 @@ from . import run_spool
 from .archive import archive_on_task_state
 from .lease import TrainerLease
 from .progress import ProgressReporter
+
+if TYPE_CHECKING:  # ray is imported when a trainer is reserved, not with the flow
+    from ettflow.trainer.group.ray_group import RayConnection
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,20 @@ def record_queueing(plan: RefreshPlan, attempt: int, until: float, **attrs: Any)
     run_spool.record(plan.spool_root, plan.run_id, attempt, "scheduling", start, until, **attrs)
 
 
+def record_ray_connection(plan: RefreshPlan, attempt: int, conn: RayConnection, t0: float,
+                          logger: Any) -> dict[str, Any]:
+    """Say how the run came to Ray; a local Ray started for it is its own `ray_start` phase
+    (scheduling: the run pays for it) and says so. Returns the scheduling event's attributes."""
+    if conn.started:
+        run_spool.record(plan.spool_root, plan.run_id, attempt, "ray_start", t0, t0 + conn.seconds,
+                         address=conn.address)
+        logger.warning("no Ray cluster to join (RAY_ADDRESS is not set): started a local Ray on this run's clock "
+                       "(%.1f s); `ettflow up` keeps one running for every run", conn.seconds)
+    elif conn.how == "joined":
+        logger.info("joined the Ray cluster at %s (%.2f s)", conn.address, conn.seconds)
+    return {"ray": conn.how, "ray_address": conn.address, "ray_s": round(conn.seconds, 3)}
+
+
 def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
     from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
 
@@ -85,17 +102,19 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
     lease = new_lease(plan, attempt)
     t0 = time.time()
     logger.info("reserving %d trainer slots on Ray for attempt %d", plan.trainer.world_size, attempt)
+    ray_attrs: dict[str, Any] = {}
     try:
-        ensure_ray()
+        ray_attrs = record_ray_connection(plan, attempt, ensure_ray(), t0, logger)
         lease.reserve()
     except BaseException as exc:
-        record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False)
+        record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False, **ray_attrs)
         run_spool.record_task_failure(plan.spool_root, plan.run_id, attempt, exc, task="reserve-trainer",
                                       at=time.time())
         lease.release()
         raise
     ready = time.time()
-    record_queueing(plan, attempt, ready, stage="reserve_trainer", reserved=True, placement_s=ready - t0)
+    record_queueing(plan, attempt, ready, stage="reserve_trainer", reserved=True, placement_s=ready - t0,
+                    **ray_attrs)
     logger.info("trainer reserved in %.1f s", ready - t0)
     return lease
 

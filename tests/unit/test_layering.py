@@ -1,4 +1,4 @@
-"""Imports run one way: cli -> bench -> flows -> tasks -> (trainer, publish) -> ett, and no
+"""Imports run one way: cli -> bench -> stack -> flows -> tasks -> (trainer, publish) -> ett, and no
 module imports another that imports it back, however long the way round.
 
 Every module of the package is read (not imported) and each of its import statements, at
@@ -21,11 +21,13 @@ import ettflow
 PACKAGE = Path(ettflow.__file__).parent
 CLI = "ettflow.cli"  # the `ettflow` command: only `python -m ettflow` (ettflow/__main__.py) imports it
 FORBIDDEN = {  # package (or module) -> the ettflow packages it must never import
-    "ettflow.ett": ("ettflow.tasks", "ettflow.flows", "ettflow.trainer", "ettflow.publish", "ettflow.bench", CLI),
-    "ettflow.trainer": ("ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
-    "ettflow.publish": ("ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
-    "ettflow.tasks": ("ettflow.flows", "ettflow.bench", CLI),
-    "ettflow.flows": ("ettflow.bench", CLI),
+    "ettflow.ett": ("ettflow.stack", "ettflow.tasks", "ettflow.flows", "ettflow.trainer", "ettflow.publish",
+                    "ettflow.bench", CLI),
+    "ettflow.trainer": ("ettflow.stack", "ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
+    "ettflow.publish": ("ettflow.stack", "ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
+    "ettflow.tasks": ("ettflow.stack", "ettflow.flows", "ettflow.bench", CLI),
+    "ettflow.flows": ("ettflow.stack", "ettflow.bench", CLI),
+    "ettflow.stack": ("ettflow.bench", CLI),
     "ettflow.bench": (CLI,),
     "ettflow.console": (CLI,),
     "ettflow.paths": (CLI,),

@@ -23,8 +23,9 @@ import logging
 import os
 import signal
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -54,19 +55,43 @@ SPARES_AHEAD = 2
 PARK_TIMEOUT_S = 10.0  # live recovery: how long the survivors of a failure may take to park
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
+@dataclass(frozen=True)
+class RayConnection:
+    """How this process came to Ray: `joined` a cluster someone keeps running (RAY_ADDRESS:
+    `ettflow up`'s head, a cluster's), `started` a local Ray of its own (on the clock of the
+    run that needed it), or was `already` connected. `seconds`: what that took."""
+
+    how: Literal["joined", "started", "already"]
+    address: str
+    seconds: float
+
+    @property
+    def started(self) -> bool:
+        return self.how == "started"
+
+
+def ensure_ray(num_cpus: int | None = None) -> RayConnection:
     """Join RAY_ADDRESS when set, else start a local Ray sized for this machine (always a new
     one: `address="local"`, so a cluster someone else started on this host is never joined by
     accident)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
-        return
+        return RayConnection("already", _gcs_address(), 0.0)
     address = os.environ.get("RAY_ADDRESS")
+    t0 = time.monotonic()
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
-                 log_to_driver=True)
+        return RayConnection("joined", address, time.monotonic() - t0)
+    ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
+             log_to_driver=True)
+    return RayConnection("started", _gcs_address(), time.monotonic() - t0)
+
+
+def _gcs_address() -> str:
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # noqa: BLE001 - only for the record
+        return "?"
 
 
 # The keepers of the runs this process drives, held for the run's life: Ray ends an actor that

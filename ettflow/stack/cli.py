@@ -1,0 +1,152 @@
+"""`ettflow up`, `ettflow down`, `ettflow status`: the deployed path on this machine.
+
+    ettflow up                  # Prefect server + Ray head + work pool + deployments + worker + automations
+    ettflow up --refreshes 2    # ... then two refreshes as deployment runs the worker executes, compared
+    ettflow status              # what of it is up
+    ettflow down                # stop what `up` started; nothing of it is left running
+
+`register(subparsers)` adds the three commands to `ettflow`'s sub-parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ettflow import paths
+
+from .config import StackConfig, StackError
+
+DEFAULT_DEPLOYMENT = "refresh-model/refresh-adhoc"
+
+
+def config_from(args: argparse.Namespace) -> StackConfig:
+    kw: dict[str, Any] = {"home": paths.data_home(), "ray_address": os.environ.get("RAY_ADDRESS") or None}
+    for name in ("host", "api_port", "ray_port", "ray_client_port", "num_cpus", "webhook_url", "verbose"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    return StackConfig(**kw)
+
+
+def refresh_parameters(args: argparse.Namespace, index: int) -> dict[str, Any]:
+    """The deployment run's parameters: `--param`s, and the induced failure on the first only."""
+    from ettflow.ett.redact import has_password
+    from ettflow.flows.cli import DEMO_FAILURE
+
+    params: dict[str, Any] = {}
+    for item in args.param or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise StackError(f"--param takes KEY=JSON, got {item!r}")
+        try:
+            params[key] = json.loads(raw)
+        except ValueError:
+            params[key] = raw
+    url = params.get("warehouse_url")
+    if isinstance(url, str) and has_password(url):
+        raise StackError("warehouse_url holds a password, and Prefect stores parameters in clear: give it to the "
+                         "worker instead (`ETTFLOW_WAREHOUSE_URL=... ettflow up`: the worker inherits it)")
+    first = [] if args.no_failure else (args.fail_at or [DEMO_FAILURE])
+    params["fail_at"] = first if index == 0 else []
+    return params
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from ettflow.console import quiet_third_party
+    from ettflow.flows.env_defaults import set_env_defaults
+
+    set_env_defaults()
+    quiet_third_party(verbose=args.verbose)
+    from .lifecycle import up
+
+    try:
+        cfg = config_from(args)
+        if args.refreshes < 0:
+            raise StackError(f"--refreshes must be 0 or more, got {args.refreshes}")
+        params = [refresh_parameters(args, i) for i in range(args.refreshes)]
+        print(f"ettflow up: bringing the deployed path up under {cfg.home}", flush=True)
+        up(cfg, say=lambda line: print(line, flush=True))
+        if args.refreshes:
+            return _refreshes(cfg, args, params)
+    except StackError as exc:
+        print(f"ettflow up: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[dict[str, Any]]) -> int:
+    from ettflow.flows.cli import print_comparison
+
+    from .deployed_runs import run_and_wait
+
+    runs = []
+    for i, these in enumerate(params):
+        print(f"\nettflow up: refresh {i + 1} of {len(params)} as a run of deployment {args.deployment}, executed by "
+              "the worker in a process of its own" + (f" (induced failure: {', '.join(these['fail_at'])})"
+                                                      if these["fail_at"] else ""), flush=True)
+        run = run_and_wait(cfg.api_url, cfg.ui_url, args.deployment, these, timeout_s=args.run_timeout_s,
+                           say=lambda line: print(line, flush=True), log_hint=f"{cfg.log_dir / 'worker.log'} or the UI")
+        print(f"  {run.state}: {run.message}", flush=True)
+        runs.append(run)
+    print_comparison([r.run_id for r in runs], params[0])
+    print("\nEach run in the Prefect UI (state message, ETT table, timeline, snapshot, progress):")
+    for i, run in enumerate(runs, 1):
+        print(f"  refresh {i}: {run.url}   {run.name}: {run.state}")
+    print(f"\nThe stack keeps running for the UI ({cfg.ui_url}); `ettflow down` stops it.")
+    return 0 if all(r.completed for r in runs) else 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from .lifecycle import down
+
+    try:
+        down(config_from(args), say=lambda line: print(line, flush=True))
+    except (StackError, ValueError) as exc:
+        print(f"ettflow down: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .lifecycle import status
+
+    try:
+        return 0 if status(config_from(args)) else 1
+    except (StackError, ValueError) as exc:
+        print(f"ettflow status: {exc}", file=sys.stderr)
+        return 2
+
+
+def _ports(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="the address every service binds (default 127.0.0.1)")
+    p.add_argument("--api-port", type=int, help="the Prefect server's port (default 4200)")
+    p.add_argument("--ray-port", type=int, help="the Ray head's port (default 6379)")
+    p.add_argument("--ray-client-port", type=int, help="the Ray head's Ray Client port (default 10001)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `up`, `down` and `status` to `ettflow`'s sub-parsers."""
+    up = subparsers.add_parser(
+        "up", help="start (or find) the deployed path here: Prefect server, Ray head, work pool, deployments, "
+                   "worker, automations", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _ports(up)
+    up.add_argument("--num-cpus", type=int, help="the Ray head's CPUs (default: this machine's, at least 4)")
+    up.add_argument("--webhook-url", help="where the alert automations post (creates the webhook block)")
+    up.add_argument("--refreshes", type=int, default=0, metavar="N",
+                    help="then run N refreshes as deployment runs that the worker executes (the first with the "
+                         "induced failure, each later one on the next window) and compare them")
+    up.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="the deployment those runs are runs of")
+    up.add_argument("--param", action="append", metavar="KEY=JSON", help="a parameter of those runs (repeatable)")
+    up.add_argument("--fail-at", action="append", metavar="SPEC", help="the first run's induced failure instead "
+                    "of the default (repeatable)")
+    up.add_argument("--no-failure", action="store_true", help="no induced failure")
+    up.add_argument("--run-timeout-s", type=float, default=1800.0, help="how long to wait for each run")
+    up.add_argument("--verbose", action="store_true", help="the worker's flow runs show every library's output")
+    up.set_defaults(func=cmd_up)
+    down = subparsers.add_parser("down", help="stop what `ettflow up` started")
+    down.set_defaults(func=cmd_down)
+    st = subparsers.add_parser("status", help="what of `ettflow up`'s stack is up")
+    st.set_defaults(func=cmd_status)

@@ -1,0 +1,116 @@
+"""`up`, `down` and `status` of the local stack, in the order the deployed path needs them.
+
+`up` writes its record after each service, so a failure part way leaves a record that `down`
+can stop; a service already running (this stack's, or one found at its port) is used as it
+is. `down` stops the worker first (no new flow run starts), then the Ray head, then the
+server, each by its process group, then every process left that carries the stack's id.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ettflow.flows.supervise import stop_processes
+
+from . import services
+from .config import StackConfig
+from .records import Service, StackRecord, stack_processes
+
+Say = Callable[[str], None]
+
+
+def up(cfg: StackConfig, say: Say = print) -> StackRecord:
+    """Start, or find running, every service of the stack; wait until each answers."""
+    record = StackRecord.read(cfg.record_path)
+    if record is not None and not any(s.process() for s in record.services) and not stack_processes(record.stack_id):
+        record = None  # a stack that is gone: start afresh, with a new id
+    stack_id = record.stack_id if record is not None else uuid.uuid4().hex
+    current = record or StackRecord(stack_id=stack_id, api_url=cfg.api_url, ui_url=cfg.ui_url,
+                                    ray_address=cfg.head_address, pool=cfg.pool,
+                                    ray_temp_dir=None if cfg.ray_address else str(cfg.ray_temp_dir(stack_id)))
+    steps = (
+        ("prefect-server", lambda: services.prefect_server(cfg, record, stack_id)),
+        ("ray-head", lambda: services.ray_head(cfg, record, stack_id)),
+        ("work-pool", lambda: services.work_pool(cfg, stack_id)),
+        ("deployments", lambda: services.deployments(cfg, stack_id)),
+        ("worker", lambda: services.worker(cfg, record, stack_id)),
+        ("crash-automation", lambda: services.crash_automation(cfg)),
+        ("alert-automations", lambda: services.alert_automations(cfg)),
+    )
+    for name, start in steps:
+        before = record.service(name) if record is not None else None
+        svc = start()
+        current = current.with_service(svc)
+        current.write(cfg.record_path)
+        say(_line(svc, again=before is not None and before.pid is not None and before.pid == svc.pid))
+    say(f"\nettflow up: the stack is up. Prefect UI: {cfg.ui_url}   (API {cfg.api_url}; Ray {cfg.head_address})")
+    say(f"  records and logs: {cfg.stack_dir}   `ettflow status` shows it, `ettflow down` stops it")
+    return current
+
+
+def _line(svc: Service, *, again: bool) -> str:
+    how = f"{'running' if again else 'started'} (pid {svc.pid})" if svc.started else ""
+    parts = [p for p in (how, svc.detail) if p]
+    return f"  {svc.name:<18} {svc.address}  " + "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    services: tuple[str, ...]  # the recorded services that were stopped
+    leftovers: int  # processes of the stack found after them (stopped too)
+
+
+def down(cfg: StackConfig, say: Say = print) -> Stopped:
+    """Stop what `up` started, by its record; leave nothing of the stack running."""
+    record = StackRecord.read(cfg.record_path)
+    if record is None:
+        say(f"ettflow down: no stack recorded under {cfg.stack_dir}: nothing to stop")
+        return Stopped((), 0)
+    stopped = []
+    for name in ("worker", "ray-head", "prefect-server"):
+        svc = record.service(name)
+        proc = svc.process() if svc is not None else None
+        if proc is None:
+            continue
+        try:
+            group = [proc, *proc.children(recursive=True)]
+        except Exception:  # noqa: BLE001 - it ended meanwhile
+            group = [proc]
+        stop_processes(group, cfg.stop_s)
+        stopped.append(name)
+        say(f"  stopped {name} (pid {svc.pid})")
+    left = stack_processes(record.stack_id)
+    if left:
+        stop_processes(left, cfg.stop_s)
+        say(f"  stopped {len(left)} more process(es) of the stack (flow runs, Ray workers)")
+    if record.ray_temp_dir:
+        shutil.rmtree(record.ray_temp_dir, ignore_errors=True)
+    cfg.record_path.unlink(missing_ok=True)
+    kept = [s.name for s in record.services if s.name in ("prefect-server", "ray-head") and not s.started]
+    say("ettflow down: the stack is stopped" + (f" (left running, not started by `ettflow up`: {', '.join(kept)})"
+                                                  if kept else ""))
+    return Stopped(tuple(stopped), len(left))
+
+
+def status(cfg: StackConfig, say: Say = print) -> bool:
+    """Say what of the stack is up; True when every service it started still runs."""
+    record = StackRecord.read(cfg.record_path)
+    if record is None:
+        say(f"ettflow status: no stack under {cfg.stack_dir} (`ettflow up` starts one)")
+        return False
+    healthy = True
+    for svc in record.services:
+        if svc.started:
+            alive = svc.process() is not None
+            healthy &= alive
+            state = f"up (pid {svc.pid})" if alive else f"DOWN (pid {svc.pid} is gone; its log: {svc.log})"
+        else:
+            state = svc.detail
+        say(f"  {svc.name:<18} {svc.address}  {state}")
+    api = services.prefect_healthy(record.api_url)
+    say(f"Prefect API {record.api_url}: {'answers' if api else 'does not answer'}; UI {record.ui_url}")
+    say(f"processes of the stack: {len(stack_processes(record.stack_id))}")
+    return healthy and api

@@ -1,0 +1,105 @@
+"""What `ettflow up` started, kept on disk, and the processes that belong to a stack.
+
+Every process `up` starts gets `ETTFLOW_STACK_ID=<id>` in its environment, and passes it on to
+what it starts (Ray's raylet to its workers and actors, the Prefect worker to its flow-run
+processes), so `down` finds all of them by reading each process's environment, even those
+that left the process group of the service that started them. A recorded pid counts as the
+same process only while its start time matches the record (a pid can be reused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+STACK_ENV = "ETTFLOW_STACK_ID"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Service:
+    """One part of the stack. `pid` None: found running, not started by this stack (so `down`
+    leaves it alone). `address`: how it is reached (a URL, host:port, a pool name)."""
+
+    name: str
+    address: str
+    pid: int | None = None
+    create_time: float | None = None
+    log: str | None = None
+    detail: str = ""
+
+    @property
+    def started(self) -> bool:
+        return self.pid is not None
+
+    def process(self) -> psutil.Process | None:
+        """The recorded process while it is alive and still the same one."""
+        if self.pid is None:
+            return None
+        try:
+            proc = psutil.Process(self.pid)
+            if self.create_time is not None and abs(proc.create_time() - self.create_time) > 1.0:
+                return None  # the pid was reused
+            return proc if proc.status() != psutil.STATUS_ZOMBIE else None
+        except psutil.Error:
+            return None
+
+    @classmethod
+    def of_process(cls, name: str, address: str, proc: psutil.Process, **kw) -> Service:
+        return cls(name=name, address=address, pid=proc.pid, create_time=proc.create_time(), **kw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackRecord:
+    """The stack as `up` left it: `$ETTFLOW_HOME/stack/stack.json`."""
+
+    stack_id: str
+    api_url: str
+    ui_url: str
+    ray_address: str
+    pool: str
+    ray_temp_dir: str | None = None
+    services: tuple[Service, ...] = field(default_factory=tuple)
+
+    def with_service(self, service: Service) -> StackRecord:
+        kept = tuple(s for s in self.services if s.name != service.name)
+        return StackRecord(**{**asdict(self), "services": (*kept, service)})
+
+    def service(self, name: str) -> Service | None:
+        return next((s for s in self.services if s.name == name), None)
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: Path) -> StackRecord | None:
+        try:
+            raw = json.loads(path.read_text())
+            services = tuple(Service(**s) for s in raw.pop("services", ()))
+            return cls(**raw, services=services)
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path} is not a stack record ({exc}); remove it once nothing of the stack "
+                             "runs") from None
+
+
+def stack_processes(stack_id: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this stack's id (this process excluded)."""
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(STACK_ENV) == stack_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:  # gone, or not ours to read
+            continue
+    return found

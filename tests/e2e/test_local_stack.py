@@ -1,0 +1,142 @@
+"""The README's main job on the deployed path: `ettflow up --refreshes 2` brings up a Prefect
+server, a Ray head, the work pool, the deployments (`prefect deploy --all` of prefect.yaml), a
+process worker and the crash automation, then runs two refreshes as deployment runs that the
+worker executes (the first with the induced kill, the second warm on a window that arrived for
+it); both join the stack's Ray (no Ray start on their clock). What the API shows of a run (the
+state message with its ETT, the name with its windows, the tags, the artifacts, the run form's
+parameter help) and `ettflow report`'s status, deployment and link are checked on the second.
+`ettflow up` again finds everything running; `ettflow down` leaves no process of the stack.
+Tiny sizes (the session's compile-cache archive, 24 steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+
+from ettflow.ett.warehouse import Warehouse
+from ettflow.stack.records import StackRecord, stack_processes
+from ettflow.tasks import run_spool
+
+from helpers.flows import BATCH, MODEL, TINY
+from helpers.prefect_cli import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _ettflow(env: dict, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ettflow", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, compile_cache):
+    api_port, ray_port, client_port = _free_ports(3)
+    home, work = tmp_path / "home", tmp_path / "work"
+    shutil.copytree(compile_cache, work / MODEL / "compile-cache")  # the session's archive: no cold compile
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_", "ETTFLOW_"))}
+    env["ETTFLOW_HOME"] = str(home)
+    ports = ["--api-port", str(api_port), "--ray-port", str(ray_port), "--ray-client-port", str(client_port)]
+    params = {"architecture": TINY, "max_embeddings": 100, "batch_size": BATCH, "max_steps": 24,
+              "checkpoint_every_steps": 8, "eval_batches": 2, "work_root": str(work)}
+    argv = ["up", *ports, "--num-cpus", "4", "--refreshes", "2", "--deployment", "refresh-model/refresh-scheduled"]
+    for key, value in params.items():
+        argv += ["--param", f"{key}={json.dumps(value)}"]
+    try:
+        up = _ettflow(env, *argv, timeout=1200)
+        out = up.stdout + up.stderr
+        assert up.returncode == 0, out[-6000:]
+        for service in ("prefect-server", "ray-head", "worker"):
+            assert re.search(rf"{service}\s+\S+\s+started \(pid \d+\)", out), out[:3000]
+        assert "crash-automation" in out and "alert-automations" in out
+        links = re.findall(rf"refresh (\d): http://127\.0\.0\.1:{api_port}/runs/flow-run/([0-9a-f-]{{36}})", out)
+        assert [n for n, _ in links] == ["1", "2"], out[-3000:]
+        first, second = (run_id for _, run_id in links)
+        api = f"http://127.0.0.1:{api_port}/api"
+        for run_id in (first, second):
+            run = httpx.get(f"{api}/flow_runs/{run_id}").json()
+            assert run["state_type"] == "COMPLETED", run["state"]
+            assert "scheduled" in run["tags"]  # a run of the scheduled deployment, executed by the worker
+        with Warehouse.open(f"sqlite:///{home / 'warehouse.db'}") as wh:
+            lineage = {r.run_id: r for r in wh.lineage(MODEL)}
+            runs = wh.runs_frame(model=MODEL).set_index("run_id")
+        assert lineage[second].parent_run_id == first
+        assert set(lineage[second].windows).isdisjoint(lineage[first].windows)  # a new window, trained
+        assert runs.loc[first, "nof"] == 1 and runs.loc[second, "nof"] == 0
+        for run_id in (first, second):  # every reservation joined the stack's Ray: none started on the clock
+            events = run_spool.events(home / "spool", run_id)
+            reserved = [e for e in events if e.phase == "scheduling" and e.attrs.get("stage") == "reserve_trainer"]
+            assert reserved and all(e.attrs["ray"] == "joined" for e in reserved), [e.attrs for e in reserved]
+            assert not [e for e in events if e.phase == "ray_start"]
+        _what_the_api_shows(api, home, second, api_port)
+        worker_log = (home / "stack" / "logs" / "worker.log").read_text()
+        for noise in ("is_fx_tracing", "Connected to Ray cluster", "Finished in state Completed()"):
+            assert noise not in worker_log, noise  # the worker's console as clean as the CLI's
+
+        again = _ettflow(env, "up", *ports, timeout=600)  # harmless: everything is found running
+        assert again.returncode == 0, again.stdout + again.stderr
+        for service in ("prefect-server", "ray-head", "worker"):
+            assert re.search(rf"{service}\s+\S+\s+running \(pid \d+\)", again.stdout), again.stdout
+        status = _ettflow(env, "status", timeout=120)
+        assert status.returncode == 0 and "answers" in status.stdout, status.stdout + status.stderr
+    finally:
+        record = StackRecord.read(home / "stack" / "stack.json")
+        down = _ettflow(env, "down", timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert record is not None and not stack_processes(record.stack_id)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if record.ray_temp_dir in " ".join(p.info["cmdline"] or ())]  # no Ray process of the head
+    assert not (home / "stack" / "stack.json").exists()
+    with socket.socket() as s:  # the API's port is free again (its closed connections may linger in TIME_WAIT)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", api_port))
+
+
+def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
+    """A completed deployment run as the UI shows it, and as `ettflow report` links it."""
+    run = httpx.get(f"{api}/flow_runs/{run_id}").json()
+    assert re.fullmatch(r"ETT \d+\.\d% · NoF 0 · TTS \d+\.\d s", run["state"]["message"]), run["state"]
+    with Warehouse.open(f"sqlite:///{home / 'warehouse.db'}") as wh:
+        (window,) = next(r for r in wh.lineage(MODEL) if r.run_id == run_id).windows
+        row = wh.runs_frame(run_id=run_id).iloc[0]
+    assert run["name"] == f"{MODEL}-optimized {window.removeprefix('window=')}"
+    assert {"ettflow", "scheduled", f"model:{MODEL}", "mode:optimized", "failures:0", "outcome:published"} <= set(
+        run["tags"]), run["tags"]
+    assert row["flow_run_id"] == run_id and row["status"] == "completed" and row["effective_steps"] > 0
+    assert row["tags"]["snapshot"] and os.path.isdir(row["tags"]["snapshot"])
+    found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}}).json()
+    keys = [a["key"] for a in found]
+    assert {"ett-refresh-scheduled", "ett-timeline-refresh-scheduled", "snapshot-refresh-scheduled"} <= set(keys)
+    assert keys.count("training-progress-refresh-scheduled") == 1
+    for a in found:  # the progress artifact ends at the final state and its message
+        head = r"Completed · ETT \d+\.\d% · NoF 0 · TTS" if a["type"] == "progress" else \
+            r"ETT \d+\.\d% · NoF 0 · Completed"
+        assert re.match(head, a["description"]), a
+    deployment = httpx.get(f"{api}/deployments/name/refresh-model/refresh-scheduled").json()
+    props = deployment["parameter_openapi_schema"]["properties"]  # the run form describes every parameter
+    assert props and all(p.get("description") for p in props.values())
+    assert "KIND[:FIELD=VALUE]" in props["fail_at"]["description"]
+    env = {**os.environ, "ETTFLOW_HOME": str(home), "PREFECT_API_URL": api,
+           "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}"}
+    shown = _ettflow(env, "report", "--run", run_id, "--format", "json", timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    (row_shown,), _ = json.JSONDecoder().raw_decode(shown.stdout)  # the run table, then its components
+    assert (row_shown["status"], row_shown["deployment"]) == ("completed", "refresh-scheduled")
+    assert row_shown["prefect_run"] == f"http://127.0.0.1:{api_port}/runs/flow-run/{run_id}"

@@ -1,0 +1,86 @@
+"""The local stack's settings and records: checked when made, kept on disk as written, and the
+parameters `ettflow up --refreshes` gives its deployment runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+
+import pytest
+
+from ettflow.stack.cli import refresh_parameters
+from ettflow.stack.config import StackConfig, StackError
+from ettflow.stack.records import Service, StackRecord
+
+
+def test_config_refuses_what_cannot_work(tmp_path):
+    with pytest.raises(StackError, match="worker ports"):
+        StackConfig(home=tmp_path, ray_client_port=12000)
+    with pytest.raises(StackError, match="ports must differ"):
+        StackConfig(home=tmp_path, api_port=6379)
+    with pytest.raises(StackError, match="at least 30"):
+        StackConfig(home=tmp_path, heartbeat_s=10)
+    with pytest.raises(StackError, match="TCP port"):
+        StackConfig(home=tmp_path, api_port=70000)
+    with pytest.raises(StackError, match="no deployments file"):
+        StackConfig(home=tmp_path, prefect_file=tmp_path / "missing.yaml")
+    cfg = StackConfig(home=tmp_path, api_port=4300)
+    assert (cfg.api_url, cfg.ui_url, cfg.head_address) == ("http://127.0.0.1:4300/api", "http://127.0.0.1:4300",
+                                                           "127.0.0.1:6379")
+    assert StackConfig(home=tmp_path, ray_address="10.0.0.1:6379").head_address == "10.0.0.1:6379"
+    assert len(str(cfg.ray_temp_dir("f" * 32))) < 40  # Ray puts unix sockets under it (107 bytes at most)
+
+
+def test_record_round_trip_and_replace(tmp_path):
+    rec = StackRecord(stack_id="abc", api_url="http://x/api", ui_url="http://x", ray_address="h:1", pool="p")
+    rec = rec.with_service(Service(name="worker", address="p", pid=123, create_time=1.5, log="/l"))
+    rec = rec.with_service(Service(name="worker", address="p", pid=456, create_time=2.5))
+    rec.write(tmp_path / "stack.json")
+    back = StackRecord.read(tmp_path / "stack.json")
+    assert back == rec and [s.pid for s in back.services] == [456]
+    assert StackRecord.read(tmp_path / "none.json") is None
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not a stack record"):
+        StackRecord.read(tmp_path / "bad.json")
+
+
+def test_a_recorded_pid_is_the_same_process_only_while_its_start_time_matches():
+    import psutil
+
+    me = psutil.Process()
+    assert Service(name="x", address="", pid=os.getpid(), create_time=me.create_time()).process() is not None
+    assert Service(name="x", address="", pid=os.getpid(), create_time=me.create_time() - 100).process() is None
+    assert Service(name="x", address="", pid=None).process() is None  # found, not started
+
+
+def _args(**kw):
+    base = {"param": None, "no_failure": False, "fail_at": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_refresh_parameters_fail_the_first_run_only_and_refuse_a_password():
+    first = refresh_parameters(_args(param=["max_steps=24", 'device="cpu"']), 0)
+    assert first == {"max_steps": 24, "device": "cpu", "fail_at": ["kill:rank=1:step=16"]}
+    assert refresh_parameters(_args(param=["max_steps=24"]), 1)["fail_at"] == []
+    assert refresh_parameters(_args(no_failure=True), 0)["fail_at"] == []
+    assert refresh_parameters(_args(fail_at=["hang:step=5"]), 0)["fail_at"] == ["hang:step=5"]
+    with pytest.raises(StackError, match="ETTFLOW_WAREHOUSE_URL"):
+        refresh_parameters(_args(param=['warehouse_url="postgresql+psycopg://u:secret@h/db"']), 0)
+    with pytest.raises(StackError, match="KEY=JSON"):
+        refresh_parameters(_args(param=["max_steps"]), 0)
+
+
+def test_the_ray_token_is_private_and_named_never_given(tmp_path):
+    from ettflow.stack.services import ray_token, service_env
+
+    cfg = StackConfig(home=tmp_path)
+    env = service_env(cfg, "s1")
+    token = ray_token(cfg)
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(token)
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+    assert token.read_text() not in "".join(env.values())  # the path travels, never the token
+    assert ray_token(cfg).read_text() == token.read_text()  # made once
+    theirs = service_env(StackConfig(home=tmp_path, ray_address="10.0.0.1:6379"), "s1")
+    assert "RAY_AUTH_TOKEN_PATH" not in theirs or theirs["RAY_AUTH_TOKEN_PATH"] != str(token)
+    assert env["ETTFLOW_STACK_ID"] == "s1" and env["RAY_ADDRESS"] == "127.0.0.1:6379"
