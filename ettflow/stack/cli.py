@@ -62,6 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     quiet_third_party(verbose=args.verbose)
     from .lifecycle import up
 
+    cfg = None
     try:
         cfg = config_from(args)
         if args.refreshes < 0:
@@ -73,8 +74,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             return _refreshes(cfg, args, params)
     except StackError as exc:
         print(f"ettflow up: {exc}", file=sys.stderr)
+        if _started_any(cfg):
+            print("ettflow up: what this started keeps running: `ettflow status` shows it, `ettflow down` stops it",
+                  file=sys.stderr)
         return 2
     return 0
+
+
+def _started_any(cfg: StackConfig | None) -> bool:
+    from .records import StackRecord
+
+    try:
+        record = StackRecord.read(cfg.record_path) if cfg is not None else None
+    except ValueError:
+        return False
+    return record is not None and any(s.process() is not None for s in record.services)
 
 
 def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[dict[str, Any]]) -> int:
@@ -123,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _ports(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="the address every service binds (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, help="the Prefect server's port (default 4200)")
-    p.add_argument("--ray-port", type=int, help="the Ray head's port (default 6379)")
+    p.add_argument("--ray-port", type=int, help="the Ray head's port (default 6390)")
     p.add_argument("--ray-client-port", type=int, help="the Ray head's Ray Client port (default 10001)")
 
 

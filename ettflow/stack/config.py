@@ -19,8 +19,9 @@ class StackConfig:
     """Where the stack lives and how it is reached.
 
     home: `$ETTFLOW_HOME` (records under `home/stack`, the Prefect server's database under
-    `home/prefect`). host: the address every service binds (loopback by default: nothing is
-    reachable from outside the machine). api_port: the Prefect server's API and UI.
+    `home/prefect`). host: the address the Prefect server binds and the Ray head advertises
+    (loopback by default; Ray's own processes listen on every interface, which is why the
+    stack's Ray requires its token). api_port: the Prefect server's API and UI.
     ray_port / ray_client_port: the Ray head's GCS and Ray Client ports (the client port must
     lie outside Ray's worker ports, 10002-19999). ray_address: an existing Ray cluster to use
     instead of starting a head (`RAY_ADDRESS`). num_cpus: the head's CPUs (at least the world
@@ -34,7 +35,7 @@ class StackConfig:
     home: Path
     host: str = "127.0.0.1"
     api_port: int = 4200
-    ray_port: int = 6379
+    ray_port: int = 6390  # not Ray's 6379: Redis's port, often taken on a developer's machine
     ray_client_port: int = 10001
     ray_address: str | None = None
     num_cpus: int | None = None

@@ -132,3 +132,23 @@ def test_events_of_two_runs_are_refused():
     a, b = timelines.queued().events, timelines.fast_batch().events
     with pytest.raises(ValueError, match="several runs"):
         compute_run_metrics(a + b)
+
+
+def test_a_local_ray_started_for_the_run_is_scheduling_on_its_clock_and_named_in_its_ett_table():
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.tasks.artifacts import table_rows
+
+    from helpers.timelines import Timeline
+
+    t = Timeline("ray")  # submitted at 0; the reservation 0-10 s, of which 0-4 s started a local Ray
+    t.mark("submitted", 0).ev("scheduling", 0, 10, rank=-1, ray="started").ev("ray_start", 0, 4, rank=-1)
+    t.ev("pt2_compile", 10, 12).steps(12, 0, 8)
+    m = compute_run_metrics(t.events)
+    assert m.components["scheduling"] == 10.0 and m.tts_s == 12.0
+    assert (m.phases["ray_start"].raw_s, m.phases["ray_start"].exposed_s) == (4.0, 2.0)  # shares 0-4 s
+    rows = {r["metric"]: r for r in table_rows(m)}
+    ray = rows["scheduling: ray_start (a local Ray started on this run's clock)"]
+    assert (ray["exposed"], ray["raw"], ray["owner"]) == (2.0, 4.0, "scheduler")
+    joined = Timeline("joined")
+    joined.mark("submitted", 0).ev("scheduling", 0, 10, rank=-1, ray="joined").ev("pt2_compile", 10, 12)
+    assert not [r for r in table_rows(compute_run_metrics(joined.steps(12, 0, 8).events)) if "ray_start" in r["metric"]]

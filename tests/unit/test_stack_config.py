@@ -18,7 +18,7 @@ def test_config_refuses_what_cannot_work(tmp_path):
     with pytest.raises(StackError, match="worker ports"):
         StackConfig(home=tmp_path, ray_client_port=12000)
     with pytest.raises(StackError, match="ports must differ"):
-        StackConfig(home=tmp_path, api_port=6379)
+        StackConfig(home=tmp_path, api_port=6390)
     with pytest.raises(StackError, match="at least 30"):
         StackConfig(home=tmp_path, heartbeat_s=10)
     with pytest.raises(StackError, match="TCP port"):
@@ -27,7 +27,7 @@ def test_config_refuses_what_cannot_work(tmp_path):
         StackConfig(home=tmp_path, prefect_file=tmp_path / "missing.yaml")
     cfg = StackConfig(home=tmp_path, api_port=4300)
     assert (cfg.api_url, cfg.ui_url, cfg.head_address) == ("http://127.0.0.1:4300/api", "http://127.0.0.1:4300",
-                                                           "127.0.0.1:6379")
+                                                           "127.0.0.1:6390")
     assert StackConfig(home=tmp_path, ray_address="10.0.0.1:6379").head_address == "10.0.0.1:6379"
     assert len(str(cfg.ray_temp_dir("f" * 32))) < 40  # Ray puts unix sockets under it (107 bytes at most)
 
@@ -83,4 +83,4 @@ def test_the_ray_token_is_private_and_named_never_given(tmp_path):
     assert ray_token(cfg).read_text() == token.read_text()  # made once
     theirs = service_env(StackConfig(home=tmp_path, ray_address="10.0.0.1:6379"), "s1")
     assert "RAY_AUTH_TOKEN_PATH" not in theirs or theirs["RAY_AUTH_TOKEN_PATH"] != str(token)
-    assert env["ETTFLOW_STACK_ID"] == "s1" and env["RAY_ADDRESS"] == "127.0.0.1:6379"
+    assert env["ETTFLOW_STACK_ID"] == "s1" and env["RAY_ADDRESS"] == "127.0.0.1:6390"
