@@ -68,10 +68,15 @@ def record_ray_connection(plan: RefreshPlan, attempt: int, conn: RayConnection, 
     """Say how the run came to Ray; a local Ray started for it is its own `ray_start` phase
     (scheduling: the run pays for it) and says so. Returns the scheduling event's attributes."""
     if conn.started:
+        from prefect.runtime import deployment
+
         run_spool.record(plan.spool_root, plan.run_id, attempt, "ray_start", t0, t0 + conn.seconds,
                          address=conn.address)
-        logger.warning("no Ray cluster to join (RAY_ADDRESS is not set): started a local Ray on this run's clock "
-                       "(%.1f s); `ettflow up` keeps one running for every run", conn.seconds)
+        # a deployment's run should have joined a Ray that outlives it: say so where its user looks
+        # (`ettflow refresh` starts one by design: its report's phases show it, the console stays short)
+        say = logger.warning if deployment.id else logger.debug
+        say("no Ray cluster to join (RAY_ADDRESS is not set): started a local Ray on this run's clock (%.1f s); "
+            "`ettflow up` keeps one running for every run", conn.seconds)
     elif conn.how == "joined":
         logger.info("joined the Ray cluster at %s (%.2f s)", conn.address, conn.seconds)
     return {"ray": conn.how, "ray_address": conn.address, "ray_s": round(conn.seconds, 3)}

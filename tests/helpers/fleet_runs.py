@@ -97,15 +97,27 @@ def run_as_deployment(env: dict, flow_name: str, deployment: str, entrypoint: st
     (`prefect flow-run execute`, in this repository); the flow run's id."""
     import subprocess
     import sys
+    import time
 
     import httpx
 
     api = env["PREFECT_API_URL"]
-    flow_id = httpx.post(f"{api}/flows/", json={"name": flow_name}).json()["id"]
-    made = httpx.post(f"{api}/deployments/", json={"name": deployment, "flow_id": flow_id, "entrypoint": entrypoint,
-                                                   "path": str(REPO), "work_pool_name": POOL})
+
+    def post(path: str, body: dict) -> httpx.Response:
+        # as Prefect's own client does (PREFECT_CLIENT_MAX_RETRIES): a 503 of a busy server (its
+        # SQLite database timed out; seen on a loaded host) is tried again, a bounded number of times
+        for wait_s in (1, 2, 4, 8, 0):
+            answer = httpx.post(f"{api}{path}", json=body, timeout=30)
+            if answer.status_code != 503 or not wait_s:
+                return answer
+            time.sleep(wait_s)
+        return answer
+
+    flow_id = post("/flows/", {"name": flow_name}).json()["id"]
+    made = post("/deployments/", {"name": deployment, "flow_id": flow_id, "entrypoint": entrypoint,
+                                  "path": str(REPO), "work_pool_name": POOL})
     assert made.status_code < 300, made.text
-    run = httpx.post(f"{api}/deployments/{made.json()['id']}/create_flow_run", json={"parameters": parameters})
+    run = post(f"/deployments/{made.json()['id']}/create_flow_run", {"parameters": parameters})
     assert run.status_code < 300, run.text
     run_id = run.json()["id"]
     prefect = str(Path(sys.executable).with_name("prefect"))
