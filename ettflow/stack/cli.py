@@ -95,12 +95,17 @@ def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[dict[str
     from ettflow.flows.cli import print_comparison
 
     from .deployed_runs import run_and_wait
+    from .pool import wait_for_pool
 
     runs = []
     for i, these in enumerate(params):
         print(f"\nettflow up: refresh {i + 1} of {len(params)} as a run of deployment {args.deployment}, executed by "
               "the worker in a process of its own" + (f" (induced failure: {', '.join(these['fail_at'])})"
                                                       if these["fail_at"] else ""), flush=True)
+        if i > 0:  # back to back: what the last release left prewarming in the cluster's pool is ready first
+            ready, waited = wait_for_pool(cfg, timeout_s=240.0)
+            print(f"  the cluster's warm pool holds {ready} prewarmed trainer process(es) for it (waited "
+                  f"{waited:.1f} s between refreshes; `ettflow pool status` lists them)", flush=True)
         run = run_and_wait(cfg.api_url, cfg.ui_url, args.deployment, these, timeout_s=args.run_timeout_s,
                            say=lambda line: print(line, flush=True), log_hint=f"{cfg.log_dir / 'worker.log'} or the UI")
         print(f"  {run.state}: {run.message}", flush=True)
@@ -164,3 +169,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     down.set_defaults(func=cmd_down)
     st = subparsers.add_parser("status", help="what of `ettflow up`'s stack is up")
     st.set_defaults(func=cmd_status)
+    from .pool import register as register_pool
+
+    register_pool(subparsers)

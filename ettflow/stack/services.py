@@ -25,7 +25,7 @@ from .records import STACK_ENV, Service, StackRecord
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 RAY = str(Path(sys.executable).with_name("ray"))
-WORKER_POLL_S = 5  # how often the worker asks the server for flow runs (Prefect's default: 10 s)
+WORKER_POLL_S = 2  # how often the worker asks for flow runs (Prefect's default 10 s is on every run's TTS)
 
 
 def port_free(host: str, port: int) -> bool:

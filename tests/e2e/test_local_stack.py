@@ -28,6 +28,7 @@ from ettflow.tasks import run_spool
 
 from helpers.flows import BATCH, MODEL, TINY
 from helpers.prefect_cli import REPO
+from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -85,6 +86,13 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
             reserved = [e for e in events if e.phase == "scheduling" and e.attrs.get("stage") == "reserve_trainer"]
             assert reserved and all(e.attrs["ray"] == "joined" for e in reserved), [e.attrs for e in reserved]
             assert not [e for e in events if e.phase == "ray_start"]
+        # the second run's ranks came prewarmed from the cluster's pool, which the first run's
+        # process (gone since) filled at its release: the pool outlives every flow process
+        pooled = [e for e in run_spool.events(home / "spool", second)
+                  if e.phase == "spare_start" and e.attrs.get("pooled") and e.attrs.get("for_rank") is not None]
+        assert sorted(e.attrs["for_rank"] for e in pooled) == [0, 1], [e.attrs for e in pooled]
+        held = _ettflow(env, "pool", "status", timeout=120)
+        assert held.returncode == 0 and re.search(r"worker +model dlrm", held.stdout), held.stdout + held.stderr
         _what_the_api_shows(api, home, second, api_port)
         worker_log = (home / "stack" / "logs" / "worker.log").read_text()
         for noise in ("is_fx_tracing", "Connected to Ray cluster", "Finished in state Completed()"):
@@ -96,6 +104,9 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
             assert re.search(rf"{service}\s+\S+\s+running \(pid \d+\)", again.stdout), again.stdout
         status = _ettflow(env, "status", timeout=120)
         assert status.returncode == 0 and "answers" in status.stdout, status.stdout + status.stderr
+        stopped = _ettflow(env, "pool", "stop", timeout=120)
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+        assert wait_for(lambda: not _pooled_processes(home), 30, "the pool's processes to stop")
     finally:
         record = StackRecord.read(home / "stack" / "stack.json")
         down = _ettflow(env, "down", timeout=300)
@@ -107,6 +118,20 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
     with socket.socket() as s:  # the API's port is free again (its closed connections may linger in TIME_WAIT)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", api_port))
+
+
+def _pooled_processes(home) -> list[str]:
+    """The stack's trainer workers, keepers and pool service still alive."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or ())
+        if any(name in line for name in ("TrainerActor", "StateKeeper", "PoolService")):
+            try:
+                if p.environ().get("ETTFLOW_HOME") == str(home):
+                    found.append(line[:80])
+            except psutil.Error:
+                continue
+    return found
 
 
 def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:

@@ -81,7 +81,9 @@ def ensure_ray(num_cpus: int | None = None) -> RayConnection:
     t0 = time.monotonic()
     if address:
         ray.init(address=address, log_to_driver=True)
-        return RayConnection("joined", address, time.monotonic() - t0)
+        joined = RayConnection("joined", address, time.monotonic() - t0)
+        POOL.attach_cluster()  # a cluster that outlives this process: its pool serves every run
+        return joined
     ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
              log_to_driver=True)
     return RayConnection("started", _gcs_address(), time.monotonic() - t0)

@@ -21,8 +21,14 @@ What a pooled worker prepared is recorded in the run that takes it, off the cloc
 A pooled worker asks Ray for no CPU (`num_cpus=0`): it idles until taken, and then runs in the
 bundle the run's placement reserved on its node (a worker on another node is not taken for
 that bundle). It holds no accelerator, so the pool is used on CPU placements only, like the
-spare. The pool belongs to this process (Ray ends its actors with the driver): a flow run that
-a worker starts in a process of its own starts its ranks the usual way.
+spare.
+
+Where the pool lives: in a process that started its own Ray, here (Ray ends the actors with
+the process that owns them). In a process that joined a cluster that outlives it (`ettflow
+up`'s Ray head, a team's cluster: `attach_cluster`), in the cluster: the named, detached
+service of `pool_service.py` starts and owns the workers and keepers, so what one run's release
+prepared serves the next run, whichever process drives it (a Prefect worker's flow-run process
+included).
 """
 
 from __future__ import annotations
@@ -89,6 +95,17 @@ class WarmPool:
         self.keeping = False
         self.workers: list[PooledWorker] = []
         self.keeper: Any = None  # an in-memory checkpoint keeper started for the next run (state_keeper.py)
+        self.service: Any = None  # the cluster's pool (pool_service.py) once attached
+
+    def attach_cluster(self) -> None:
+        """Use the cluster's pool from now on (this process joined a cluster that outlives it):
+        runs that end fill it, runs that start take from it."""
+        from ettflow.trainer.group.pool_service import service
+
+        if self.service is None:
+            self.close()
+            self.service = service()
+        self.keeping = True
 
     # ---- the process's choice ------------------------------------------------------------
     def keep_warm(self, on: bool) -> None:
@@ -104,8 +121,9 @@ class WarmPool:
         return worker
 
     def give(self, worker: PooledWorker) -> None:
-        """Keep `worker` (a spare its run did not need) for the next run, when the pool is kept."""
-        if self.keeping and ray.is_initialized():
+        """Keep `worker` (a spare its run did not need) for the next run, when the pool is kept
+        here (a worker this process owns dies with it: the cluster's pool starts its own)."""
+        if self.keeping and ray.is_initialized() and self.service is None:
             self.workers.append(worker)
         else:
             _stop(worker)
@@ -114,6 +132,9 @@ class WarmPool:
         """Start workers until the pool holds `count` for `config` (workers for another shape
         are stopped); returns how many started. Nothing when the pool is not kept."""
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
+            return 0
+        if self.service is not None:  # the cluster's pool starts them (the call returns at once)
+            self.service.fill.remote(config, count, str(spool_root))
             return 0
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
@@ -130,6 +151,8 @@ class WarmPool:
     def wait_ready(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for every pooled worker to be prewarmed; returns how many are
         (a worker whose start failed is dropped)."""
+        if self.service is not None:
+            return int(ray.get(self.service.wait_ready.remote(timeout_s)))
         refs = [w.prewarmed for w in self.workers]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -142,6 +165,8 @@ class WarmPool:
         and its prewarm timings, or None (that rank starts the usual way). Taken workers are
         the caller's; workers for another shape are stopped."""
         out: list[tuple[PooledWorker, PrewarmTimings] | None] = [None] * len(nodes)
+        if self.service is not None and config.switches.warm_pool:
+            return self._take_from_cluster(config, nodes)
         if not config.switches.warm_pool or not self.workers:
             return out
         key = warm_key(config)
@@ -155,8 +180,25 @@ class WarmPool:
                 out[i] = match[:2]
         return out
 
+    def _take_from_cluster(self, config: TrainerConfig,
+                           nodes: list[str | None]) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
+        key = warm_key(config)
+        try:
+            found = ray.get(self.service.take.remote(config, nodes), timeout=30)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:  # the pool is gone or busy: start as usual
+            log.warning("cluster pool: could not take workers (%s: %s); the ranks start the usual way",
+                        type(exc).__name__, exc)
+            self.service = None
+            return [None] * len(nodes)
+        return [None if f is None else (PooledWorker(f[0], ray.put(f[1]), f[2], key), f[1]) for f in found]
+
     def take_keeper(self) -> Any:
         """The keeper started for the next run (its process up or starting), or None."""
+        if self.service is not None:
+            try:
+                return ray.get(self.service.take_keeper.remote(), timeout=30)
+            except (GetTimeoutError, RayActorError, RayTaskError):
+                return None
         keeper, self.keeper = self.keeper, None
         return keeper
 
@@ -181,8 +223,10 @@ class WarmPool:
             _stop(worker)
 
     def close(self) -> None:
-        """Stop every pooled worker; the pool is no longer kept."""
+        """Stop every pooled worker this process owns; the pool is no longer kept (the cluster's
+        pool goes on serving the cluster's other runs)."""
         self.keeping = False
+        self.service = None
         if ray.is_initialized():
             self._drop(lambda w: True)
             if self.keeper is not None:

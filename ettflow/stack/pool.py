@@ -1,0 +1,98 @@
+"""`ettflow pool status` and `ettflow pool stop`: the cluster's warm pool (trainer/group/pool_service.py).
+
+Both join the cluster flow runs join: `RAY_ADDRESS` when set, else the Ray head of `ettflow up`
+(with the stack's token). `status` lists what the pool holds (workers by model and shape,
+prewarming or ready, since when; keepers); `stop` stops all of it and the pool itself (the
+next run that joins starts a new, empty one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .config import StackError
+from .records import StackRecord
+
+
+def _join(args: argparse.Namespace) -> None:
+    """Join the cluster (RAY_ADDRESS, else `ettflow up`'s head with its token)."""
+    from ettflow.console import quiet_third_party
+    from ettflow.flows.env_defaults import set_env_defaults
+
+    set_env_defaults()
+    quiet_third_party(verbose=False)
+    if not os.environ.get("RAY_ADDRESS"):
+        from .cli import config_from
+        from .services import ray_token
+
+        cfg = config_from(args)
+        record = StackRecord.read(cfg.record_path)
+        if record is None:
+            raise StackError("no cluster to ask: set RAY_ADDRESS, or start the local stack with `ettflow up`")
+        os.environ.update(RAY_ADDRESS=record.ray_address, RAY_AUTH_MODE="token",
+                          RAY_AUTH_TOKEN_PATH=str(ray_token(cfg)))
+    import ray
+
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+
+
+def wait_for_pool(cfg, timeout_s: float) -> tuple[int, float]:
+    """Back to back (`ettflow up --refreshes N`), wait for what the last run's release left
+    prewarming in the cluster's pool: (workers ready, seconds waited). A schedule's refreshes
+    are hours apart, and the pool is long ready by then."""
+    from .services import ray_token
+
+    if not cfg.ray_address:  # before Ray is imported: it reads its authentication mode then
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(ray_token(cfg)))
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.head_address, log_to_driver=False)
+    from ettflow.trainer.group.pool_service import service
+
+    pool = service(create=False)
+    if pool is None:
+        return 0, 0.0
+    t0 = time.monotonic()
+    ready = int(ray.get(pool.wait_ready.remote(timeout_s)))
+    return ready, time.monotonic() - t0
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    try:
+        _join(args)
+    except (StackError, ConnectionError, ValueError) as exc:
+        print(f"ettflow pool: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    from ettflow.trainer.group.pool_service import NAME, NAMESPACE, service
+
+    pool = service(create=False)
+    if pool is None:
+        print(f"ettflow pool: the cluster at {os.environ['RAY_ADDRESS']} has no pool ({NAMESPACE}/{NAME}): "
+              "a run that joins it starts one")
+        return 0
+    if args.action == "stop":
+        stopped = ray.get(pool.stop.remote())
+        ray.kill(pool, no_restart=True)
+        print(f"ettflow pool: stopped {stopped} pooled actor(s) and the pool itself")
+        return 0
+    held = ray.get(pool.status.remote())
+    now = time.time()
+    print(f"ettflow pool {NAMESPACE}/{NAME} on {os.environ['RAY_ADDRESS']}: {len(held)} held")
+    for h in held:
+        since = f"ready for {now - h.ready_at:.0f} s" if h.ready_at else f"requested {now - h.requested_at:.0f} s ago"
+        print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"
+              + (f" on node {h.node[:12]}" if h.node else ""))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("pool", help="the cluster's warm pool: what it holds, or stop it",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("status", "stop"))
+    p.set_defaults(func=cmd_pool)
