@@ -196,8 +196,9 @@ def regressions(runs: pd.DataFrame, rule: RegressionRule = RegressionRule()) -> 
 
 
 def deployment_summary(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per deployment: runs trained, skipped, ETT% (mean, min, last), failures (NoF
-    summed), runs that did not complete, and when the last one started."""
+    """One row per deployment: runs trained, skipped, ETT% (mean, min, last), the
+    capacity-inclusive ETT% (mean) and the slot-seconds held for its runs by the pool and
+    spares, failures (NoF summed), runs that did not complete, and when the last one started."""
     rows = []
     for deployment, group in runs.sort_values(["wall_start", "run_id"]).groupby("deployment", sort=True):
         done = trained(group)
@@ -208,12 +209,23 @@ def deployment_summary(runs: pd.DataFrame) -> pd.DataFrame:
             "ETT_mean%": round(float(done["ett_pct"].mean()), 1) if len(done) else None,
             "ETT_min%": round(float(done["ett_pct"].min()), 1) if len(done) else None,
             "ETT_last%": round(float(done["ett_pct"].iloc[-1]), 1) if len(done) else None,
+            "capETT_mean%": _mean(done, "capacity_ett_pct"),  # the pool's and spares' held capacity counted
+            "held_s": round(float(pd.to_numeric(done.get("held_s"), errors="coerce").sum()), 1)
+            if "held_s" in done else None,
             "NoF": int(done["nof"].sum()),
             "not_completed": int((done["status"] != "completed").sum()),
             "last_started": _when(group["wall_start"].iloc[-1]),
         })
-    return pd.DataFrame(rows, columns=["deployment", "runs", "skipped", "ETT_mean%", "ETT_min%", "ETT_last%", "NoF",
-                                       "not_completed", "last_started"])
+    return pd.DataFrame(rows, columns=["deployment", "runs", "skipped", "ETT_mean%", "ETT_min%", "ETT_last%",
+                                       "capETT_mean%", "held_s", "NoF", "not_completed", "last_started"])
+
+
+def _mean(frame: pd.DataFrame, name: str) -> float | None:
+    """The mean of a column that rows archived before it existed lack (None: no value)."""
+    if name not in frame:
+        return None
+    values = pd.to_numeric(frame[name], errors="coerce").dropna()
+    return round(float(values.mean()), 1) if len(values) else None
 
 
 def component_shares(runs: pd.DataFrame) -> pd.DataFrame:

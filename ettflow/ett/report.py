@@ -69,6 +69,9 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
             "started": pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M"),
             "wall_s": runs["wall_s"].round(1),
             "ETT%": runs["ett_pct"].where(runs["status"] != SKIPPED).round(1),
+            # capacity-inclusive: what the pool and spares held for the run counts too (ett.capacity)
+            "capETT%": _column(runs, "capacity_ett_pct").where(runs["status"] != SKIPPED).round(1),
+            "held_s": _column(runs, "held_s").round(1),
             "TTS_s": runs["tts_s"].round(1),
             "NoF": runs["nof"].astype(int),
             "TTR_mean_s": runs["ttr_mean_s"].round(1),
@@ -80,6 +83,12 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
         ids = runs["flow_run_id"] if "flow_run_id" in runs else [None] * len(runs)
         out["prefect_run"] = [flow_run_url(ui_url, i) or "-" for i in ids]
     return out.reset_index(drop=True)
+
+
+def _column(runs: pd.DataFrame, name: str) -> pd.Series:
+    """A column that rows archived before it existed lack (NaN there)."""
+    return pd.to_numeric(runs[name], errors="coerce") if name in runs else pd.Series([float("nan")] * len(runs),
+                                                                                    index=runs.index)
 
 
 def model_summary(runs: pd.DataFrame) -> pd.DataFrame:

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .capacity import HeldCapacity, capacity_ett_pct, held_capacity
 from .events import COMPONENTS, MARKERS, OFF_CLOCK, UNATTRIBUTED, PhaseEvent
 from .timeline import Fault, Partition, PhaseTime, faults, partition, union_length
 
@@ -60,6 +61,7 @@ class RunMetrics:
     replayed_steps: int
     checkpoint_saves: int
     checkpoint_blocking_s: float  # mean blocking time of one save (CSBT)
+    held: HeldCapacity  # slot-seconds held for the run outside its own slots (`ett.capacity`)
 
     @property
     def nof(self) -> int:
@@ -84,6 +86,11 @@ class RunMetrics:
     @property
     def ett_pct(self) -> float:
         return 100.0 * self.effective_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def capacity_ett_pct(self) -> float:
+        """Effective slot-seconds over those held by the run and for it (pool, spares)."""
+        return capacity_ett_pct(self.effective_s, self.wall_s, self.held)
 
     @property
     def ett_l1_pct(self) -> float:
@@ -189,4 +196,5 @@ def compute_run_metrics(events: Sequence[PhaseEvent]) -> RunMetrics:
         replayed_steps=part.replayed_steps,
         checkpoint_saves=saves,
         checkpoint_blocking_s=csbt,
+        held=held_capacity(events, part.wall_start, part.wall_end),
     )

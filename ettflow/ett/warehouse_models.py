@@ -76,6 +76,11 @@ class Run(Base):
     replayed_steps: Mapped[int]
     checkpoint_saves: Mapped[int]
     checkpoint_blocking_s: Mapped[float]  # mean blocking time of one save (CSBT)
+    # capacity held for the run outside its slots (pooled workers, spares; `ett.capacity`),
+    # and the ETT that counts it; NULL in rows archived before migration 0003
+    held_s: Mapped[float | None]
+    unused_spare_s: Mapped[float | None]
+    capacity_ett_pct: Mapped[float | None]
     archived_at: Mapped[datetime]
 
 

@@ -97,6 +97,9 @@ def run_row(info: RunInfo, m: RunMetrics, archived_at: datetime) -> dict[str, An
         "replayed_steps": m.replayed_steps,
         "checkpoint_saves": m.checkpoint_saves,
         "checkpoint_blocking_s": m.checkpoint_blocking_s,
+        "held_s": m.held.held_s,
+        "unused_spare_s": m.held.unused_spare_s,
+        "capacity_ett_pct": m.capacity_ett_pct,
         "archived_at": archived_at,
     }
 

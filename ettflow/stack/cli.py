@@ -12,23 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
-from ettflow import paths
-
-from .config import StackConfig, StackError
+from .config import StackConfig, StackError, config_from
 
 DEFAULT_DEPLOYMENT = "refresh-model/refresh-adhoc"
-
-
-def config_from(args: argparse.Namespace) -> StackConfig:
-    kw: dict[str, Any] = {"home": paths.data_home(), "ray_address": os.environ.get("RAY_ADDRESS") or None}
-    for name in ("host", "api_port", "ray_port", "ray_client_port", "num_cpus", "webhook_url", "verbose"):
-        if getattr(args, name, None) is not None:
-            kw[name] = getattr(args, name)
-    return StackConfig(**kw)
 
 
 def refresh_parameters(args: argparse.Namespace, index: int) -> dict[str, Any]:

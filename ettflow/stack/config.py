@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_POOL = "ettflow-process"  # the work pool prefect.yaml's deployments name
 REPO = Path(__file__).resolve().parents[2]  # an editable install: prefect.yaml is at the repository's root
@@ -99,3 +101,14 @@ class StackConfig:
     def ray_temp_dir(self, stack_id: str) -> Path:
         """The head's temporary folder: short, since Ray puts unix sockets in it (107 bytes)."""
         return Path("/tmp") / f"ettflow-ray-{stack_id[:12]}"
+
+
+def config_from(args: argparse.Namespace) -> StackConfig:
+    """The settings a command's flags give (`ETTFLOW_HOME`, `RAY_ADDRESS`; unset flags keep the defaults)."""
+    from ettflow import paths
+
+    kw: dict[str, Any] = {"home": paths.data_home(), "ray_address": os.environ.get("RAY_ADDRESS") or None}
+    for name in ("host", "api_port", "ray_port", "ray_client_port", "num_cpus", "webhook_url", "verbose"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    return StackConfig(**kw)

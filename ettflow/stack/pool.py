@@ -25,7 +25,7 @@ def _join(args: argparse.Namespace) -> None:
     set_env_defaults()
     quiet_third_party(verbose=False)
     if not os.environ.get("RAY_ADDRESS"):
-        from .cli import config_from
+        from .config import config_from
         from .services import ray_token
 
         cfg = config_from(args)

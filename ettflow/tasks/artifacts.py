@@ -41,6 +41,10 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
     rows = [
         {"level": "L1", "metric": "ETT %", "exposed": round(m.ett_pct, 2), "raw": round(m.ett_l1_pct, 2),
          "pct_of_wall": None, "owner": "-"},
+        {"level": "L1", "metric": "capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)",
+         "exposed": round(m.capacity_ett_pct, 2), "raw": round(m.held.held_s, 3), "pct_of_wall": None, "owner": "-"},
+        {"level": "L1", "metric": "unused spares, slot-s (cost)", "exposed": round(m.held.unused_spare_s, 3),
+         "raw": None, "pct_of_wall": None, "owner": "scheduler"},
         {"level": "L1", "metric": "wall s", "exposed": round(m.wall_s, 3), "raw": None, "pct_of_wall": 100.0,
          "owner": "-"},
         {"level": "L1", "metric": "TTS s", "exposed": round(m.tts_s, 3), "raw": None,

@@ -81,6 +81,11 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         assert lineage[second].parent_run_id == first
         assert set(lineage[second].windows).isdisjoint(lineage[first].windows)  # a new window, trained
         assert runs.loc[first, "nof"] == 1 and runs.loc[second, "nof"] == 0
+        # what the pool and spares held for the second run is counted: its pooled ranks since the
+        # first run's release, its spare (never used: cost); its capacity-inclusive ETT is lower
+        second_row = runs.loc[second]
+        assert second_row["held_s"] > 0 and second_row["unused_spare_s"] > 0, second_row
+        assert second_row["capacity_ett_pct"] < second_row["ett_pct"]
         for run_id in (first, second):  # every reservation joined the stack's Ray: none started on the clock
             events = run_spool.events(home / "spool", run_id)
             reserved = [e for e in events if e.phase == "scheduling" and e.attrs.get("stage") == "reserve_trainer"]
@@ -164,4 +169,5 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
     assert shown.returncode == 0, shown.stderr
     (row_shown,), _ = json.JSONDecoder().raw_decode(shown.stdout)  # the run table, then its components
     assert (row_shown["status"], row_shown["deployment"]) == ("completed", "refresh-scheduled")
+    assert row_shown["capETT%"] < row_shown["ETT%"] and row_shown["held_s"] > 0  # beside the study's ETT
     assert row_shown["prefect_run"] == f"http://127.0.0.1:{api_port}/runs/flow-run/{run_id}"

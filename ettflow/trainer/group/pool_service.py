@@ -107,7 +107,7 @@ class PoolService:
     def fill(self, config: TrainerConfig, count: int, spool_root: str) -> int:
         """Start workers until the pool holds `count` (at most the policy's bound) of `config`'s
         shape; the model's workers of another shape are stopped. Returns how many started."""
-        from ettflow.trainer.group.warm_pool import POOL_RUN_ID, start_worker, warm_key
+        from ettflow.trainer.group.pooled_worker import POOL_RUN_ID, start_worker, warm_key
 
         key, model = warm_key(config), model_name(config)
         with self._lock:
@@ -141,7 +141,7 @@ class PoolService:
         """For each wanted node (None: any), a prewarmed worker of `config`'s shape there:
         (its actor, its prewarm's timings, when it was requested), or None. Taken workers are
         the caller's."""
-        from ettflow.trainer.group.warm_pool import warm_key
+        from ettflow.trainer.group.pooled_worker import warm_key
 
         key = warm_key(config)
         out: list[tuple[Any, PrewarmTimings, float] | None] = [None] * len(nodes)

@@ -233,8 +233,9 @@ class RayWorkerGroup:
             return
         log.info("attempt %d: ranks %s start from the warm pool", self.attempt, [r for r, _ in taken])
         with SpoolWriter(self.spool_root, self.run_id, self.attempt, -1) as rec:
+            now = time.time()
             for rank, (worker, timings) in taken:
-                record_start(rec, worker, timings, pooled=True, for_rank=rank)
+                record_start(rec, worker, timings, pooled=True, for_rank=rank, taken_at=now)
 
     def attempt_config(self) -> TrainerConfig:
         """What the ranks get: the run's config at this attempt's world size, less the scripted
@@ -364,7 +365,7 @@ class RayWorkerGroup:
             ray.kill(actor, no_restart=True)
         self.actors, self.refs = [], {}
         if self.spares is not None:
-            self.spares.close()  # to the warm pool when the process keeps one
+            self.spares.close(self.attempt)  # to the warm pool when the process keeps one
         if self.world_size and len(self.finished) == self.world_size:
             end_run(self.run_id)  # trained to the end: nothing will restore from memory
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on

@@ -19,6 +19,7 @@ before the run (`pooled`), and a spare the run did not use goes back to the pool
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +77,20 @@ class SparePool:
                 ray.kill(spare.actor, no_restart=True)
             raise SpareUnavailable(f"no warm spare within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
         with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
-            record_start(rec, spare, timings, pooled=pooled)
+            record_start(rec, spare, timings, pooled=pooled, used=True, taken_at=time.time())
         return spare.actor, info
 
-    def close(self) -> None:
+    def close(self, attempt: int | None = None) -> None:
         """Stop the spare, or give it to the warm pool when the process keeps one (a prewarmed
-        spare the run did not need is the next run's)."""
+        spare the run did not need is the next run's). Its hold is recorded in `attempt` (off
+        the clock: an unused spare is capacity held for the run, `ett.capacity`)."""
         spare, self._spare = self._spare, None
         if spare is None:
             return
+        if attempt is not None:
+            with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
+                now = time.time()
+                rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now)
         if spare.prewarmed is not None and self.config.switches.warm_pool:
             POOL.give(spare)
             return
