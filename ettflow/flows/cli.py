@@ -119,13 +119,18 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     if count < 1:
         print(f"ettflow refresh: --refreshes must be 1 or more, got {count}", file=sys.stderr)
         return 2
+    fail_on = getattr(args, "fail_on", 1) - 1
+    if not 0 <= fail_on < count:
+        print(f"ettflow refresh: --fail-on must name one of the {count} refresh(es), got {fail_on + 1}",
+              file=sys.stderr)
+        return 2
     from ettflow.trainer.group.warm_pool import POOL
 
     done: list[str] = []
     code = 0
     try:
         for i in range(count):
-            these = params if i == 0 else {**params, "fail_at": []}  # injected failures: the first refresh only
+            these = params if i == fail_on else {**params, "fail_at": []}  # injected failures: one refresh only
             arrived = ensure_new_window(these)
             if count > 1:
                 print(f"\nettflow refresh {i + 1} of {count}" + (f": new data arrived ({arrived})" if arrived else ""),
@@ -232,6 +237,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="N refreshes back to back, each continuing from the one before (on the default data a new "
                         "window arrives whenever there is nothing new); injected failures apply to the first; "
                         "then a table compares them")
+    p.add_argument("--fail-on", type=int, default=1, metavar="N",
+                   help="with --refreshes: the refresh (1-based) that gets the injected failures (default 1)")
     p.add_argument("--verbose", action="store_true",
                    help="show every library's warnings and logs too (default: known third-party noise is "
                         "filtered, see ettflow/console.py)")

@@ -38,8 +38,8 @@ def refresh_parameters(args: argparse.Namespace, index: int) -> dict[str, Any]:
     if isinstance(url, str) and has_password(url):
         raise StackError("warehouse_url holds a password, and Prefect stores parameters in clear: give it to the "
                          "worker instead (`ETTFLOW_WAREHOUSE_URL=... ettflow up`: the worker inherits it)")
-    first = [] if args.no_failure else (args.fail_at or [DEMO_FAILURE])
-    params["fail_at"] = first if index == 0 else []
+    induced = [] if args.no_failure else (args.fail_at or [DEMO_FAILURE])
+    params["fail_at"] = induced if index == getattr(args, "fail_on", 1) - 1 else []
     return params
 
 
@@ -56,6 +56,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         cfg = config_from(args)
         if args.refreshes < 0:
             raise StackError(f"--refreshes must be 0 or more, got {args.refreshes}")
+        if args.refreshes and not 1 <= args.fail_on <= args.refreshes:
+            raise StackError(f"--fail-on must name one of the {args.refreshes} run(s), got {args.fail_on}")
         params = [refresh_parameters(args, i) for i in range(args.refreshes)]
         print(f"ettflow up: bringing the deployed path up under {cfg.home}", flush=True)
         up(cfg, say=lambda line: print(line, flush=True))
@@ -151,6 +153,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--fail-at", action="append", metavar="SPEC", help="the first run's induced failure instead "
                     "of the default (repeatable)")
     up.add_argument("--no-failure", action="store_true", help="no induced failure")
+    up.add_argument("--fail-on", type=int, default=1, metavar="N",
+                    help="the run (1-based) that gets the induced failure (default 1)")
     up.add_argument("--run-timeout-s", type=float, default=1800.0, help="how long to wait for each run")
     up.add_argument("--verbose", action="store_true", help="the worker's flow runs show every library's output")
     up.set_defaults(func=cmd_up)

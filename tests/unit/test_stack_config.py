@@ -55,7 +55,7 @@ def test_a_recorded_pid_is_the_same_process_only_while_its_start_time_matches():
 
 
 def _args(**kw):
-    base = {"param": None, "no_failure": False, "fail_at": None}
+    base = {"param": None, "no_failure": False, "fail_at": None, "fail_on": 1}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -64,6 +64,8 @@ def test_refresh_parameters_fail_the_first_run_only_and_refuse_a_password():
     assert first == {"max_steps": 24, "device": "cpu", "fail_at": ["kill:rank=1:step=16"]}
     assert refresh_parameters(_args(param=["max_steps=24"]), 1)["fail_at"] == []
     assert refresh_parameters(_args(no_failure=True), 0)["fail_at"] == []
+    assert refresh_parameters(_args(fail_on=3), 0)["fail_at"] == []  # the failure goes to the third run
+    assert refresh_parameters(_args(fail_on=3), 2)["fail_at"] == ["kill:rank=1:step=16"]
     assert refresh_parameters(_args(fail_at=["hang:step=5"]), 0)["fail_at"] == ["hang:step=5"]
     with pytest.raises(StackError, match="ETTFLOW_WAREHOUSE_URL"):
         refresh_parameters(_args(param=['warehouse_url="postgresql+psycopg://u:secret@h/db"']), 0)
