@@ -33,7 +33,7 @@ from ettflow.ett.events import PhaseEvent
 from ettflow.ett.run_metrics import RunMetrics, compute_run_metrics
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.model_config import ModelConfig
 from ettflow.trainer.protocol import RankResult
 
 MODEL = "bench-dlrm"  # the model every job refreshes (its compile cache is shared)

@@ -39,7 +39,7 @@ from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_inte
 from ettflow.trainer.config import FailAt, Switches, TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.group.placement import Placement, PlacementStrategy
-from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.model_config import ModelConfig
 
 from .errors import ParameterError
 from .warehouse_url import check_warehouse_params

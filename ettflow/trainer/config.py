@@ -14,7 +14,7 @@ from typing import Any
 from ettflow.trainer.group.placement import Placement
 
 from .data.schema import FeatureSchema
-from .model import ModelConfig
+from .model_config import ModelConfig
 
 # nan: a dense parameter turns NaN (trainer/rank/loop.py); corrupt: the rank's in-memory copies are corrupted
 FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt", "corrupt")

@@ -1,7 +1,8 @@
 """The TorchRec DLRM, its sharding and its optimizers.
 
-- `ModelConfig`: table sizes come from the data schema (one table per sparse feature); the
-  config holds the embedding dimension and the MLP layer sizes.
+- `ModelConfig` (model_config.py, free of torch so a flow's process can plan without it):
+  table sizes come from the data schema (one table per sparse feature); the config holds the
+  embedding dimension and the MLP layer sizes.
 - `build_dlrm`: a DLRM (EmbeddingBagCollection, dense arch, interaction, over arch) on the
   meta device for the tables, so sharding materializes only each rank's shard.
 - `shard`: `DistributedModelParallel` with the planner and a fused embedding optimizer
@@ -12,10 +13,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,39 +29,9 @@ from torchrec.models.dlrm import DLRM
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from .data.schema import FeatureSchema
+from .model_config import ModelConfig
 
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    embedding_dim: int = 16
-    dense_arch: Sequence[int] = (64, 16)  # last layer == embedding_dim
-    over_arch: Sequence[int] = (64, 32, 1)  # last layer == 1 (the logit)
-    dense_lr: float = 1e-2
-    sparse_lr: float = 5e-2
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dense_arch", tuple(self.dense_arch))
-        object.__setattr__(self, "over_arch", tuple(self.over_arch))
-        if self.embedding_dim <= 0:
-            raise ValueError(f"embedding_dim must be > 0, got {self.embedding_dim}")
-        if not self.dense_arch or self.dense_arch[-1] != self.embedding_dim:
-            raise ValueError(
-                f"dense_arch must end with embedding_dim={self.embedding_dim} (the interaction "
-                f"needs dense and sparse vectors of one size), got {self.dense_arch}"
-            )
-        if not self.over_arch or self.over_arch[-1] != 1:
-            raise ValueError(f"over_arch must end with 1 (one logit), got {self.over_arch}")
-        if any(n <= 0 for n in (*self.dense_arch, *self.over_arch)):
-            raise ValueError("layer sizes must be positive")
-        if self.dense_lr <= 0 or self.sparse_lr <= 0:
-            raise ValueError("learning rates must be > 0")
-
-    def fingerprint(self, schema: FeatureSchema) -> str:
-        """Stable id of what the compiled graphs depend on (for the compile-cache key)."""
-        blob = json.dumps({"model": asdict(self), "schema": schema.to_dict()}, sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+__all__ = ["ModelConfig", "build_dlrm", "shard", "DenseStep"]
 
 
 def table_configs(schema: FeatureSchema, dim: int) -> list[EmbeddingBagConfig]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ettflow.trainer.checkpoint.layout import atomic_write_text
 from ettflow.trainer.data.schema import FeatureSchema
-from ettflow.trainer.model import ModelConfig
+from ettflow.trainer.model_config import ModelConfig
 
 ANCHOR_FILE = "anchor.json"
 REQUIRED = ("run_id", "step", "model", "schema")

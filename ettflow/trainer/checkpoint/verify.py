@@ -32,7 +32,6 @@ from ettflow.trainer.checkpoint.layout import (
     atomic_write_text,
     parse_name,
 )
-from ettflow.trainer.checkpoint.reading import read_dcp_metadata
 
 FORMAT = "ettflow-checkpoint/2"
 # format 1 pickled per-rank state and checksummed only .metadata: refused with this advice
@@ -69,6 +68,8 @@ def _canonical_sha(body: Mapping[str, Any]) -> str:
 
 def _referenced_files(path: Path) -> dict[str, int]:
     """Storage files the DCP metadata references -> the bytes they must at least hold."""
+    from ettflow.trainer.checkpoint.reading import read_dcp_metadata  # torch: only when a checkpoint is read
+
     metadata = read_dcp_metadata(path)
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():

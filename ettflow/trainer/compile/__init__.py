@@ -3,11 +3,28 @@
 See `cache.py` for the flow and `env.py` for what a warm restart needs on disk.
 """
 
-from .cache import CompileCache, RestoreMiss, RestoreResult, SaveResult
-from .compiled import compile_module
-from .config import CompileCacheConfig, cache_key, key_parts
-from .env import CompileEnvError
-from .stats import CompileStats, RecompileCounter, process_recompile_counter
+from ettflow.lazy import lazy_getattr
+
+# Names resolve on first use (PEP 562): the compile's values (stats) cross into processes that
+# never compile (a flow's), and must not import torch there.
+_WHERE = {
+    "CompileCache": "ettflow.trainer.compile.cache",
+    "CompileCacheConfig": "ettflow.trainer.compile.config",
+    "CompileEnvError": "ettflow.trainer.compile.env",
+    "CompileStats": "ettflow.trainer.compile.stats",
+    "RecompileCounter": "ettflow.trainer.compile.stats",
+    "RestoreMiss": "ettflow.trainer.compile.cache",
+    "RestoreResult": "ettflow.trainer.compile.cache",
+    "SaveResult": "ettflow.trainer.compile.cache",
+    "cache_key": "ettflow.trainer.compile.config",
+    "compile_module": "ettflow.trainer.compile.compiled",
+    "key_parts": "ettflow.trainer.compile.config",
+    "process_recompile_counter": "ettflow.trainer.compile.stats",
+}
+
+
+__getattr__ = lazy_getattr(__name__, globals(), _WHERE)
+
 
 __all__ = [
     "CompileCache",

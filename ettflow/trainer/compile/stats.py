@@ -12,7 +12,14 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ettflow.trainer import _torch_compat as compat
+
+def _compat():
+    """torch's internals (`_torch_compat`), imported when a compile is watched: the stats'
+    values travel to processes (a flow's) that never import torch."""
+    from ettflow.trainer import _torch_compat
+
+    return _torch_compat
+
 
 COUNTERS = {  # stats field -> (torch counter group, name)
     "fxgraph_hit": ("inductor", "fxgraph_cache_hit"),
@@ -27,7 +34,7 @@ COUNTERS = {  # stats field -> (torch counter group, name)
 
 
 def read_counters() -> dict[str, int]:
-    counters = compat.dynamo_counters()
+    counters = _compat().dynamo_counters()
     out = {name: int(counters[group][key]) for name, (group, key) in COUNTERS.items()}
     out["graph_breaks"] = int(sum(counters["graph_break"].values()))  # keyed by reason
     return out
@@ -44,10 +51,10 @@ class RecompileCounter:
         self.recompiled_ids: list[str] = []
 
     def _on_start(self, args: Any) -> None:
-        compile_id = compat.dynamo_compile_id(args)
+        compile_id = _compat().dynamo_compile_id(args)
         if compile_id is None:
             return
-        recompile = compat.frame_compile_index(compile_id) > 0
+        recompile = _compat().frame_compile_index(compile_id) > 0
         with self._lock:
             self.compiles += 1
             if recompile:
@@ -55,11 +62,11 @@ class RecompileCounter:
                 self.recompiled_ids.append(compile_id)
 
     def install(self) -> RecompileCounter:
-        compat.add_compile_start_callback(self._on_start)
+        _compat().add_compile_start_callback(self._on_start)
         return self
 
     def uninstall(self) -> None:
-        compat.remove_compile_start_callback(self._on_start)
+        _compat().remove_compile_start_callback(self._on_start)
 
 
 _process_counter: RecompileCounter | None = None
@@ -75,7 +82,7 @@ def process_recompile_counter() -> RecompileCounter:
 
 def recompile_reasons(limit: int = 8) -> tuple[str, ...]:
     """Best effort: the reasons Dynamo recorded for its latest recompiles."""
-    reasons = compat.recorded_recompile_reasons()
+    reasons = _compat().recorded_recompile_reasons()
     return tuple(r[:300] for r in reasons[-limit:])
 
 
