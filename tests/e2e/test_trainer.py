@@ -153,7 +153,12 @@ def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(tr
     ranks = {beat_pid(trainer_world, "pool-next", 0, rank) for rank in (0, 1)}
     assert ranks < pooled and len(ranks) == 2
     starts = by(events, "spare_start")
-    assert sorted(e.attrs["for_rank"] for e in starts) == [0, 1] and all(e.attrs["pooled"] for e in starts)
+    ranks_started = [e for e in starts if e.attrs.get("for_rank") is not None]
+    assert sorted(e.attrs["for_rank"] for e in ranks_started) == [0, 1] and all(e.attrs["pooled"] for e in starts)
+    # the run's spare (from the pool, never needed) is recorded at its release: capacity held for the run
+    (spare,) = [e for e in starts if e.attrs.get("for_rank") is None]
+    assert spare.attrs["used"] is False and spare.end == spare.attrs["released_at"]
+    assert m.held.unused_spare_s > 0 and m.held.pooled_s > 0 and m.capacity_ett_pct < m.ett_pct
     # no process start and no compile on the run's clock: both were done before the run
     assert all(e.attrs.get("part") != "process_start" for e in by(events, "device_init"))
     for rank in (0, 1):
