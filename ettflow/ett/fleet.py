@@ -43,6 +43,7 @@ from statistics import median
 import pandas as pd
 
 from .events import COMPONENTS, L2_ORDER, OWNERS, UNATTRIBUTED
+from .report import numeric_column
 
 SKIPPED = "skipped"
 NO_DEPLOYMENT = "(no deployment)"
@@ -209,9 +210,8 @@ def deployment_summary(runs: pd.DataFrame) -> pd.DataFrame:
             "ETT_mean%": round(float(done["ett_pct"].mean()), 1) if len(done) else None,
             "ETT_min%": round(float(done["ett_pct"].min()), 1) if len(done) else None,
             "ETT_last%": round(float(done["ett_pct"].iloc[-1]), 1) if len(done) else None,
-            "capETT_mean%": _mean(done, "capacity_ett_pct"),  # the pool's and spares' held capacity counted
-            "held_s": round(float(pd.to_numeric(done.get("held_s"), errors="coerce").sum()), 1)
-            if "held_s" in done else None,
+            "capETT_mean%": _mean(numeric_column(done, "capacity_ett_pct")),  # held capacity counted
+            "held_s": round(float(numeric_column(done, "held_s").sum()), 1),
             "NoF": int(done["nof"].sum()),
             "not_completed": int((done["status"] != "completed").sum()),
             "last_started": _when(group["wall_start"].iloc[-1]),
@@ -220,11 +220,9 @@ def deployment_summary(runs: pd.DataFrame) -> pd.DataFrame:
                                        "capETT_mean%", "held_s", "NoF", "not_completed", "last_started"])
 
 
-def _mean(frame: pd.DataFrame, name: str) -> float | None:
-    """The mean of a column that rows archived before it existed lack (None: no value)."""
-    if name not in frame:
-        return None
-    values = pd.to_numeric(frame[name], errors="coerce").dropna()
+def _mean(values: pd.Series) -> float | None:
+    """The mean of the values there are (None: none, e.g. rows archived before the column)."""
+    values = values.dropna()
     return round(float(values.mean()), 1) if len(values) else None
 
 

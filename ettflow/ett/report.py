@@ -70,8 +70,8 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
             "wall_s": runs["wall_s"].round(1),
             "ETT%": runs["ett_pct"].where(runs["status"] != SKIPPED).round(1),
             # capacity-inclusive: what the pool and spares held for the run counts too (ett.capacity)
-            "capETT%": _column(runs, "capacity_ett_pct").where(runs["status"] != SKIPPED).round(1),
-            "held_s": _column(runs, "held_s").round(1),
+            "capETT%": numeric_column(runs, "capacity_ett_pct").where(runs["status"] != SKIPPED).round(1),
+            "held_s": numeric_column(runs, "held_s").round(1),
             "TTS_s": runs["tts_s"].round(1),
             "NoF": runs["nof"].astype(int),
             "TTR_mean_s": runs["ttr_mean_s"].round(1),
@@ -85,8 +85,9 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def _column(runs: pd.DataFrame, name: str) -> pd.Series:
-    """A column that rows archived before it existed lack (NaN there)."""
+def numeric_column(runs: pd.DataFrame, name: str) -> pd.Series:
+    """A numeric column that rows archived before it existed lack (NaN there, or everywhere
+    when the frame has no such column)."""
     return pd.to_numeric(runs[name], errors="coerce") if name in runs else pd.Series([float("nan")] * len(runs),
                                                                                     index=runs.index)
 

@@ -30,7 +30,8 @@ from ettflow.flows.env_defaults import set_env_defaults
 DEMO_FAILURE = "kill:rank=1:step=16"  # the default data gives 32 steps per rank
 
 
-def _value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """A `--param`/`--switch` value: JSON when it parses, else the text itself."""
     try:
         return json.loads(text)
     except ValueError:
@@ -43,7 +44,7 @@ def private_warehouse_url(args: argparse.Namespace) -> str | None:
     (Prefect stores parameters in clear)."""
     from ettflow.ett.redact import has_password
 
-    given = [args.warehouse_url] + [_value(raw) for key, _, raw in (i.partition("=") for i in args.param or ())
+    given = [args.warehouse_url] + [parse_value(raw) for key, _, raw in (i.partition("=") for i in args.param or ())
                                     if key == "warehouse_url"]
     url = given[-1]
     return url if isinstance(url, str) and has_password(url) else None
@@ -61,11 +62,11 @@ def parameters(args: argparse.Namespace) -> dict[str, Any]:
         params["switches"] = {}
         for item in args.switch:
             key, _, raw = item.partition("=")
-            params["switches"][key] = _value(raw or "true")
+            params["switches"][key] = parse_value(raw or "true")
     params["fail_at"] = [] if args.no_failure else (args.fail_at or [DEMO_FAILURE])
     for item in args.param or ():
         key, _, raw = item.partition("=")
-        params[key] = _value(raw)
+        params[key] = parse_value(raw)
     if private_warehouse_url(args) is not None:
         params.pop("warehouse_url", None)
     return params

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -21,19 +20,17 @@ DEFAULT_DEPLOYMENT = "refresh-model/refresh-adhoc"
 
 
 def refresh_parameters(args: argparse.Namespace, index: int) -> dict[str, Any]:
-    """The deployment run's parameters: `--param`s, and the induced failure on the first only."""
+    """The deployment run's parameters: `--param`s, and the induced failure on the run
+    `--fail-on` names (the index-th run is 0-based)."""
     from ettflow.ett.redact import has_password
-    from ettflow.flows.cli import DEMO_FAILURE
+    from ettflow.flows.cli import DEMO_FAILURE, parse_value
 
     params: dict[str, Any] = {}
     for item in args.param or ():
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise StackError(f"--param takes KEY=JSON, got {item!r}")
-        try:
-            params[key] = json.loads(raw)
-        except ValueError:
-            params[key] = raw
+        params[key] = parse_value(raw)
     url = params.get("warehouse_url")
     if isinstance(url, str) and has_password(url):
         raise StackError("warehouse_url holds a password, and Prefect stores parameters in clear: give it to the "
@@ -146,12 +143,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--num-cpus", type=int, help="the Ray head's CPUs (default: this machine's, at least 4)")
     up.add_argument("--webhook-url", help="where the alert automations post (creates the webhook block)")
     up.add_argument("--refreshes", type=int, default=0, metavar="N",
-                    help="then run N refreshes as deployment runs that the worker executes (the first with the "
-                         "induced failure, each later one on the next window) and compare them")
+                    help="then run N refreshes as deployment runs that the worker executes (one with the "
+                         "induced failure, --fail-on; each later one on the next window) and compare them")
     up.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="the deployment those runs are runs of")
     up.add_argument("--param", action="append", metavar="KEY=JSON", help="a parameter of those runs (repeatable)")
-    up.add_argument("--fail-at", action="append", metavar="SPEC", help="the first run's induced failure instead "
-                    "of the default (repeatable)")
+    up.add_argument("--fail-at", action="append", metavar="SPEC", help="the induced failure instead of the "
+                    "default, on the run --fail-on names (repeatable)")
     up.add_argument("--no-failure", action="store_true", help="no induced failure")
     up.add_argument("--fail-on", type=int, default=1, metavar="N",
                     help="the run (1-based) that gets the induced failure (default 1)")

@@ -13,44 +13,36 @@ import os
 import sys
 import time
 
-from .config import StackError
+from .config import StackError, config_from
 from .records import StackRecord
 
 
-def _join(args: argparse.Namespace) -> None:
-    """Join the cluster (RAY_ADDRESS, else `ettflow up`'s head with its token)."""
-    from ettflow.console import quiet_third_party
-    from ettflow.flows.env_defaults import set_env_defaults
+def join_cluster(cfg) -> str:
+    """Join the cluster flow runs join (`RAY_ADDRESS`, else the head `ettflow up` recorded, with
+    the stack's token); its address."""
+    address = cfg.ray_address
+    if not address:
+        from .services import ray_auth_env
 
-    set_env_defaults()
-    quiet_third_party(verbose=False)
-    if not os.environ.get("RAY_ADDRESS"):
-        from .config import config_from
-        from .services import ray_token
-
-        cfg = config_from(args)
         record = StackRecord.read(cfg.record_path)
         if record is None:
             raise StackError("no cluster to ask: set RAY_ADDRESS, or start the local stack with `ettflow up`")
-        os.environ.update(RAY_ADDRESS=record.ray_address, RAY_AUTH_MODE="token",
-                          RAY_AUTH_TOKEN_PATH=str(ray_token(cfg)))
+        address = record.ray_address
+        os.environ.update(ray_auth_env(cfg))  # before Ray is imported: it reads its authentication mode then
     import ray
 
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    return address
 
 
 def wait_for_pool(cfg, timeout_s: float) -> tuple[int, float]:
     """Back to back (`ettflow up --refreshes N`), wait for what the last run's release left
     prewarming in the cluster's pool: (workers ready, seconds waited). A schedule's refreshes
     are hours apart, and the pool is long ready by then."""
-    from .services import ray_token
-
-    if not cfg.ray_address:  # before Ray is imported: it reads its authentication mode then
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(ray_token(cfg)))
+    join_cluster(cfg)
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.head_address, log_to_driver=False)
     from ettflow.trainer.group.pool_service import service
 
     pool = service(create=False)
@@ -62,8 +54,13 @@ def wait_for_pool(cfg, timeout_s: float) -> tuple[int, float]:
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
+    from ettflow.console import quiet_third_party
+    from ettflow.flows.env_defaults import set_env_defaults
+
+    set_env_defaults()
+    quiet_third_party(verbose=False)
     try:
-        _join(args)
+        address = join_cluster(config_from(args))
     except (StackError, ConnectionError, ValueError) as exc:
         print(f"ettflow pool: {exc}", file=sys.stderr)
         return 2
@@ -73,7 +70,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
     pool = service(create=False)
     if pool is None:
-        print(f"ettflow pool: the cluster at {os.environ['RAY_ADDRESS']} has no pool ({NAMESPACE}/{NAME}): "
+        print(f"ettflow pool: the cluster at {address} has no pool ({NAMESPACE}/{NAME}): "
               "a run that joins it starts one")
         return 0
     if args.action == "stop":
@@ -83,7 +80,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
         return 0
     held = ray.get(pool.status.remote())
     now = time.time()
-    print(f"ettflow pool {NAMESPACE}/{NAME} on {os.environ['RAY_ADDRESS']}: {len(held)} held")
+    print(f"ettflow pool {NAMESPACE}/{NAME} on {address}: {len(held)} held")
     for h in held:
         since = f"ready for {now - h.ready_at:.0f} s" if h.ready_at else f"requested {now - h.requested_at:.0f} s ago"
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"

@@ -89,7 +89,7 @@ def service_env(cfg: StackConfig, stack_id: str, **extra: str) -> dict[str, str]
         VERBOSE_ENV: "1" if cfg.verbose else "0",
     })
     if not cfg.ray_address:  # the stack's own head: token authentication with the stack's token
-        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_token(cfg))})
+        env.update(ray_auth_env(cfg))
         env.pop("RAY_AUTH_TOKEN", None)
     if not cfg.verbose:  # the console's table of known noise, for the lines Ray forwards to a flow run
         env.setdefault(RAY_SKIP_ENV, ray_skip_regex())
@@ -108,6 +108,12 @@ def ray_token(cfg: StackConfig) -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
     return path
+
+
+def ray_auth_env(cfg: StackConfig) -> dict[str, str]:
+    """What a process needs to join the stack's own head (set before Ray is imported: Ray reads
+    its authentication mode then)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ray_token(cfg))}
 
 
 def start_process(cfg: StackConfig, name: str, argv: list[str], env: dict[str, str]) -> tuple[psutil.Process, Path]:

@@ -23,12 +23,20 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.protocol import PrewarmTimings
+from ettflow.trainer.group.pooled_worker import (
+    POOL_RUN_ID,
+    PooledWorker,
+    model_name,
+    probe,
+    start_worker,
+    stop,
+    take_for_nodes,
+    warm_key,
+)
 
 log = logging.getLogger("ettflow.trainer")
 NAME = "ettflow-pool"
@@ -59,37 +67,20 @@ class PooledInfo:
     kind: str  # "worker" or "keeper"
     model: str  # the model's name in the config (its shape is the key's digest)
     key: str  # a short digest of the warm key
-    state: str  # "prewarming", "ready" or "failed"
+    state: str  # "prewarming" or "ready" (a failed worker is dropped)
     requested_at: float
     ready_at: float | None
     node: str | None
 
 
 @dataclass
-class _Entry:
-    actor: Any
-    prewarmed: Any  # the ObjectRef of its prewarm (PrewarmTimings)
-    requested_at: float
-    key: str
-    model: str
-    timings: PrewarmTimings | None = None
-    node: str | None = None
-    failed: bool = False
-
-
-@dataclass
 class _Keeper:
     actor: Any
     requested_at: float
-    extra: dict = field(default_factory=dict)
 
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
-
-
-def model_name(config: TrainerConfig) -> str:
-    return getattr(config, "model_name", None) or Path(str(config.compile_cache_dir)).parent.name or "model"
 
 
 class PoolService:
@@ -97,7 +88,7 @@ class PoolService:
 
     def __init__(self, policy: PoolPolicy = PoolPolicy()) -> None:
         self.policy = policy
-        self.entries: list[_Entry] = []
+        self.entries: list[PooledWorker] = []
         self.keepers: list[_Keeper] = []
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -107,8 +98,6 @@ class PoolService:
     def fill(self, config: TrainerConfig, count: int, spool_root: str) -> int:
         """Start workers until the pool holds `count` (at most the policy's bound) of `config`'s
         shape; the model's workers of another shape are stopped. Returns how many started."""
-        from ettflow.trainer.group.pooled_worker import POOL_RUN_ID, start_worker, warm_key
-
         key, model = warm_key(config), model_name(config)
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key)
@@ -116,8 +105,8 @@ class PoolService:
             started = max(min(count, self.policy.max_workers) - have, 0)
             for _ in range(started):
                 worker = start_worker(config, POOL_RUN_ID, spool_root)
-                self.entries.append(_Entry(worker.actor, worker.actor.prewarm.remote(), worker.requested_at, key,
-                                           model))
+                worker.prewarmed = worker.actor.prewarm.remote()
+                self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
                 from ettflow.trainer.checkpoint.state_keeper import start_keeper
 
@@ -137,23 +126,15 @@ class PoolService:
             return len(self._ready())
 
     # ---- taking --------------------------------------------------------------------------
-    def take(self, config: TrainerConfig, nodes: list[str | None]) -> list[tuple[Any, PrewarmTimings, float] | None]:
-        """For each wanted node (None: any), a prewarmed worker of `config`'s shape there:
-        (its actor, its prewarm's timings, when it was requested), or None. Taken workers are
-        the caller's."""
-        from ettflow.trainer.group.pooled_worker import warm_key
-
+    def take(self, config: TrainerConfig, nodes: list[str | None]) -> list[PooledWorker | None]:
+        """For each wanted node (None: any), a prewarmed worker of `config`'s shape there (its
+        `timings` read), or None. Taken workers are the caller's."""
         key = warm_key(config)
-        out: list[tuple[Any, PrewarmTimings, float] | None] = [None] * len(nodes)
         with self._lock:
-            ready = [e for e in self._ready() if e.key == key]
-            for i, node in enumerate(nodes):
-                match = next((e for e in ready if node is None or e.node == node), None)
-                if match is not None:
-                    ready.remove(match)
-                    self.entries.remove(match)
-                    out[i] = (match.actor, match.timings, match.requested_at)
-        return out
+            taken = take_for_nodes([e for e in self._ready() if e.key == key], nodes)
+            for worker in filter(None, taken):
+                self.entries.remove(worker)
+        return taken
 
     def take_keeper(self) -> Any:
         with self._lock:
@@ -163,53 +144,42 @@ class PoolService:
     def status(self) -> list[PooledInfo]:
         with self._lock:
             self._ready()
-            workers = [PooledInfo("worker", e.model, digest(e.key), "failed" if e.failed else
-                                  ("ready" if e.timings is not None else "prewarming"), e.requested_at,
-                                  e.timings.ready_at if e.timings is not None else None, e.node)
+            workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
+                                  e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node)
                        for e in self.entries]
             return workers + [PooledInfo("keeper", "-", "-", "ready", k.requested_at, None, None)
                               for k in self.keepers]
 
     def stop(self) -> int:
         """Stop everything the pool holds; returns how many actors were stopped."""
-        import ray
-
         self._stop.set()
         with self._lock:
             n = len(self.entries) + len(self.keepers)
             self._drop(lambda e: True)
-            for k in self.keepers:
-                with contextlib.suppress(Exception):
-                    ray.kill(k.actor, no_restart=True)
-            self.keepers = []
+            self._drop_keepers(lambda k: True)
         return n
 
     # ---- internals -----------------------------------------------------------------------
-    def _ready(self) -> list[_Entry]:
-        """The prewarmed entries, their timings and node read once; a failed one is dropped."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-        pending = [e for e in self.entries if e.timings is None]
-        if pending:
-            done, _ = ray.wait([e.prewarmed for e in pending], num_returns=len(pending), timeout=0)
-            for e in [e for e in pending if e.prewarmed in done]:
-                try:
-                    e.timings = ray.get(e.prewarmed)
-                    e.node = ray.get(e.actor.ready.remote(), timeout=10).node_id
-                except (GetTimeoutError, RayActorError, RayTaskError) as exc:
-                    log.warning("cluster pool: a worker failed to prepare (%s: %s); dropped", type(exc).__name__, exc)
-                    e.failed = True
-            self._drop(lambda e: e.failed)
+    def _ready(self) -> list[PooledWorker]:
+        """The prewarmed workers (timings and node read once); a failed one is dropped."""
+        failed = probe(self.entries, "cluster pool")
+        self._drop(lambda e: any(e is f for f in failed))
         return [e for e in self.entries if e.timings is not None]
 
     def _drop(self, which) -> None:
-        import ray
-
         for e in [e for e in self.entries if which(e)]:
             self.entries.remove(e)
+            stop(e)
+
+    def _drop_keepers(self, which) -> int:
+        import ray
+
+        gone = [k for k in self.keepers if which(k)]
+        for k in gone:
+            self.keepers.remove(k)
             with contextlib.suppress(Exception):
-                ray.kill(e.actor, no_restart=True)
+                ray.kill(k.actor, no_restart=True)
+        return len(gone)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.policy.reap_every_s):
@@ -217,21 +187,15 @@ class PoolService:
 
     def reap(self, now: float) -> int:
         """Release what nobody took within the policy's idle time; how many were released."""
-        import ray
-
         with self._lock:
             old = [e for e in self.entries if now - (e.timings.ready_at if e.timings else e.requested_at)
                    > self.policy.idle_s]
-            self._drop(lambda e: e in old)
-            stale = [k for k in self.keepers if now - k.requested_at > self.policy.idle_s]
-            for k in stale:
-                self.keepers.remove(k)
-                with contextlib.suppress(Exception):
-                    ray.kill(k.actor, no_restart=True)
+            self._drop(lambda e: any(e is o for o in old))
+            stale = self._drop_keepers(lambda k: now - k.requested_at > self.policy.idle_s)
         if old or stale:
             log.info("cluster pool: released %d worker(s) and %d keeper(s) nobody took within %.0f s",
-                     len(old), len(stale), self.policy.idle_s)
-        return len(old) + len(stale)
+                     len(old), stale, self.policy.idle_s)
+        return len(old) + stale
 
 
 def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy()) -> Any:

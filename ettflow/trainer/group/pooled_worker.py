@@ -7,17 +7,21 @@ and how its start is recorded in the run that takes it (off the clock).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.protocol import PrewarmTimings
 
+log = logging.getLogger("ettflow.trainer")
 POOL_RUN_ID = "warm-pool"  # a pooled worker's run until a run takes it
 
 
@@ -32,15 +36,24 @@ def warm_key(config: TrainerConfig) -> str:
                       sort_keys=True, default=str)
 
 
+def model_name(config: TrainerConfig) -> str:
+    """The model a worker is for: its compile cache lives under `<work_root>/<model>/`."""
+    return Path(str(config.compile_cache_dir)).parent.name or "model"
+
+
 @dataclass
 class PooledWorker:
     """A trainer actor started ahead of a run: `prewarmed` is its `prewarm()` call (its result
-    the prewarm's timings), `requested_at` when it was asked for."""
+    the prewarm's timings), `requested_at` when it was asked for. `timings` and `node` are
+    read once its prewarm finished (`probe`)."""
 
     actor: Any
     prewarmed: Any
     requested_at: float
     key: str
+    model: str = ""
+    timings: PrewarmTimings | None = None
+    node: str | None = None
 
 
 def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> PooledWorker:
@@ -51,7 +64,43 @@ def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> 
     requested_at = time.time()
     actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
         config, run_id, -1, -1, str(spool_root), requested_at)
-    return PooledWorker(actor, None, requested_at, warm_key(config))
+    return PooledWorker(actor, None, requested_at, warm_key(config), model_name(config))
+
+
+def probe(workers: list[PooledWorker], who: str) -> list[PooledWorker]:
+    """Read the timings and node of each worker whose prewarm finished (once); returns those
+    whose prewarm or process failed (the caller drops them; `who` names the pool in the log)."""
+    pending = [w for w in workers if w.timings is None and w.prewarmed is not None]
+    if not pending:
+        return []
+    done, _ = ray.wait([w.prewarmed for w in pending], num_returns=len(pending), timeout=0)
+    failed = []
+    for worker in [w for w in pending if w.prewarmed in done]:
+        try:
+            worker.timings = ray.get(worker.prewarmed)  # timings.ready_at: when its prewarm ended
+            worker.node = ray.get(worker.actor.ready.remote(), timeout=10).node_id
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            log.warning("%s: a worker failed to prepare (%s: %s); dropped", who, type(exc).__name__, exc)
+            worker.timings = None
+            failed.append(worker)
+    return failed
+
+
+def take_for_nodes(ready: list[PooledWorker], nodes: list[str | None]) -> list[PooledWorker | None]:
+    """For each wanted node (None: any node), a worker of `ready` on it, or None; the ones
+    chosen are removed from `ready`."""
+    out: list[PooledWorker | None] = []
+    for node in nodes:
+        match = next((w for w in ready if node is None or w.node == node), None)
+        if match is not None:
+            ready.remove(match)
+        out.append(match)
+    return out
+
+
+def stop(worker: PooledWorker) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(worker.actor, no_restart=True)
 
 
 def record_start(rec: Any, worker: PooledWorker, timings: PrewarmTimings, **attrs: Any) -> None:

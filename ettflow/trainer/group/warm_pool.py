@@ -43,7 +43,16 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.group.pooled_worker import POOL_RUN_ID, PooledWorker, record_start, start_worker, warm_key
+from ettflow.trainer.group.pooled_worker import (
+    POOL_RUN_ID,
+    PooledWorker,
+    probe,
+    record_start,
+    start_worker,
+    stop,
+    take_for_nodes,
+    warm_key,
+)
 from ettflow.trainer.protocol import PrewarmTimings
 
 __all__ = ["POOL", "POOL_RUN_ID", "PooledWorker", "WarmPool", "record_start", "start_worker", "warm_key"]
@@ -85,7 +94,7 @@ class WarmPool:
         if self.keeping and ray.is_initialized() and self.service is None:
             self.workers.append(worker)
         else:
-            _stop(worker)
+            stop(worker)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: Path | str) -> int:
         """Start workers until the pool holds `count` for `config` (workers for another shape
@@ -123,25 +132,19 @@ class WarmPool:
         """For each wanted node (None: any node), a prewarmed worker of `config`'s shape on it
         and its prewarm timings, or None (that rank starts the usual way). Taken workers are
         the caller's; workers for another shape are stopped."""
-        out: list[tuple[PooledWorker, PrewarmTimings] | None] = [None] * len(nodes)
         if self.service is not None and config.switches.warm_pool:
             return self._take_from_cluster(config, nodes)
         if not config.switches.warm_pool or not self.workers:
-            return out
+            return [None] * len(nodes)
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
-        ready = self._ready()
-        for i, node in enumerate(nodes):
-            match = next((r for r in ready if node is None or r[2] == node), None)
-            if match is not None:
-                ready.remove(match)
-                self.workers.remove(match[0])
-                out[i] = match[:2]
-        return out
+        taken = take_for_nodes(self._ready(), nodes)
+        for worker in filter(None, taken):
+            self.workers.remove(worker)
+        return [None if w is None else (w, w.timings) for w in taken]
 
     def _take_from_cluster(self, config: TrainerConfig,
                            nodes: list[str | None]) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
-        key = warm_key(config)
         try:
             found = ray.get(self.service.take.remote(config, nodes), timeout=30)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:  # the pool is gone or busy: start as usual
@@ -149,7 +152,7 @@ class WarmPool:
                         type(exc).__name__, exc)
             self.service = None
             return [None] * len(nodes)
-        return [None if f is None else (PooledWorker(f[0], ray.put(f[1]), f[2], key), f[1]) for f in found]
+        return [None if w is None else (w, w.timings) for w in found]
 
     def take_keeper(self) -> Any:
         """The keeper started for the next run (its process up or starting), or None."""
@@ -161,25 +164,16 @@ class WarmPool:
         keeper, self.keeper = self.keeper, None
         return keeper
 
-    def _ready(self) -> list[tuple[PooledWorker, PrewarmTimings, str]]:
-        """The prewarmed workers with their timings and node id; a failed one is dropped."""
-        done, _ = ray.wait([w.prewarmed for w in self.workers], num_returns=len(self.workers), timeout=0)
-        ready = []
-        for worker in [w for w in self.workers if w.prewarmed in done]:
-            try:
-                timings = ray.get(worker.prewarmed)
-                node = ray.get(worker.actor.ready.remote(), timeout=10).node_id
-                ready.append((worker, timings, node))  # timings.ready_at: when its prewarm ended
-            except (GetTimeoutError, RayActorError, RayTaskError) as exc:
-                log.warning("warm pool: a worker failed to prepare (%s: %s); dropped", type(exc).__name__, exc)
-                self.workers.remove(worker)
-                _stop(worker)
-        return ready
+    def _ready(self) -> list[PooledWorker]:
+        """The prewarmed workers (timings and node read); a failed one is dropped."""
+        failed = probe(self.workers, "warm pool")
+        self._drop(lambda w: any(w is f for f in failed))
+        return [w for w in self.workers if w.timings is not None]
 
     def _drop(self, which) -> None:
         for worker in [w for w in self.workers if which(w)]:
             self.workers.remove(worker)
-            _stop(worker)
+            stop(worker)
 
     def close(self) -> None:
         """Stop every pooled worker this process owns; the pool is no longer kept (the cluster's
@@ -194,9 +188,6 @@ class WarmPool:
         self.workers, self.keeper = [], None
 
 
-def _stop(worker: PooledWorker) -> None:
-    with contextlib.suppress(Exception):
-        ray.kill(worker.actor, no_restart=True)
 
 
 POOL = WarmPool()
