@@ -149,7 +149,8 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
     assert run["name"] == f"{MODEL}-optimized {window.removeprefix('window=')}"
     assert {"ettflow", "scheduled", f"model:{MODEL}", "mode:optimized", "failures:0", "outcome:published"} <= set(
         run["tags"]), run["tags"]
-    assert row["flow_run_id"] == run_id and row["status"] == "completed" and row["effective_steps"] > 0
+    # max_steps 24 on each of the 2 ranks, every step on new data
+    assert row["flow_run_id"] == run_id and row["status"] == "completed" and row["effective_steps"] == 48
     assert row["tags"]["snapshot"] and os.path.isdir(row["tags"]["snapshot"])
     found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}}).json()
     keys = [a["key"] for a in found]
