@@ -112,15 +112,14 @@ class StepTail(SpoolTail):
 
 
 def planned_steps(config) -> int | None:
-    """Steps each rank runs from the start of the data (None if the data cannot be read)."""
+    """Steps each rank runs from the start of the data (None if the data cannot be read).
+    Reads the files' footers only (the stream index): the flow process imports no torch for it."""
     try:
-        from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
-        from ettflow.trainer.data.windows import split_windows
+        from ettflow.trainer.data.windows import StreamIndex, full_batches, split_windows
 
         train, _ = split_windows(config)
-        data = DataPipeline(DataConfig(root=config.data_root, schema=config.schema, batch_size=config.batch_size,
-                                       world_size=config.world_size, windows=train))
-        steps = data.num_batches()
+        index = StreamIndex(config.data_root, config.schema, train)
+        steps = full_batches(index.total_rows, config.batch_size, config.world_size)
         return min(steps, config.max_steps) if config.max_steps else steps
     except Exception:  # noqa: BLE001 - progress is best effort; the trainer reports bad data
         return None

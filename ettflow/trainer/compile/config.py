@@ -28,9 +28,11 @@ class CompileCacheConfig:
     what keys them. `work_dir` is this process's inductor working folder; None makes a fresh
     temporary one (local disk), which `CompileCache.cleanup` removes.
 
-    With `enabled=False` still call `prepare_env`: the fresh folder makes every compile truly
-    cold (inductor's default folder under the temp dir outlives processes, so a restart on
-    the same host would otherwise be partly warm without any archive)."""
+    `isolate`: point inductor's folders at that fresh per-process folder. With the archive
+    (`enabled`) it always is. Without it, `isolate=True` makes every compile truly cold (a
+    restart on a fresh host, the study's fleet), `isolate=False` leaves PyTorch's own local
+    cache (`/tmp/torchinductor_<user>`, which outlives processes: an untuned job restarting on
+    the same host compiles partly warm without any archive); call `prepare_env` either way."""
 
     root: str | Path
     enabled: bool = True
@@ -43,9 +45,13 @@ class CompileCacheConfig:
     mega_cache: bool = True  # also store torch.compiler.save_cache_artifacts() (see cache.py)
     keep_archives: int = 4  # archives of other keys kept in root (oldest removed first)
     work_dir: str | Path | None = None
+    isolate: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+        if self.enabled and not self.isolate:
+            raise ValueError("CompileCacheConfig: the archive (enabled=True) restores into and saves from an "
+                             "isolated folder; isolate=False is for a run without it")
         if self.work_dir is not None:
             object.__setattr__(self, "work_dir", Path(self.work_dir))
         object.__setattr__(self, "model", dict(self.model))
@@ -88,13 +94,23 @@ def device_tag(device: str) -> str:
     return f"cuda-sm{major}{minor}-cu{torch.version.cuda}"
 
 
-def key_parts(config: CompileCacheConfig) -> dict[str, Any]:
-    import torch
+def torch_version() -> str:
+    """torch's version, read from its installed metadata where torch is not imported yet: a
+    flow run's driver computes the cache key without paying torch's import (~1.2 s here).
+    The two agree (a unit test checks it); an imported torch is what really runs."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    from importlib.metadata import version
 
+    return version("torch")
+
+
+def key_parts(config: CompileCacheConfig) -> dict[str, Any]:
     return {
         "format": ARCHIVE_FORMAT,
         "model": config.model,
-        "torch": torch.__version__,
+        "torch": torch_version(),
         "device": device_tag(config.device),
         "threads": config.threads,
         "python": ".".join(map(str, sys.version_info[:3])),

@@ -8,17 +8,18 @@ handle, so the rank's plugins restore into and save from the folders inductor re
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-import torch
-
 from . import archive
-from .cache import CompileCache
-from .config import CompileCacheConfig
+from .config import CompileCacheConfig, cache_key, key_parts
 
 if TYPE_CHECKING:
     from ettflow.trainer.config import TrainerConfig
+
+    from .cache import CompileCache
 
 _CACHE: CompileCache | None = None  # one per process
 
@@ -30,8 +31,9 @@ def cache_config(config: TrainerConfig) -> CompileCacheConfig:
               "sparse": len(config.schema.sparse)}
     return CompileCacheConfig(
         root=config.compile_cache_dir, enabled=config.switches.compile_cache,
+        isolate=config.switches.compile_cache or not config.switches.local_inductor_cache,
         model={"model": asdict(config.model), "shapes": shapes},
-        device="cuda" if (config.device != "cpu" and torch.cuda.is_available()) else "cpu",
+        device=_device(config.device),
         threads=config.threads_per_rank,
         # uncompressed: a restart unpacks the 150 MB precompiled header in ~0.2 s instead of
         # ~0.7 s gunzipping it; the archive is ~170 MB per model and key
@@ -39,8 +41,22 @@ def cache_config(config: TrainerConfig) -> CompileCacheConfig:
     )
 
 
+def _device(device: str) -> str:
+    """The key's device: CUDA only where the process sees one. A process that has not imported
+    torch (a flow run's driver: `has_archive` only decides when a spare prewarms) asks the
+    NVIDIA driver instead of paying torch's import; a rank has torch imported and asks it."""
+    if device == "cpu":
+        return "cpu"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "cuda" if os.path.exists("/proc/driver/nvidia/version") else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def prepare_compile_env(config: TrainerConfig) -> CompileCache:
     """The process's compile cache, its environment prepared on the first call."""
+    from .cache import CompileCache
+
     global _CACHE
     if _CACHE is None:
         _CACHE = CompileCache(cache_config(config))
@@ -52,4 +68,4 @@ def has_archive(config: TrainerConfig) -> bool:
     """Whether a compile of `config` would find its archive (read by name only, from any
     process: nothing is prepared or unpacked)."""
     settings = cache_config(config)
-    return settings.enabled and archive.find_archive(settings.root, CompileCache(settings).key) is not None
+    return settings.enabled and archive.find_archive(settings.root, cache_key(key_parts(settings))) is not None

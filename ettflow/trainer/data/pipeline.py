@@ -27,16 +27,9 @@ import pyarrow.parquet as pq
 from ettflow.trainer.data.batch import Batch, Columns, Rows, columns_to_batch, decode_table
 from ettflow.trainer.data.prefetch import Prefetcher
 from ettflow.trainer.data.schema import DataError, FeatureSchema
-from ettflow.trainer.data.windows import Cursor, PartFile, StreamIndex
+from ettflow.trainer.data.windows import Cursor, PartFile, StreamIndex, full_batches
 
 CursorLike = Cursor | Mapping[str, Any] | Sequence[int] | None
-
-
-def full_batches(rows: int, batch_size: int, world_size: int = 1) -> int:
-    """Steps every rank runs over `rows` stream rows (the ragged last global batch dropped)."""
-    if batch_size < 1 or world_size < 1:
-        raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size}, {world_size}")
-    return max(rows, 0) // (batch_size * world_size)
 
 
 @dataclass(frozen=True, kw_only=True)

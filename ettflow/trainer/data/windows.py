@@ -95,6 +95,13 @@ class PartFile:
     offset: int  # stream position of its first row
 
 
+def full_batches(rows: int, batch_size: int, world_size: int = 1) -> int:
+    """Steps every rank runs over `rows` stream rows (the ragged last global batch dropped)."""
+    if batch_size < 1 or world_size < 1:
+        raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size}, {world_size}")
+    return max(rows, 0) // (batch_size * world_size)
+
+
 class StreamIndex:
     """The files of the chosen windows, checked against the schema, as one row stream.
 
