@@ -103,6 +103,8 @@ INIT_FROM_LOCAL = Internal(module=_SHARDED, attr="ShardedTensor._init_from_local
                            consequence=_STAGING)
 PROCESS_GROUP = Internal(module=_SHARDED, attr="ShardedTensor._process_group", consequence=_STAGING)
 REMOTE_DEVICE = Internal(module="torch.distributed.remote_device", attr="_remote_device", consequence=_STAGING)
+CACHE_DIR = Internal(module="torch._inductor.runtime.cache_dir_utils", attr="cache_dir",
+                    consequence="a run without the compile cache cannot name PyTorch's local inductor cache folder")
 # TorchRec (same rule: a private name it could rename in any release)
 COLLECTIVE_VALIDATION = Internal(
     module="torchrec.distributed.collective_utils", attr="_INITIALIZED",
@@ -113,6 +115,7 @@ INTERNALS: tuple[Internal, ...] = (
     HEADER_DIR, HEADER_LOCK_DIR, PRECOMPILE_HEADER, POOL_SET, COUNTERS, COMPILATION_METRICS,
     CALLBACK_HANDLER, REGISTER_START, REMOVE_START, START_CALLBACKS, CALLBACK_ARGS, TRIGGER_DYNAMO,
     COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE, COLLECTIVE_VALIDATION,
+    CACHE_DIR,
 )
 
 
@@ -184,6 +187,12 @@ def redirect_precompiled_header_dir(header_dir: Path) -> str:
 def precompiled_header_dir() -> str:
     """The folder inductor puts its precompiled header in (`torch._inductor.codecache._HEADER_DIR`)."""
     return HEADER_DIR.resolve()
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor caches when nobody redirects it (TORCHINDUCTOR_CACHE_DIR, else its
+    default under the temp dir): `torch._inductor.runtime.cache_dir_utils.cache_dir`."""
+    return str(CACHE_DIR.resolve()())
 
 
 def compile_workers_started() -> bool:

@@ -40,6 +40,11 @@ class Switches:
     # warm pool: a run's ranks (and its spare) come from trainer processes prewarmed after the
     # previous run of this process ended (trainer/group/warm_pool.py), when the process keeps a pool
     warm_pool: bool = True
+    # without the compile cache, keep PyTorch's own local inductor cache, which outlives the
+    # process (what an untuned job restarting on the same host has: the honest baseline);
+    # False: every process compiles in a fresh folder (a restart on a fresh host, the study's
+    # fleet). No effect with `compile_cache` on (its archive restores into a fresh folder).
+    local_inductor_cache: bool = True
 
     @classmethod
     def baseline(cls) -> Switches:

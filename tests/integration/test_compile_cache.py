@@ -155,6 +155,32 @@ def test_warm_restart_hits_the_cache_without_recompiling(cold, tmp_path):
           f"restore {b['restore_s']:.2f} s + first step {b['first_step_s']:.2f} s")
 
 
+def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold, tmp_path):
+    """The honest baseline (`Switches.local_inductor_cache`): with the compile cache off and
+    `isolate=False`, nothing is redirected, so a restart on the same host finds what the last
+    process left in PyTorch's local cache folder (here process A's, as TORCHINDUCTOR_CACHE_DIR)."""
+    root, a = cold
+    local = os.path.join(a["work"], "inductor")
+    out = run_python(f"""
+        import json, os
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = {local!r}
+        from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+        from ettflow.trainer.compile.probe_cold_warm import DenseSize, build_dense_forward, train_steps
+        size = DenseSize(**{json.dumps(asdict(SIZE))})
+        cache = CompileCache(CompileCacheConfig(root={str(tmp_path / "none")!r}, enabled=False, isolate=False,
+                                                model={asdict(SIZE)!r}, threads=1))
+        env = cache.prepare_env()
+        r, steps = cache.restore(), train_steps(build_dense_forward(size), size, steps=1)
+        print("RESULT " + json.dumps(dict(env=env, work_dir=str(cache.work_dir), miss=r.miss.value,
+                                          saved=cache.save().skipped_reason, stats=cache.stats().to_dict())))
+    """)
+    assert out["env"] == {"TORCHINDUCTOR_CACHE_DIR": local} and out["work_dir"] == "None"  # not redirected
+    assert out["miss"] == "disabled" and out["saved"] == "compile cache disabled"
+    assert out["stats"]["fxgraph_hit"] > 0 and out["stats"]["fxgraph_miss"] == 0  # warm without any archive
+    with pytest.raises(ValueError, match="isolate=False"):
+        CompileCacheConfig(root=root, enabled=True, isolate=False)
+
+
 def test_other_config_misses_and_oversized_archive_is_skipped(cold, tmp_path):
     root, a = cold
     out = run_python(f"""

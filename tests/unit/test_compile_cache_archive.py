@@ -87,12 +87,15 @@ def test_recompile_counter_counts_only_recompiles():
 
 
 def _a_pid_no_process_has() -> int:
-    """A pid no process holds now (from the top of the pid range: the least likely to be reused soon)."""
+    """A pid no process or thread holds now (from the top of the pid range: the least likely to
+    be reused soon). A thread's id answers `kill(id, 0)` like a pid, though psutil lists only
+    processes: /proc/<id> exists for both."""
     import psutil
 
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text()) if Path("/proc/sys/kernel/pid_max").exists() \
         else 2**22
-    return next(pid for pid in range(pid_max - 1, 1, -1) if not psutil.pid_exists(pid))
+    return next(pid for pid in range(pid_max - 1, 1, -1)
+                if not psutil.pid_exists(pid) and not Path(f"/proc/{pid}").exists())
 
 
 def test_working_folders_of_dead_processes_are_swept(tmp_path):

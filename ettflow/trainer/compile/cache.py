@@ -100,6 +100,13 @@ class CompileCache:
     def prepare_env(self) -> dict[str, str]:
         """Point inductor's folders into this process's working folder, set the PGO job id and
         pin the thread count. Call before anything is compiled (raises CompileEnvError after)."""
+        if not self.config.isolate:  # PyTorch's own local cache, as an untuned job keeps it
+            self.env = {"TORCHINDUCTOR_CACHE_DIR": env.default_inductor_dir()}
+            env.pin_threads(self.config.threads)
+            counter = process_recompile_counter()
+            self._baseline = read_counters()
+            self._base_compiles, self._base_recompiles = counter.compiles, counter.recompiles
+            return dict(self.env)
         if self.work_dir is None:
             self.work_dir = env.make_work_dir()
             atexit.register(self.cleanup)  # a SIGKILLed rank's folder goes at the next start
@@ -117,6 +124,8 @@ class CompileCache:
         """Unpack this key's archive into the working folder if it can be trusted (see the module
         docstring); a miss (with its `RestoreMiss` and reason) otherwise, never an exception."""
         t0 = time.perf_counter()
+        if not self.config.enabled:
+            return RestoreResult(hit=False, miss=RestoreMiss.DISABLED, reason="compile cache disabled")
         work = self._require_env()
         root = self.config.root
 
@@ -160,13 +169,13 @@ class CompileCache:
         the reason, when disabled, when nothing was compiled, when a warm restart added
         nothing (unless `force`), or when the archive would pass max_bytes."""
         t0 = time.perf_counter()
-        self._require_env()
 
         def skipped(reason: str) -> SaveResult:
             return SaveResult(seconds=time.perf_counter() - t0, skipped_reason=reason)
 
         if not self.config.enabled:
             return skipped("compile cache disabled")
+        self._require_env()
         if not (self.inductor_dir / "fxgraph").is_dir():
             return skipped("nothing compiled in this working folder yet: save after the first "
                            "compiled step")

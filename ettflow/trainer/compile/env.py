@@ -38,6 +38,12 @@ def already_compiled() -> bool:
     return compat.dynamo_counters()["frames"]["total"] > 0 or compat.compile_workers_started()
 
 
+def default_inductor_dir() -> str:
+    """Where inductor caches when nobody redirects it: TORCHINDUCTOR_CACHE_DIR (importing
+    torchrec sets it to the default), else PyTorch's default under the temp dir."""
+    return compat.inductor_cache_dir()
+
+
 def redirect_compile_dirs(work_dir: Path) -> dict[str, str]:
     """Send inductor's cache, the precompiled headers and Triton's cache into `work_dir`.
     Returns what was set (for logs and for child processes)."""
