@@ -73,6 +73,10 @@ def fixed_interval_row(steps: int) -> Row:
     return Row(label=f"optimized, fixed {steps}-step interval", mode="optimized", interval_steps=steps)
 
 
+# the study's fleet: a restart lands on a fresh host, with no local compile cache (every
+# process compiles cold); the untuned baseline above keeps PyTorch's local cache on its host
+BASELINE_FRESH_HOST = Row(label="baseline, fresh host (no local compile cache)", mode="baseline",
+                          switches={"local_inductor_cache": False})
 # issue 12's recovery off: no live recovery, no in-memory tier, no warm pool (a restart would
 # take its ranks' processes from the pool): every rank restarts from disk, the slower way
 LIVE_RECOVERY_OFF = Row(label="optimized, live recovery off", mode="optimized",
@@ -122,6 +126,19 @@ class JobResult:
     events: list[PhaseEvent]
     publish_s: float
     snapshot: Any = None
+    path: str = "in-process"  # how it ran (bench/deployed.py): "deployed" or "in-process"
+    deployment: str = "-"  # the deployment it was a run of (deployed)
+
+    @property
+    def pooled_ranks(self) -> int:
+        """How many of its first ranks started in processes the warm pool had prewarmed."""
+        return sum(1 for e in self.events if e.phase == "spare_start" and e.attrs.get("pooled")
+                   and e.attrs.get("for_rank") is not None)
+
+    @property
+    def spares(self) -> int:
+        """Hot spares held for it (used or not)."""
+        return sum(1 for e in self.events if e.phase == "spare_start" and e.attrs.get("for_rank") is None)
 
     @property
     def after_last_step_s(self) -> float:
@@ -169,14 +186,16 @@ def flow_params(spec: JobSpec, row: Row, **over: Any) -> dict[str, Any]:
             "warm_start": False, "gate_max_auc_drop": None, "bootstrap_windows": None, **over}
 
 
-def run_flow_job(spec: JobSpec, row: Row, state: Path, *, tags: dict[str, Any] | None = None) -> JobResult:
+def run_flow_job(spec: JobSpec, row: Row, state: Path, *, runner: Any = None,
+                 tags: dict[str, Any] | None = None) -> JobResult:
     """Run the job as one `refresh_model` flow run with its own warehouse, spool and snapshots
-    under `state`; its metrics from its spool."""
+    under `state`, on `runner`'s path (bench/deployed.py; None: in this process); its metrics
+    from its spool."""
     from .refreshes import Refresher, SequencePlan
 
     state.mkdir(parents=True, exist_ok=True)
     refresher = Refresher(state, SequencePlan(world_size=spec.world_size, batch_size=spec.batch_size,
-                                              max_embeddings=spec.num_embeddings))
+                                              max_embeddings=spec.num_embeddings), runner)
     params = refresher.params(MODEL, spec.data_root, **flow_params(spec, row, tags={
         "benchmark": True, "bench": "pair", "row": row.label, **(tags or {})}))
     result, events = refresher.run(params)
@@ -184,14 +203,16 @@ def run_flow_job(spec: JobSpec, row: Row, state: Path, *, tags: dict[str, Any] |
     publish_s = sum(e.duration for e in events if e.phase in ("publish", "publish_standalone")
                     and e.attrs.get("outcome") != "failed")
     return JobResult(run_id=metrics.run_id, row=row.label, mode=row.mode, metrics=metrics, events=events,
-                     publish_s=publish_s, snapshot=result.get("snapshot"))
+                     publish_s=publish_s, snapshot=result.get("snapshot"), path=refresher.runner.path,
+                     deployment=refresher.runner.deployment)
 
 
-def warm_compile_cache(spec: JobSpec, state: Path) -> JobResult:
+def warm_compile_cache(spec: JobSpec, state: Path, runner: Any = None) -> JobResult:
     """The previous refresh of the same model (2 steps, no kills, optimized): leaves the
-    compile-cache archive that the optimized jobs find, and, when this process keeps a warm
-    pool, the prewarmed processes the next optimized job starts from."""
-    return run_flow_job(replace(spec, kill_steps=(), max_steps=2), OPTIMIZED, state, tags={"bench": "warm-up"})
+    compile-cache archive that the optimized jobs find, and the warm pool's prewarmed
+    processes the next optimized job starts from (the cluster's, or this process's)."""
+    return run_flow_job(replace(spec, kill_steps=(), max_steps=2), OPTIMIZED, state, runner=runner,
+                        tags={"bench": "warm-up"})
 
 
 def trainer_config(spec: JobSpec, mode: str, run_id: str, *, cache_root: Path | None) -> TrainerConfig:

@@ -80,6 +80,9 @@ class RefreshMeasure:
     effective_s: float
     parts: dict[str, float]  # TTS_PARTS -> exposed seconds
     tts_phases: dict[str, float]  # phase -> exposed seconds before the first new step
+    path: str = "in-process"  # how it ran: a deployment run ("deployed") or in this process
+    held_s: float = 0.0  # slot-seconds the pool and spares held for it (`ett.capacity`)
+    capacity_ett_pct: float = 0.0
 
     @property
     def top_phase(self) -> tuple[str, float]:
@@ -87,22 +90,25 @@ class RefreshMeasure:
         return max(self.tts_phases.items(), key=lambda kv: kv[1], default=("none", 0.0))
 
 
-def measure_refresh(mode: str, refresh: int, result: dict[str, Any], events: Sequence[PhaseEvent]) -> RefreshMeasure:
+def measure_refresh(mode: str, refresh: int, result: dict[str, Any], events: Sequence[PhaseEvent], *,
+                    path: str = "in-process") -> RefreshMeasure:
     """A refresh's row from the flow's result (`refresh_model`'s dict) and its spooled events."""
     metrics = compute_run_metrics(events)
     parts, phases = tts_parts(events)
     return RefreshMeasure(mode=mode, refresh=refresh, run_id=metrics.run_id, windows=tuple(result["windows"]),
                           warm=result.get("parent") is not None, outcome=str(result["outcome"]),
                           wall_s=metrics.wall_s, tts_s=metrics.tts_s, ett_pct=metrics.ett_pct,
-                          effective_s=metrics.effective_s, parts=parts, tts_phases=phases)
+                          effective_s=metrics.effective_s, parts=parts, tts_phases=phases, path=path,
+                          held_s=metrics.held.held_s, capacity_ett_pct=metrics.capacity_ett_pct)
 
 
 def sequence_table(rows: Sequence[RefreshMeasure]) -> pd.DataFrame:
     """One line per refresh, in the order given, seconds rounded to 0.01."""
     return pd.DataFrame([{
-        "mode": r.mode, "refresh": r.refresh, "windows": len(r.windows), "trained": _span(r.windows),
+        "mode": r.mode, "path": r.path, "refresh": r.refresh, "windows": len(r.windows), "trained": _span(r.windows),
         "start": "warm" if r.warm else "cold", "outcome": r.outcome, "TTS_s": round(r.tts_s, 2),
-        "ETT%": round(r.ett_pct, 2), "wall_s": round(r.wall_s, 2), "effective_s": round(r.effective_s, 2),
+        "ETT%": round(r.ett_pct, 2), "capETT%": round(r.capacity_ett_pct, 2), "held_s": round(r.held_s, 1),
+        "wall_s": round(r.wall_s, 2), "effective_s": round(r.effective_s, 2),
         **{f"{p}_s": round(r.parts[p], 2) for p in TTS_PARTS},
         "largest_tts_phase": f"{r.top_phase[0]} {r.top_phase[1]:.2f}"} for r in rows])
 
@@ -179,10 +185,13 @@ class SequencePlan:
 class Refresher:
     """Runs `refresh_model` with this bench's roots (under `state`) and reads each run back."""
 
-    def __init__(self, state: Path, plan: SequencePlan) -> None:
+    def __init__(self, state: Path, plan: SequencePlan, runner: Any = None) -> None:
+        from .deployed import InProcessRunner
+
         self.state, self.plan = state, plan
         self.spool = state / "spool"
         self.url = f"sqlite:///{state / 'warehouse.db'}"
+        self.runner = runner if runner is not None else InProcessRunner()  # bench/deployed.py
 
     def params(self, model: str, data_root: Path, **over: Any) -> dict[str, Any]:
         return {"model": model, "data_root": str(data_root), "world_size": self.plan.world_size,
@@ -192,18 +201,12 @@ class Refresher:
                 "tags": {"benchmark": True, "bench": "refreshes"}, "bootstrap_windows": 1, **over}
 
     def run(self, params: dict[str, Any]) -> tuple[dict[str, Any], list[PhaseEvent]]:
-        from ettflow.ett.spool import read_spool
-        from ettflow.flows.refresh import refresh_model
-
-        state = refresh_model(**params, return_state=True)
-        run_id = str(state.state_details.flow_run_id)
-        if not state.is_completed():
-            raise RuntimeError(f"refresh {run_id} of {params['model']} ended {state.name}: {state.message}; "
-                               f"its spool is {self.spool / run_id}")
-        result = state.result()
+        """One refresh on the runner's path (a deployment run, or the flow in this process)."""
+        result, events = self.runner.run(params)
         if result.get("outcome") not in ("published", "gated"):
-            raise RuntimeError(f"refresh {run_id} of {params['model']} trained nothing: {state.message}")
-        return result, read_spool(self.spool, run_id).events
+            raise RuntimeError(f"refresh {result.get('run_id')} of {params['model']} trained nothing: "
+                               f"{result.get('outcome')}")
+        return result, events
 
 
 def run_sequence(refresher: Refresher, mode: str, *, bar: Any = None,
@@ -215,30 +218,29 @@ def run_sequence(refresher: Refresher, mode: str, *, bar: Any = None,
     data = refresher.state / f"data-{mode}"
     generate_windows(data, SyntheticConfig(windows=2, rows_per_window=plan.rows_per_window, files_per_window=1,
                                            seed=plan.seed))
-    from ettflow.trainer.group.warm_pool import POOL
-
+    pool = refresher.runner
     rows = []
     for i in range(1, plan.refreshes + 1):
         if i > 1:
             append_window(data)
             # refreshes are hours apart in production: the processes the last one left
             # prewarming (optimized mode's warm pool) are ready before the next starts
-            POOL.wait_ready(120.0)
-        POOL.keep_warm(i < plan.refreshes)
+            pool.wait_pool(120.0)
+        pool.keep_warm(i < plan.refreshes)
         # the gate is off here: its scoring runs either way (same cost), but a noisy held-out
         # AUC must not change which windows the next refresh trains; MovieLens gates
         try:
             result, events = refresher.run(refresher.params(f"seq-{mode}", data, mode=mode, gate_max_auc_drop=None))
         except BaseException:
-            POOL.close()
+            pool.close()
             raise
-        row = measure_refresh(mode, i, result, events)
+        row = measure_refresh(mode, i, result, events, path=pool.path)
         rows.append(row)
         say(f"{mode} refresh {i}: {_span(row.windows)} ({'warm' if row.warm else 'cold'}), TTS {row.tts_s:.1f} s, "
             f"ETT {row.ett_pct:.1f}%, wall {row.wall_s:.1f} s")
         if bar is not None:
             bar.update()
-    POOL.close()
+    pool.close()
     return rows
 
 
@@ -311,6 +313,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MovieLens-100K split into this many time-ordered windows (0: skip MovieLens)")
     p.add_argument("--movielens-batch-size", type=int, default=d.movielens_batch_size, help="per rank")
     p.add_argument("--verbose", action="store_true", help="show every library's warnings and logs too")
+    add_path_argument(p)
+
+
+def add_path_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--path", choices=("deployed", "in-process"), default="deployed",
+                   help="deployed (default): every job a run of the refresh-adhoc deployment that the local "
+                   "stack's process worker executes in a new process (`ettflow up`'s stack, brought up if it is "
+                   "not; it keeps running), ranks and spares from the cluster's pool; in-process: the flow in "
+                   "this process, as before (its own warm pool, a local Ray)")
 
 
 def flow_environment() -> None:
@@ -323,6 +334,9 @@ def flow_environment() -> None:
 
 def main(args: argparse.Namespace) -> int:
     flow_environment()
+    from .deployed import prepare_environment
+
+    prepare_environment(getattr(args, "path", "in-process"))  # before Ray is imported
     from ettflow.console import quiet_third_party
 
     quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported
@@ -339,11 +353,13 @@ def main(args: argparse.Namespace) -> int:
     state = out / f"state-{time.strftime('%Y%m%d-%H%M%S')}"  # fresh lineages: a new warehouse every run
     state.mkdir(parents=True)
     clock = Clock()
-    if not os.environ.get("RAY_ADDRESS"):  # once, as a long-lived worker has it: not in refresh 1's TTS. A
-        # new local Ray even where /tmp/ray names another cluster (`ray.init()` would join that one)
+    from .deployed import runner
+
+    if args.path == "in-process" and not os.environ.get("RAY_ADDRESS"):  # once, as a long-lived worker has
+        # it: not in refresh 1's TTS. A new local Ray even where /tmp/ray names another cluster
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
-    clock.say(f"Ray up; refreshes under {state}")
-    refresher = Refresher(state, plan)
+    refresher = Refresher(state, plan, runner(args.path, say=clock.say))
+    clock.say(f"{args.path} path up; refreshes under {state}")
     total = plan.refreshes * len(plan.modes) + max(plan.movielens_windows - 1, 0)
     rows: list[RefreshMeasure] = []
     with tqdm(total=total, desc="refreshes", unit="refresh") as bar:
@@ -357,7 +373,7 @@ def main(args: argparse.Namespace) -> int:
     plots.ett_per_refresh(tables["refreshes"], out / "refreshes.png")
     sentence = dominant_sentence(tables["warm_tts"])
     header = (f"# ettflow bench refreshes\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
-              f"plan: {asdict(plan)}; took {clock.elapsed():.0f} s; warehouse {refresher.url}.")
+              f"path: {args.path}; plan: {asdict(plan)}; took {clock.elapsed():.0f} s; warehouse {refresher.url}.")
     write_tables(out, tables, header=header, footer=sentence)
     print(f"\n{sentence}")
     clock.say(f"done: tables, CSV and refreshes.png in {out}; `ettflow report --url {refresher.url} --model "

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from tqdm import tqdm
@@ -33,11 +34,11 @@ from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
 from ettflow.ett.events import L2_ORDER
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.data.windows import list_windows
-from ettflow.trainer.group.warm_pool import POOL
 
 from .compile_ablation import run_ablation
 from .jobs import (
     BASELINE,
+    BASELINE_FRESH_HOST,
     LIVE_RECOVERY_OFF,
     MODEL,
     OPTIMIZED,
@@ -100,14 +101,17 @@ class BenchPlan:
         return tuple(int(f * base) for f in self.kill_fractions)
 
     def ablation_rows(self) -> tuple[Row, ...]:
-        rows = (fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF)
+        rows = (BASELINE_FRESH_HOST, fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF)
         return (*rows, WARM_POOL_OFF) if self.warm_pool else rows
 
 
 class Bench:
     def __init__(self, plan: BenchPlan, out: Path, progress: Callable[[str], None] = print, *,
-                 rows: bool = True) -> None:
+                 rows: bool = True, runner: Any = None) -> None:
+        from .deployed import InProcessRunner
+
         self.plan, self.out, self.say = plan, out, progress
+        self.runner = runner if runner is not None else InProcessRunner()  # the path every job takes
         self.with_rows = rows
         self.data = out / "data"
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -137,10 +141,9 @@ class Bench:
 
     def job(self, spec: JobSpec, row: Row, label: str) -> JobResult:
         name = f"L{label}-{row.slug}"
-        if POOL.workers:  # what the previous run left prewarming is ready before this one starts
-            POOL.wait_ready(POOL_READY_TIMEOUT_S)
+        self.runner.wait_pool(POOL_READY_TIMEOUT_S)  # what the previous run left prewarming is ready first
         self.say(f"  {name} ...")
-        result = run_flow_job(spec, row, self.state / name)
+        result = run_flow_job(spec, row, self.state / name, runner=self.runner)
         m = result.metrics
         ttrs = ", ".join(f"{f.ttr_s:.2f}" for f in m.failures) or "-"
         self.say(f"  {name} (run {result.run_id}): wall {m.wall_s:.1f} s, ETT {m.ett_pct:.1f}%, NoF {m.nof}, "
@@ -152,14 +155,14 @@ class Bench:
     def pairs(self, windows: tuple[str, ...]) -> tuple[dict[int, tuple[JobResult, JobResult]], list[JobResult]]:
         """The pair (baseline, optimized) per length, and the ablation rows' jobs (default length)."""
         kills = self.plan.kill_steps()
-        POOL.keep_warm(self.plan.warm_pool)
+        self.runner.keep_warm(self.plan.warm_pool)
         try:
             self.say("warm-up: the previous refresh of the model (leaves its compile cache"
                      f"{' and the warm pool' if self.plan.warm_pool else ''})")
-            warm_compile_cache(self.spec(windows, 1, ()), self.state / "warm-up")
+            warm_compile_cache(self.spec(windows, 1, ()), self.state / "warm-up", self.runner)
             return self._pairs(windows, kills)
         finally:
-            POOL.close()
+            self.runner.close()
 
     def _pairs(self, windows: tuple[str, ...], kills: tuple[int, ...]) -> tuple[dict, list[JobResult]]:
         rows = self.plan.ablation_rows() if self.with_rows else ()
@@ -276,6 +279,7 @@ def _row_values(job: JobResult) -> dict:
     m = job.metrics
     return {"wall_s": m.wall_s, "TTS_s": m.tts_s, "NoF": m.nof,
             **{f"TTR{i + 1}_s": f.ttr_s for i, f in enumerate(m.failures)}, "ETT%": m.ett_pct,
+            "capETT%": m.capacity_ett_pct, "held_s": m.held.held_s,
             "saves": m.checkpoint_saves, "interval_steps": job.interval_steps,
             **{f"{c}_s": m.components[c] for c in L2_ORDER}}
 
@@ -289,15 +293,16 @@ def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:
 
 def pooled_ranks(job: JobResult) -> int:
     """How many of the job's first ranks started in processes the warm pool had prewarmed."""
-    return sum(1 for e in job.events if e.phase == "spare_start" and e.attrs.get("pooled")
-               and e.attrs.get("for_rank") is not None)
+    return job.pooled_ranks
 
 
 def rows_table(jobs: Sequence[JobResult]) -> pd.DataFrame:
-    """Every row at the default length side by side: the pair and the ablation rows, with
-    where each run's checkpoint interval came from (the plan's record: probe, fixed) and how
-    many of its ranks started from the warm pool."""
-    return pd.DataFrame([{"row": j.row, "interval": j.interval_source, "pooled_ranks": pooled_ranks(j),
+    """Every row at the default length side by side: the pair and the ablation rows, with the
+    path each ran on (a deployment run, or in one process) and its deployment, where its
+    checkpoint interval came from (the plan's record: probe, fixed), how many of its ranks
+    started from the warm pool, the spares held for it, and what they held (`held_s`)."""
+    return pd.DataFrame([{"row": j.row, "path": j.path, "deployment": j.deployment, "interval": j.interval_source,
+                          "pooled_ranks": j.pooled_ranks, "pool_used": j.pooled_ranks > 0, "spares": j.spares,
                           **_row_values(j)} for j in jobs]).round(2)
 
 
