@@ -62,6 +62,15 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
     print(report.render(report.model_summary(runs), args.format))
     if args.format == "table":
         print(report.SUMMARY_NOTE)
+    from .ett.capacity import held_by_model
+
+    held = held_by_model(wh.holdings(args.model))
+    if held:
+        if args.format == "table":
+            print("\nHeld capacity, the ledger (outside the runs' own slots):")
+        print(report.render(report.held_table(held), args.format))
+        if args.format == "table":
+            print(report.HELD_NOTE)
     return 0
 
 
@@ -129,6 +138,14 @@ def _fleet(wh: Warehouse, args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001 - without Prefect the rows' own tags name them
         names = {}
     print(fleet.fleet_text(fleet.with_deployment(runs, names)))
+    from .ett import report
+    from .ett.capacity import held_by_model
+
+    held = held_by_model(wh.holdings())
+    if held:
+        print("\nHeld capacity, the ledger (outside the runs' own slots):")
+        print(report.render(report.held_table(held), "table"))
+        print(report.HELD_NOTE)
     return 0
 
 

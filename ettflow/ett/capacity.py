@@ -12,22 +12,34 @@ or not. Each such worker records a `spare_start` event (off the clock) from its 
   (`used`, `taken_at`) or, never used, until it was released (`released_at`). An unused spare
   is pure cost.
 
+- `flow_prestart`: the run's own flow process, started by a Prefect worker ahead of the
+  run's scheduled time (prefetch) and waiting for it. It holds no trainer slot (a CPU
+  process of the worker's host), so it is reported beside the slot-seconds (`prestart_s`),
+  not in them.
+
 A worker is one trainer slot (on a GPU cluster it holds a device; on CPU its process and
 memory). Capacity-inclusive ETT = effective slot-seconds over the slot-seconds held:
 
     effective_s x slots / (wall_s x slots + held_s)
 
 It equals the per-run ETT when nothing was held for the run, and is never above it.
+
+The ledger (`Holding`, the warehouse's `held_capacity` table) lists every such holding with
+what it held (slots, GPUs, CPUs, memory), for whom, whether it was used, and why it ended:
+a run's own (`holdings_of_run`, from its events) and what the cluster's pool released that
+no run took (prewarmed for a next run that did not come in time: `run_id` None, pure cost).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from .events import PhaseEvent
 
 SPARE_START = "spare_start"
+FLOW_PRESTART = "flow_prestart"
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class HeldCapacity:
     pooled_s: float  # pooled workers that became its ranks, before its wall began
     spare_s: float  # spares held for it, used or not
     unused_spare_s: float  # of `spare_s`: spares that never replaced a rank (cost)
+    prestart_s: float = 0.0  # the run's flow process, held before its submission (no slot)
 
     @property
     def held_s(self) -> float:
@@ -50,6 +63,7 @@ def held_capacity(events: Sequence[PhaseEvent], wall_start: float, wall_end: flo
     slots = max(len(ranks), max((int(ev.attrs.get("world_size", 0)) for ev in events if ev.rank < 0
                                  and isinstance(ev.attrs.get("world_size"), int)), default=0))
     pooled = spare = unused = 0.0
+    prestart = sum(max(0.0, ev.end - ev.start) for ev in events if ev.phase == FLOW_PRESTART)
     for ev in events:
         if ev.phase != SPARE_START:
             continue
@@ -66,7 +80,8 @@ def held_capacity(events: Sequence[PhaseEvent], wall_start: float, wall_end: flo
             unused += held
         else:  # a used spare recorded before `taken_at` existed: its prewarm, at least
             spare += max(0.0, ev.end - requested)
-    return HeldCapacity(slots=max(slots, 1), pooled_s=pooled, spare_s=spare, unused_spare_s=unused)
+    return HeldCapacity(slots=max(slots, 1), pooled_s=pooled, spare_s=spare, unused_spare_s=unused,
+                        prestart_s=prestart)
 
 
 def capacity_ett_pct(effective_s: float, wall_s: float, held: HeldCapacity) -> float:
@@ -77,3 +92,108 @@ def capacity_ett_pct(effective_s: float, wall_s: float, held: HeldCapacity) -> f
 
 def _num(value: object, default: float) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+# what a holding was (`Holding.kind`)
+POOLED_RANK = "pooled_rank"  # a pooled worker a run took for a rank (held until its wall began)
+SPARE = "spare"  # a hot spare of a run, used or not
+FLOW_PROCESS = "flow_process"  # the run's flow process, started ahead of its scheduled time
+UNCLAIMED_WORKER = "unclaimed_worker"  # a pooled worker no run took: released by the pool
+UNCLAIMED_KEEPER = "unclaimed_keeper"  # an in-memory checkpoint keeper no run took
+KINDS = (POOLED_RANK, SPARE, FLOW_PROCESS, UNCLAIMED_WORKER, UNCLAIMED_KEEPER)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Holding:
+    """One line of the held-capacity ledger: something held for a run (or for a next run
+    that never took it) outside the run's own slots, from `requested_at` to `released_at`.
+    `slots`: trainer slots it held (a worker 1, a keeper or a flow process 0); `gpus`, `cpus`:
+    what its bundle reserved (a pooled worker on CPU reserves no CPU of Ray's, but runs a
+    process); `memory_bytes`: its process's resident memory when last seen (None: unknown)."""
+
+    holding_id: str
+    model: str
+    kind: str
+    run_id: str | None  # the run it was for (None: nobody took it)
+    used: bool
+    requested_at: float
+    released_at: float
+    reason: str  # taken, replaced_rank, released_unused, idle, reshaped, stopped, failed, waited
+    slots: float = 1.0
+    gpus: float = 0.0
+    cpus: float = 0.0
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Holding.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.released_at < self.requested_at:
+            raise ValueError(f"holding {self.holding_id} ends ({self.released_at}) before it began "
+                             f"({self.requested_at})")
+
+    @property
+    def held_s(self) -> float:
+        return self.released_at - self.requested_at
+
+    def row(self) -> dict[str, Any]:
+        return {**asdict(self), "held_s": self.held_s}
+
+
+def holdings_of_run(run_id: str, model: str, events: Sequence[PhaseEvent], wall_start: float,
+                    wall_end: float) -> list[Holding]:
+    """The ledger lines a run's events give (the same spans `held_capacity` sums)."""
+    out = []
+    for ev in events:
+        if ev.phase not in (SPARE_START, FLOW_PRESTART):
+            continue
+        common = {"holding_id": f"{run_id}:{ev.attempt}:{ev.rank}:{ev.seq}", "model": model, "run_id": run_id,
+                  "requested_at": ev.start, "gpus": _num(ev.attrs.get("gpus"), 0.0),
+                  "cpus": _num(ev.attrs.get("cpus"), 0.0), "memory_bytes": _int(ev.attrs.get("rss_bytes"))}
+        if ev.phase == FLOW_PRESTART:
+            out.append(Holding(kind=FLOW_PROCESS, used=True, released_at=ev.end, reason="waited", slots=0.0,
+                               **{**common, "cpus": 1.0}))
+        elif ev.attrs.get("for_rank") is not None:
+            taken = _num(ev.attrs.get("taken_at"), ev.end)
+            out.append(Holding(kind=POOLED_RANK, used=True, released_at=max(ev.start, min(taken, wall_start)),
+                               reason="taken", **common))
+        elif not ev.attrs.get("used", True):
+            out.append(Holding(kind=SPARE, used=False, released_at=max(ev.start, _num(ev.attrs.get("released_at"),
+                                                                                        wall_end)),
+                               reason="released_unused", **common))
+        else:
+            out.append(Holding(kind=SPARE, used=True, released_at=max(ev.start, _num(ev.attrs.get("taken_at"),
+                                                                                       ev.end)),
+                               reason="replaced_rank", **common))
+    return out
+
+
+@dataclass(frozen=True)
+class HeldByKind:
+    """The ledger summed for one model: seconds and resource-seconds held, and what of it no
+    run used (unused spares, unclaimed pool workers)."""
+
+    model: str
+    holdings: int
+    held_s: float
+    slot_s: float
+    gpu_s: float
+    cpu_s: float
+    gib_s: float  # memory, GiB x seconds, where it was measured
+    unused_slot_s: float
+
+
+def held_by_model(holdings: Sequence[Holding]) -> list[HeldByKind]:
+    """Sum the ledger per model (sorted by model)."""
+    out = []
+    for model in sorted({h.model for h in holdings}):
+        mine = [h for h in holdings if h.model == model]
+        out.append(HeldByKind(
+            model, len(mine), sum(h.held_s for h in mine), sum(h.held_s * h.slots for h in mine),
+            sum(h.held_s * h.gpus for h in mine), sum(h.held_s * h.cpus for h in mine),
+            sum((h.held_s * h.memory_bytes / 2**30 for h in mine if h.memory_bytes), 0.0),
+            sum((h.held_s * h.slots for h in mine if not h.used), 0.0)))
+    return out
+
+
+def _int(value: object) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

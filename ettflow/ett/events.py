@@ -85,6 +85,7 @@ PHASE_COMPONENT: dict[str, str | None] = {
     "checkpoint_save_background": None,
     "memory_save_background": None,  # the in-memory copy handed to the keeper, overlapping training
     "spare_start": None,  # a new spare starting in the background, off the critical path
+    "flow_prestart": None,  # the run's flow process, started by the worker ahead of its scheduled time (held for it)
     "publish_standalone": None,  # on CPU after the devices were released
     SUBMITTED: None,
     FAILURE: None,
@@ -96,7 +97,7 @@ PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
 MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, FAULT_INJECTED})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
-                                       "spare_start"})
+                                       "spare_start", "flow_prestart"})
 
 # Phases whose owner is not their component's owner (derived phases included).
 PHASE_OWNERS: dict[str, str] = {
@@ -112,6 +113,7 @@ PHASE_OWNERS: dict[str, str] = {
     "memory_save_background": "storage",
     "process_group_rebuild": "scheduler",
     "spare_start": "scheduler",
+    "flow_prestart": "scheduler",
     "anchor_checkpoint": "storage",
     "publish": "publishing",
     "publish_standalone": "publishing",

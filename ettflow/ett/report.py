@@ -24,6 +24,7 @@ from .events import L2_ORDER, component_of, owner_of
 from .interval_plan import TAG
 
 if TYPE_CHECKING:
+    from .capacity import HeldByKind
     from .lineage import LineageRecord
 
 SKIPPED = "skipped"  # the status of a run that trained nothing (ett.lineage.Outcome.SKIPPED)
@@ -118,6 +119,23 @@ def model_summary(runs: pd.DataFrame) -> pd.DataFrame:
         failures=("nof", "sum"),
     )
     return out.round(1).reset_index()
+
+
+def held_table(rows: Sequence[HeldByKind]) -> pd.DataFrame:
+    """The held-capacity ledger per model (`ett.capacity.held_by_model`): what pooled workers,
+    spares, keepers and prefetched flow processes held outside the runs' own slots, the part
+    no run used (unused spares, workers the pool released unclaimed: cost), and per resource."""
+    return pd.DataFrame([{"model": r.model, "holdings": r.holdings, "held_s": round(r.held_s, 1),
+                          "slot_s": round(r.slot_s, 1), "unused_slot_s": round(r.unused_slot_s, 1),
+                          "gpu_s": round(r.gpu_s, 1), "cpu_s": round(r.cpu_s, 1), "GiB_s": round(r.gib_s, 1)}
+                         for r in rows],
+                        columns=["model", "holdings", "held_s", "slot_s", "unused_slot_s", "gpu_s", "cpu_s", "GiB_s"])
+
+
+HELD_NOTE = ("Held capacity: pooled workers and spares (one trainer slot each; a GPU where their bundle has one), "
+             "keepers and flow processes a worker started ahead of their scheduled time (no slot), from request to "
+             "release. unused_slot_s is cost: spares that never replaced a rank, workers the pool released "
+             "unclaimed. Each run's capETT% counts what was held for it; this ledger also what was held for nobody.")
 
 
 def component_table(components: pd.DataFrame, wall_s: float, *, phases: bool = True) -> pd.DataFrame:

@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, Table, bindparam, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .capacity import Holding
 from .events import L2_ORDER, PhaseEvent
 from .redact import redact_url
 from .run_metrics import RunMetrics
 from .warehouse_db import WRITE, WarehouseError, default_url, open_engine
-from .warehouse_models import CHILD_TABLES, Base, Event, Run, RunComponent
+from .warehouse_models import CHILD_TABLES, Base, Event, HeldCapacityRow, Run, RunComponent
 from .warehouse_rows import RunInfo, rows_for_run
 
 if TYPE_CHECKING:
@@ -143,6 +144,27 @@ class Warehouse:
             set_={c.name: insert.excluded[c.name] for c in table.columns if not c.primary_key},
         )
         conn.execute(stmt, rows)  # executemany (batched VALUES on PostgreSQL)
+
+    # -- the held-capacity ledger (`ett.capacity.Holding`) ---------------------------------
+
+    def record_holdings(self, holdings: Sequence[Holding]) -> int:
+        """Write ledger lines (upsert by holding id: writing a line twice is harmless); how many."""
+        if not holdings:
+            return 0
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE: True})
+            with conn.begin():
+                self._upsert(conn, HeldCapacityRow.__table__, [h.row() for h in holdings])
+        return len(holdings)
+
+    def holdings(self, model: str | None = None) -> list[Holding]:
+        """The ledger (one model's, or all), by request time."""
+        t: Table = HeldCapacityRow.__table__
+        stmt = select(t).order_by(t.c.requested_at, t.c.holding_id)
+        if model is not None:
+            stmt = stmt.where(t.c.model == model)
+        with self.engine.connect() as conn:
+            return [Holding(**{k: v for k, v in r.items() if k != "held_s"}) for r in conn.execute(stmt).mappings()]
 
     # -- lineage (`ett.lineage`) -----------------------------------------------------------
 

@@ -152,8 +152,30 @@ class Checkpoint(Base):
     size_bytes: Mapped[int | None] = mapped_column("bytes", BigInteger)
 
 
+class HeldCapacityRow(Base):
+    """The held-capacity ledger (`ett.capacity.Holding`): one row per pooled worker, spare,
+    keeper or prefetched flow process held outside a run's own slots. `run_id` is the run it
+    was for, NULL for what the pool released unclaimed (no foreign key: those have no run)."""
+
+    __tablename__ = "held_capacity"
+
+    holding_id: Mapped[str] = mapped_column(primary_key=True)
+    run_id: Mapped[str | None] = mapped_column(index=True)
+    model: Mapped[str] = mapped_column(index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    used: Mapped[bool]
+    requested_at: Mapped[float]
+    released_at: Mapped[float]
+    held_s: Mapped[float]
+    reason: Mapped[str] = mapped_column(String(32))
+    slots: Mapped[float]
+    gpus: Mapped[float]
+    cpus: Mapped[float]
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
 # Child tables in the order an archive writes them (after `runs`).
-CHILD_TABLES = (Attempt, RunComponent, Event, Failure, Checkpoint)
+CHILD_TABLES = (Attempt, RunComponent, Event, Failure, Checkpoint, HeldCapacityRow)
 
 
 class RefreshLineage(Base):

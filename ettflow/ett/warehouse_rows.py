@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from .capacity import holdings_of_run
 from .events import (
     COMPONENTS,
     UNATTRIBUTED,
@@ -21,7 +22,7 @@ from .events import (
     owner_of,
 )
 from .run_metrics import RunMetrics
-from .warehouse_models import Attempt, Checkpoint, Event, Failure, Run, RunComponent
+from .warehouse_models import Attempt, Checkpoint, Event, Failure, HeldCapacityRow, Run, RunComponent
 
 CHECKPOINT_KINDS = {
     "checkpoint_save_blocking": "blocking",
@@ -161,5 +162,8 @@ def rows_for_run(
         ],
         Checkpoint.__tablename__: [
             checkpoint_row(ev) for ev in events if ev.phase in CHECKPOINT_KINDS
+        ],
+        HeldCapacityRow.__tablename__: [
+            h.row() for h in holdings_of_run(run_id, info.model, events, metrics.wall_start, metrics.wall_end)
         ],
     }

@@ -3,7 +3,8 @@
     read the warehouse (runs with their deployment)
     -> one artifact per deployment (`ett-fleet-<deployment>`) and one for the fleet (`ett-fleet`):
        ETT% per run over time, components per owner as stacked shares, the worst runs linked to
-       their flow runs, the regressions naming component and owner (`ett.fleet`)
+       their flow runs, the regressions naming component and owner (`ett.fleet`), and the
+       held-capacity ledger per model (what pooled workers and spares held, used or not)
     -> one `ettflow.component.regressed` event per regression (the regression automation)
 
 `ettflow report --fleet` prints the same view in the terminal.
@@ -15,7 +16,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ettflow.ett.fleet import RegressionRule, regressions
-from ettflow.tasks.fleet_report import emit_regressions, publish_fleet_artifacts, read_fleet
+from ettflow.tasks.fleet_report import emit_regressions, publish_fleet_artifacts, read_fleet, read_held
 from ettflow.tasks.warehouse_url import resolve_warehouse_url
 
 
@@ -25,9 +26,15 @@ def read_fleet_task(warehouse: dict, last: int | None):
     return read_fleet(resolve_warehouse_url(warehouse), last=last)
 
 
+@task(name="read-held-capacity", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def read_held_task(warehouse: dict):
+    """The held-capacity ledger per model (pooled workers, spares, what the pool released unclaimed)."""
+    return read_held(resolve_warehouse_url(warehouse))
+
+
 @task(name="publish-fleet-artifacts", cache_policy=NO_CACHE)
-def publish_task(runs, rule: RegressionRule) -> dict:
-    return publish_fleet_artifacts(runs, rule)
+def publish_task(runs, rule: RegressionRule, held=None) -> dict:
+    return publish_fleet_artifacts(runs, rule, held)
 
 
 @task(name="emit-regressions", cache_policy=NO_CACHE)
@@ -66,8 +73,9 @@ def ett_fleet_report(
     from prefect.runtime import flow_run
 
     rule = RegressionRule(recent=recent, min_history=min_history, k=k, min_increase_s=min_increase_s)
-    runs = read_fleet_task({"warehouse_url": warehouse_url, "warehouse_secret": warehouse_secret}, last)
-    made = publish_task(runs, rule)
+    warehouse = {"warehouse_url": warehouse_url, "warehouse_secret": warehouse_secret}
+    runs = read_fleet_task(warehouse, last)
+    made = publish_task(runs, rule, read_held_task(warehouse))
     found = emit_task(runs, rule, flow_run.id)
     get_run_logger().info("fleet report: %d runs over %d deployments, %d artifacts, %d regressions", len(runs),
                           runs["deployment"].nunique() if len(runs) else 0, len(made), found)

@@ -21,8 +21,11 @@ from the claim to its final state. Every parameter is described in the deploymen
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Literal
 
+import psutil
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed, State
@@ -52,9 +55,20 @@ def _plan(params: RefreshParams) -> RefreshPlan:
     from prefect.runtime import deployment
 
     expected = getattr(fr, "expected_start_time", None) if fr is not None else None
-    return plan_refresh(params, run_id=str(fr.id) if fr is not None else "local",
-                        submitted_at=expected.timestamp() if expected is not None else None,
+    # the server lets a run start up to half a second before its time (it rounds the wait):
+    # its clock starts when it really did
+    submitted = min(expected.timestamp(), time.time()) if expected is not None else None
+    return plan_refresh(params, run_id=str(fr.id) if fr is not None else "local", submitted_at=submitted,
+                        prestarted_at=_process_started_for(fr),
                         artifact_slug=deployment.name or (ctx.flow.name if ctx is not None else "refresh-model"))
+
+
+def _process_started_for(flow_run: Any) -> float | None:
+    """When this process started, if a worker started it for this very run (its
+    PREFECT__FLOW_RUN_ID); None in a process that runs flows of its own (`ettflow refresh`)."""
+    if flow_run is None or os.environ.get("PREFECT__FLOW_RUN_ID") != str(flow_run.id):
+        return None
+    return psutil.Process().create_time()
 
 
 def _finish(plan: RefreshPlan, state: FinalState, outcome: Outcome, *, reason: str | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from .config import StackConfig, StackError, config_from
@@ -53,6 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         cfg = config_from(args)
         if args.refreshes < 0:
             raise StackError(f"--refreshes must be 0 or more, got {args.refreshes}")
+        if args.every < 0:
+            raise StackError(f"--every must be 0 or more seconds, got {args.every}")
         if args.refreshes and not 1 <= args.fail_on <= args.refreshes:
             raise StackError(f"--fail-on must name one of the {args.refreshes} run(s), got {args.fail_on}")
         params = [refresh_parameters(args, i) for i in range(args.refreshes)]
@@ -94,8 +97,10 @@ def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[dict[str
             ready, waited = wait_for_pool(cfg, timeout_s=240.0)
             print(f"  the cluster's warm pool holds {ready} prewarmed trainer process(es) for it (waited "
                   f"{waited:.1f} s between refreshes; `ettflow pool status` lists them)", flush=True)
+        scheduled_at = time.time() + args.every if i > 0 and args.every > 0 else None
         run = run_and_wait(cfg.api_url, cfg.ui_url, args.deployment, these, timeout_s=args.run_timeout_s,
-                           say=lambda line: print(line, flush=True), log_hint=f"{cfg.log_dir / 'worker.log'} or the UI")
+                           say=lambda line: print(line, flush=True), log_hint=f"{cfg.log_dir / 'worker.log'} or the UI",
+                           scheduled_at=scheduled_at)
         print(f"  {run.state}: {run.message}", flush=True)
         runs.append(run)
     print_comparison([r.run_id for r in runs], params[0])
@@ -152,6 +157,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--no-failure", action="store_true", help="no induced failure")
     up.add_argument("--fail-on", type=int, default=1, metavar="N",
                     help="the run (1-based) that gets the induced failure (default 1)")
+    up.add_argument("--every", type=float, default=20.0, metavar="S",
+                    help="each run after the first is scheduled S seconds after the previous one finished, as a "
+                         "deployment's schedule creates its runs: the worker starts its process ahead (prefetch), "
+                         "so its clock starts on a ready process (default 20; 0: due at once, ad hoc, each run "
+                         "paying its process's start)")
     up.add_argument("--run-timeout-s", type=float, default=1800.0, help="how long to wait for each run")
     up.add_argument("--verbose", action="store_true", help="the worker's flow runs show every library's output")
     up.set_defaults(func=cmd_up)

@@ -37,10 +37,12 @@ class DeployedRun:
 
 def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Mapping[str, Any], *,
                  timeout_s: float, say: Callable[[str], None] = print, poll_s: float = 2.0,
-                 log_hint: str = "the worker's log") -> DeployedRun:
+                 log_hint: str = "the worker's log", scheduled_at: float | None = None) -> DeployedRun:
     """Create a run of `deployment` ("flow/deployment") with `parameters`, follow its state
-    until it is final, and return it. A run still going after `timeout_s` is an error (it
-    keeps running on the worker)."""
+    until it is final, and return it. `scheduled_at` (epoch s): the run is scheduled for then,
+    as a deployment's schedule creates its runs (the worker starts its process ahead of it:
+    prefetch); None: it is due now (ad hoc). A run still going after `timeout_s` is an error
+    (it keeps running on the worker)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -50,9 +52,17 @@ def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Mapping
         except ObjectNotFound:
             raise StackError(f"no deployment {deployment!r} on {api_url}: `ettflow up` applies prefect.yaml's "
                              "deployments") from None
-        flow_run = client.create_flow_run_from_deployment(dep.id, parameters=dict(parameters))
+        state = None
+        if scheduled_at is not None:
+            from datetime import datetime, timezone
+
+            from prefect.states import Scheduled
+
+            state = Scheduled(scheduled_time=datetime.fromtimestamp(scheduled_at, tz=timezone.utc))
+        flow_run = client.create_flow_run_from_deployment(dep.id, parameters=dict(parameters), state=state)
         run_id, url = str(flow_run.id), f"{ui_url}/runs/flow-run/{flow_run.id}"
-        say(f"  deployment run {flow_run.name} created: {url}")
+        say(f"  deployment run {flow_run.name} created" + (
+            f", scheduled {scheduled_at - time.time():.0f} s ahead" if scheduled_at is not None else "") + f": {url}")
         t0 = last_change = time.monotonic()
         seen = None
         while True:
@@ -69,7 +79,7 @@ def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Mapping
             if kind in FINAL:
                 return DeployedRun(run_id, flow_run.name, kind, (state.message or "") if state else "", url,
                                    time.monotonic() - t0)
-            if time.monotonic() - t0 > timeout_s:
+            if time.monotonic() - t0 > timeout_s + max(0.0, (scheduled_at or 0.0) - time.time()):
                 raise StackError(f"deployment run {run_id} is still {name} after {timeout_s:.0f} s (it goes on on the "
                                  f"worker): {url}")
             time.sleep(poll_s)

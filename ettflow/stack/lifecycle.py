@@ -70,6 +70,9 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
         say(f"ettflow down: no stack recorded under {cfg.stack_dir}: nothing to stop")
         return Stopped((), 0)
     stopped = []
+    head = record.service("ray-head")
+    if head is not None and head.started and head.process() is not None:
+        _stop_pool(cfg, say)
     for name in ("worker", "ray-head", "prefect-server"):
         svc = record.service(name)
         proc = svc.process() if svc is not None else None
@@ -93,6 +96,28 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
     say("ettflow down: the stack is stopped" + (f" (left running, not started by `ettflow up`: {', '.join(kept)})"
                                                   if kept else ""))
     return Stopped(tuple(stopped), len(left))
+
+
+def _stop_pool(cfg: StackConfig, say: Say) -> None:
+    """The head's pool ends with it: first what it held unclaimed goes to the warehouse's
+    ledger (`ettflow pool stop`). A failure is said, and the head is stopped anyway."""
+    from dataclasses import replace
+
+    from .pool import join_cluster, stop_pool
+
+    try:
+        join_cluster(replace(cfg, ray_address=None))  # the head this stack started, not RAY_ADDRESS's
+        import ray
+
+        from ettflow.trainer.group.pool_service import service
+
+        pool = service(create=False)
+        if pool is not None:
+            stop_pool(pool, say=lambda line: say("  " + line))
+        ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 - stopping the stack must not depend on its pool
+        say(f"  the cluster's pool was not stopped first ({type(exc).__name__}: {exc}): what it held unclaimed "
+            "since the last run is not in the ledger")
 
 
 def status(cfg: StackConfig, say: Say = print) -> bool:

@@ -2,8 +2,10 @@
 
 Both join the cluster flow runs join: `RAY_ADDRESS` when set, else the Ray head of `ettflow up`
 (with the stack's token). `status` lists what the pool holds (workers by model and shape,
-prewarming or ready, since when; keepers); `stop` stops all of it and the pool itself (the
-next run that joins starts a new, empty one).
+prewarming or ready, since when; keepers; ledger lines not yet in the warehouse); `stop`
+stops all of it and the pool itself (the next run that joins starts a new, empty one), after
+writing what it held unclaimed to the warehouse's held-capacity ledger
+(`ETTFLOW_WAREHOUSE_URL`, else the per-user SQLite file, as the worker's runs use).
 """
 
 from __future__ import annotations
@@ -74,17 +76,45 @@ def cmd_pool(args: argparse.Namespace) -> int:
               "a run that joins it starts one")
         return 0
     if args.action == "stop":
-        stopped = ray.get(pool.stop.remote())
-        ray.kill(pool, no_restart=True)
-        print(f"ettflow pool: stopped {stopped} pooled actor(s) and the pool itself")
-        return 0
+        return stop_pool(pool, say=print)
     held = ray.get(pool.status.remote())
+    pending = ray.get(pool.drain.remote())
     now = time.time()
-    print(f"ettflow pool {NAMESPACE}/{NAME} on {address}: {len(held)} held")
+    print(f"ettflow pool {NAMESPACE}/{NAME} on {address}: {len(held)} held; {len(pending)} released unclaimed "
+          f"({sum(h.held_s for h in pending):.0f} s held) not yet in the warehouse's ledger")
     for h in held:
         since = f"ready for {now - h.ready_at:.0f} s" if h.ready_at else f"requested {now - h.requested_at:.0f} s ago"
+        if h.kind == "planned":  # nothing held yet: prewarmed ahead of the model's next scheduled run
+            since = f"in {max(h.requested_at - now, 0):.0f} s (before its next scheduled run)"
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"
               + (f" on node {h.node[:12]}" if h.node else ""))
+    return 0
+
+
+def stop_pool(pool, say) -> int:
+    """Stop what the pool holds, record it in the warehouse's ledger, stop the pool. A ledger
+    that cannot be written keeps the pool (and its lines) alive: exit 1, saying why."""
+    import ray
+
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.ett.warehouse_db import WarehouseError
+    from ettflow.trainer.group.pool_service import drain_ledger
+
+    stopped = ray.get(pool.stop.remote())
+
+    def write(lines):
+        with Warehouse.open(None) as wh:
+            wh.record_holdings(lines)
+
+    try:
+        moved = drain_ledger(pool, write)
+    except WarehouseError as exc:
+        say(f"ettflow pool: stopped {stopped} pooled actor(s), but their held capacity could not be recorded "
+            f"({exc}); the pool keeps the ledger: fix the warehouse and run `ettflow pool stop` again")
+        return 1
+    ray.kill(pool, no_restart=True)
+    say(f"ettflow pool: stopped {stopped} pooled actor(s) and the pool itself; {moved} ledger line(s) of what it "
+        "held unclaimed recorded in the warehouse")
     return 0
 
 

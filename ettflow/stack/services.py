@@ -26,6 +26,11 @@ from .records import STACK_ENV, Service, StackRecord
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 RAY = str(Path(sys.executable).with_name("ray"))
 WORKER_POLL_S = 2  # how often the worker asks for flow runs (Prefect's default 10 s is on every run's TTS)
+# how far ahead of a scheduled run's time the worker starts its process: the process imports
+# and connects, then waits for its time (the server's WaitForScheduledTime rule), so a
+# scheduled refresh's clock starts on a ready process. That process is held for the run
+# before its submission: it is recorded (`flow_prestart`) and counted beside the run's ETT.
+WORKER_PREFETCH_S = 30
 
 
 def port_free(host: str, port: int) -> bool:
@@ -247,7 +252,7 @@ def worker(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Servi
     env = service_env(cfg, stack_id, PREFECT_FLOWS_HEARTBEAT_FREQUENCY=str(cfg.heartbeat_s),
                       PREFECT_WORKER_QUERY_SECONDS=str(WORKER_POLL_S))
     proc, log = start_process(cfg, "worker", [PREFECT, "worker", "start", "--pool", cfg.pool, "--type", "process",
-                                              "--name", name], env)
+                                              "--name", name, "--prefetch-seconds", str(WORKER_PREFETCH_S)], env)
     wait_until(lambda: _worker_online(cfg, name), proc, log, "the Prefect worker", cfg.start_timeout_s)
     return Service.of_process("worker", cfg.pool, proc, log=str(log),
                               detail=f"{name}, heartbeats every {cfg.heartbeat_s} s")

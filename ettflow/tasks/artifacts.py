@@ -45,6 +45,12 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
          "exposed": round(m.capacity_ett_pct, 2), "raw": round(m.held.held_s, 3), "pct_of_wall": None, "owner": "-"},
         {"level": "L1", "metric": "unused spares, slot-s (cost)", "exposed": round(m.held.unused_spare_s, 3),
          "raw": None, "pct_of_wall": None, "owner": "scheduler"},
+    ]
+    if m.held.prestart_s > 0:
+        rows.append({"level": "L1", "metric": "flow process held before its scheduled start, s (worker prefetch; "
+                     "no trainer slot)", "exposed": round(m.held.prestart_s, 3), "raw": None, "pct_of_wall": None,
+                     "owner": "scheduler"})
+    rows += [
         {"level": "L1", "metric": "wall s", "exposed": round(m.wall_s, 3), "raw": None, "pct_of_wall": 100.0,
          "owner": "-"},
         {"level": "L1", "metric": "TTS s", "exposed": round(m.tts_s, 3), "raw": None,

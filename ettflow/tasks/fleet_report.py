@@ -222,9 +222,29 @@ def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.Regress
     ])
 
 
-def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 10) -> str:
+def held_markdown(held: pd.DataFrame | None) -> str:
+    """The held-capacity ledger per model (`ett.report.held_table`), or a line saying none."""
+    if held is None or held.empty:
+        return "No capacity was held outside the runs' own slots (no pooled worker, spare or prefetched process)."
+    from ettflow.ett.report import HELD_NOTE
+
+    return "\n".join([md_table(held), "", HELD_NOTE])
+
+
+def read_held(warehouse_url: str | None) -> pd.DataFrame:
+    """The warehouse's held-capacity ledger summed per model (`ett.capacity.held_by_model`)."""
+    from ettflow.ett.capacity import held_by_model
+    from ettflow.ett.report import held_table
+
+    with Warehouse.open(warehouse_url) as wh:
+        return held_table(held_by_model(wh.holdings()))
+
+
+def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 10,
+                   held: pd.DataFrame | None = None) -> str:
     """The fleet's view: every deployment's summary and ETT over time, the components per
-    owner over all runs, the worst runs and every regression."""
+    owner over all runs, the worst runs, every regression, and what the pool and spares held
+    (the ledger, with what no run used)."""
     return "\n".join([
         "# ETT of the fleet", "", md_table(fleet.deployment_summary(runs)), "",
         "## ETT% per run over time", "", _image(ett_over_time_png(runs, "ETT% per run, by deployment"),
@@ -234,13 +254,15 @@ def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 
                "components of the fleet"),
         "", md_table(fleet.component_shares(runs)), "",
         f"## Worst {worst} runs", "", _worst_md(runs, worst), "",
-        "## Regressions", "", _regressions_md(fleet.regressions(runs, rule), rule), "", _waste_md(runs),
+        "## Regressions", "", _regressions_md(fleet.regressions(runs, rule), rule), "", _waste_md(runs), "",
+        "## Held capacity (the pool's and spares' ledger, per model)", "", held_markdown(held),
     ])
 
 
 # -- publishing ----------------------------------------------------------------------------
 
-def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule) -> dict[str, UUID]:
+def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule,
+                            held: pd.DataFrame | None = None) -> dict[str, UUID]:
     """Create the fleet artifact and one per deployment on the current flow run; key -> id."""
     from prefect.artifacts import create_markdown_artifact
 
@@ -248,7 +270,7 @@ def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule) -> d
     made: dict[str, UUID] = {}
     mean = f"mean ETT {done['ett_pct'].mean():.1f}%" if len(done) else "no trained run"
     made[FLEET_KEY] = create_markdown_artifact(
-        key=FLEET_KEY, markdown=fleet_markdown(runs, rule),
+        key=FLEET_KEY, markdown=fleet_markdown(runs, rule, held=held),
         description=f"Fleet: {runs['deployment'].nunique()} deployments, {len(done)} runs, {mean}")
     for deployment, group in runs.groupby("deployment", sort=True):
         trained = fleet.trained(group)

@@ -121,6 +121,9 @@ class RefreshPlan:
     warehouse_secret: str | None  # the Prefect Secret block holding the URL, if any
     submitted_at: float | None
     artifact_slug: str
+    # when the run's process started, where that was before `submitted_at` (a worker's
+    # prefetch of a scheduled run): held for the run, off its clock (`flow_prestart`)
+    prestarted_at: float | None = None
     tags: Mapping[str, Any] = field(default_factory=dict)
     # lineage (`with_lineage`): the windows chosen, the parent refresh (None: cold start)
     known_windows: tuple[str, ...] = ()
@@ -301,7 +304,7 @@ def with_interval(plan: RefreshPlan, estimate: HistoryEstimate | None) -> Refres
 
 
 def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,
-                 artifact_slug: str = "refresh-model") -> RefreshPlan:
+                 artifact_slug: str = "refresh-model", prestarted_at: float | None = None) -> RefreshPlan:
     """Check every parameter and build the plan; `params` are the flow's parameters."""
     from ettflow.trainer.data.windows import list_windows
 
@@ -360,7 +363,8 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
         snapshot_root=Path(p.get("snapshot_root") or home / "snapshots" / model),
         spool_root=Path(p["spool_root"]) if p.get("spool_root") else paths.spool_root(),
         warehouse_url=p["warehouse_url"], warehouse_secret=p["warehouse_secret"], submitted_at=submitted_at,
-        artifact_slug=slug(artifact_slug),
+        prestarted_at=prestarted_at if submitted_at is not None and prestarted_at is not None
+        and prestarted_at < submitted_at else None, artifact_slug=slug(artifact_slug),
         tags=dict(tags), known_windows=tuple(known), explicit_windows=windows, explicit_eval_windows=eval_windows,
         max_windows=_int("max_windows", p.get("max_windows", 4), 1),
         bootstrap_windows=_int("bootstrap_windows", p.get("bootstrap_windows"), 1, optional=True),

@@ -10,6 +10,7 @@ and never as `failure` markers: NoF and TTR are about training (see the flows RE
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -108,6 +109,13 @@ def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
         out["snapshot"] = ok[-1].attrs.get("snapshot")
         out["publish_phase"] = ok[-1].phase
     return out
+
+
+def record_prestart(root: Path | str, run_id: str, attempt: int, started_at: float, submitted_at: float) -> None:
+    """The run's process, started ahead of its submission (a worker's prefetch of a scheduled
+    run), held for it until then: off the clock, counted as held capacity (`ett.capacity`)."""
+    with SpoolWriter(root, run_id, attempt, -1) as rec:
+        rec.record("flow_prestart", started_at, submitted_at, pid=os.getpid())
 
 
 def record_interval(root: Path | str, run_id: str, attempt: int, planned: PlannedInterval, at: float) -> None:

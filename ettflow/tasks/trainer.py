@@ -161,6 +161,8 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease = lease or new_lease(plan, first)
     evs = run_spool.events(plan.spool_root, plan.run_id)
     submitted_at = plan.submitted_at if first == 0 and not run_spool.submitted(evs) else None
+    if submitted_at is not None and plan.prestarted_at is not None:
+        run_spool.record_prestart(plan.spool_root, plan.run_id, first, plan.prestarted_at, submitted_at)
     if plan.interval is not None:  # stored with the run: its warehouse tag and the ETT artifact show it
         run_spool.record_interval(plan.spool_root, plan.run_id, first, plan.interval, time.time())
     policy = failure_policy(plan)
@@ -215,6 +217,39 @@ def release_trainer(plan: RefreshPlan, lease: TrainerLease | None) -> float:
     is recorded as shutdown. Idempotent; nothing to do when nothing was reserved."""
     if lease is None:
         return 0.0
+    from ettflow.trainer.group.warm_pool import POOL
+
+    from .schedule import next_scheduled_run
+
+    POOL.next_run_at = next_scheduled_run(plan.run_id)  # the pool prewarms ahead of it (pool_service.py)
     held = lease.release()
     get_run_logger().info("trainer released (devices held %.2f s after training)", held)
+    record_pool_ledger(plan)
     return held
+
+
+def record_pool_ledger(plan: RefreshPlan) -> int:
+    """What the cluster's pool released unclaimed since the last run (idle, reshaped, failed)
+    into the run's warehouse ledger; a failure is logged and the lines wait in the pool."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.tasks.warehouse_url import resolve_warehouse_url
+    from ettflow.trainer.group.pool_service import drain_ledger, service
+
+    def write(lines):
+        with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+            wh.record_holdings(lines)
+
+    try:
+        pool = service(create=False)
+        moved = drain_ledger(pool, write) if pool is not None else 0
+    except Exception as exc:  # noqa: BLE001 - the ledger waits in the pool; the run is not affected
+        get_run_logger().warning("the cluster pool's ledger was not recorded (%s: %s); it waits for the next run "
+                                 "or `ettflow pool stop`", type(exc).__name__, exc)
+        return 0
+    if moved:
+        get_run_logger().info("held capacity: %d line(s) the cluster pool released unclaimed, recorded", moved)
+    return moved

@@ -169,6 +169,7 @@ class WorkerInfo:
     node_id: str
     created_at: float
     ready_at: float
+    rss_bytes: int | None = None  # the process's resident memory when it answered
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,5 +85,6 @@ def test_measured_event_and_automations_fire(measured_runs):
     assert "**pt2_compile** of `nightly` (owner: **compiler**)" in fleet_md
     assert f"/runs/flow-run/{run_id})" in fleet_md  # the worst run links to its flow run
     assert fleet_md.count("data:image/png;base64,") == 2
+    assert "## Held capacity" in fleet_md and "No capacity was held outside the runs' own slots" in fleet_md
     assert receiver.bodies.count(regression) == 1 and not any(
         b["automation"] == "ettflow: ETT below 60% on refresh-scheduled" for b in receiver.bodies)

@@ -15,8 +15,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 
 import httpx
 import psutil
@@ -27,41 +25,28 @@ from ettflow.stack.records import StackRecord, stack_processes
 from ettflow.tasks import run_spool
 
 from helpers.flows import BATCH, MODEL, TINY
-from helpers.prefect_cli import REPO
+from helpers.stack import ettflow, free_ports, port_flags, stack_env
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _ettflow(env: dict, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ettflow", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, compile_cache):
-    api_port, ray_port, client_port = _free_ports(3)
+    api_port, ray_port, client_port = free_ports(3)
     home, work = tmp_path / "home", tmp_path / "work"
     shutil.copytree(compile_cache, work / MODEL / "compile-cache")  # the session's archive: no cold compile
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_", "ETTFLOW_"))}
-    env["ETTFLOW_HOME"] = str(home)
-    ports = ["--api-port", str(api_port), "--ray-port", str(ray_port), "--ray-client-port", str(client_port)]
+    env = stack_env(home)
+    ports = port_flags(api_port, ray_port, client_port)
     params = {"architecture": TINY, "max_embeddings": 100, "batch_size": BATCH, "max_steps": 24,
               "checkpoint_every_steps": 8, "eval_batches": 2, "work_root": str(work)}
-    argv = ["up", *ports, "--num-cpus", "4", "--refreshes", "2", "--deployment", "refresh-model/refresh-scheduled"]
+    # the second run is scheduled 8 s after the first ended, as a deployment's schedule creates it: the
+    # worker starts its process ahead (prefetch), the process waits for its time
+    argv = ["up", *ports, "--num-cpus", "4", "--refreshes", "2", "--every", "8",
+            "--deployment", "refresh-model/refresh-scheduled"]
     for key, value in params.items():
         argv += ["--param", f"{key}={json.dumps(value)}"]
     try:
-        up = _ettflow(env, *argv, timeout=1200)
+        up = ettflow(env, *argv, timeout=1200)
         out = up.stdout + up.stderr
         assert up.returncode == 0, out[-6000:]
         for service in ("prefect-server", "ray-head", "worker"):
@@ -96,25 +81,43 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         pooled = [e for e in run_spool.events(home / "spool", second)
                   if e.phase == "spare_start" and e.attrs.get("pooled") and e.attrs.get("for_rank") is not None]
         assert sorted(e.attrs["for_rank"] for e in pooled) == [0, 1], [e.attrs for e in pooled]
-        held = _ettflow(env, "pool", "status", timeout=120)
+        # its process was started ahead of its scheduled time and waited: held for it, off its clock
+        prestart = [e for e in run_spool.events(home / "spool", second) if e.phase == "flow_prestart"]
+        assert len(prestart) == 1 and prestart[0].duration > 0, prestart
+        assert runs.loc[second, "wall_start"] >= prestart[0].end
+        held = ettflow(env, "pool", "status", timeout=120)
         assert held.returncode == 0 and re.search(r"worker +model dlrm", held.stdout), held.stdout + held.stderr
         _what_the_api_shows(api, home, second, api_port)
         worker_log = (home / "stack" / "logs" / "worker.log").read_text()
         for noise in ("is_fx_tracing", "Connected to Ray cluster", "Finished in state Completed()"):
             assert noise not in worker_log, noise  # the worker's console as clean as the CLI's
 
-        again = _ettflow(env, "up", *ports, timeout=600)  # harmless: everything is found running
+        again = ettflow(env, "up", *ports, timeout=600)  # harmless: everything is found running
         assert again.returncode == 0, again.stdout + again.stderr
         for service in ("prefect-server", "ray-head", "worker"):
             assert re.search(rf"{service}\s+\S+\s+running \(pid \d+\)", again.stdout), again.stdout
-        status = _ettflow(env, "status", timeout=120)
+        status = ettflow(env, "status", timeout=120)
         assert status.returncode == 0 and "answers" in status.stdout, status.stdout + status.stderr
-        stopped = _ettflow(env, "pool", "stop", timeout=120)
+        stopped = ettflow(env, "pool", "stop", timeout=120)
         assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
         assert wait_for(lambda: not _pooled_processes(home), 30, "the pool's processes to stop")
+        # the ledger: the second run's holdings (pooled ranks, its unused spare, its prefetched
+        # process) and what the pool held for a third run that never came (stopped: pure cost)
+        with Warehouse.open(f"sqlite:///{home / 'warehouse.db'}") as wh:
+            ledger = wh.holdings(MODEL)
+        mine = sorted((h.kind, h.used) for h in ledger if h.run_id == second)
+        assert mine == [("flow_process", True), ("pooled_rank", True), ("pooled_rank", True), ("spare", False)], mine
+        unclaimed = [h for h in ledger if h.run_id is None]
+        assert {h.kind for h in unclaimed} == {"unclaimed_worker", "unclaimed_keeper"}, unclaimed
+        assert all(h.reason == "stopped" and not h.used and h.held_s > 0 for h in unclaimed), unclaimed
+        assert all(h.slots == 1.0 for h in unclaimed if h.kind == "unclaimed_worker")
+        slots_held = sum(h.held_s * h.slots for h in ledger if h.run_id == second)  # the flow process holds no slot
+        assert slots_held == pytest.approx(runs.loc[second, "held_s"])
+        report = ettflow(env, "report", "--model", MODEL, timeout=120)
+        assert report.returncode == 0 and "Held capacity, the ledger" in report.stdout, report.stdout[-3000:]
     finally:
         record = StackRecord.read(home / "stack" / "stack.json")
-        down = _ettflow(env, "down", timeout=300)
+        down = ettflow(env, "down", timeout=300)
     assert down.returncode == 0, down.stdout + down.stderr
     assert record is not None and not stack_processes(record.stack_id)
     assert not [p for p in psutil.process_iter(["cmdline"])
@@ -166,7 +169,7 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
     assert "KIND[:FIELD=VALUE]" in props["fail_at"]["description"]
     env = {**os.environ, "ETTFLOW_HOME": str(home), "PREFECT_API_URL": api,
            "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}"}
-    shown = _ettflow(env, "report", "--run", run_id, "--format", "json", timeout=120)
+    shown = ettflow(env, "report", "--run", run_id, "--format", "json", timeout=120)
     assert shown.returncode == 0, shown.stderr
     (row_shown,), _ = json.JSONDecoder().raw_decode(shown.stdout)  # the run table, then its components
     assert (row_shown["status"], row_shown["deployment"]) == ("completed", "refresh-scheduled")

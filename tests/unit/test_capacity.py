@@ -4,6 +4,9 @@ that replaced a rank (held until it was taken)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 
 from ettflow.ett.capacity import HeldCapacity, capacity_ett_pct, held_capacity
@@ -44,3 +47,86 @@ def test_capacity_ett_is_never_above_the_ett():
     assert held.slots == 1 and capacity_ett_pct(5.0, 10.0, held) == 50.0
     assert capacity_ett_pct(5.0, 10.0, HeldCapacity(2, 1.0, 2.0, 2.0)) < 50.0
     assert capacity_ett_pct(0.0, 0.0, held) == 0.0
+
+
+def test_a_prefetched_flow_process_is_held_beside_the_slots_not_in_them():
+    t = _run(spare=None)
+    t.ev("flow_prestart", 4, 10, rank=-1, pid=1)  # the worker started the run's process 6 s early
+    m = compute_run_metrics(t.events)
+    assert m.held == HeldCapacity(slots=2, pooled_s=10.0, spare_s=0.0, unused_spare_s=0.0, prestart_s=6.0)
+    assert (m.wall_s, m.tts_s) == (12.0, 2.0)  # off the clock: the run began at its submission
+
+
+def test_the_ledger_lists_each_holding_with_what_it_held_and_whether_it_was_used():
+    from ettflow.ett.capacity import FLOW_PROCESS, POOLED_RANK, SPARE, held_by_model, holdings_of_run
+
+    t = _run(spare={"pooled": False, "used": False, "released_at": 22, "gpus": 1.0, "cpus": 2.0,
+                    "rss_bytes": 2 * 2**30})
+    t.ev("flow_prestart", 4, 10, rank=-1, pid=1)
+    m = compute_run_metrics(t.events)
+    lines = {h.kind: h for h in holdings_of_run("held", "dlrm", t.events, m.wall_start, m.wall_end)}
+    assert set(lines) == {POOLED_RANK, SPARE, FLOW_PROCESS}
+    assert (lines[POOLED_RANK].held_s, lines[POOLED_RANK].used, lines[POOLED_RANK].reason) == (10.0, True, "taken")
+    spare = lines[SPARE]
+    assert (spare.held_s, spare.used, spare.gpus, spare.memory_bytes) == (10.0, False, 1.0, 2 * 2**30)
+    assert (lines[FLOW_PROCESS].held_s, lines[FLOW_PROCESS].slots, lines[FLOW_PROCESS].cpus) == (6.0, 0.0, 1.0)
+    # the ledger's slot-seconds are the run's held_s; what nobody used is the unused spare
+    [by_model] = held_by_model(list(lines.values()))
+    assert (by_model.slot_s, by_model.unused_slot_s, by_model.gpu_s, by_model.gib_s) == (20.0, 10.0, 10.0, 20.0)
+    assert by_model.slot_s == m.held.held_s and by_model.unused_slot_s == m.held.unused_spare_s
+
+
+def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_acknowledged():
+    from ettflow.ett.capacity import UNCLAIMED_WORKER
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
+    from ettflow.trainer.group.pooled_worker import PooledWorker
+    from ettflow.trainer.protocol import PrewarmTimings
+
+    pool = PoolService(PoolPolicy(idle_s=50.0, reap_every_s=3600.0))
+    ready = PrewarmTimings(build_s=1.0, compile_s=1.0, cache_hit=True, footers_s=0.0, ready_at=10.0)
+    pool.entries = [PooledWorker(None, None, 2.0, "k", "dlrm", timings=ready, cpus=1.0, rss_bytes=100),
+                    PooledWorker(None, None, 40.0, "k", "dlrm", timings=replace(ready, ready_at=45.0))]
+    assert pool.reap(now=70.0) == 1  # idle since 10 (ready), 60 s > 50: released; the other kept
+    [line] = pool.drain()
+    assert (line.kind, line.run_id, line.used, line.reason) == (UNCLAIMED_WORKER, None, False, "idle")
+    assert (line.requested_at, line.released_at, line.held_s, line.memory_bytes) == (2.0, 70.0, 68.0, 100)
+    assert pool.drain() == [line]  # not acknowledged: still there for the next writer
+    assert pool.ack([line.holding_id]) == 1 and pool.drain() == []
+    assert pool.stop() == 1 and [h.reason for h in pool.drain()] == ["stopped"]
+
+
+
+def test_the_pool_prewarms_again_ahead_of_the_deployments_next_scheduled_run(tmp_path):
+    """After a release the pool fills at once; the reaper releases what stays idle; `lead_s`
+    before the deployment's next scheduled run it fills again (a fake start: no Ray)."""
+    from types import SimpleNamespace
+
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
+    from ettflow.trainer.group.pooled_worker import PooledWorker, model_name, warm_key
+    from ettflow.trainer.protocol import PrewarmTimings
+
+    def start(config, run_id, spool_root):
+        worker = PooledWorker(SimpleNamespace(prewarm=SimpleNamespace(remote=lambda: None)), None, clock[0],
+                              warm_key(config), model_name(config))
+        worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0, ready_at=clock[0])
+        return worker
+
+    t0 = time.time()  # the pool's reaper thread runs on the real clock: the plan lies hours ahead of it
+    clock = [t0]
+    cfg = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
+                        compile_cache_root=str(tmp_path / "dlrm" / "compile-cache")).with_switches(
+                            memory_checkpoint=False)
+    pool = PoolService(PoolPolicy(idle_s=600.0, lead_s=300.0, reap_every_s=3600.0), start=start)
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 + 6 * 3600, now=t0) == 3  # at once
+    [planned] = [h for h in pool.status() if h.kind == "planned"]
+    assert (planned.model, planned.requested_at) == ("dlrm", t0 + 6 * 3600 - 300)
+    assert pool.start_planned(now=t0 + 1000) == 0 and pool.reap(now=t0 + 1000) == 3  # idle 1000 s > 600: released
+    assert [h.reason for h in pool.drain()] == ["idle"] * 3 and pool.entries == []
+    clock[0] = t0 + 6 * 3600 - 300
+    assert pool.start_planned(now=clock[0]) == 3 and len(pool.entries) == 3  # warm for the run, 300 s ahead
+    assert pool.planned == {}
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=clock[0] + 100, now=clock[0]) == 0  # within lead_s: no plan
+    assert pool.planned == {}
+    pool.stop()

@@ -175,6 +175,18 @@ def test_report_fleet_over_a_warehouse(tmp_path, capsys, monkeypatch):
     worst = lines[lines.index("Worst 5 runs by ETT%:") + 2]
     assert worst.split()[:2] == ["nightly-7", "nightly"] and "pt2_compile" in worst
     assert sum("hourly" in line and "pt2_compile" in line for line in lines) == 0  # hourly did not regress
+    assert "Held capacity" not in out  # nothing was held outside the runs' slots
+    # what a cluster pool held for a next run that never came: in the fleet view, as cost
+    from ettflow.ett.capacity import UNCLAIMED_WORKER, Holding
+    from ettflow.ett.warehouse import Warehouse
+
+    with Warehouse.open(url) as wh:
+        wh.record_holdings([Holding(holding_id="h1", model="nightly", kind=UNCLAIMED_WORKER, run_id=None, used=False,
+                                    requested_at=100.0, released_at=1900.0, reason="idle", gpus=1.0)])
+    assert main(["report", "--fleet", "--url", url]) == 0
+    out = capsys.readouterr().out
+    held = [line.split() for line in out.splitlines() if line.strip().startswith("nightly ")][-1]
+    assert held == ["nightly", "1", "1800.0", "1800.0", "1800.0", "1800.0", "0.0", "0.0"], out[-1500:]
 
 
 # -- realized waste far above the checkpoint plan (issue 14) ----------------------------------

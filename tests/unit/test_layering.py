@@ -192,3 +192,4 @@ def test_imports_the_right_way_pass(tmp_path):
     (root / "tasks" / "x_layering_probe.py").write_text("from ..trainer import config\nfrom ettflow import ett\n")
     (root / "flows" / "x_layering_probe.py").write_text("from ettflow.tasks import plan\n")
     assert violations(root) == []
+

@@ -11,9 +11,19 @@ keepers (their owner is the service, so they outlive the run that asked for them
 
 Its policy (`PoolPolicy`): at most `max_workers` per model (a fill for another shape of the
 same model stops the old ones), and a worker nobody took within `idle_s` is released (a
-reaper thread checks every `reap_every_s`). What the pool holds, and since when, is what
-`status()` lists; a run records what it took in its spool (`spare_start`, `pooled`, with the
+reaper thread checks every `reap_every_s`). A run's release fills the pool for the model's
+next run at once, and when Prefect has the deployment's next run scheduled (the flow reads it,
+`tasks/schedule.py`), the pool prewarms again `lead_s` before it: a refresh every 6 hours gets
+warm workers without holding them idle for 6 hours. What the pool holds, and since when, and
+what it plans, is what `status()` lists; a run records what it took in its spool (`spare_start`, `pooled`, with the
 time it was taken), off its clock.
+
+What the pool releases that no run took (idle, another shape's fill, a failed prewarm,
+`stop`) is held capacity too, for nobody: the pool keeps a ledger line (`ett.capacity.Holding`,
+`run_id` None) for each until someone writes them to the warehouse and acknowledges them
+(`drain`/`ack`: the next run's release, `ettflow pool stop`). Unacknowledged lines live in the
+actor: a cluster that dies loses those not drained yet (at most what one inter-run gap
+released).
 """
 
 from __future__ import annotations
@@ -23,9 +33,12 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from ettflow.ett.capacity import UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
@@ -46,18 +59,23 @@ NAMESPACE = "ettflow"
 @dataclass(frozen=True, kw_only=True)
 class PoolPolicy:
     """max_workers: prewarmed workers kept per model (ranks and spares of its next run).
-    idle_s: a worker or keeper nobody took in this long is released (a deployment that runs
-    every 6 hours keeps its next run's). reap_every_s: how often that is checked."""
+    idle_s: a worker or keeper nobody took in this long is released (back-to-back and ad hoc
+    runs find them; a schedule hours apart does not pay for idle workers in between).
+    reap_every_s: how often that is checked. lead_s: how long before a deployment's next
+    scheduled run its workers are prewarmed again."""
 
     max_workers: int = 8
-    idle_s: float = 6 * 3600 + 900
+    idle_s: float = 1800.0
     reap_every_s: float = 30.0
+    # how long before a deployment's next scheduled run its workers are prewarmed again
+    lead_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_workers < 0:
             raise ValueError(f"max_workers must be 0 or more, got {self.max_workers}")
-        if self.idle_s <= 0 or self.reap_every_s <= 0:
-            raise ValueError(f"idle_s and reap_every_s must be positive, got {self.idle_s}, {self.reap_every_s}")
+        if self.idle_s <= 0 or self.reap_every_s <= 0 or self.lead_s <= 0:
+            raise ValueError(f"idle_s, reap_every_s and lead_s must be positive, got {self.idle_s}, "
+                             f"{self.reap_every_s}, {self.lead_s}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,19 @@ class PooledInfo:
 class _Keeper:
     actor: Any
     requested_at: float
+    model: str
+    holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class PlannedFill:
+    """Workers to prewarm at `at`, for a model's run scheduled at `next_run_at`."""
+
+    at: float
+    next_run_at: float
+    config: TrainerConfig
+    count: int
+    spool_root: str
 
 
 def digest(key: str) -> str:
@@ -86,31 +117,51 @@ def digest(key: str) -> str:
 class PoolService:
     """The pool's actor (start it with `service()`); every method runs in the cluster."""
 
-    def __init__(self, policy: PoolPolicy = PoolPolicy()) -> None:
+    def __init__(self, policy: PoolPolicy = PoolPolicy(), start: Callable[..., PooledWorker] = start_worker) -> None:
         self.policy = policy
         self.entries: list[PooledWorker] = []
         self.keepers: list[_Keeper] = []
+        self.ledger: dict[str, Holding] = {}  # released unclaimed, not yet in a warehouse (by holding_id)
+        self.planned: dict[str, PlannedFill] = {}  # by model: a fill ahead of its next scheduled run
+        self._start = start
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         threading.Thread(target=self._reap_loop, name="ettflow-pool-reaper", daemon=True).start()
 
     # ---- filling -------------------------------------------------------------------------
-    def fill(self, config: TrainerConfig, count: int, spool_root: str) -> int:
-        """Start workers until the pool holds `count` (at most the policy's bound) of `config`'s
-        shape; the model's workers of another shape are stopped. Returns how many started."""
+    def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
+             now: float | None = None) -> int:
+        """Hold `count` workers (at most the policy's bound) of `config`'s shape for the model's
+        next run, starting now (an ad hoc or back-to-back run may come at any time; the reaper
+        releases them after `idle_s`); the model's workers of another shape are stopped.
+        `next_run_at`: when its deployment's next run is scheduled (Prefect knows it): the pool
+        also prewarms `lead_s` before it, whatever the reaper released meanwhile. Returns how
+        many started now."""
+        now = time.time() if now is None else now
+        model = model_name(config)
+        with self._lock:
+            self.planned.pop(model, None)
+            if next_run_at is not None and next_run_at - self.policy.lead_s > now:
+                self.planned[model] = PlannedFill(at=next_run_at - self.policy.lead_s, next_run_at=next_run_at,
+                                                  config=config, count=count, spool_root=spool_root)
+                self._wake.set()
+            return self._fill_now(config, count, spool_root)
+
+    def _fill_now(self, config: TrainerConfig, count: int, spool_root: str) -> int:
         key, model = warm_key(config), model_name(config)
         with self._lock:
-            self._drop(lambda e: e.model == model and e.key != key)
+            self._drop(lambda e: e.model == model and e.key != key, "reshaped")
             have = len([e for e in self.entries if e.key == key])
             started = max(min(count, self.policy.max_workers) - have, 0)
             for _ in range(started):
-                worker = start_worker(config, POOL_RUN_ID, spool_root)
+                worker = self._start(config, POOL_RUN_ID, spool_root)
                 worker.prewarmed = worker.actor.prewarm.remote()
                 self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
                 from ettflow.trainer.checkpoint.state_keeper import start_keeper
 
-                self.keepers.append(_Keeper(start_keeper(None, wait=False), time.time()))
+                self.keepers.append(_Keeper(start_keeper(None, wait=False), time.time(), model))
         if started:
             log.info("cluster pool: %d worker(s) of model %s starting for its next run", started, model)
         return started
@@ -147,55 +198,114 @@ class PoolService:
             workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
                                   e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node)
                        for e in self.entries]
-            return workers + [PooledInfo("keeper", "-", "-", "ready", k.requested_at, None, None)
-                              for k in self.keepers]
+            return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None)
+                              for k in self.keepers] + [
+                PooledInfo("planned", m, digest(warm_key(p.config)), f"{p.count} to prewarm", p.at, None, None)
+                for m, p in self.planned.items()]
 
     def stop(self) -> int:
-        """Stop everything the pool holds; returns how many actors were stopped."""
+        """Stop everything the pool holds; returns how many actors were stopped (their ledger
+        lines wait for `drain`)."""
         self._stop.set()
+        self._wake.set()
         with self._lock:
+            self.planned.clear()
             n = len(self.entries) + len(self.keepers)
-            self._drop(lambda e: True)
-            self._drop_keepers(lambda k: True)
+            self._drop(lambda e: True, "stopped")
+            self._drop_keepers(lambda k: True, "stopped")
         return n
+
+    # ---- the ledger of what nobody took --------------------------------------------------
+    def drain(self) -> list[Holding]:
+        """The ledger lines not acknowledged yet (they stay until `ack`)."""
+        with self._lock:
+            return list(self.ledger.values())
+
+    def ack(self, holding_ids: list[str]) -> int:
+        """Forget lines a warehouse now holds; how many were forgotten."""
+        with self._lock:
+            return sum(self.ledger.pop(h, None) is not None for h in holding_ids)
 
     # ---- internals -----------------------------------------------------------------------
     def _ready(self) -> list[PooledWorker]:
         """The prewarmed workers (timings and node read once); a failed one is dropped."""
         failed = probe(self.entries, "cluster pool")
-        self._drop(lambda e: any(e is f for f in failed))
+        self._drop(lambda e: any(e is f for f in failed), "failed")
         return [e for e in self.entries if e.timings is not None]
 
-    def _drop(self, which) -> None:
+    def _drop(self, which, reason: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
         for e in [e for e in self.entries if which(e)]:
             self.entries.remove(e)
             stop(e)
+            h = Holding(holding_id=e.holding_id, model=e.model, kind=UNCLAIMED_WORKER, run_id=None, used=False,
+                        requested_at=e.requested_at, released_at=max(now, e.requested_at), reason=reason,
+                        gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes)
+            self.ledger[h.holding_id] = h
 
-    def _drop_keepers(self, which) -> int:
+    def _drop_keepers(self, which, reason: str, now: float | None = None) -> int:
         import ray
 
+        now = time.time() if now is None else now
         gone = [k for k in self.keepers if which(k)]
         for k in gone:
             self.keepers.remove(k)
             with contextlib.suppress(Exception):
                 ray.kill(k.actor, no_restart=True)
+            self.ledger[k.holding_id] = Holding(
+                holding_id=k.holding_id, model=k.model, kind=UNCLAIMED_KEEPER, run_id=None, used=False,
+                requested_at=k.requested_at, released_at=max(now, k.requested_at), reason=reason, slots=0.0)
         return len(gone)
 
     def _reap_loop(self) -> None:
-        while not self._stop.wait(self.policy.reap_every_s):
+        while not self._stop.is_set():
+            with self._lock:
+                due = min((p.at for p in self.planned.values()), default=None)
+            wait = self.policy.reap_every_s if due is None else min(self.policy.reap_every_s,
+                                                                     max(due - time.time(), 0.0))
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.start_planned(time.time())
             self.reap(time.time())
+
+    def start_planned(self, now: float) -> int:
+        """Start the planned fills that are due; how many workers started."""
+        with self._lock:
+            due = [m for m, p in self.planned.items() if p.at <= now]
+            started = 0
+            for model in due:
+                plan = self.planned.pop(model)
+                started += self._fill_now(plan.config, plan.count, plan.spool_root)
+        if due:
+            log.info("cluster pool: prewarming %d worker(s) for the next scheduled run of %s", started, ", ".join(due))
+        return started
 
     def reap(self, now: float) -> int:
         """Release what nobody took within the policy's idle time; how many were released."""
         with self._lock:
             old = [e for e in self.entries if now - (e.timings.ready_at if e.timings else e.requested_at)
                    > self.policy.idle_s]
-            self._drop(lambda e: any(e is o for o in old))
-            stale = self._drop_keepers(lambda k: now - k.requested_at > self.policy.idle_s)
+            self._drop(lambda e: any(e is o for o in old), "idle", now)
+            stale = self._drop_keepers(lambda k: now - k.requested_at > self.policy.idle_s, "idle", now)
         if old or stale:
             log.info("cluster pool: released %d worker(s) and %d keeper(s) nobody took within %.0f s",
                      len(old), stale, self.policy.idle_s)
         return len(old) + stale
+
+
+def drain_ledger(pool: Any, write: Callable[[list[Holding]], Any], timeout_s: float = 10.0) -> int:
+    """Move the pool's unacknowledged ledger lines into a warehouse (`write` them, then `ack`
+    them: a writer that fails leaves them in the pool for the next try); how many moved."""
+    import ray
+
+    lines = ray.get(pool.drain.remote(), timeout=timeout_s)
+    if not lines:
+        return 0
+    write(lines)
+    ray.get(pool.ack.remote([h.holding_id for h in lines]), timeout=timeout_s)
+    return len(lines)
 
 
 def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy()) -> Any:

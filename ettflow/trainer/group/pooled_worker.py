@@ -11,7 +11,8 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ def warm_key(config: TrainerConfig) -> str:
     return json.dumps({"model": asdict(config.model), "schema": asdict(config.schema),
                        "batch_size": config.batch_size, "device": config.device,
                        "threads": config.threads_per_rank, "compile": sw.compile,
-                       "compile_cache": sw.compile_cache, "cache_dir": str(config.compile_cache_dir)},
+                       "compile_cache": sw.compile_cache, "local_inductor_cache": sw.local_inductor_cache,
+                       "cache_dir": str(config.compile_cache_dir)},
                       sort_keys=True, default=str)
 
 
@@ -54,6 +56,15 @@ class PooledWorker:
     model: str = ""
     timings: PrewarmTimings | None = None
     node: str | None = None
+    # what it holds, for the held-capacity ledger (`ett.capacity.Holding`): its bundle's GPUs
+    # and the CPUs its process computes on, and its resident memory once prewarmed
+    gpus: float = 0.0
+    cpus: float = 0.0
+    rss_bytes: int | None = None
+    holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its ledger line, if nobody takes it
+
+    def holding_attrs(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "cpus": self.cpus, **({"rss_bytes": self.rss_bytes} if self.rss_bytes else {})}
 
 
 def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> PooledWorker:
@@ -64,7 +75,8 @@ def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> 
     requested_at = time.time()
     actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
         config, run_id, -1, -1, str(spool_root), requested_at)
-    return PooledWorker(actor, None, requested_at, warm_key(config), model_name(config))
+    return PooledWorker(actor, None, requested_at, warm_key(config), model_name(config),
+                        gpus=1.0 if config.device == "cuda" else 0.0, cpus=float(config.threads_per_rank))
 
 
 def probe(workers: list[PooledWorker], who: str) -> list[PooledWorker]:
@@ -78,7 +90,8 @@ def probe(workers: list[PooledWorker], who: str) -> list[PooledWorker]:
     for worker in [w for w in pending if w.prewarmed in done]:
         try:
             worker.timings = ray.get(worker.prewarmed)  # timings.ready_at: when its prewarm ended
-            worker.node = ray.get(worker.actor.ready.remote(), timeout=10).node_id
+            info = ray.get(worker.actor.ready.remote(), timeout=10)
+            worker.node, worker.rss_bytes = info.node_id, info.rss_bytes
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
             log.warning("%s: a worker failed to prepare (%s: %s); dropped", who, type(exc).__name__, exc)
             worker.timings = None
@@ -105,4 +118,5 @@ def stop(worker: PooledWorker) -> None:
 
 def record_start(rec: Any, worker: PooledWorker, timings: PrewarmTimings, **attrs: Any) -> None:
     """A prepared worker's start, off the clock: from its request to the end of its prewarm."""
-    rec.record("spare_start", worker.requested_at, timings.ready_at, **attrs, **timings.spool_attrs())
+    rec.record("spare_start", worker.requested_at, timings.ready_at, **attrs, **timings.spool_attrs(),
+               **worker.holding_attrs())

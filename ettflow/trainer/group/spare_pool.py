@@ -90,7 +90,8 @@ class SparePool:
         if attempt is not None:
             with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
                 now = time.time()
-                rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now)
+                rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now,
+                           **spare.holding_attrs())
         if spare.prewarmed is not None and self.config.switches.warm_pool:
             POOL.give(spare)
             return

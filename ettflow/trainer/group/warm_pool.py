@@ -64,6 +64,9 @@ class WarmPool:
         self.workers: list[PooledWorker] = []
         self.keeper: Any = None  # an in-memory checkpoint keeper started for the next run (state_keeper.py)
         self.service: Any = None  # the cluster's pool (pool_service.py) once attached
+        # when this run's deployment runs next (Prefect's schedule; the flow sets it before its
+        # release): the cluster's pool prewarms ahead of it rather than holding workers till then
+        self.next_run_at: float | None = None
 
     def attach_cluster(self) -> None:
         """Use the cluster's pool from now on (this process joined a cluster that outlives it):
@@ -102,7 +105,7 @@ class WarmPool:
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
             return 0
         if self.service is not None:  # the cluster's pool starts them (the call returns at once)
-            self.service.fill.remote(config, count, str(spool_root))
+            self.service.fill.remote(config, count, str(spool_root), self.next_run_at)
             return 0
         key = warm_key(config)
         self._drop(lambda w: w.key != key)

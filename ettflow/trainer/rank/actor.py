@@ -50,11 +50,12 @@ class TrainerActor:
         PREEMPTION.install(config.preemption_grace_s)
 
     def ready(self) -> WorkerInfo:
+        import psutil
         import ray
 
         return WorkerInfo(pid=os.getpid(), node_ip=ray.util.get_node_ip_address(),
                           node_id=ray.get_runtime_context().get_node_id(), created_at=self.started_at,
-                          ready_at=time.time())
+                          ready_at=time.time(), rss_bytes=psutil.Process().memory_info().rss)
 
     def rendezvous(self) -> tuple[str, int]:
         import ray
