@@ -100,7 +100,8 @@ SPARE = "spare"  # a hot spare of a run, used or not
 FLOW_PROCESS = "flow_process"  # the run's flow process, started ahead of its scheduled time
 UNCLAIMED_WORKER = "unclaimed_worker"  # a pooled worker no run took: released by the pool
 UNCLAIMED_KEEPER = "unclaimed_keeper"  # an in-memory checkpoint keeper no run took
-KINDS = (POOLED_RANK, SPARE, FLOW_PROCESS, UNCLAIMED_WORKER, UNCLAIMED_KEEPER)
+ORPHANED = "orphaned"  # a pooled worker or keeper a run took, left running when its process died
+KINDS = (POOLED_RANK, SPARE, FLOW_PROCESS, UNCLAIMED_WORKER, UNCLAIMED_KEEPER, ORPHANED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +119,7 @@ class Holding:
     used: bool
     requested_at: float
     released_at: float
-    reason: str  # taken, replaced_rank, released_unused, idle, reshaped, stopped, failed, waited
+    reason: str  # taken, replaced_rank, released_unused, idle, reshaped, stopped, failed, waited, owner_died
     slots: float = 1.0
     gpus: float = 0.0
     cpus: float = 0.0

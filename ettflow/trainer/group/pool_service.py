@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ettflow.ett.capacity import UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
+from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
@@ -91,6 +91,31 @@ class PooledInfo:
     node: str | None
 
 
+class RunOwner:
+    """A tiny actor a flow process creates and owns: Ray ends it when that process exits or
+    is killed, which is how the pool learns that a run it gave workers to is gone."""
+
+    def ping(self) -> bool:
+        return True
+
+
+@dataclass
+class _Given:
+    """Actors the pool started and a run took: the pool still owns them (Ray cannot pass an
+    actor's ownership on), so when the run's process dies without stopping them (SIGKILL),
+    the pool does, once its `owner` is gone."""
+
+    actor: Any
+    owner: Any
+    run_id: str
+    model: str
+    kind: str  # "worker" or "keeper"
+    seen_alive_at: float
+    gpus: float = 0.0
+    cpus: float = 0.0
+    memory_bytes: int | None = None
+
+
 @dataclass
 class _Keeper:
     actor: Any
@@ -123,6 +148,7 @@ class PoolService:
         self.keepers: list[_Keeper] = []
         self.ledger: dict[str, Holding] = {}  # released unclaimed, not yet in a warehouse (by holding_id)
         self.planned: dict[str, PlannedFill] = {}  # by model: a fill ahead of its next scheduled run
+        self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self._start = start
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -177,19 +203,74 @@ class PoolService:
             return len(self._ready())
 
     # ---- taking --------------------------------------------------------------------------
-    def take(self, config: TrainerConfig, nodes: list[str | None]) -> list[PooledWorker | None]:
+    def take(self, config: TrainerConfig, nodes: list[str | None], owner: Any = None,
+             run_id: str = "") -> list[PooledWorker | None]:
         """For each wanted node (None: any), a prewarmed worker of `config`'s shape there (its
-        `timings` read), or None. Taken workers are the caller's."""
+        `timings` read), or None. Taken workers are the caller's to stop; `owner` (the run's
+        `RunOwner`): if it dies first, the pool stops them (`reap_orphans`)."""
         key = warm_key(config)
+        now = time.time()
         with self._lock:
             taken = take_for_nodes([e for e in self._ready() if e.key == key], nodes)
             for worker in filter(None, taken):
                 self.entries.remove(worker)
+                if owner is not None:
+                    self.given.append(_Given(worker.actor, owner, run_id, worker.model, "worker", now,
+                                             worker.gpus, worker.cpus, worker.rss_bytes))
         return taken
 
-    def take_keeper(self) -> Any:
+    def take_keeper(self, owner: Any = None, run_id: str = "") -> Any:
         with self._lock:
-            return self.keepers.pop(0).actor if self.keepers else None
+            if not self.keepers:
+                return None
+            keeper = self.keepers.pop(0)
+            if owner is not None:
+                self.given.append(_Given(keeper.actor, owner, run_id, keeper.model, "keeper", time.time()))
+            return keeper.actor
+
+    def forget(self, run_id: str) -> int:
+        """A run stopped what it took (its normal end): nothing of it is the pool's to stop."""
+        with self._lock:
+            before = len(self.given)
+            self.given = [g for g in self.given if g.run_id != run_id]
+            return before - len(self.given)
+
+    def reap_orphans(self, now: float | None = None, timeout_s: float = 5.0) -> int:
+        """Stop what runs took whose process is gone (their `RunOwner` no longer answers), and
+        forget what the living still hold; how many were stopped. Their time since the owner
+        was last seen is a ledger line (`orphaned`, the run's): held for a run that was dead."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        with self._lock:
+            owners = {id(g.owner): g.owner for g in self.given}
+        dead = set()
+        for key, owner in owners.items():
+            try:
+                ray.get(owner.ping.remote(), timeout=timeout_s)
+            except GetTimeoutError:
+                continue  # busy or slow: asked again next time
+            except Exception:  # noqa: BLE001 - RayActorError and kin: its process is gone
+                dead.add(key)
+        now = time.time() if now is None else now
+        with self._lock:
+            orphans = [g for g in self.given if id(g.owner) in dead]
+            for g in self.given:
+                if id(g.owner) not in dead:
+                    g.seen_alive_at = now
+            self.given = [g for g in self.given if id(g.owner) not in dead]
+            for g in orphans:
+                with contextlib.suppress(Exception):
+                    ray.kill(g.actor, no_restart=True)
+                h = Holding(holding_id=uuid.uuid4().hex, model=g.model, kind=ORPHANED, run_id=g.run_id or None,
+                            used=False, requested_at=min(g.seen_alive_at, now), released_at=now,
+                            reason="owner_died", slots=1.0 if g.kind == "worker" else 0.0, gpus=g.gpus,
+                            cpus=g.cpus, memory_bytes=g.memory_bytes)
+                self.ledger[h.holding_id] = h
+        if orphans:
+            log.warning("cluster pool: stopped %d actor(s) of run(s) %s whose process is gone", len(orphans),
+                        ", ".join(sorted({g.run_id for g in orphans})))
+        return len(orphans)
 
     # ---- what it holds -------------------------------------------------------------------
     def status(self) -> list[PooledInfo]:
@@ -200,6 +281,8 @@ class PoolService:
                        for e in self.entries]
             return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None)
                               for k in self.keepers] + [
+                PooledInfo(f"run's {g.kind}", g.model, g.run_id[:8] or "-", "taken", g.seen_alive_at, None, None)
+                for g in self.given] + [
                 PooledInfo("planned", m, digest(warm_key(p.config)), f"{p.count} to prewarm", p.at, None, None)
                 for m, p in self.planned.items()]
 
@@ -269,6 +352,8 @@ class PoolService:
                 return
             self.start_planned(time.time())
             self.reap(time.time())
+            if self.given:
+                self.reap_orphans()
 
     def start_planned(self, now: float) -> int:
         """Start the planned fills that are due; how many workers started."""

@@ -107,13 +107,15 @@ def run_keeper(run_id: str, *, pooled: bool = False):
     `pooled`: take the one the warm pool started ahead of the run, when it has one."""
     keeper = _KEEPERS.get(run_id)
     if keeper is None:
-        keeper = _KEEPERS[run_id] = (POOL.take_keeper() if pooled else None) \
+        keeper = _KEEPERS[run_id] = (POOL.take_keeper(run_id) if pooled else None) \
             or start_keeper(run_id, wait=False)
     return keeper
 
 
 def end_run(run_id: str) -> None:
-    """Free what a run keeps across its attempts (its in-memory checkpoint keeper)."""
+    """Free what a run keeps across its attempts (its in-memory checkpoint keeper); what it took
+    from the cluster's pool is stopped, so the pool no longer watches it."""
+    POOL.forget(run_id)
     keeper = _KEEPERS.pop(run_id, None)
     if keeper is None or not ray.is_initialized():
         return
@@ -205,7 +207,7 @@ class RayWorkerGroup:
         requested_at = time.time()
         if self.config.switches.memory_checkpoint:
             self.keeper = run_keeper(self.run_id, pooled=self.config.switches.warm_pool)  # starts with the ranks'
-        pooled = POOL.take(config, self._bundle_nodes()) if not gpu else [None] * self.world_size
+        pooled = POOL.take(config, self._bundle_nodes(), self.run_id) if not gpu else [None] * self.world_size
         self.actors = [
             pooled[rank][0].actor if pooled[rank] is not None else remote.options(
                 num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,

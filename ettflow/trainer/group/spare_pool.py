@@ -51,7 +51,7 @@ class SparePool:
         dense step's compile) waits for `prewarm`, so it does not compete with the ranks' own start."""
         if self._spare is not None:
             return
-        (pooled,) = POOL.take(self.config, [None])
+        (pooled,) = POOL.take(self.config, [None], self.run_id)
         if pooled is not None:
             self._spare, self._pooled = pooled[0], True
             return

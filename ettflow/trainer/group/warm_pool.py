@@ -67,6 +67,7 @@ class WarmPool:
         # when this run's deployment runs next (Prefect's schedule; the flow sets it before its
         # release): the cluster's pool prewarms ahead of it rather than holding workers till then
         self.next_run_at: float | None = None
+        self._owner: Any = None
 
     def attach_cluster(self) -> None:
         """Use the cluster's pool from now on (this process joined a cluster that outlives it):
@@ -130,13 +131,13 @@ class WarmPool:
         return len(self._ready())
 
     # ---- taking --------------------------------------------------------------------------
-    def take(self, config: TrainerConfig,
-             nodes: list[str | None]) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
+    def take(self, config: TrainerConfig, nodes: list[str | None],
+             run_id: str = "") -> list[tuple[PooledWorker, PrewarmTimings] | None]:
         """For each wanted node (None: any node), a prewarmed worker of `config`'s shape on it
         and its prewarm timings, or None (that rank starts the usual way). Taken workers are
         the caller's; workers for another shape are stopped."""
         if self.service is not None and config.switches.warm_pool:
-            return self._take_from_cluster(config, nodes)
+            return self._take_from_cluster(config, nodes, run_id)
         if not config.switches.warm_pool or not self.workers:
             return [None] * len(nodes)
         key = warm_key(config)
@@ -146,10 +147,10 @@ class WarmPool:
             self.workers.remove(worker)
         return [None if w is None else (w, w.timings) for w in taken]
 
-    def _take_from_cluster(self, config: TrainerConfig,
-                           nodes: list[str | None]) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
+    def _take_from_cluster(self, config: TrainerConfig, nodes: list[str | None],
+                           run_id: str) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
         try:
-            found = ray.get(self.service.take.remote(config, nodes), timeout=30)
+            found = ray.get(self.service.take.remote(config, nodes, self._run_owner(), run_id), timeout=30)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:  # the pool is gone or busy: start as usual
             log.warning("cluster pool: could not take workers (%s: %s); the ranks start the usual way",
                         type(exc).__name__, exc)
@@ -157,15 +158,30 @@ class WarmPool:
             return [None] * len(nodes)
         return [None if w is None else (w, w.timings) for w in found]
 
-    def take_keeper(self) -> Any:
+    def take_keeper(self, run_id: str = "") -> Any:
         """The keeper started for the next run (its process up or starting), or None."""
         if self.service is not None:
             try:
-                return ray.get(self.service.take_keeper.remote(), timeout=30)
+                return ray.get(self.service.take_keeper.remote(self._run_owner(), run_id), timeout=30)
             except (GetTimeoutError, RayActorError, RayTaskError):
                 return None
         keeper, self.keeper = self.keeper, None
         return keeper
+
+    def forget(self, run_id: str) -> None:
+        """The run stopped what it took from the cluster's pool (its normal end)."""
+        if self.service is not None:
+            with contextlib.suppress(Exception):
+                self.service.forget.remote(run_id)
+
+    def _run_owner(self) -> Any:
+        """This process's `RunOwner` (made once): the cluster's pool stops what this process
+        took from it if the process dies without doing so."""
+        if self._owner is None:
+            from ettflow.trainer.group.pool_service import RunOwner
+
+            self._owner = ray.remote(RunOwner).options(num_cpus=0, max_concurrency=4).remote()
+        return self._owner
 
     def _ready(self) -> list[PooledWorker]:
         """The prewarmed workers (timings and node read); a failed one is dropped."""
