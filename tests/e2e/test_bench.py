@@ -1,43 +1,36 @@
-"""`ettflow bench --quick` at tiny sizes, so the command cannot rot: every job a run of the
-`refresh-adhoc` deployment that a process worker executes in a new process (the deployed path,
-on a stack of its own: `ettflow up`), two SIGKILLs each; tables, CSV, PNG and the warehouse
-rows. Its pure parts: unit/test_bench_jobs.py."""
+"""`ettflow bench --quick --path in-process` at tiny sizes, so the command cannot rot: every job
+a real `refresh_model` flow run (Prefect, Ray, TorchRec, two SIGKILLs each), tables, CSV, PNG
+and the warehouse rows. (The default path, deployment runs on the local stack, shares every
+part but the runner, bench/deployed.py; it is measured in BENCHMARKS.md and not run here: a
+stack of its own and worker-started runs cost the suite over two minutes.) Its pure parts:
+unit/test_bench_jobs.py."""
 
 import json
 
 import pandas as pd
 import pytest
 
-from helpers.stack import ettflow, free_ports, port_flags, stack_env
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_quick_bench_at_tiny_sizes_through_deployment_runs(tmp_path):
+def test_quick_bench_at_tiny_sizes(tmp_path, prefect_harness, ray_session, capsys):
     """The command end to end at the smallest sizes that exercise its path: the warm-up, the
-    pair (baseline and optimized, two SIGKILLs each) as deployment runs the stack's worker
-    executes, one interleaved pair of recording-overhead runs (in the bench's process, on the
-    stack's cluster), every table, CSV, picture and warehouse row. A smoke run: no PT2 compile
-    in any job (`--switch compile=false`: the baseline's cold compile on every attempt alone
-    would take minutes here), the ablation rows and the compile ablation left out (the rows'
-    flow parameters: `test_rows_are_refresh_parameters_the_flow_s_plan_accepts`)."""
+    pair (baseline and optimized, two SIGKILLs each) as real `refresh_model` flow runs, one
+    interleaved pair of recording-overhead runs, every table, CSV, picture and warehouse row.
+    A smoke run: no PT2 compile in any job (`--switch compile=false`: the baseline's cold
+    compile on every attempt alone would take minutes here), the ablation rows and the compile
+    ablation left out (the rows' flow parameters: `test_rows_are_refresh_parameters_the_flow_s_plan_accepts`;
+    the warm pool's pooled ranks: e2e/test_trainer.py)."""
+    from ettflow.cli import main
     from ettflow.ett.warehouse import Warehouse
 
-    env = stack_env(tmp_path / "home")
-    up = ettflow(env, "up", *port_flags(*free_ports(3)), "--num-cpus", "4", timeout=600)
-    assert up.returncode == 0, (up.stdout + up.stderr)[-4000:]
-    try:
-        url = f"sqlite:///{tmp_path / 'wh.db'}"
-        bench = ettflow(env, "bench", "--quick", "--out", str(tmp_path / "results"), "--url", url, "--lengths", "1",
-                        "--rows-per-window", "2048", "--batch-size", "32", "--num-embeddings", "200",
-                        "--overhead-repeats", "1", "--switch", "compile=false", "--skip", "ablation,rows",
-                        timeout=1100)
-    finally:
-        down = ettflow(env, "down", timeout=300)
-    out = bench.stdout
-    assert bench.returncode == 0, (bench.stdout + bench.stderr)[-6000:]
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert "the local stack under" in out  # it found the stack `up` started (on its own ports)
+    url = f"sqlite:///{tmp_path / 'wh.db'}"
+    rc = main(["bench", "--quick", "--path", "in-process", "--out", str(tmp_path / "results"), "--url", url,
+               "--lengths", "1",
+               "--rows-per-window", "2048", "--batch-size", "32", "--num-embeddings", "200",
+               "--overhead-repeats", "1", "--switch", "compile=false", "--skip", "ablation,rows"])
+    assert rc == 0
+    out = capsys.readouterr().out
     results = tmp_path / "results"
     for name in ("ett_pair", "ett_rows", "ttr_per_failure", "attribution", "job_length", "checkpoint_blocking",
                  "wasted_vs_interval", "shutdown", "overhead", "targets"):
@@ -49,10 +42,7 @@ def test_quick_bench_at_tiny_sizes_through_deployment_runs(tmp_path):
     assert list(pair["NoF"][["baseline", "optimized"]]) == [2, 2]
     rows = pd.read_csv(results / "ett_rows.csv").set_index("row")
     assert list(rows.index) == ["baseline", "optimized"] and list(rows["interval"]) == ["probe", "probe"]
-    # every job a deployment run; the optimized one took its ranks and a spare from the cluster's pool
-    assert list(rows["path"]) == ["deployed"] * 2 and list(rows["deployment"]) == ["refresh-model/refresh-adhoc"] * 2
-    assert list(rows["pool_used"]) == [False, True] and (rows["spares"] >= [0, 1]).all()
-    assert rows.loc["optimized", "held_s"] > 0 and rows.loc["optimized", "capETT%"] < rows.loc["optimized", "ETT%"]
+    assert list(rows["path"]) == ["in-process"] * 2 and list(rows["pool_used"]) == [False, True]
     assert list(rows["NoF"]) == [2, 2]
     # the warm-up (the previous refresh) leaves the optimized job's ranks prewarmed; the baseline has no pool
     assert list(rows["pooled_ranks"]) == [0, 2]
@@ -71,5 +61,3 @@ def test_quick_bench_at_tiny_sizes_through_deployment_runs(tmp_path):
     assert list(runs["pt2_compile_s"]) == [0.0, 0.0]  # every job ran with the switch the command set
     results_md = (results / "results.md").read_text()
     assert "Command: `ettflow bench --quick" in results_md and "--switch compile=false" in results_md
-    assert "Path: every ETT job a run of the refresh-adhoc deployment" in results_md
-    assert "Baseline: an untuned job restarting on the same host" in results_md
