@@ -82,7 +82,7 @@ class PoolPolicy:
 class PooledInfo:
     """One thing the pool holds, as `ettflow pool status` lists it."""
 
-    kind: str  # "worker" or "keeper"
+    kind: str  # "worker", "keeper", "run's worker" / "run's keeper" (taken, watched), "planned"
     model: str  # the model's name in the config (its shape is the key's digest)
     key: str  # a short digest of the warm key
     state: str  # "prewarming" or "ready" (a failed worker is dropped)
@@ -126,10 +126,9 @@ class _Keeper:
 
 @dataclass(frozen=True)
 class PlannedFill:
-    """Workers to prewarm at `at`, for a model's run scheduled at `next_run_at`."""
+    """Workers to prewarm at `at` (`lead_s` before the model's next scheduled run)."""
 
     at: float
-    next_run_at: float
     config: TrainerConfig
     count: int
     spool_root: str
@@ -169,8 +168,8 @@ class PoolService:
         with self._lock:
             self.planned.pop(model, None)
             if next_run_at is not None and next_run_at - self.policy.lead_s > now:
-                self.planned[model] = PlannedFill(at=next_run_at - self.policy.lead_s, next_run_at=next_run_at,
-                                                  config=config, count=count, spool_root=spool_root)
+                self.planned[model] = PlannedFill(at=next_run_at - self.policy.lead_s, config=config, count=count,
+                                                  spool_root=spool_root)
                 self._wake.set()
             return self._fill_now(config, count, spool_root)
 
