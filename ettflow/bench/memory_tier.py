@@ -45,11 +45,11 @@ class HeapKeeper:
 class BenchRank:
     def __init__(self, rank: int, world_size: int, init_file: str, root: str, num_embeddings: int) -> None:
         import torch
-        import torch.distributed as dist
 
         from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState
         from ettflow.trainer.checkpoint.memory_tier import MemoryTier
         from ettflow.trainer.checkpoint.state_keeper import find_keeper
+        from ettflow.trainer.collectives import Groups
         from ettflow.trainer.data.batch import synthetic_batch
         from ettflow.trainer.data.schema import criteo_schema
         from ettflow.trainer.model import (
@@ -59,23 +59,23 @@ class BenchRank:
             dense_optimizer,
             dense_parameters,
             shard,
-            sync_dense_grads,
         )
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        cpu = torch.device("cpu")
+        groups = Groups.form(cpu, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
-        schema, config, cpu = criteo_schema(num_embeddings), ModelConfig(), torch.device("cpu")
-        dmp = shard(build_dlrm(config, schema, device=cpu), config, dist.group.WORLD, cpu)
+        schema, config = criteo_schema(num_embeddings), ModelConfig()
+        dmp = shard(build_dlrm(config, schema, device=cpu), config, groups.training)
         dense_opt = dense_optimizer(dmp, config)
         batch = synthetic_batch(schema, 256, seed=rank)
         loss, _ = DenseStep(dmp.module)(batch.dense, dmp.module.sparse_arch(batch.sparse), batch.labels)
         loss.backward()
-        sync_dense_grads(dense_parameters(dmp), dist.group.WORLD)
+        groups.training.average_grads(dense_parameters(dmp))
         dense_opt.step()
         self.state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": dense_opt},
                                 cursor={"row": 0})
-        ckpt_pg = dist.new_group(backend="gloo")
+        ckpt_pg = groups.checkpoint.pg
         self.async_mgr = CheckpointManager(CheckpointConfig(root=f"{root}/async", mode="async", keep_last=2),
                                            process_group=ckpt_pg)
         self.sync_mgr = CheckpointManager(CheckpointConfig(root=f"{root}/sync", mode="sync", keep_last=2),

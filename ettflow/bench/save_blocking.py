@@ -99,9 +99,9 @@ def table(stats: list[ArmStats]) -> str:
 
 def _worker(rank: int, plan: SaveBlockingPlan, work: str, out: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState, init_lazy_optimizer_state
+    from ettflow.trainer.collectives import Groups
     from ettflow.trainer.data.batch import synthetic_batch
     from ettflow.trainer.data.schema import criteo_schema
     from ettflow.trainer.model import (
@@ -111,17 +111,15 @@ def _worker(rank: int, plan: SaveBlockingPlan, work: str, out: str) -> None:
         dense_optimizer,
         dense_parameters,
         shard,
-        sync_dense_grads,
     )
 
     torch.set_num_threads(1)  # TrainerConfig.threads_per_rank's default
-    dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=rank, world_size=plan.world_size)
-    pg = dist.group.WORLD
-    ckpt_pg = dist.new_group(backend="gloo")
+    groups = Groups.form(torch.device("cpu"), init_method=f"file://{work}/pg", rank=rank, world_size=plan.world_size)
+    ckpt_pg = groups.checkpoint.pg
     schema = criteo_schema(plan.num_embeddings)
     dim = plan.embedding_dim
     config = ModelConfig(embedding_dim=dim, dense_arch=(64, dim))
-    dmp = shard(build_dlrm(config, schema, device=torch.device("cpu")), config, pg, torch.device("cpu"))
+    dmp = shard(build_dlrm(config, schema, device=torch.device("cpu")), config, groups.training)
     dense_step, opt = DenseStep(dmp.module), dense_optimizer(dmp, config)
     params = dense_parameters(dmp)
     init_lazy_optimizer_state(opt)
@@ -148,14 +146,14 @@ def _worker(rank: int, plan: SaveBlockingPlan, work: str, out: str) -> None:
         float(loss.detach())
         staged = manager.wait_staged() if manager is not None else None
         loss.backward()
-        sync_dense_grads(params, pg)
+        groups.training.average_grads(params)
         opt.step()
         step += 1
         return time.perf_counter() - t0, staged.waited_s if staged is not None else 0.0
 
     def measured_save(arm: str) -> tuple[float, float, float]:
         manager = managers[arm]
-        dist.barrier(group=pg)
+        groups.control.barrier()
         result = manager.save(step, state)
         after, waited = train_step(manager)
         manager.wait()
@@ -176,18 +174,16 @@ def _worker(rank: int, plan: SaveBlockingPlan, work: str, out: str) -> None:
     for manager in managers.values():
         manager.close()
     # the slowest rank's value of every sample
-    flat = torch.tensor([v for arm in ARMS for s in samples[arm] for v in s] + plain, dtype=torch.float64)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=pg)
+    values = groups.control.max_of([v for arm in ARMS for s in samples[arm] for v in s] + plain)
     if rank == 0:
-        values = flat.tolist()
         n = plan.repetitions
         stats = []
         for i, arm in enumerate(ARMS):
             rows = values[3 * n * i: 3 * n * (i + 1)]
             stats.append(summarize(arm, rows[0::3], rows[1::3], rows[2::3], values[3 * n * len(ARMS):]))
         Path(out).write_text(json.dumps([asdict(s) for s in stats]))
-    dist.barrier(group=pg)
-    dist.destroy_process_group()
+    groups.control.barrier()
+    groups.teardown()
 
 
 def run(plan: SaveBlockingPlan) -> list[ArmStats]:

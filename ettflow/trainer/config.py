@@ -150,6 +150,9 @@ class TrainerConfig:
     batch_size: int = 256  # per rank
     max_steps: int | None = None  # None: every full batch of the windows
     device: str = "auto"  # auto: cuda when available, else cpu
+    # "as_nccl": the training group refuses CPU tensors outside the model's state, as NCCL does,
+    # even on a CPU run (gloo): control values never go on it (trainer/collectives.py; the tests use it)
+    collective_check: str = "backend"
     threads_per_rank: int = 1  # same on every rank: the compile-cache key holds it
     checkpoint_every_steps: int | None = None  # None: from the metric core's optimizer
     expected_failures: float = 1.0  # per job, for the interval optimizer (when failure_rate_per_s is None)
@@ -180,6 +183,8 @@ class TrainerConfig:
             raise ValueError("world_size, batch_size and threads_per_rank must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.collective_check not in ("backend", "as_nccl"):
+            raise ValueError(f"collective_check must be 'backend' or 'as_nccl', got {self.collective_check!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:

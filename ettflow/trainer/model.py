@@ -7,16 +7,14 @@
   meta device for the tables, so sharding materializes only each rank's shard.
 - `shard`: `DistributedModelParallel` with the planner and a fused embedding optimizer
   (row-wise Adagrad applied in backward). The dense part is replicated without DDP: its
-  gradients are averaged by `sync_dense_grads` in one flat all-reduce, which keeps the
+  gradients are averaged by the training group's `average_grads` (trainer/collectives.py) in
+  one flat all-reduce, which keeps the
   dense forward a plain function that torch.compile can take whole (see `DenseStep`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
@@ -28,6 +26,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from .collectives import Group
 from .data.schema import FeatureSchema
 from .model_config import ModelConfig
 
@@ -56,23 +55,26 @@ def build_dlrm(config: ModelConfig, schema: FeatureSchema, *, device: torch.devi
 
 
 class _Replicated(DataParallelWrapper):
-    """Keep the dense part as plain modules: gradients are synced by `sync_dense_grads`."""
+    """Keep the dense part as plain modules: gradients are averaged by `Group.average_grads`."""
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         return None
 
 
-def shard(model: DLRM, config: ModelConfig, pg: dist.ProcessGroup, device: torch.device, *,
+def shard(model: DLRM, config: ModelConfig, training: Group, *,
           known_plan: ShardingPlan | None = None) -> DistributedModelParallel:
-    """`known_plan`: a plan rank 0 made before for the same tables and world (a live recovery
-    rebuilds the module on a new group): rank 0 broadcasts it instead of planning again."""
+    """The model sharded over the `training` group, on its device (its dense parameters
+    broadcast from rank 0). `known_plan`: a plan rank 0 made before for the same tables and
+    world (a live recovery rebuilds the module on a new group): rank 0 broadcasts it instead of
+    planning again."""
+    pg, device = training.pg, training.device
     apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": config.sparse_lr})
     # ShardedTensor state: checkpoint.staging stages its local shards (DTensor output fails in
     # torchrec 1.8 when a rank holds no shard of a table: DTensor.from_local of a [0, 0] shard)
     env = ShardingEnv.from_process_group(pg)
     topology = Topology(world_size=env.world_size, compute_device=device.type)
     # Model-parallel sharding only: a data-parallel table would need DDP to sync its gradients,
-    # and the dense part here is synced by `sync_dense_grads`, not by DDP.
+    # and the dense part here is averaged by `Group.average_grads`, not by DDP.
     sharded = [t.value for t in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)]
     constraints = {
         cfg.name: ParameterConstraints(sharding_types=sharded)
@@ -84,32 +86,13 @@ def shard(model: DLRM, config: ModelConfig, pg: dist.ProcessGroup, device: torch
     else:  # every rank takes part in the broadcast; only rank 0's plan counts, as in collective_plan
         plan = invoke_on_rank_and_broadcast_result(pg, 0, lambda: known_plan)
     dmp = DistributedModelParallel(module=model, env=env, device=device, plan=plan, data_parallel_wrapper=_Replicated())
-    broadcast_dense(dmp, pg)
+    training.broadcast_params(dense_parameters(dmp))
     return dmp
 
 
 def dense_parameters(dmp: DistributedModelParallel) -> list[nn.Parameter]:
     dlrm = dmp.module
     return [p for m in (dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch) for p in m.parameters()]
-
-
-def broadcast_dense(dmp: DistributedModelParallel, pg: dist.ProcessGroup) -> None:
-    with torch.no_grad():
-        for p in dense_parameters(dmp):
-            dist.broadcast(p.data, src=0, group=pg)
-
-
-def sync_dense_grads(params: Sequence[nn.Parameter], pg: dist.ProcessGroup) -> None:
-    """Average dense gradients across ranks in one flat all-reduce."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=pg)
-    flat /= dist.get_world_size(pg)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p)
-        offset += n
 
 
 def dense_optimizer(dmp: DistributedModelParallel, config: ModelConfig) -> torch.optim.Optimizer:

@@ -53,13 +53,14 @@ class Rank:
     def build(self) -> None:
         import torch.distributed as dist
 
+        from ettflow.trainer.collectives import training_group
         from ettflow.trainer.data.schema import criteo_schema
         from ettflow.trainer.model import DenseStep, ModelConfig, build_dlrm, dense_optimizer, shard
 
         self.schema = criteo_schema(20)
         config = ModelConfig(embedding_dim=4, dense_arch=(8, 4), over_arch=(8, 1))
-        dmp = shard(build_dlrm(config, self.schema, device=torch.device("cpu")), config, dist.group.WORLD,
-                    torch.device("cpu"))
+        dmp = shard(build_dlrm(config, self.schema, device=torch.device("cpu")), config,
+                    training_group(dist.group.WORLD, torch.device("cpu")))
         self.dense_opt = dense_optimizer(dmp, config)
         self.step_fn = DenseStep(dmp.module)
         self.state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": self.dense_opt})
@@ -67,17 +68,19 @@ class Rank:
     def train(self, start: int, stop: int) -> None:
         import torch.distributed as dist
 
+        from ettflow.trainer.collectives import training_group
         from ettflow.trainer.data.batch import synthetic_batch
-        from ettflow.trainer.model import dense_parameters, sync_dense_grads
+        from ettflow.trainer.model import dense_parameters
 
         params = dense_parameters(self.state.model)
+        group = training_group(dist.group.WORLD, torch.device("cpu"))
         for s in range(start, stop):
             batch = synthetic_batch(self.schema, 8, seed=1000 * s + self.rank)
             self.dense_opt.zero_grad(set_to_none=True)
             embedded = self.state.model.module.sparse_arch(batch.sparse)
             loss, _ = self.step_fn(batch.dense, embedded, batch.labels)
             loss.backward()
-            sync_dense_grads(params, dist.group.WORLD)
+            group.average_grads(params)
             self.dense_opt.step()
             torch.rand(1), random.random(), np.random.rand()
             self.state.step, self.state.cursor = s + 1, {"row": 16 * (s + 1)}

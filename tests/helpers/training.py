@@ -8,7 +8,7 @@ parent checkpoint of the publish, gate and warm-start tests.
 
 Each rank builds the project's sharded DLRM (`build_sharded`: `build_dlrm` + `shard` on the
 world group, CPU), trains on its part of the `DataPipeline` batches of `windows` (`DenseStep`,
-`sync_dense_grads`, dense Adam; the fused embedding optimizer updates in backward), saves
+the training group's `average_grads`, dense Adam; the fused embedding optimizer updates in backward), saves
 through a sync `CheckpointManager` on a process group of its own, and rank 0 marks the
 checkpoint as an anchor (`write_anchor`: run id, step, cursor, world size, model, schema and
 the trained windows). What the tests differ in is a field of `AnchorRun`; a test that needs
@@ -70,10 +70,11 @@ class Sharded:
 def build_sharded(model, schema) -> Sharded:
     """The project's DLRM, sharded on the world group (CPU), with its dense optimizer."""
     from ettflow.trainer.checkpoint import TrainState
+    from ettflow.trainer.collectives import training_group
     from ettflow.trainer.model import DenseStep, build_dlrm, dense_optimizer, shard
 
     cpu = torch.device("cpu")
-    dmp = shard(build_dlrm(model, schema, device=cpu), model, dist.group.WORLD, cpu)
+    dmp = shard(build_dlrm(model, schema, device=cpu), model, training_group(dist.group.WORLD, cpu))
     opt = dense_optimizer(dmp, model)
     state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": opt})
     return Sharded(dmp=dmp, step_fn=DenseStep(dmp.module), opt=opt, state=state)
@@ -81,10 +82,12 @@ def build_sharded(model, schema) -> Sharded:
 
 def train(rank: int, run: AnchorRun, sharded: Sharded) -> tuple[int, Any]:
     """Train as `run` says; (steps taken, the data cursor after the last batch)."""
+    from ettflow.trainer.collectives import training_group
     from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
-    from ettflow.trainer.model import dense_parameters, sync_dense_grads
+    from ettflow.trainer.model import dense_parameters
 
     params = dense_parameters(sharded.dmp)
+    group = training_group(dist.group.WORLD, torch.device("cpu"))
     data = DataPipeline(DataConfig(root=f"{run.root}/data", schema=run.schema, batch_size=run.batch_size,
                                    rank=rank, world_size=run.world_size, windows=run.windows))
     step, cursor = 0, None
@@ -93,7 +96,7 @@ def train(rank: int, run: AnchorRun, sharded: Sharded) -> tuple[int, Any]:
             sharded.opt.zero_grad(set_to_none=True)
             loss, _ = sharded.step_fn(batch.dense, sharded.dmp.module.sparse_arch(batch.sparse), batch.labels)
             loss.backward()
-            sync_dense_grads(params, dist.group.WORLD)
+            group.average_grads(params)
             sharded.opt.step()
             step, cursor = step + 1, batch.cursor_end
             if step == run.steps:

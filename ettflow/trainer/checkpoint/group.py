@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ettflow.trainer.collectives import Group
+
 
 class CheckpointGroup:
     def __init__(self, process_group: dist.ProcessGroup | None, *, mode: str) -> None:
@@ -42,19 +44,16 @@ class CheckpointGroup:
                 "the checkpoint process group has no CPU backend; create it with dist.new_group(backend='gloo')"
             )
         self.pg = pg
+        self._group = Group("checkpoint", pg, "gloo", torch.device("cpu"))
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        return self._group.all_gather_object(obj)
 
     def broadcast_from_first(self, obj: Any) -> Any:
         if not self.distributed:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        return box[0]
+        return self._group.broadcast_object(obj)

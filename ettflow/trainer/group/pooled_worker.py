@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.protocol import PrewarmTimings
@@ -67,16 +68,26 @@ class PooledWorker:
         return {"gpus": self.gpus, "cpus": self.cpus, **({"rss_bytes": self.rss_bytes} if self.rss_bytes else {})}
 
 
-def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str) -> PooledWorker:
-    """A trainer actor with no rank yet and no CPU of its own (a spare or a pooled worker); its
-    prewarm is not asked for."""
+def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str, *,
+                 bundle: tuple[Any, int] | None = None) -> PooledWorker:
+    """A trainer actor with no rank yet (a spare or a pooled worker); its prewarm is not asked
+    for. With no `bundle` it asks Ray for no CPU of its own (on a CPU placement it idles until
+    it takes the place, and the share, of a rank whose process is gone); with `bundle`
+    (placement group, index: a GPU placement's spare) it holds that bundle's GPU and CPUs from
+    its start, and its ledger line says so."""
     from ettflow.trainer.rank.actor import TrainerActor
 
     requested_at = time.time()
-    actor = ray.remote(TrainerActor).options(num_cpus=0, max_restarts=0, max_concurrency=2).remote(
+    if bundle is None:
+        options: dict[str, Any] = {"num_cpus": 0}
+    else:
+        pg, index = bundle
+        options = {"num_cpus": config.threads_per_rank, "num_gpus": 1, "scheduling_strategy":
+                   PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+    actor = ray.remote(TrainerActor).options(max_restarts=0, max_concurrency=2, **options).remote(
         config, run_id, -1, -1, str(spool_root), requested_at)
     return PooledWorker(actor, None, requested_at, warm_key(config), model_name(config),
-                        gpus=1.0 if config.device == "cuda" else 0.0, cpus=float(config.threads_per_rank))
+                        gpus=float(options.get("num_gpus", 0)), cpus=float(config.threads_per_rank))
 
 
 def probe(workers: list[PooledWorker], who: str) -> list[PooledWorker]:

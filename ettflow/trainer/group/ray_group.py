@@ -1,9 +1,12 @@
 """The real worker group: N Ray actors reserved together through a placement group.
 
 One bundle per rank ({CPU: threads} or {CPU, GPU: 1}), so the group starts whole or waits
-whole; the wait is the run's scheduling phase. The actors form one process group (gloo on
-CPU, nccl on GPU). Actors never restart on their own (max_restarts=0): the driver decides,
-and a new attempt restores from the checkpoint, since no state lives in actor memory.
+whole; the wait is the run's scheduling phase. On a GPU placement with live recovery one more
+bundle holds the warm spare's device (when the cluster has room for it; else every failure
+restarts every rank, and the in-memory tier, which only a live recovery reads, is off). The
+actors form their groups (trainer/collectives.py: training on gloo on CPU, nccl on GPU).
+Actors never restart on their own (max_restarts=0): the driver decides, and a new attempt
+restores from the checkpoint (or a live recovery from the in-memory tier, live_recovery.py).
 A rank's outcome is a typed `Failure`, mapped from the exception's type (`classify.py`).
 `info` holds each rank's pid and node (a test or an operator can signal a rank by it).
 The ranks get the run's config less the scripted faults that already fired (`pending_faults`).
@@ -52,6 +55,7 @@ RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read ag
 # failure soon after the first finds it ready (one started only after the hand-off prepares
 # while the ranks train, and is seconds late)
 SPARES_AHEAD = 2
+SPARE_NOTE = ", one for the spare"
 PARK_TIMEOUT_S = 10.0  # live recovery: how long the survivors of a failure may take to park
 
 
@@ -155,10 +159,12 @@ class RayWorkerGroup:
         self.info: list[WorkerInfo] = []
         self.refs: dict = {}
         self.keeper = None  # the run's in-memory checkpoint keeper (memory_checkpoint)
-        self.spares: SparePool | None = None  # live recovery on a CPU placement
+        self.spares: SparePool | None = None  # live recovery (a spare, on GPU in a bundle of its own)
         self.joining: int | None = None  # the rank a spare took (live recovery)
         self.finished: set[int] = set()  # ranks whose training returned
-        self.gpu = False  # the placement holds GPUs (no spare, no warm pool)
+        self.gpu = False  # the placement holds GPUs (no warm pool; the spare in a bundle)
+        self.spare_bundles = 0  # bundles beyond the ranks': a GPU placement's spare
+        self.bundle_of: list[int] = []  # each rank's bundle index (a spare takes the spare bundle)
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -170,9 +176,26 @@ class RayWorkerGroup:
         fit = ranks_that_fit([n["resources"] for n in nodes.values()], bundle, self.config.placement.strategy)
         return attempt_world_size(self.config.placement, self.config.world_size, fit, restart=self.attempt > 0)
 
+    def _spare_room(self, bundle: dict) -> int:
+        """1 when this GPU placement keeps a spare in a bundle of its own and the live nodes
+        can hold it beside the ranks; else 0."""
+        if not (self.gpu and self.config.switches.live_recovery):
+            return 0
+        nodes = [n["resources"] for n in live_nodes().values()]
+        if ranks_that_fit(nodes, bundle, self.config.placement.strategy) > self.world_size:
+            return 1
+        log.warning("attempt %d: no room for a GPU spare beside %d ranks: a failure restarts every rank",
+                    self.attempt, self.world_size)
+        return 0
+
     def _placement_group(self, bundle: dict):
-        return placement_group([dict(bundle) for _ in range(self.world_size)],
+        return placement_group([dict(bundle) for _ in range(self.world_size + self.spare_bundles)],
                                strategy=self.config.placement.strategy.value)
+
+    @property
+    def recovers_live(self) -> bool:
+        """A failure can be recovered live: live recovery is on and a spare has a place."""
+        return self.config.switches.live_recovery and (not self.gpu or self.spare_bundles > 0)
 
     def reserve(self) -> None:
         from ettflow.trainer.rank.actor import TrainerActor
@@ -181,6 +204,7 @@ class RayWorkerGroup:
         bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}
         deadline = time.monotonic() + self.reserve_timeout_s
         self.world_size = self._wanted(bundle)
+        self.spare_bundles = self._spare_room(bundle)
         self.pg = self._placement_group(bundle)
         while True:
             left = deadline - time.monotonic()
@@ -193,7 +217,8 @@ class RayWorkerGroup:
                     self.pg = None
                     raise FailureError(Failure(
                         failure_class=FailureClass.INFRASTRUCTURE, attempt=self.attempt,
-                        reason=f"could not reserve {self.world_size} x {bundle} ({self.config.placement.strategy}) "
+                        reason=f"could not reserve {self.world_size + self.spare_bundles} x {bundle} "
+                               f"({self.config.placement.strategy}{SPARE_NOTE if self.spare_bundles else ''}) "
                                f"within {self.reserve_timeout_s:g} s: the Ray cluster's live nodes hold "
                                f"{[n['resources'] for n in live_nodes().values()]}; add capacity, raise "
                                "capacity_wait_s, or allow a smaller restart with min_world_size")) from exc
@@ -201,11 +226,14 @@ class RayWorkerGroup:
                 if wanted != self.world_size:  # capacity changed while waiting: ask for what fits now
                     remove_placement_group(self.pg)
                     self.world_size = wanted
+                    self.spare_bundles = self._spare_room(bundle)
                     self.pg = self._placement_group(bundle)
         config = self.attempt_config()
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
-        if self.config.switches.memory_checkpoint:
+        self.bundle_of = list(range(self.world_size))
+        # the in-memory tier only where something reads it: a live recovery's restore
+        if self.config.switches.memory_checkpoint and self.recovers_live:
             self.keeper = run_keeper(self.run_id, pooled=self.config.switches.warm_pool)  # starts with the ranks'
         pooled = POOL.take(config, self._bundle_nodes(), self.run_id) if not gpu else [None] * self.world_size
         self.actors = [
@@ -220,8 +248,9 @@ class RayWorkerGroup:
             a.adopt.remote(config, self.run_id, self.attempt, rank, self.spool_root) if pooled[rank] is not None
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
-        if self.config.switches.live_recovery and not gpu:
-            self.spares = SparePool(self.config, self.run_id, self.spool_root)
+        if self.recovers_live:
+            self.spares = SparePool(self.config, self.run_id, self.spool_root,
+                                    bundle=(self.pg, self.world_size) if gpu else None)
 
     def _bundle_nodes(self) -> list[str | None]:
         """Each bundle's node, by rank (None where Ray does not say)."""
@@ -285,10 +314,13 @@ class RayWorkerGroup:
     def _not_live(self, failure: Failure, timeout_s: float) -> str | None:
         """Why `failure` cannot be recovered live (None: it can, as far as the ranks go)."""
         if self.spares is None:
-            return "no spare pool (a GPU placement)"
+            return ("live recovery is off" if not self.config.switches.live_recovery
+                    else "no spare (no room for its GPU bundle)")
         if not is_process_loss(failure) or failure.node is not None or not 0 <= failure.rank < len(self.actors):
             return f"the failure is not one rank's lost process ({failure.summary})"
         survivors = [r for r in range(len(self.actors)) if r != failure.rank]
+        for r in survivors:  # NCCL: a survivor's collective waits for the dead peer until aborted
+            self.actors[r].interrupt.remote()
         waiting = [ref for ref, rank in self.refs.items() if rank in survivors]
         done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout_s)
         if len(done) < len(waiting):
@@ -313,6 +345,9 @@ class RayWorkerGroup:
             ray.kill(self.actors[failure.rank], no_restart=True)
         spare, info = self.spares.take(attempt, self.config.startup_timeout_s)
         self.actors[failure.rank], self.info[failure.rank] = spare, info
+        if self.spares.bundle is not None:  # the next spare starts in the bundle the failed rank left
+            freed, self.bundle_of[failure.rank] = self.bundle_of[failure.rank], self.spares.bundle[1]
+            self.spares.bundle = (self.pg, freed)
         self.attempt, self.joining, self.finished = attempt, failure.rank, set()
 
     def resume(self, point: RestorePoint) -> None:

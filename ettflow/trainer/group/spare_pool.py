@@ -7,13 +7,17 @@ that a failure early in training finds it ready); a new spare starts and prewarm
 hand-off, in the background, off the critical path. A failure that comes before the spare is
 ready waits for it (`take`). `start` alone starts the process without its compile.
 
-A spare asks Ray for no CPU (`num_cpus=0`): it idles until it joins, and then runs in the
-place of a rank whose process, and whose share of the node, is gone. It holds no accelerator,
-so the pool is used only on a CPU placement (see spare.py). Its start is recorded off the
-clock as `spare_start` (from the request to prewarmed, with the prewarm's timings).
+On a CPU placement a spare asks Ray for no CPU (`num_cpus=0`): it idles until it joins, and
+then runs in the place of a rank whose process, and whose share of the node, is gone. On a GPU
+placement a spare holds a device: the placement reserves a bundle for it (`bundle`: {GPU: 1}
+plus its CPUs), it prewarms there (CUDA context, dense modules, compiled step from the cache),
+and after a hand-off the next spare starts in the bundle the failed rank left (the group moves
+`bundle`). Its start is recorded off the clock as `spare_start` (from the request to prewarmed,
+with the prewarm's timings, its GPUs and CPUs: held capacity, `ett.capacity`).
 
-When this process keeps a warm pool (warm_pool.py), the first spare is one the pool prepared
-before the run (`pooled`), and a spare the run did not use goes back to the pool at the end.
+When this process keeps a warm pool (warm_pool.py), a CPU placement's first spare is one the
+pool prepared before the run (`pooled`), and a spare the run did not use goes back to the pool
+at the end; a GPU spare belongs to its placement and is stopped with it.
 """
 
 from __future__ import annotations
@@ -37,8 +41,12 @@ class SpareUnavailable(RuntimeError):
 
 
 class SparePool:
-    def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str) -> None:
+    def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str, *,
+                 bundle: tuple[Any, int] | None = None) -> None:
+        """`bundle`: (placement group, index) the next spare starts in (a GPU placement); None:
+        a spare with no resources of its own (a CPU placement)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
+        self.bundle = bundle
         self._spare: PooledWorker | None = None
         self._pooled = False  # the spare came prewarmed from the warm pool
 
@@ -51,11 +59,12 @@ class SparePool:
         dense step's compile) waits for `prewarm`, so it does not compete with the ranks' own start."""
         if self._spare is not None:
             return
-        (pooled,) = POOL.take(self.config, [None], self.run_id)
-        if pooled is not None:
-            self._spare, self._pooled = pooled[0], True
-            return
-        self._spare, self._pooled = start_worker(self.config, self.run_id, self.spool_root), False
+        if self.bundle is None:  # a pooled worker holds no bundle of this placement
+            (pooled,) = POOL.take(self.config, [None], self.run_id)
+            if pooled is not None:
+                self._spare, self._pooled = pooled[0], True
+                return
+        self._spare, self._pooled = start_worker(self.config, self.run_id, self.spool_root, bundle=self.bundle), False
 
     def prewarm(self) -> None:
         """Have the spare prepare (spare.py), in the background; starts one if there is none."""
@@ -92,7 +101,7 @@ class SparePool:
                 now = time.time()
                 rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now,
                            **spare.holding_attrs())
-        if spare.prewarmed is not None and self.config.switches.warm_pool:
+        if spare.prewarmed is not None and self.config.switches.warm_pool and self.bundle is None:
             POOL.give(spare)
             return
         with contextlib.suppress(Exception):

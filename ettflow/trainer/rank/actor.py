@@ -88,6 +88,14 @@ class TrainerActor:
                                  process_started_at=None if warm is not None else self.started_at)
         return self._typed(session, session.run)
 
+    def interrupt(self) -> None:
+        """A peer failed: unblock this rank's collective in flight (the driver calls it on the
+        actor's second thread while `train` runs; NCCL aborts its communicators, gloo has
+        already failed it: trainer/collectives.py)."""
+        session = self.session
+        if session is not None:
+            session.interrupt()
+
     def parked(self) -> bool:
         """Whether this rank kept its session through a peer's failure (it can `rejoin`)."""
         return self.lifecycle.phase is RankPhase.PARKED

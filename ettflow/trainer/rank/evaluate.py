@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from ettflow.trainer.collectives import Group
 from ettflow.trainer.data.batch import Batch
 
 
@@ -34,9 +34,9 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 @torch.no_grad()
 def evaluate(sparse_arch, dense_step, batches: Iterable[Batch], device: torch.device,
-             pg: dist.ProcessGroup | None) -> dict[str, float]:
-    """Mean BCE loss and AUC over the held-out batches of every rank. All ranks must pass the
-    same number of batches (the lookup is a collective)."""
+             control: Group | None) -> dict[str, float]:
+    """Mean BCE loss and AUC over the held-out batches of every rank, gathered on the control
+    group (CPU). All ranks must pass the same number of batches (the lookup is a collective)."""
     labels, scores = [], []
     for batch in batches:
         batch = batch.to(device)
@@ -46,13 +46,8 @@ def evaluate(sparse_arch, dense_step, batches: Iterable[Batch], device: torch.de
         scores.append(logits.float())
     if not labels:
         return {}
-    y, s = torch.cat(labels), torch.cat(scores)  # on the rank's device: an NCCL group gathers CUDA tensors only
-    if pg is not None and dist.get_world_size(pg) > 1:
-        ys = [torch.empty_like(y) for _ in range(dist.get_world_size(pg))]
-        ss = [torch.empty_like(s) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(ys, y, group=pg)
-        dist.all_gather(ss, s, group=pg)
-        y, s = torch.cat(ys), torch.cat(ss)
-    y, s = y.cpu(), s.cpu()
+    y, s = torch.cat(labels).cpu(), torch.cat(scores).cpu()
+    if control is not None and control.size > 1:
+        y, s = torch.cat(control.all_gather(y)), torch.cat(control.all_gather(s))
     loss = torch.nn.functional.binary_cross_entropy_with_logits(s, y).item()
     return {"loss": loss, "auc": auc(y.numpy(), s.numpy()), "examples": int(y.numel())}

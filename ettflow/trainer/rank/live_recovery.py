@@ -3,12 +3,13 @@ spare takes the failed rank's place.
 
 The protocol (the driver's side is `group/driver.py`, `group/ray_group.py` and `group/restore_choice.py`):
 
-1. A rank's process dies. Its peers' next collective fails at once (gloo reports the lost
-   connection); their `train` call ends with that error, but each keeps its session on its
-   actor, *parked* (`TrainerSession.park`): the process, its imports, the data pipelines, the
-   dense modules, their optimizer and the compiled dense step stay; the attempt's spool file,
-   heartbeat and checkpoint manager are closed (a save in flight never commits: its group
-   is gone).
+1. A rank's process dies. Its peers' next collective fails (gloo reports the lost connection
+   at once; on NCCL the driver has each survivor abort its communicators, `Groups.interrupt`,
+   which makes the collective in flight raise); their `train` call ends with that error, but
+   each keeps its session on its actor, *parked* (`TrainerSession.park`): the process, its
+   imports, the data pipelines, the dense modules, their optimizer and the compiled dense
+   step stay; the attempt's spool file, heartbeat and checkpoint manager are closed (a save
+   in flight never commits: its group is gone).
 2. The driver picks a `RestorePoint`: the newest step every rank holds in the in-memory tier
    (`checkpoint/memory_tier.py`), or the newest durable checkpoint when that is newer or
    memory holds none, and hands the failed rank's place to a warm spare (`spare_handoff`,
@@ -16,8 +17,9 @@ The protocol (the driver's side is `group/driver.py`, `group/ray_group.py` and `
    built and its dense step compiled from the compile cache (`prewarm`).
 3. The next attempt: every survivor `rejoin`s and the spare `join`s with a new rendezvous.
    Each records, as its own phases:
-   - `process_group_rebuild` (owner scheduler): the old process group is destroyed and a new
-     one formed over the new rendezvous;
+   - `process_group_rebuild` (owner scheduler): the old groups are torn down (NCCL's
+     communicators aborted first) and new ones formed over the new rendezvous
+     (`Groups.teardown` / `Groups.form`, trainer/collectives.py);
    - `module_reshard` (owner trainer): the sharded embedding collection, which holds the old
      group, is built again on the new one (`rebuild_sharded`); the dense modules, their
      optimizer and the compiled step are the same objects, so nothing recompiles;
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ettflow.trainer")
 
 def rebuild_sharded(state: RankState, config: TrainerConfig) -> None:
-    """The sharded module again, on the rank's new process group (`state.pg`): a DLRM whose
+    """The sharded module again, on the rank's new training group (`state.groups`): a DLRM whose
     dense modules are the ones `state.dense_step` holds (kept: the compiled step and the dense
     optimizer refer to them), with a new sharded embedding collection and its fused optimizer, on
     the plan rank 0 made before when it has one (same tables, same world). Its tables are
@@ -57,4 +59,4 @@ def rebuild_sharded(state: RankState, config: TrainerConfig) -> None:
     dlrm = build_dlrm(config.model, config.schema, device=state.device)
     dlrm.dense_arch, dlrm.inter_arch, dlrm.over_arch = dense.dense_arch, dense.inter_arch, dense.over_arch
     known = state.dmp.plan if state.is_set("dmp") and state.dmp.plan is not None else None  # a survivor's
-    state.dmp = shard(dlrm, config.model, state.pg, state.device, known_plan=known)
+    state.dmp = shard(dlrm, config.model, state.groups.training, known_plan=known)

@@ -27,9 +27,6 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
-import torch
-import torch.distributed as dist
-
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
 from ettflow.ett.events import DATA_STALL, FAULT_INJECTED
 from ettflow.ett.failures import Failure, FailureClass, FailureError
@@ -37,7 +34,7 @@ from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.prefetch import found_ready
 from ettflow.trainer.faults import due, fire
-from ettflow.trainer.model import dense_parameters, sync_dense_grads
+from ettflow.trainer.model import dense_parameters
 from ettflow.trainer.protocol import CheckpointReport, Evaluation, IntervalChoice, MemoryIntervalChoice, RankResult
 from ettflow.trainer.rank.numerics import loss_failure, poison, stop
 from ettflow.trainer.rank.preemption import PREEMPTION, StopDecision
@@ -60,7 +57,7 @@ class TrainLoop:
         self.config, self.rank, self.attempt, self.state, self.rec = config, rank, attempt, state, rec
         self.plugins = state.plugins
         self.dmp = state.dmp
-        self.pg = state.pg
+        self.groups = state.groups
         self.device = state.device
         self.opt = state.dense_opt
         self.params = dense_parameters(self.dmp)
@@ -87,7 +84,7 @@ class TrainLoop:
             stop(self.rec, failure, **({"fault_index": fault.index} if fault is not None else {}))
         self.plugins.wait_staged()  # the sparse tables change in backward: a save's staging ends first
         loss.backward()
-        sync_dense_grads(self.params, self.pg)
+        self.groups.training.average_grads(self.params)
         opt.step()
         return loss_value
 
@@ -103,13 +100,11 @@ class TrainLoop:
         shorter than a step nor than its background work allows (MEMORY_BACKGROUND_SHARE).
         Returns (choice, waste model, blocking s, step s, background s, shortest interval s), or
         None when `background_s` is None on any rank (its background work is still running)."""
-        measured = torch.tensor([max(blocking), sum(step_times) / max(len(step_times), 1), background_s or 0.0,
-                                 1.0 if background_s is None else 0.0], dtype=torch.float64,
-                                device=self.state.device)  # the training group's device (NCCL: CUDA only)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.pg)
+        measured = self.groups.control.max_of([max(blocking), sum(step_times) / max(len(step_times), 1),
+                                               background_s or 0.0, 1.0 if background_s is None else 0.0])
         if measured[3] > 0:
             return None
-        csbt, step_s, background = float(measured[0]), max(float(measured[1]), 1e-6), float(measured[2])
+        csbt, step_s, background = measured[0], max(measured[1], 1e-6), measured[2]
         rate = self.config.failure_rate_per_s  # the model's history; else a guess per job
         model = WasteModel(job_s=max(end_step, 1) * step_s, save_blocking_s=csbt,
                            **({"failure_rate_per_s": rate} if rate is not None
@@ -174,7 +169,7 @@ class TrainLoop:
                 self.blocking.append(self.plugins.save(step, cursor, loss=loss))
                 self.plugins.manager.wait()  # durable and committed on every rank
             saved = step
-        dist.barrier(group=self.pg)  # nobody reports before every rank's part of the save is done
+        self.groups.control.barrier()  # nobody reports before every rank's part of the save is done
         if PREEMPTION.signalled:
             log.warning("preempted at step %d: emergency checkpoint %s (grace left %.1f s)", step,
                         "taken" if saved is not None else "skipped", decision.grace_left_s)
@@ -231,7 +226,7 @@ class TrainLoop:
                 fire(fault, self.rec, step=step)
             if self.beat is not None:  # from here the rank waits for its peers: it is inside the step
                 self.beat.step_started(step)
-            decision = PREEMPTION.agree(self.pg, self.device)
+            decision = PREEMPTION.agree(self.groups.control)
             if decision.stop:
                 self._stop_preempted(step, last_cursor, loss_value, decision)
             t0 = fetch.step_start  # the step owns its fetch (unless stalled), heartbeat and agreement

@@ -44,12 +44,12 @@ from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.batch import Batch
 from ettflow.trainer.data.windows import Cursor, split_windows
 from ettflow.trainer.protocol import MEMORY, CompileReport, RestorePoint
-from ettflow.trainer.rank.collective import agree_all_ok
 from ettflow.trainer.rank.numerics import refuse_nonfinite
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
+
+    from ettflow.trainer.collectives import Group, Groups
 
 log = logging.getLogger("ettflow.trainer")
 DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part of the DLRM
@@ -69,7 +69,7 @@ class TrainerPlugins:
         self.resume, self.parent = resume, parent
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
-        self.ckpt_pg: dist.ProcessGroup | None = None  # the checkpoint group (prepare_state)
+        self.control: Group | None = None  # the control group (prepare_state): restore agreements
         self.manager: CheckpointManager | None = None
         self.train_state: TrainState | None = None
         self.dense_named: list[tuple[str, torch.Tensor]] = []  # checked before every save
@@ -112,15 +112,15 @@ class TrainerPlugins:
 
     # ---- checkpoints --------------------------------------------------------------------
     def prepare_state(self, dmp: DistributedModelParallel, dense_opt: torch.optim.Optimizer,
-                      ckpt_pg: dist.ProcessGroup) -> None:
-        """Build the checkpoint manager (its collectives on `ckpt_pg`) and the train state of the
+                      groups: Groups) -> None:
+        """Build the checkpoint manager (its collectives on the checkpoint group) and the train state of the
         sharded module `dmp` and the dense optimizer; create lazy optimizer state."""
         mode = "async" if self.config.switches.async_checkpoint else "sync"
         self.manager = CheckpointManager(
             CheckpointConfig(root=self.config.checkpoint_dir, mode=mode, keep_last=self.config.keep_checkpoints),
-            process_group=ckpt_pg, on_commit=self._on_commit, async_staging=self.async_staging,
+            process_group=groups.checkpoint.pg, on_commit=self._on_commit, async_staging=self.async_staging,
         )
-        self.ckpt_pg = ckpt_pg
+        self.control = groups.control
         self.train_state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": dense_opt})
         dlrm = dmp.module
         self.dense_named = [pair for name in DENSE_MODULES
@@ -145,7 +145,7 @@ class TrainerPlugins:
             self.rec.record("checkpoint_save_blocking", staged.start, staged.end, sync=False, step=staged.step,
                             staging_wait=True)
 
-    def rebind(self, dmp: DistributedModelParallel, dense_opt: torch.optim.Optimizer, ckpt_pg: dist.ProcessGroup,
+    def rebind(self, dmp: DistributedModelParallel, dense_opt: torch.optim.Optimizer, groups: Groups,
                config: TrainerConfig, rec: SpoolWriter) -> None:
         """After a live recovery rebuilt the process group and the sharded module: the next
         attempt's config and spool, a checkpoint manager on the new checkpoint group and a
@@ -153,7 +153,7 @@ class TrainerPlugins:
         self.config, self.rec = config, rec
         if self.manager is not None:
             self.manager.close()
-        self.prepare_state(dmp, dense_opt, ckpt_pg)
+        self.prepare_state(dmp, dense_opt, groups)
 
     def abandon_saves(self) -> None:
         """A peer failed: the save in flight can never commit (its group is gone); drop it
@@ -183,7 +183,7 @@ class TrainerPlugins:
                     self.memory.restore(self.train_state, point.step)
                 except MemoryCopyError as exc:
                     problem = str(exc)
-            if agree_all_ok(problem is None, self.ckpt_pg):
+            if self.control.all_ok(problem is None):
                 self.live_point = (point.step, Cursor.from_dict(self.train_state.cursor))
                 return {**attrs, "source": "memory", "step": point.step}
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",

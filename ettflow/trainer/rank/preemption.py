@@ -31,12 +31,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
 from ettflow.ett.events import FAILURE
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.spool import SpoolWriter
+from ettflow.trainer.collectives import Group
 
 log = logging.getLogger("ettflow.trainer")
 EXIT_CODE = 128 + signal.SIGTERM
@@ -108,13 +106,12 @@ class PreemptionSignal:
         self._event.set()
 
     # ---- decisions and records --------------------------------------------------------
-    def agree(self, pg, device: torch.device) -> StopDecision:
-        """Every rank's "stop?" at a step boundary (a collective: every rank calls it)."""
-        mine = torch.tensor([1.0 if self.signalled else 0.0,
-                             -self.grace_left() if self.signalled else -_NOT_SIGNALLED],
-                            dtype=torch.float64, device=device)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=pg)
-        stop, left = bool(mine[0] > 0), -float(mine[1])
+    def agree(self, control: Group) -> StopDecision:
+        """Every rank's "stop?" at a step boundary, on the control group (a collective: every
+        rank calls it; CPU values, no device sync)."""
+        flag, neg_left = control.max_of([1.0 if self.signalled else 0.0,
+                                         -self.grace_left() if self.signalled else -_NOT_SIGNALLED])
+        stop, left = flag > 0, -neg_left
         return StopDecision(stop=stop, grace_left_s=left, save=stop and left >= SAVE_GRACE_SHARE * self.grace_s)
 
     def failure(self, rank: int, attempt: int, step: int | None) -> Failure:

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
     from torch import nn
     from torchrec.distributed import DistributedModelParallel
 
+    from ettflow.trainer.collectives import Groups
     from ettflow.trainer.data.batch import Batch
     from ettflow.trainer.data.pipeline import DataPipeline
     from ettflow.trainer.model import DenseStep
@@ -29,8 +29,7 @@ if TYPE_CHECKING:
 # The init stage that sets each stage-bound field (see session.py for the stage graph).
 SET_BY: dict[str, str] = {
     "device": "device_init",
-    "pg": "process_group_init",
-    "ckpt_pg": "process_group_init",
+    "groups": "process_group_init",
     "data": "preproc_creation",
     "eval_data": "preproc_creation",
     "dmp": "train_module_creation",
@@ -56,8 +55,8 @@ class StateNotReady(RuntimeError):
 class RankState:
     """One rank's live objects.
 
-    device: the rank's torch device. pg: the training process group (gloo or nccl);
-    ckpt_pg: a gloo group of its own for checkpoint collectives. data / eval_data: the
+    device: the rank's torch device. groups: its process groups, training (gloo or nccl),
+    control and checkpoint (gloo), and every collective ettflow calls (`trainer/collectives.py`). data / eval_data: the
     training and held-out pipelines (eval_data None: no held-out windows). dmp: the sharded
     DLRM; dense_step: its dense part as one module; dense_opt: the dense optimizer.
     plugins: the compile cache and checkpoints. batches: the training batch iterator,
@@ -67,8 +66,7 @@ class RankState:
     """
 
     device: torch.device = field(init=False)
-    pg: dist.ProcessGroup = field(init=False)
-    ckpt_pg: dist.ProcessGroup = field(init=False)
+    groups: Groups = field(init=False)
     data: DataPipeline = field(init=False)
     eval_data: DataPipeline | None = field(init=False)
     dmp: DistributedModelParallel = field(init=False)

@@ -30,7 +30,6 @@ RNG is fresh); otherwise a cold start. Both restores are the `checkpoint_restore
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
 import time
@@ -39,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import CheckpointInfo
 from ettflow.trainer.checkpoint.latest import latest_checkpoint
+from ettflow.trainer.collectives import Groups, teardown_any
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.batch import synthetic_batch
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
@@ -121,17 +120,18 @@ class TrainerSession:
         return device
 
     def process_group_init(self) -> None:
-        backend = "nccl" if self.state.device.type == "cuda" else "gloo"
+        """The training, control and checkpoint groups (trainer/collectives.py)."""
         addr, port = self.master
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-            world_size=self.config.world_size,
-            timeout=datetime.timedelta(seconds=self.config.process_group_timeout_s),
-        )
-        self.state.pg = dist.group.WORLD
-        # checkpoint collectives get a group of their own: sharing the training group with a
-        # background save aborts with a gloo collective mismatch
-        self.state.ckpt_pg = dist.new_group(backend="gloo")
+        self.state.groups = Groups.form(self.state.device, init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                        world_size=self.config.world_size,
+                                        timeout_s=self.config.process_group_timeout_s,
+                                        check=self.config.collective_check)
+
+    def interrupt(self) -> None:
+        """A peer failed: unblock this rank's collective in flight (called from the actor's
+        second thread; NCCL aborts its communicators, gloo has already failed it)."""
+        if self.state.is_set("groups"):
+            self.state.groups.interrupt()
 
     def preproc_creation(self) -> None:
         train, held_out = split_windows(self.config)
@@ -148,7 +148,7 @@ class TrainerSession:
             rebuild_sharded(self.state, self.config)
             return
         dlrm = build_dlrm(self.config.model, self.config.schema, device=device)
-        dmp = shard(dlrm, self.config.model, self.state.pg, device)
+        dmp = shard(dlrm, self.config.model, self.state.groups.training)
         self.state.dmp = dmp
         self.state.dense_step = DenseStep(dmp.module)
         self.state.dense_opt = dense_optimizer(dmp, self.config.model)
@@ -158,7 +158,7 @@ class TrainerSession:
                                             keeper=self.keeper, warm_cache=self.warm_cache)
 
     def pre_train(self) -> None:
-        self.state.plugins.prepare_state(self.state.dmp, self.state.dense_opt, self.state.ckpt_pg)
+        self.state.plugins.prepare_state(self.state.dmp, self.state.dense_opt, self.state.groups)
         if self.evaluates_at_start:
             self.state.eval_start = self.evaluate()
 
@@ -178,7 +178,7 @@ class TrainerSession:
             return None
         batches = itertools.islice(data.batches(None), self.config.eval_batches)
         return Evaluation.of(evaluate(self.state.dmp.module.sparse_arch, self.state.dense_step, batches,
-                                      self.state.device, self.state.pg))
+                                      self.state.device, self.state.groups.control))
 
     def checkpoint_restore(self) -> dict[str, Any]:
         return self.state.plugins.restore()
@@ -339,12 +339,11 @@ class TrainerSession:
         try:
             with self.beat.phase("process_group_init"), self.rec.span("process_group_rebuild",
                                                                        world_size=self.config.world_size):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                self._teardown_groups(failed=True)
                 self.process_group_init()
             with self.beat.phase("train_module_creation"), self.rec.span("module_reshard"):
                 rebuild_sharded(self.state, self.config)
-                self.state.plugins.rebind(self.state.dmp, self.state.dense_opt, self.state.ckpt_pg, self.config,
+                self.state.plugins.rebind(self.state.dmp, self.state.dense_opt, self.state.groups, self.config,
                                           self.rec)
             with self.beat.phase("checkpoint_restore"), self.rec.span("checkpoint_restore", live=True) as attrs:
                 attrs.update(self.state.plugins.restore_point(point))
@@ -355,13 +354,19 @@ class TrainerSession:
             raise
         return self._train()
 
+    def _teardown_groups(self, *, failed: bool) -> None:
+        """This rank's groups destroyed (after a peer's failure NCCL's are aborted first)."""
+        if self.state.is_set("groups"):
+            self.state.groups.teardown(failed=failed)
+        else:
+            teardown_any()
+
     def close(self) -> None:
         if self.state.is_set("plugins"):
             self.state.plugins.close()
         if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
             self.state.batches.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._teardown_groups(failed=False)
         self.beat.close()
         PREEMPTION.detach(self.rec)
         self.rec.close()
