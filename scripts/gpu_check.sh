@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# The GPU host check, one script: run it on a machine with an NVIDIA GPU after scripts/setup.sh.
+# The GPU host check, in two parts.
 #
+#   bash scripts/gpu_check.sh [--part 1|2|all] [--keep] [--dry-run-cpu] [--state-mb N]
+#
+# Part 1 needs only torch (no TorchRec, fbgemm-gpu, Ray or Prefect): it runs on a bare GPU host
+# with a CUDA torch and this source tree (python -m ettflow.bench.gpu_part1, PYTHONPATH=.):
+# the training (NCCL) and control (gloo) groups at world size 1 through ettflow's collectives
+# module, the dense step compiled cold and then warm from ettflow's compile-cache archive on
+# CUDA (ratio), sync vs pinned-staged save blocking of a dense state of --state-mb (default
+# 256; ratio), and a restore from the pinned copy equal to the original bitwise. Without CUDA
+# it runs on the CPU, says in its title that it is not a GPU result, and exits 0.
+#
+# Part 2 needs the full install (scripts/setup.sh on the GPU host):
 #   1. the CUDA build imports: torch built with CUDA and seeing a GPU, an fbgemm-gpu CUDA op
 #      on the device, torchrec (the versions setup.sh pairs: one release on CPU and GPU hosts);
 #   2. a 1-rank refresh with device=cuda through the real `ettflow refresh` command (its own
@@ -8,26 +19,49 @@
 #   3. the same refresh again on the same work root: the compile cache is restored (warm);
 #   4. a table: versions, each run's status, ETT%, pt2_compile seconds, cache hit, and the
 #      warm/cold compile ratio on CUDA, measured side by side in this one run.
+# Where TorchRec or fbgemm-gpu is not installed, part 2 says so and is skipped (exit 0 when part 1
+# passed). On a host without CUDA part 2 stops at step 1 with exit status 2 and says why.
+# --dry-run-cpu runs part 2's steps 2-4 on the CPU, to check the script itself on a CPU host:
+# its table is marked as not a GPU result and it exits 3.
 #
-# Record the table in BENCHMARKS.md with the command line. On a host without CUDA it stops at
-# step 1 with exit status 2 and says why. --dry-run-cpu runs steps 2-4 on the CPU, to check
-# the script itself on a CPU host: its table is marked as not a GPU result and it exits 3.
-#
-#   bash scripts/gpu_check.sh [--keep] [--dry-run-cpu]     (--keep: keep the work folder)
+# Record the tables in BENCHMARKS.md with the command line, the GPU and the torch version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=$(command -v python3); fi
+fi
+PY=$PYTHON
 ETTFLOW=$(dirname "$PY")/ettflow
 DEVICE=cuda
 KEEP=0
-for arg in "$@"; do
-  case "$arg" in
+PART=all
+STATE_MB=256
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run-cpu) DEVICE=cpu ;;
     --keep) KEEP=1 ;;
-    *) echo "gpu_check: unknown argument $arg (use --keep, --dry-run-cpu)" >&2; exit 64 ;;
+    --part) PART=${2:-}; shift ;;
+    --state-mb) STATE_MB=${2:-}; shift ;;
+    *) echo "gpu_check: unknown argument $1 (use --part 1|2|all, --keep, --dry-run-cpu, --state-mb N)" >&2; exit 64 ;;
   esac
+  shift
 done
+case "$PART" in 1|2|all) ;; *) echo "gpu_check: --part takes 1, 2 or all, got '$PART'" >&2; exit 64 ;; esac
 [ -x "$PY" ] || { echo "gpu_check: no Python at $PY: run scripts/setup.sh first (or set PYTHON)" >&2; exit 2; }
+
+# ---- part 1: torch only ------------------------------------------------------------------------
+if [ "$PART" != 2 ]; then
+  echo "gpu_check: part 1 (torch only)"
+  PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} "$PY" -m ettflow.bench.gpu_part1 --state-mb "$STATE_MB" \
+    || { echo "gpu_check: FAILED: part 1 (above)" >&2; exit 1; }
+  [ "$PART" = 1 ] && exit 0
+fi
+
+# ---- part 2: the full 1-rank refresh -----------------------------------------------------------
+if ! "$PY" -c 'import torchrec, fbgemm_gpu' >/dev/null 2>&1; then
+  echo "gpu_check: part 2 SKIPPED: TorchRec or fbgemm-gpu is not installed for $PY (run scripts/setup.sh on this host)"
+  exit 0
+fi
 
 WORK=$(mktemp -d -t ettflow-gpu-check-XXXX)
 [ "$KEEP" = 1 ] && echo "gpu_check: work folder $WORK (kept)" || trap 'rm -rf "$WORK"' EXIT

@@ -31,7 +31,9 @@ class Switches:
     compile_cache: bool = True  # restore / save the compile-cache archive
     async_checkpoint: bool = True  # DCP async_save with staging (False: synchronous save)
     # in-memory checkpoint tier: every save also stages each rank's shards into host memory that
-    # outlives the rank (trainer/checkpoint/memory_tier.py); a restore reads it when it is intact
+    # outlives the rank (trainer/checkpoint/memory_tier.py); a live recovery's restore reads it
+    # when it is intact. Only where one can: copies are taken only with live_recovery on and a
+    # place for the spare (on a GPU placement, room for its bundle); a full restart reads disk
     memory_checkpoint: bool = True
     # live recovery: when one rank fails, the healthy ranks keep their processes (imports, compiled
     # step), a pre-started warm spare takes the failed rank's place, and all restore from memory

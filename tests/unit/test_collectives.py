@@ -13,6 +13,8 @@ import torch
 import ettflow
 from ettflow.trainer.collectives import CollectiveDeviceError, Group, Groups
 
+from helpers.group_ops import RecordingOps
+
 PACKAGE = Path(ettflow.__file__).parent
 MODULE = "trainer/collectives.py"
 # torch.distributed's collectives and group management: only trainer/collectives.py calls them
@@ -23,33 +25,6 @@ COLLECTIVES = frozenset({
     "isend", "irecv", "batch_isend_irecv", "init_process_group", "new_group", "destroy_process_group",
 })
 CPU = torch.device("cpu")
-
-
-class RecordingOps:
-    """Group ops that record what forming and tearing down would do to torch.distributed."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.up = False
-
-    def init(self, backend, init_method, rank, world_size, timeout_s):
-        self.calls.append(("init", backend))
-        self.up = True
-        return f"{backend}-world"
-
-    def new_group(self, backend):
-        self.calls.append(("new_group", backend))
-        return f"{backend}-{len(self.calls)}"
-
-    def abort(self, pg):
-        self.calls.append(("abort", pg))
-
-    def destroy(self):
-        self.calls.append(("destroy",))
-        self.up = False
-
-    def initialized(self):
-        return self.up
 
 
 def form(device: str, ops: RecordingOps, check="backend") -> Groups:

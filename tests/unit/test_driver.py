@@ -5,20 +5,26 @@ and the policy's decisions are enums: the tests assert on those, not on messages
 from __future__ import annotations
 
 import pytest
+import torch
 
+from ettflow.ett.capacity import held_by_model, holdings_of_run
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.tasks import run_spool
 from ettflow.trainer.classify import primary_failure
+from ettflow.trainer.collectives import Groups
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.faults import due, pending_faults, record_fired
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import FailureDecision
-from ettflow.trainer.protocol import MEMORY, RestorePoint
+from ettflow.trainer.group.placement import SpareBundles
+from ettflow.trainer.group.pooled_worker import PooledWorker, record_start
+from ettflow.trainer.protocol import MEMORY, PrewarmTimings, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
+from helpers.group_ops import RecordingOps
 from helpers.rank_results import finished
 
 INFRA, USER, DATA = FailureClass.INFRASTRUCTURE, FailureClass.USER, FailureClass.DATA
@@ -416,3 +422,77 @@ def test_no_spare_restarts_every_rank(tmp_path):
     assert (handoff.start, handoff.end, handoff.attrs["handed"]) == (1005.0, 1006.0, False)
     (scheduling,) = [e for e in run.markers("scheduling") if e.attempt == 1]
     assert (scheduling.start, scheduling.end) == (1006.0, 1008.0)
+
+
+class GpuLiveGroup(LiveScriptedGroup):
+    """A GPU placement's live recovery, scripted on the real pieces: ranks 0 and 1 in bundles 0
+    and 1 and the spare holding a device in bundle 2 from the placement on (`SpareBundles`);
+    each rank's groups formed for CUDA (NCCL) through recording ops (`Groups`, no GPU). At a
+    failure the driver has the survivors interrupted (their NCCL communicators aborted), the
+    spare takes the failed rank's place (the next spare's bundle is the one the failed rank
+    left) and its hold is recorded as `SparePool.take` records it (`record_start` of a worker
+    holding one GPU and four CPUs); on resume every survivor tears its groups down (no second
+    abort) and forms new ones, and the spare forms its first."""
+
+    def __init__(self, run, attempt: int, script: dict) -> None:
+        super().__init__(run, attempt, script)
+        self.bundles = SpareBundles.plan(2, spare=True)
+        self.ops = {r: RecordingOps() for r in (0, 1)}
+        self.groups: dict[int, Groups] = {}
+        self.next_spare_bundles: list[int] = []
+        self.spare: PooledWorker | None = None
+
+    def form(self, rank: int) -> Groups:
+        return Groups.form(torch.device("cuda"), init_method="tcp://head:1", rank=rank, world_size=2, timeout_s=60,
+                           ops=self.ops[rank])
+
+    def reserve(self) -> None:
+        super().reserve()
+        self.spare = PooledWorker(actor=None, prewarmed=None, requested_at=self.run.clock.t, key="k",
+                                  model="dlrm", gpus=1.0, cpus=4.0)  # started with the placement
+
+    def launch(self) -> None:
+        super().launch()
+        self.groups = {r: self.form(r) for r in (0, 1)}
+
+    def prepare_live(self, failure):
+        for rank, groups in self.groups.items():
+            if rank != failure.rank:
+                groups.interrupt()
+        return super().prepare_live(failure)
+
+    def hand_off(self, attempt, failure) -> None:
+        super().hand_off(attempt, failure)
+        timings = PrewarmTimings(build_s=0.2, compile_s=0.3, cache_hit=True, footers_s=0.0, ready_at=1003.0)
+        with SpoolWriter(self.run.spool, self.run.run_id, attempt, -1) as rec:
+            record_start(rec, self.spare, timings, pooled=False, used=True, taken_at=self.run.clock.t)
+        self.next_spare_bundles.append(self.bundles.hand_off(failure.rank))
+        self.ops[failure.rank] = RecordingOps()  # the spare's own process
+        del self.groups[failure.rank]
+
+    def resume(self, point) -> None:
+        for rank in (0, 1):
+            if rank in self.groups:
+                self.groups[rank].teardown(failed=True)
+            self.groups[rank] = self.form(rank)
+        super().resume(point)
+
+
+def test_a_gpu_placement_recovers_live_with_a_spare_holding_its_own_device(tmp_path):
+    run = Run(tmp_path, [{(1, 3): "die"}, finish_at(3)], restore_step=1)
+    result, (group,) = drive_live(run, GpuLiveGroup)
+    assert result.attempts == 2 and group.recoveries == [(1, 1, 1)]
+    # the spare took bundle 2 for rank 1; the next spare starts in bundle 1, the device rank 1 left
+    assert group.bundles.of_rank == [0, 2] and group.next_spare_bundles == [1] and group.bundles.total == 3
+    nccl = [("init", "nccl"), ("new_group", "gloo"), ("new_group", "gloo")]
+    # the survivor: formed, aborted at the failure, destroyed, formed again; the spare: formed once
+    assert group.ops[0].calls == nccl + [("abort", "nccl-world"), ("destroy",)] + nccl
+    assert group.ops[1].calls == nccl
+    (restore,) = [e for e in run.markers("checkpoint_restore") if e.rank == 0]
+    assert (restore.attrs["source"], restore.attrs["step"]) == ("memory", 1)
+    # the ledger: the spare held one GPU and four CPUs from the placement (1002) until it took rank 1 (1005.5)
+    events = read_spool(run.spool, run.run_id).events
+    (held,) = holdings_of_run(run.run_id, "dlrm", events, 1000.0, run.clock.t)
+    assert (held.kind, held.used, held.reason, held.gpus, held.held_s) == ("spare", True, "replaced_rank", 1.0, 3.5)
+    (by_model,) = held_by_model([held])
+    assert (by_model.gpu_s, by_model.cpu_s, by_model.slot_s, by_model.unused_slot_s) == (3.5, 14.0, 3.5, 0.0)

@@ -14,7 +14,13 @@ from ettflow.trainer.classify import on_lost_node
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.group.driver import TrainingDriver
-from ettflow.trainer.group.placement import Placement, PlacementStrategy, attempt_world_size, ranks_that_fit
+from ettflow.trainer.group.placement import (
+    Placement,
+    PlacementStrategy,
+    SpareBundles,
+    attempt_world_size,
+    ranks_that_fit,
+)
 
 from helpers.rank_results import finished
 
@@ -113,3 +119,15 @@ def test_the_driver_runs_the_attempt_at_the_groups_world_size(tmp_path, flow_dat
     assert sorted(result.ranks) == [0, 1] and group.torn_down  # two ranks finished: the attempt is done
     (sched,) = [e for e in read_spool(tmp_path, "r").events if e.phase == "scheduling"]
     assert sched.attrs == {"world_size": 2, "nodes": ["node-a", "node-a"]}
+
+
+def test_a_gpu_spare_bundle_follows_the_hand_offs():
+    bundles = SpareBundles.plan(3, spare=True)
+    assert (bundles.total, bundles.spare, bundles.of_rank) == (4, 3, [0, 1, 2])
+    assert bundles.hand_off(1) == 1 and bundles.of_rank == [0, 3, 2]  # the next spare: rank 1's old device
+    assert bundles.hand_off(1) == 3 and bundles.of_rank == [0, 1, 2]  # the same rank fails again
+    assert bundles.hand_off(0) == 0 and bundles.of_rank == [3, 1, 2]
+    none = SpareBundles.plan(2, spare=False)
+    assert none.total == 2 and none.spare is None
+    with pytest.raises(ValueError, match="no spare bundle"):
+        none.hand_off(0)

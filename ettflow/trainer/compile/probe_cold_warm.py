@@ -46,9 +46,14 @@ class DenseSize:
 
 def build_dense_forward(size: DenseSize):
     """dense_forward(dense [B, dense_in], embedded [B, F, D]) -> logits [B], from torchrec's
-    DLRM DenseArch, InteractionArch and OverArch."""
+    DLRM DenseArch, InteractionArch and OverArch (the same layers in plain torch where TorchRec
+    is not installed: `plain_dense_forward`, a bare GPU host's check)."""
     import torch
-    from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+
+    try:
+        from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+    except ImportError:
+        return plain_dense_forward(size)
 
     class DenseForward(torch.nn.Module):
         def __init__(self) -> None:
@@ -66,31 +71,67 @@ def build_dense_forward(size: DenseSize):
     return DenseForward()
 
 
-def train_steps(model, size: DenseSize, steps: int) -> list[float]:
-    """Forward + backward `steps` times; seconds of each (the first includes compiling)."""
+def plain_dense_forward(size: DenseSize):
+    """TorchRec's DLRM dense part in plain torch: DenseArch (Linear + ReLU layers), the
+    pairwise-dot InteractionArch, OverArch (Linear + ReLU, the last layer linear)."""
+    import torch
+    from torch import nn
+
+    def mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if last_relu or i < len(sizes) - 2:
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+    class PlainDenseForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense_arch = mlp([size.dense_in, *size.dense_arch], last_relu=True)
+            pairs = (size.sparse + 1) * size.sparse // 2
+            self.over_arch = mlp([size.dim + pairs, *size.over_arch], last_relu=False)
+            self.register_buffer("triu", torch.triu_indices(size.sparse + 1, size.sparse + 1, offset=1),
+                                 persistent=False)
+
+        def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+            d = self.dense_arch(dense)
+            combined = torch.cat([d.unsqueeze(1), embedded], dim=1)
+            inter = torch.bmm(combined, combined.transpose(1, 2))[:, self.triu[0], self.triu[1]]
+            return self.over_arch(torch.cat([d, inter], dim=1)).squeeze(-1)
+
+    torch.manual_seed(0)
+    return PlainDenseForward()
+
+
+def train_steps(model, size: DenseSize, steps: int, device: str = "cpu") -> list[float]:
+    """Forward + backward `steps` times on `device`; seconds of each (the first includes
+    compiling; each waits for the device)."""
     import torch
 
     from .compiled import compile_module
 
-    fn = compile_module(model)
-    dense = torch.randn(size.batch, size.dense_in)
-    embedded = torch.randn(size.batch, size.sparse, size.dim, requires_grad=True)
-    labels = torch.randint(0, 2, (size.batch,)).float()
+    fn = compile_module(model.to(device))
+    dense = torch.randn(size.batch, size.dense_in, device=device)
+    embedded = torch.randn(size.batch, size.sparse, size.dim, device=device, requires_grad=True)
+    labels = torch.randint(0, 2, (size.batch,), device=device).float()
     seconds = []
     for _ in range(steps):
         t0 = time.perf_counter()
         logits = fn(dense, embedded)
         torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+        if device != "cpu":
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
     return seconds
 
 
-def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int) -> dict:
+def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
     from . import archive, trust
     from .cache import CompileCache
     from .config import CompileCacheConfig
 
-    cache = CompileCache(CompileCacheConfig(root=root, work_dir=work, threads=threads,
+    cache = CompileCache(CompileCacheConfig(root=root, work_dir=work, threads=threads, device=device,
                                             model=asdict(size)))
     cache.prepare_env()
     out: dict = {"mode": mode, "key": cache.key}
@@ -111,7 +152,7 @@ def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int) 
         restored = cache.restore()
         out.update(restore_s=restored.seconds, hit=restored.hit, restore_bytes=restored.bytes,
                    reason=restored.reason)
-    steps = train_steps(build_dense_forward(size), size, steps=2)
+    steps = train_steps(build_dense_forward(size), size, steps=2, device=device)
     out.update(first_step_s=steps[0], next_step_s=steps[1])
     if mode == "cold":
         saved = cache.save()
@@ -120,9 +161,9 @@ def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int) 
     return out
 
 
-def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int) -> dict:
+def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
     cmd = [sys.executable, "-m", "ettflow.trainer.compile.probe_cold_warm", "child", mode,
-           str(root), str(work), json.dumps(asdict(size)), str(threads)]
+           str(root), str(work), json.dumps(asdict(size)), str(threads), device]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
@@ -151,9 +192,9 @@ def _int_tuple(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
-        mode, root, work, size_json, threads = argv[1:6]
+        mode, root, work, size_json, threads, device = argv[1:7]
         result = run_child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)),
-                           int(threads))
+                           int(threads), device)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

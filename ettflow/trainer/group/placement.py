@@ -97,3 +97,31 @@ def attempt_world_size(placement: Placement, world_size: int, fit: int, *, resta
     if fit >= world_size or not restart or placement.min_world_size is None:
         return world_size
     return max(fit, placement.min_world_size)
+
+
+@dataclass
+class SpareBundles:
+    """A GPU placement's bundles by index: rank r in `of_rank[r]` (at first bundle r), the next
+    spare in `spare` (at first bundle `world_size`, when the placement reserved one; None: no
+    spare bundle). A spare holds its device from its start (its own bundle), so after a
+    hand-off (`hand_off`) the spare's bundle is the rank's, and the failed rank's bundle (its
+    device, freed with its process) is where the next spare starts."""
+
+    of_rank: list[int]
+    spare: int | None
+
+    @classmethod
+    def plan(cls, world_size: int, *, spare: bool) -> SpareBundles:
+        return cls(of_rank=list(range(world_size)), spare=world_size if spare else None)
+
+    @property
+    def total(self) -> int:
+        """Bundles to reserve."""
+        return len(self.of_rank) + (self.spare is not None)
+
+    def hand_off(self, rank: int) -> int:
+        """The spare takes `rank`: returns the bundle the next spare starts in."""
+        if self.spare is None:
+            raise ValueError("this placement has no spare bundle")
+        self.of_rank[rank], self.spare = self.spare, self.of_rank[rank]
+        return self.spare

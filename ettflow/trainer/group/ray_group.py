@@ -42,7 +42,7 @@ from ettflow.trainer.classify import failure_from_exception, is_process_loss, on
 from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
-from ettflow.trainer.group.placement import attempt_world_size, ranks_that_fit
+from ettflow.trainer.group.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.warm_pool import POOL, record_start
@@ -163,8 +163,7 @@ class RayWorkerGroup:
         self.joining: int | None = None  # the rank a spare took (live recovery)
         self.finished: set[int] = set()  # ranks whose training returned
         self.gpu = False  # the placement holds GPUs (no warm pool; the spare in a bundle)
-        self.spare_bundles = 0  # bundles beyond the ranks': a GPU placement's spare
-        self.bundle_of: list[int] = []  # each rank's bundle index (a spare takes the spare bundle)
+        self.bundles = SpareBundles.plan(0, spare=False)  # a GPU placement's ranks' and spare's bundles
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -176,26 +175,25 @@ class RayWorkerGroup:
         fit = ranks_that_fit([n["resources"] for n in nodes.values()], bundle, self.config.placement.strategy)
         return attempt_world_size(self.config.placement, self.config.world_size, fit, restart=self.attempt > 0)
 
-    def _spare_room(self, bundle: dict) -> int:
-        """1 when this GPU placement keeps a spare in a bundle of its own and the live nodes
-        can hold it beside the ranks; else 0."""
-        if not (self.gpu and self.config.switches.live_recovery):
-            return 0
-        nodes = [n["resources"] for n in live_nodes().values()]
-        if ranks_that_fit(nodes, bundle, self.config.placement.strategy) > self.world_size:
-            return 1
-        log.warning("attempt %d: no room for a GPU spare beside %d ranks: a failure restarts every rank",
-                    self.attempt, self.world_size)
-        return 0
+    def _plan_bundles(self, bundle: dict) -> SpareBundles:
+        """The ranks' bundles, and a spare's when this GPU placement keeps one in a bundle of
+        its own and the live nodes can hold it beside the ranks."""
+        spare = self.gpu and self.config.switches.live_recovery
+        if spare and ranks_that_fit([n["resources"] for n in live_nodes().values()], bundle,
+                                    self.config.placement.strategy) <= self.world_size:
+            log.warning("attempt %d: no room for a GPU spare beside %d ranks: a failure restarts every rank",
+                        self.attempt, self.world_size)
+            spare = False
+        return SpareBundles.plan(self.world_size, spare=spare)
 
     def _placement_group(self, bundle: dict):
-        return placement_group([dict(bundle) for _ in range(self.world_size + self.spare_bundles)],
+        return placement_group([dict(bundle) for _ in range(self.bundles.total)],
                                strategy=self.config.placement.strategy.value)
 
     @property
     def recovers_live(self) -> bool:
         """A failure can be recovered live: live recovery is on and a spare has a place."""
-        return self.config.switches.live_recovery and (not self.gpu or self.spare_bundles > 0)
+        return self.config.switches.live_recovery and (not self.gpu or self.bundles.spare is not None)
 
     def reserve(self) -> None:
         from ettflow.trainer.rank.actor import TrainerActor
@@ -204,7 +202,7 @@ class RayWorkerGroup:
         bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}
         deadline = time.monotonic() + self.reserve_timeout_s
         self.world_size = self._wanted(bundle)
-        self.spare_bundles = self._spare_room(bundle)
+        self.bundles = self._plan_bundles(bundle)
         self.pg = self._placement_group(bundle)
         while True:
             left = deadline - time.monotonic()
@@ -217,8 +215,8 @@ class RayWorkerGroup:
                     self.pg = None
                     raise FailureError(Failure(
                         failure_class=FailureClass.INFRASTRUCTURE, attempt=self.attempt,
-                        reason=f"could not reserve {self.world_size + self.spare_bundles} x {bundle} "
-                               f"({self.config.placement.strategy}{SPARE_NOTE if self.spare_bundles else ''}) "
+                        reason=f"could not reserve {self.bundles.total} x {bundle} ({self.config.placement.strategy}"
+                               f"{SPARE_NOTE if self.bundles.spare is not None else ''}) "
                                f"within {self.reserve_timeout_s:g} s: the Ray cluster's live nodes hold "
                                f"{[n['resources'] for n in live_nodes().values()]}; add capacity, raise "
                                "capacity_wait_s, or allow a smaller restart with min_world_size")) from exc
@@ -226,12 +224,11 @@ class RayWorkerGroup:
                 if wanted != self.world_size:  # capacity changed while waiting: ask for what fits now
                     remove_placement_group(self.pg)
                     self.world_size = wanted
-                    self.spare_bundles = self._spare_room(bundle)
+                    self.bundles = self._plan_bundles(bundle)
                     self.pg = self._placement_group(bundle)
         config = self.attempt_config()
         remote = ray.remote(TrainerActor)
         requested_at = time.time()
-        self.bundle_of = list(range(self.world_size))
         # the in-memory tier only where something reads it: a live recovery's restore
         if self.config.switches.memory_checkpoint and self.recovers_live:
             self.keeper = run_keeper(self.run_id, pooled=self.config.switches.warm_pool)  # starts with the ranks'
@@ -240,7 +237,8 @@ class RayWorkerGroup:
             pooled[rank][0].actor if pooled[rank] is not None else remote.options(
                 num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,
                 max_concurrency=2,  # a second thread answers calls while `train` runs
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=self.bundles.of_rank[rank]),
             ).remote(config, self.run_id, self.attempt, rank, self.spool_root, requested_at)
             for rank in range(self.world_size)
         ]
@@ -250,12 +248,14 @@ class RayWorkerGroup:
         self._record_pooled(pooled)
         if self.recovers_live:
             self.spares = SparePool(self.config, self.run_id, self.spool_root,
-                                    bundle=(self.pg, self.world_size) if gpu else None)
+                                    bundle=(self.pg, self.bundles.spare) if gpu else None)
+            if gpu:  # it holds its device from now: its process starts now (its prewarm later)
+                self.spares.start()
 
     def _bundle_nodes(self) -> list[str | None]:
         """Each bundle's node, by rank (None where Ray does not say)."""
         table = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {})
-        return [table.get(rank) for rank in range(self.world_size)]
+        return [table.get(self.bundles.of_rank[rank]) for rank in range(self.world_size)]
 
     def _record_pooled(self, pooled: list) -> None:
         """The ranks a warm pool started before the run: their start, off the clock."""
@@ -346,8 +346,7 @@ class RayWorkerGroup:
         spare, info = self.spares.take(attempt, self.config.startup_timeout_s)
         self.actors[failure.rank], self.info[failure.rank] = spare, info
         if self.spares.bundle is not None:  # the next spare starts in the bundle the failed rank left
-            freed, self.bundle_of[failure.rank] = self.bundle_of[failure.rank], self.spares.bundle[1]
-            self.spares.bundle = (self.pg, freed)
+            self.spares.bundle = (self.pg, self.bundles.hand_off(failure.rank))
         self.attempt, self.joining, self.finished = attempt, failure.rank, set()
 
     def resume(self, point: RestorePoint) -> None:
