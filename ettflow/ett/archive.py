@@ -31,6 +31,8 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from .json_file import replace_json
+from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
+from .lineage_pending import read_pending_lineage
 from .redact import redact_url
 from .run_metrics import RunMetrics, compute_run_metrics
 from .spool import SpoolProblem, SpoolRead, read_spool
@@ -212,10 +214,26 @@ def archive_or_defer(warehouse_url: str | None | Callable[[], str | None], spool
         return ArchiveResult(*common, pending=write_pending(spool_root, info, outage_reason(exc)))
     try:
         with Warehouse.open(url) as wh:
+            settled = _settle_lineage(wh, spool_root, info)
             wh.archive_run(info, read.events, metrics)
             shown = wh.display_url
     except OUTAGES as exc:
         pending = write_pending(spool_root, info, outage_reason(exc, url), shown_url(url))
         return ArchiveResult(*common, pending=pending)
     clear_pending(spool_root, info.run_id)
+    if settled is not None:
+        log.warning("run %s ended %s before recording its refresh: lineage %s, windows %s released for the next "
+                    "refresh of model %s", info.run_id, info.status, settled.outcome.value,
+                    ", ".join(settled.windows), info.model)
     return ArchiveResult(*common, warehouse=shown)
+
+
+def _settle_lineage(wh: Warehouse, spool_root: Path | str, info: RunInfo) -> LineageRecord | None:
+    """A run archived as crashed, failed or cancelled that never recorded its refresh's end:
+    its lineage record and its claims released (`lineage.settle_ended_run`), in the same visit
+    as its row (an outage leaves both for the next archiving). Not when its own record waits
+    in the spool (`lineage_pending`: the next reconciliation writes that one)."""
+    if info.status not in ENDED_OUTCOME or read_pending_lineage(spool_root, info.run_id) is not None:
+        return None
+    return settle_ended_run(wh, info.model, info.run_id, info.status,
+                            reason=f"its run ended {info.status} before recording how its refresh ended")

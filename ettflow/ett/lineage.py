@@ -18,8 +18,11 @@ claims at once: while another run holds live claims of the model, the call retur
 claims nothing (the caller waits and asks again, `tasks.claims`). A run asking again gets its
 own claims back (a flow retry). `finish_refresh` records the outcome and, in the same
 transaction, marks the run's claims `done` (PUBLISHED) or releases them (any other outcome), so
-a later refresh trains those windows again. A claim older than `stale_after_s` (its refresh
-died without finishing) is not live.
+a later refresh trains those windows again. A run archived as crashed, failed or cancelled
+that never recorded how its refresh ended (its process died) is settled when it is archived
+(`settle_ended_run`: a CRASHED or FAILED record with the windows it had claimed, its claims
+released), so its model is not blocked; a claim older than `stale_after_s` (its refresh died
+and nobody archived it) is not live either.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .warehouse_db import WRITE, OpenWarehouse
 from .warehouse_models import RefreshLineage, WindowClaim
 
 __all__ = ["Busy", "Claimed", "LineageRecord", "Outcome", "claim_windows", "finish_refresh", "last_published",
-           "lineage", "record_lineage", "release_claims", "watermark"]
+           "lineage", "record_lineage", "release_claims", "settle_ended_run", "watermark"]
 
 _LINEAGE: Table = RefreshLineage.__table__
 _CLAIMS: Table = WindowClaim.__table__
@@ -54,6 +57,7 @@ class Outcome(str, enum.Enum):
     GATED = "gated"  # trained and published, but kept out: it regressed on the held-out window
     SKIPPED = "skipped"  # nothing new to train, or another refresh held the model's windows
     FAILED = "failed"  # training or publishing failed
+    CRASHED = "crashed"  # its process died before it recorded how it ended (`settle_ended_run`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +214,36 @@ def release_claims(wh: OpenWarehouse, model: str, run_id: str) -> int:
         gone = conn.execute(delete(_CLAIMS).where(_CLAIMS.c.model == model, _CLAIMS.c.run_id == run_id,
                                                   _CLAIMS.c.state == CLAIMED))
         return gone.rowcount or 0
+
+
+ENDED_OUTCOME = {"crashed": Outcome.CRASHED, "failed": Outcome.FAILED, "cancelled": Outcome.FAILED}
+
+
+def settle_ended_run(wh: OpenWarehouse, model: str, run_id: str, status: str, *, reason: str,
+                     at: float | None = None) -> LineageRecord | None:
+    """A run that ended `status` (crashed, failed or cancelled: `ENDED_OUTCOME`) without
+    recording how its refresh ended: in one transaction, its lineage record (CRASHED or FAILED,
+    the windows it had claimed, `reason`) and its live claims released, so the next refresh of
+    the model trains those windows again at once. Nothing when it already has a lineage record
+    (it settled its own claims) or holds no claims (it never got as far as claiming); returns
+    the record written, or None."""
+    outcome = ENDED_OUTCOME.get(status)
+    if outcome is None:
+        raise ValueError(f"settle_ended_run: status must be one of {sorted(ENDED_OUTCOME)}, got {status!r}")
+    with _write(wh) as conn, conn.begin():
+        _lock_model(conn, model)
+        if conn.execute(select(_LINEAGE.c.run_id).where(_LINEAGE.c.run_id == run_id)).first() is not None:
+            return None
+        mine = (_CLAIMS.c.model == model) & (_CLAIMS.c.run_id == run_id) & (_CLAIMS.c.state == CLAIMED)
+        claims = conn.execute(select(_CLAIMS).where(mine).order_by(_CLAIMS.c.window)).all()
+        if not claims:
+            return None
+        record = LineageRecord(model=model, run_id=run_id, windows=tuple(c.window for c in claims), outcome=outcome,
+                               reason=reason[:500], created_at=min(c.claimed_at for c in claims),
+                               finished_at=time.time() if at is None else at)
+        _upsert(conn, _LINEAGE, [record.row()])
+        conn.execute(delete(_CLAIMS).where(mine))
+        return record
 
 
 def claim_windows(wh: OpenWarehouse, model: str, run_id: str,

@@ -5,7 +5,10 @@ Two refreshes of one model never train the same windows and never both advance t
 `ett.lineage.claim_windows` reads the watermark and the parent and claims the chosen windows in
 one transaction serialized per model, and refuses (`Busy`) while another refresh of the model
 holds live claims. This task asks again every `POLL_S` until it gets them or `claim_wait_s`
-passed; then the refresh is skipped, with the reason. A refresh whose choice is empty (no window
+passed; then the refresh is skipped, with the reason. A holder whose flow heartbeat (in this
+refresh's spool) has stopped past its bound is dead: it is archived as crashed at once
+(`tasks.reconcile`), which releases its claims (`lineage.settle_ended_run`), and the claim is
+asked again; the 24-hour `STALE_AFTER_S` is only for a holder nobody can see. A refresh whose choice is empty (no window
 newer than the watermark) is skipped too: it reserves no trainer. A claimed plan gets its
 checkpoint interval from the model's history read in the same visit (`plan.with_interval`).
 
@@ -28,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from ettflow.ett import lineage
 from ettflow.ett.events import PhaseEvent
 from ettflow.ett.failure_history_db import estimate_from_warehouse
+from ettflow.ett.heartbeat import read_heartbeat
 from ettflow.ett.lineage import Busy, LineageRecord, Outcome
 from ettflow.ett.lineage_pending import write_pending_lineage
 from ettflow.ett.warehouse import Warehouse
@@ -63,8 +67,10 @@ def busy_reason(plan: RefreshPlan, busy: Busy, waited_s: float) -> str:
             f"{waited_s:.0f} s (claim_wait_s={plan.claim_wait_s:g}) and left those windows to it")
 
 
-def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log: Any = None) -> Claim:
-    """Claim the plan's windows in the warehouse `wh`, waiting up to `plan.claim_wait_s`."""
+def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log: Any = None,
+               url: str | None = None) -> Claim:
+    """Claim the plan's windows in the warehouse `wh` (at `url`, where a dead holder is
+    archived), waiting up to `plan.claim_wait_s`."""
     start = time.monotonic()
     announced = False
     while True:
@@ -75,6 +81,8 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
             if bound.windows_choice.nothing_new:
                 return Claim(bound, f"nothing new to train for model {plan.model}: {bound.windows_choice.reason}")
             return Claim(bound)
+        if _archive_if_dead(plan, got.holder, url, log):
+            continue  # its claims are released: ask again now
         waited = time.monotonic() - start
         if waited >= plan.claim_wait_s:
             return Claim(plan, busy_reason(plan, got, waited))
@@ -83,6 +91,23 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
                      plan.claim_wait_s)
             announced = True
         time.sleep(min(poll_s, max(plan.claim_wait_s - waited, 0.0)))
+
+
+def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) -> bool:
+    """Archive the holder as crashed when its flow heartbeat in this spool stopped past its
+    bound (its claims are released with it); True when that released them."""
+    from .reconcile import reconcile  # the archiving path every dead run takes
+
+    beat = read_heartbeat(plan.spool_root, holder)
+    if beat is None or beat.is_live(time.time()):
+        return False
+    done = reconcile(plan.spool_root, url, run_ids=[holder])
+    released = bool(done) and done[0].action == "archived" and done[0].status == "crashed"
+    if log is not None:
+        log.warning("model %s: run %s holds its windows but its heartbeat stopped %.0f s ago: %s", plan.model,
+                    holder, time.time() - beat.last_beat,
+                    "archived as crashed, its windows released" if released else f"not archived ({done})")
+    return released
 
 
 def _bound(plan: RefreshPlan, mark: str | None, parent: LineageRecord | None) -> tuple[tuple[str, ...], RefreshPlan]:
@@ -102,8 +127,9 @@ def record_skip(plan: RefreshPlan, reason: str, decided_at: float) -> None:
 def claim_windows(plan: RefreshPlan) -> Claim:
     """Choose the windows past the model's watermark and claim them, or skip the refresh."""
     logger = get_run_logger()
-    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
-        claim = take_claim(plan, wh, log=logger)
+    url = resolve_warehouse_url(plan.warehouse)
+    with Warehouse.open(url) as wh:
+        claim = take_claim(plan, wh, log=logger, url=url)
         if claim.skipped is None:  # sized for the claimed windows, from the model's history
             history = estimate_from_warehouse(wh, model=plan.model, now=time.time(), exclude_run=plan.run_id)
             claim = Claim(with_interval(claim.plan, history))

@@ -4,8 +4,12 @@ once, on SQLite and PostgreSQL, train disjoint windows or one is skipped."""
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from ettflow.ett import lineage
+from ettflow.ett.heartbeat import read_heartbeat
 from ettflow.ett.lineage import LineageRecord, Outcome
 from ettflow.ett.warehouse import Warehouse
 from ettflow.tasks.claims import take_claim
@@ -85,3 +89,79 @@ def test_nothing_new_is_skipped_and_claims_nothing(warehouse_url, flow_data, tmp
         assert claim.plan.trainer.windows == ()
         again = take_claim(plan(flow_data, tmp_path, "r2", claim_wait_s=0), wh)  # r1 holds nothing
         assert again.skipped is not None and again.skipped.startswith("nothing new")
+
+
+# ---- a dead run's claims: released when it is archived, or when its heartbeat stopped ----------
+
+def dead_holder(spool, run_id: str, model: str = "dlrm", *, every_s: float = 0.05, mode: str = "optimized") -> None:
+    """A run whose process died inside its heartbeat (a SIGKILL leaves the record without an end),
+    with one spooled event, as a killed refresh leaves its spool."""
+    import json
+
+    from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file
+    from ettflow.ett.spool import SpoolWriter
+
+    with SpoolWriter(spool, run_id, 0, -1) as rec:
+        rec.record("scheduling", time.time() - 5, time.time() - 4)
+    with RunHeartbeat(spool, run_id, every_s=every_s, labels={"model": model, "mode": mode}):
+        pass
+    path = heartbeat_file(spool, run_id)
+    data = json.loads(path.read_text())
+    del data["ended_at"], data["outcome"]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("status, outcome", [("crashed", Outcome.CRASHED), ("failed", Outcome.FAILED),
+                                             ("cancelled", Outcome.FAILED)])
+def test_archiving_a_dead_run_releases_its_claims_and_records_it_in_the_lineage(warehouse_url, flow_data, tmp_path,
+                                                                                status, outcome):
+    from ettflow.ett.archive import archive_or_defer
+    from ettflow.ett.warehouse import RunInfo
+
+    spool = tmp_path / "spool"
+    first = plan(flow_data, tmp_path, "r-dead")
+    with Warehouse.open(warehouse_url) as wh:
+        assert take_claim(first, wh).skipped is None
+        dead_holder(spool, "r-dead")
+        result = archive_or_defer(warehouse_url, spool, RunInfo(run_id="r-dead", model="dlrm", mode="optimized",
+                                                                 status=status))
+        assert result.archived
+        (record,) = lineage.lineage(wh, "dlrm")
+        assert (record.run_id, record.outcome, record.windows) == ("r-dead", outcome, first.trainer.windows)
+        assert f"ended {status}" in record.reason
+        again = take_claim(plan(flow_data, tmp_path, "r-next", claim_wait_s=0), wh)  # no wait: nothing holds them
+        assert again.skipped is None and again.plan.trainer.windows == first.trainer.windows
+        # archived again (a second hook, `archive --pending`): nothing more, the lineage record stays
+        archive_or_defer(warehouse_url, spool, RunInfo(run_id="r-dead", model="dlrm", mode="optimized", status=status))
+        assert [r.run_id for r in lineage.lineage(wh, "dlrm")] == ["r-dead"]
+
+
+def test_a_finished_or_claimless_run_is_left_as_it_recorded_itself(warehouse_url, flow_data, tmp_path):
+    with Warehouse.open(warehouse_url) as wh:
+        p = plan(flow_data, tmp_path, "r-own")
+        assert take_claim(p, wh).skipped is None
+        lineage.finish_refresh(wh, LineageRecord(model="dlrm", run_id="r-own", windows=p.trainer.windows,
+                                                 outcome=Outcome.FAILED, reason="its own reason"))
+        assert lineage.settle_ended_run(wh, "dlrm", "r-own", "crashed", reason="x") is None
+        assert lineage.settle_ended_run(wh, "dlrm", "r-never-claimed", "crashed", reason="x") is None
+        (record,) = lineage.lineage(wh, "dlrm")
+        assert (record.outcome, record.reason) == (Outcome.FAILED, "its own reason")
+        with pytest.raises(ValueError, match="status must be one of"):
+            lineage.settle_ended_run(wh, "dlrm", "r-own", "completed", reason="x")
+
+
+def test_a_claim_whose_holder_stopped_heartbeating_is_released_at_the_orphan_bound(warehouse_url, flow_data,
+                                                                                  tmp_path):
+    spool = tmp_path / "spool"
+    with Warehouse.open(warehouse_url) as wh:
+        assert take_claim(plan(flow_data, tmp_path, "r-killed"), wh).skipped is None
+        dead_holder(spool, "r-killed")  # its bound: 3 beats of 0.05 s plus slack
+        time.sleep(read_heartbeat(spool, "r-killed").bound_s + 0.2)
+        started = time.monotonic()
+        claim = take_claim(plan(flow_data, tmp_path, "r-waiting", claim_wait_s=120), wh, poll_s=0.05,
+                           url=warehouse_url)
+        assert claim.skipped is None and time.monotonic() - started < 30  # not claim_wait_s, not 24 h
+        (record,) = [r for r in lineage.lineage(wh, "dlrm") if r.run_id == "r-killed"]
+        assert record.outcome is Outcome.CRASHED
+        row = wh.runs_frame(run_id="r-killed").iloc[0]
+        assert row["status"] == "crashed"
