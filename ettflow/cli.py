@@ -214,7 +214,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command as given, for reports that print how to reproduce them
-    return int(args.func(args) or 0)
+    try:
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that left is caught, not at the interpreter's exit
+        return rc
+    except BrokenPipeError:  # `ettflow report | head`: the reader had enough; end quietly
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """Our stdout's reader closed it: point stdout at /dev/null, so the interpreter's final
+    flush does not raise again, and exit 0 (what was read was what was asked for)."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from statistics import median
 import pandas as pd
 
 from .events import COMPONENTS, L2_ORDER, OWNERS, UNATTRIBUTED
-from .report import numeric_column
+from .report import numeric_column, utc_minute
 
 SKIPPED = "skipped"
 NO_DEPLOYMENT = "(no deployment)"
@@ -301,4 +301,4 @@ def _or_none(frame: pd.DataFrame) -> str:
 
 
 def _when(epoch: float) -> str:
-    return pd.to_datetime(float(epoch), unit="s", utc=True).strftime("%Y-%m-%d %H:%M")
+    return utc_minute(epoch)

@@ -67,7 +67,7 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
             "mode": runs["mode"],
             "status": runs["status"],
             "deployment": [_deployment(t) for t in tags],
-            "started": pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M"),
+            "started": runs["wall_start"].map(utc_minute),
             "wall_s": runs["wall_s"].round(1),
             "ETT%": runs["ett_pct"].where(runs["status"] != SKIPPED).round(1),
             # capacity-inclusive: what the pool and spares held for the run counts too (ett.capacity)
@@ -86,6 +86,12 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def utc_minute(epoch: float) -> str:
+    """An epoch-seconds time as shown everywhere: to the minute, in UTC, labelled (the warehouse
+    holds epoch seconds, which are UTC)."""
+    return pd.to_datetime(float(epoch), unit="s", utc=True).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def numeric_column(runs: pd.DataFrame, name: str) -> pd.Series:
     """A numeric column that rows archived before it existed lack (NaN there, or everywhere
     when the frame has no such column)."""
@@ -99,7 +105,7 @@ def model_summary(runs: pd.DataFrame) -> pd.DataFrame:
     runs are counted apart and stay in them (`SUMMARY_NOTE`); `ett_completed_mean` is the
     mean of the completed runs alone."""
     skipped = runs["status"] == SKIPPED
-    frame = runs.assign(day=pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d"),
+    frame = runs.assign(day=pd.to_datetime(runs["wall_start"], unit="s", utc=True).dt.strftime("%Y-%m-%d UTC"),
                         skipped=skipped.astype(int), failed=(runs["status"] == FAILED).astype(int),
                         crashed=(runs["status"] == CRASHED).astype(int),
                         ett_completed=runs["ett_pct"].where(runs["status"] == COMPLETED),
@@ -166,7 +172,7 @@ def lineage_table(records: Sequence[LineageRecord], runs: pd.DataFrame) -> pd.Da
     outcome, ETT% (from its archived run row; none for a skipped or unarchived run), why."""
     ett = dict(zip(runs["run_id"], runs["ett_pct"], strict=True)) if not runs.empty else {}
     rows = [{"run": r.run_id,
-             "started": pd.to_datetime(r.created_at, unit="s", utc=True).strftime("%Y-%m-%d %H:%M"),
+             "started": utc_minute(r.created_at),
              "windows": _span(r.windows), "parent": r.parent_run_id or "(cold)", "outcome": r.outcome.value,
              "ETT%": None if r.outcome.value == SKIPPED or r.run_id not in ett else round(float(ett[r.run_id]), 1),
              "reason": r.reason or ""}
@@ -193,7 +199,7 @@ def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) 
         replay = phases.get((rid, "train_step_replay"), 0.0) + phases.get((rid, "lost_in_flight"), 0.0)
         rows.append({
             "run": rid,
-            "started": pd.to_datetime(run["wall_start"], unit="s", utc=True).strftime("%Y-%m-%d %H:%M"),
+            "started": utc_minute(run["wall_start"]),
             "status": run["status"], "source": planned.get("source", "-"),
             "interval_steps": planned.get("interval_steps"),
             "interval_s": _r(planned.get("interval_s"), 2),

@@ -57,8 +57,8 @@ from ettflow.ett.spool import SpoolWriteError
 from ettflow.ett.warehouse import RunInfo
 
 from . import run_labels, run_spool
-from .claims import skip_reason
 from .run_event import emit_run_measured
+from .skipped import skip_reason
 from .warehouse_url import resolve_warehouse_url
 
 log = logging.getLogger("ettflow.tasks")

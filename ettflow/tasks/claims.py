@@ -20,7 +20,6 @@ A skipped refresh leaves one event in its spool, so its hooks archive it with st
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ettflow.ett import lineage
-from ettflow.ett.events import PhaseEvent
 from ettflow.ett.failure_history_db import estimate_from_warehouse
 from ettflow.ett.heartbeat import read_heartbeat
 from ettflow.ett.lineage import Busy, LineageRecord, Outcome
@@ -38,9 +36,9 @@ from ettflow.ett.warehouse import Warehouse
 
 from . import run_spool
 from .plan import RefreshPlan, with_interval, with_lineage
+from .skipped import SKIP_STAGE
 from .warehouse_url import resolve_warehouse_url
 
-SKIP_STAGE = "claim_windows"
 POLL_S = 1.0
 
 
@@ -51,14 +49,6 @@ class Claim:
 
     plan: RefreshPlan
     skipped: str | None = None
-
-
-def skip_reason(evs: Sequence[PhaseEvent]) -> str | None:
-    """Why the run was skipped, from its spool (None: it was not)."""
-    for e in evs:
-        if e.attrs.get("stage") == SKIP_STAGE and e.attrs.get("outcome") == Outcome.SKIPPED.value:
-            return str(e.attrs.get("reason") or "skipped")
-    return None
 
 
 def busy_reason(plan: RefreshPlan, busy: Busy, waited_s: float) -> str:

@@ -137,6 +137,7 @@ def component_shares_png(runs: pd.DataFrame, title: str, last: int = 20) -> byte
                             for t in done["wall_start"]], rotation=45, ha="right", fontsize=7)
     ax.set_ylim(0, 100)
     ax.set_ylabel("% of wall time")
+    ax.set_xlabel("run start (UTC)", fontsize=8)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _png(fig)

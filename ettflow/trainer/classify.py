@@ -31,7 +31,14 @@ from ettflow.ett.failures import Failure, FailureClass, FailureError
 
 from .data.schema import DataError
 
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS})
+# each storage fault, with what to do about it (in the failure's reason, beside the path)
+STORAGE_ADVICE = {
+    errno.ENOSPC: "free space on that file system, or point work_root at one with room",
+    errno.EDQUOT: "the user's disk quota is used up: raise it or free space, or point work_root elsewhere",
+    errno.EROFS: "the file system is read-only: remount it read-write, or point work_root at a writable folder",
+    errno.EIO: "the device reported an I/O error: check the disk (dmesg, the storage service), or move work_root",
+}
+STORAGE_ERRNOS = frozenset(STORAGE_ADVICE)
 
 
 def failure_from_exception(exc: BaseException, *, rank: int = -1, attempt: int | None = None,
@@ -58,8 +65,9 @@ def _typed(exc: BaseException, rank: int) -> Failure:
         return _failure(FailureClass.DATA, rank, str(exc), exc, path=exc.file)
     if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
         path = None if exc.filename is None else str(exc.filename)
-        what = exc.strerror or errno.errorcode.get(exc.errno, "I/O error")
-        return _failure(FailureClass.STORAGE, rank, f"{what}: {path}" if path else what, exc, path=path)
+        what = f"{errno.errorcode.get(exc.errno, 'EIO')} ({exc.strerror or 'I/O error'})"
+        where = f"{what}: {path}" if path else what
+        return _failure(FailureClass.STORAGE, rank, f"{where}; {STORAGE_ADVICE[exc.errno]}", exc, path=path)
     if isinstance(exc, _dist_error()):
         return replace(_failure(FailureClass.INFRASTRUCTURE, rank, "peer lost in a collective", exc), secondary=True)
     if isinstance(exc, (*ray_any, ConnectionError, TimeoutError)):

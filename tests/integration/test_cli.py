@@ -50,3 +50,21 @@ def test_demo_then_report_in_every_format(home, capsys, warehouse_url):
     assert main(["report", "--url", warehouse_url, "--model", "sample-dlrm", "--last", "1"]) == 0
     table = capsys.readouterr().out
     assert "s2" in table and "s1" not in table.split("Per model")[0] and "Per model, over time" in table
+
+
+def test_a_report_piped_to_a_reader_that_left_ends_quietly(home, warehouse_url):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert main(["demo", "--run-id", "s1", "--url", warehouse_url, "--seed", "3"]) == 0
+    ettflow = Path(sys.executable).with_name("ettflow")
+    for args in (["report", "--url", warehouse_url], ["report", "--url", warehouse_url, "--run", "s1"]):
+        read, write = os.pipe()
+        os.close(read)  # `| head -1` that has already gone: every write to the pipe fails
+        try:
+            done = subprocess.run([str(ettflow), *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write)
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr

@@ -104,9 +104,9 @@ def test_report_lineage_shows_the_chain(warehouse_url, capsys, tmp_path, monkeyp
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "Refreshes of m (watermark: w2):"
     r1, r2, r3 = out[2:]
-    assert r1.split()[:6] == ["r1", "1970-01-01", "00:00", "w1..w2", "(2)", "(cold)"]
+    assert r1.split()[:7] == ["r1", "1970-01-01", "00:00", "UTC", "w1..w2", "(2)", "(cold)"]  # times say their zone
     assert "published" in r1 and f"{archived.metrics.ett_pct:.1f}" in r1
-    assert r2.split()[3:6] == ["w3", "r1", "gated"] and r2.split()[6] == "-" and "AUC 0.61 < 0.70" in r2
+    assert r2.split()[4:7] == ["w3", "r1", "gated"] and r2.split()[7] == "-" and "AUC 0.61 < 0.70" in r2
     assert "skipped" in r3 and "nothing new" in r3
     assert main(["report", "--url", warehouse_url, "--model", "m", "--lineage", "--format", "json"]) == 0
     import json

@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from ettflow.ett.events import marker
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.tasks.trainer import _retry_training
-from ettflow.trainer.classify import failure_from_exception
+from ettflow.trainer.classify import STORAGE_ADVICE, failure_from_exception
 from ettflow.trainer.config import FAIL_AT_GRAMMAR, FAULT_KINDS, FailAt, TrainerConfig
 from ettflow.trainer.data.schema import DataError, criteo_schema
 from ettflow.trainer.faults import InjectedFailure, due, fired_faults, pending
@@ -58,6 +58,8 @@ def test_a_full_or_broken_disk_is_storage_with_its_path(code):
     failure = failure_from_exception(from_ray(OSError(code, "disk trouble", "/ckpt/step-10/0.distcp")), rank=1)
     assert failure.failure_class is C.STORAGE and failure.path == "/ckpt/step-10/0.distcp"
     assert "/ckpt/step-10/0.distcp" in failure.summary  # the path is in the message too
+    # which fault, by name, and what to do about it
+    assert errno.errorcode[code] in failure.reason and STORAGE_ADVICE[code] in failure.reason
 
 
 @pytest.mark.parametrize("error", [dist.DistBackendError, dist.DistNetworkError, dist.DistError])
