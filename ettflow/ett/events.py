@@ -58,6 +58,7 @@ FAILURE_DETECTED = "failure_detected"  # marker: the driver noticed (TTR starts)
 DATA_STALL = "data_stall"  # a step's fetch that waited on the data pipeline (`trainer.step_clock`)
 CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and its inputs (ett.interval_plan)
 FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a failure fired (its fault_index)
+FAULT_UNFIRED = "fault_unfired"  # marker: a scripted fault the run ended without reaching (its fault_index)
 
 # phase -> the component its time belongs to. None: the phase is informational (a marker,
 # or work in the background that the critical path does not wait for).
@@ -92,9 +93,11 @@ PHASE_COMPONENT: dict[str, str | None] = {
     FAILURE_DETECTED: None,
     CHECKPOINT_INTERVAL: None,
     FAULT_INJECTED: None,
+    FAULT_UNFIRED: None,
 }
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
-MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, FAULT_INJECTED})
+MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, FAULT_INJECTED,
+                                     FAULT_UNFIRED})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
                                        "spare_start", "flow_prestart"})

@@ -193,6 +193,9 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         raise
     rank0 = result.rank0
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
+    if result.unfired:  # a scripted fault the run never reached: the run is not the one that was asked for
+        logger.warning("%d scripted fault(s) never fired (the run trained to step %s): %s", len(result.unfired),
+                       rank0.final_step, ", ".join(f.spec for f in result.unfired))
     return Trained(plan.run_id, rank0.anchor, attempts=result.attempts, reused=False, failures=result.failures,
                    rank0=rank0)
 

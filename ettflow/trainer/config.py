@@ -118,6 +118,14 @@ class FailAt:
         if any(v is not None and v < 0 for v in (self.rank, self.attempt, self.step, self.index)):
             raise ValueError(f"FailAt rank, attempt, step and index must be >= 0, got {self}")
 
+    @property
+    def spec(self) -> str:
+        """The item in FAIL_AT_GRAMMAR (what `parse` reads back)."""
+        fields_ = [("rank", self.rank), ("step", self.step), ("after_s", self.after_s), ("phase", self.phase),
+                   ("attempt", self.attempt)]
+        return ":".join([self.kind, *(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in fields_ if v is not None)])
+
     @classmethod
     def parse(cls, text: str) -> FailAt:
         """'kill:rank=1:step=30', 'hang:step=5', 'kill:after_s=12.5:attempt=1' (FAIL_AT_GRAMMAR)."""

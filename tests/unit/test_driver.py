@@ -295,6 +295,24 @@ def test_fail_at_items_fire_once_each_in_whichever_attempt(tmp_path):
     assert run.metrics().nof == 4
 
 
+def test_a_scripted_fault_the_run_never_reaches_is_reported(tmp_path):
+    # the kill at step 2 fires; the one at step 50 and the one for attempt 3 never do: the run
+    # finishes in 2 attempts and says so (a marker each, and the result), not a silent pass
+    faults = (FailAt(kind="kill", rank=1, step=2), FailAt(kind="raise", rank=0, step=50),
+              FailAt(kind="kill", rank=1, step=1, attempt=3))
+    run = Run(tmp_path, [{}, finish_at(4)], restore_step=0, failures=faults)
+    result = run.drive()
+    assert result.attempts == 2 and [f.spec for f in result.unfired] == ["raise:rank=0:step=50",
+                                                                        "kill:rank=1:step=1:attempt=3"]
+    unfired = run.markers("fault_unfired")
+    assert [(e.attempt, e.attrs["fault_index"], e.attrs["spec"]) for e in unfired] == [
+        (1, 1, "raise:rank=0:step=50"), (1, 2, "kill:rank=1:step=1:attempt=3")]
+    assert run.metrics().nof == 1  # markers: no time, no failure
+    (tmp_path / "clean").mkdir()
+    clean = Run(tmp_path / "clean", [finish_at(3)])
+    assert clean.drive().unfired == () and clean.markers("fault_unfired") == []
+
+
 def test_fail_at_attempt_restricts_an_item(tmp_path):
     # the kill at step 2 waits for attempt 1: attempt 0 passes step 2, then fails otherwise
     run = Run(tmp_path, [{(0, 5): "die"}, {}, finish_at(6)], restore_step=0,

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ettflow.ett.events import FAILURE_DETECTED, TRAIN_STEP
+from ettflow.ett.events import FAILURE_DETECTED, FAULT_UNFIRED, TRAIN_STEP
 from ettflow.ett.failures import Failure
 from ettflow.ett.spool import SpoolWriter, read_file, spool_file
 from ettflow.trainer.classify import is_process_loss, primary_failure
-from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fired
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
 from ettflow.trainer.group.progress import SpoolTail
@@ -138,6 +138,7 @@ class TrainingResult:
     attempts: int
     failures: list[Failure] = field(default_factory=list)  # this run's, in order
     ranks: dict[int, RankResult] = field(default_factory=dict)  # what each rank returned
+    unfired: tuple[FailAt, ...] = ()  # scripted faults the run ended without reaching (`fault_unfired`)
 
     @property
     def rank0(self) -> RankResult:
@@ -181,6 +182,7 @@ class TrainingDriver:
             outcome = self._attempt(attempt, live)
             if isinstance(outcome, AttemptSucceeded):
                 result.ranks = outcome.ranks
+                result.unfired = self._report_unfired(attempt)
                 return result
             failure = outcome.failure
             decision = self.policy.decide(failure, history)
@@ -193,6 +195,22 @@ class TrainingDriver:
                 raise TrainingFailed(self.run_id, history, decision, why)
             live = (*outcome.live, failure) if outcome.live is not None else None
             attempt += 1
+
+    def _report_unfired(self, attempt: int) -> tuple[FailAt, ...]:
+        """The scripted faults that never fired (the run ended before their step, time or
+        phase, or they target an attempt it never ran): each a `fault_unfired` marker and a
+        warning, so a test or a benchmark that expected one does not pass on its absence."""
+        unfired = pending_faults(self.config, self.spool_root, self.run_id).failures
+        if not unfired:
+            return ()
+        now = self.clock()
+        with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
+            for f in unfired:
+                rec.mark(FAULT_UNFIRED, now, kind=f.kind, fault_index=f.index, fault_rank=f.rank, step=f.step,
+                         fault_attempt=f.attempt, spec=f.spec)
+        log.warning("the run ended without firing %d scripted fault(s): %s", len(unfired),
+                    ", ".join(f.spec for f in unfired))
+        return unfired
 
     def _attempt(self, attempt: int, live: tuple[LiveGroup, RestorePoint, Failure] | None = None) -> AttemptOutcome:
         rec = SpoolWriter(self.spool_root, self.run_id, attempt, -1)
