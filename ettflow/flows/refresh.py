@@ -37,6 +37,7 @@ from ettflow.flows.parameter_help import with_parameter_help
 from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.arrivals import arrive_windows
 from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
+from ettflow.tasks.input_check import check_inputs
 from ettflow.tasks.plan import RefreshParams, RefreshPlan, plan_refresh
 from ettflow.tasks.progress import RunProgress
 from ettflow.tasks.publish import publish
@@ -169,6 +170,11 @@ def refresh_model(
             "run_id": plan.run_id, "model": plan.model, "outcome": Outcome.SKIPPED.value, "reason": claim.skipped})
     plan = claim.plan
     name_flow_run(plan.run_id, run_name(plan.model, plan.mode, plan.trainer.windows or ()))
+    inputs = check_inputs(plan, return_state=True)  # before anything is reserved
+    if inputs.is_failed():
+        bad = inputs.result(raise_on_failure=False)
+        record_failure(plan, bad, get_run_logger())  # the windows are released
+        return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=inputs.message, data=bad)
     progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
         with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
