@@ -30,6 +30,7 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from .events import CHECKPOINT_FALLBACK, PhaseEvent
 from .json_file import replace_json
 from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
 from .lineage_pending import read_pending_lineage
@@ -82,9 +83,22 @@ def _read(spool_root: Path | str, run_id: str) -> SpoolRead:
     return read
 
 
+def fallback_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
+    """The row's record of checkpoint damage (empty when none): each damaged checkpoint a
+    restore skipped, the step it restored instead and the steps the damage cost (trained again
+    because the newer checkpoint could not be used)."""
+    found = [{"attempt": e.attempt, "damaged_step": e.attrs.get("damaged_step"),
+              "restored_step": e.attrs.get("restored_step"), "file": e.attrs.get("file"),
+              "steps_lost": int(e.attrs["damaged_step"]) - int(e.attrs.get("restored_step") or 0)}
+             for e in events if e.phase == CHECKPOINT_FALLBACK and e.attrs.get("damaged_step") is not None]
+    return {"checkpoint_fallbacks": found} if found else {}
+
+
 def _with_read_tags(info: RunInfo, read: SpoolRead) -> RunInfo:
-    tags = {k: v for k, v in info.tags.items() if k not in ("spool_problems", "spool_problem_lines")}
-    return replace(info, tags={**tags, "spool_bytes": read.bytes, **problem_tags(read.problems)})
+    tags = {k: v for k, v in info.tags.items()
+            if k not in ("spool_problems", "spool_problem_lines", "checkpoint_fallbacks")}
+    return replace(info, tags={**tags, "spool_bytes": read.bytes, **problem_tags(read.problems),
+                               **fallback_tags(read.events)})
 
 
 def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunInfo) -> Archived:

@@ -59,6 +59,7 @@ DATA_STALL = "data_stall"  # a step's fetch that waited on the data pipeline (`t
 CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and its inputs (ett.interval_plan)
 FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a failure fired (its fault_index)
 FAULT_UNFIRED = "fault_unfired"  # marker: a scripted fault the run ended without reaching (its fault_index)
+CHECKPOINT_FALLBACK = "checkpoint_fallback"  # marker: a damaged checkpoint skipped, an older step restored
 
 # phase -> the component its time belongs to. None: the phase is informational (a marker,
 # or work in the background that the critical path does not wait for).
@@ -94,10 +95,11 @@ PHASE_COMPONENT: dict[str, str | None] = {
     CHECKPOINT_INTERVAL: None,
     FAULT_INJECTED: None,
     FAULT_UNFIRED: None,
+    CHECKPOINT_FALLBACK: None,
 }
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
 MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, FAULT_INJECTED,
-                                     FAULT_UNFIRED})
+                                     FAULT_UNFIRED, CHECKPOINT_FALLBACK})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
                                        "spare_start", "flow_prestart"})

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from ettflow.ett.archive import fallback_tags
 from ettflow.ett.failures import Failure
 from ettflow.tasks.plan import RefreshPlan
 from ettflow.trainer.checkpoint.anchor import read_anchor
@@ -193,6 +194,11 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         raise
     rank0 = result.rank0
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
+    for damage in fallback_tags(run_spool.events(plan.spool_root, plan.run_id)).get("checkpoint_fallbacks", []):
+        logger.warning("attempt %d: checkpoint step %s was damaged (%s): restored step %s instead, %d step(s) "
+                       "trained again", damage["attempt"], damage["damaged_step"], damage["file"] or "its folder",
+                       damage["restored_step"] if damage["restored_step"] is not None else "none (from scratch)",
+                       damage["steps_lost"])
     if result.unfired:  # a scripted fault the run never reached: the run is not the one that was asked for
         logger.warning("%d scripted fault(s) never fired (the run trained to step %s): %s", len(result.unfired),
                        rank0.final_step, ", ".join(f.spec for f in result.unfired))

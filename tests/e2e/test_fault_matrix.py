@@ -187,9 +187,17 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
         corrupter.join()
     assert corrupter.error is None, corrupter.error
     assert corrupter.damaged is not None and corrupter.fallback is not None, "no checkpoint to damage"
-    _, events, _ = assert_run(env, state, run_id, Expect(outcome="completed", nof=1, classes=["infrastructure"],
-                                                         damaged={corrupter.damaged}, effective_steps=2 * 30))
+    row, events, _ = assert_run(env, state, run_id, Expect(outcome="completed", nof=1, classes=["infrastructure"],
+                                                           damaged={corrupter.damaged}, effective_steps=2 * 30))
     assert restored_steps(events, 1) == {corrupter.fallback}
+    # reported at the run's level: one marker (rank 0's), the row's tag, what it cost
+    damaged_step = int(corrupter.damaged.name.split("_")[1])
+    (marker,) = [e for e in events if e.phase == "checkpoint_fallback"]
+    assert (marker.attempt, marker.attrs["damaged_step"], marker.attrs["restored_step"], marker.attrs["file"]) == (
+        1, damaged_step, corrupter.fallback, corrupter.file.name)
+    assert row["tags"]["checkpoint_fallbacks"] == [{"attempt": 1, "damaged_step": damaged_step,
+                                                   "restored_step": corrupter.fallback, "file": corrupter.file.name,
+                                                   "steps_lost": damaged_step - corrupter.fallback}]
     if corrupter.damaged.is_dir():  # unless pruned since: still torn, never restored, never "repaired"
         with pytest.raises(Exception, match=corrupter.file.name):
             verify(corrupter.damaged)

@@ -40,6 +40,13 @@ class CheckpointProblem:
     file: str | None = None
     fallback: int | None = None
 
+    @property
+    def damaged(self) -> bool:
+        """A final (committed-looking) folder that failed verification: damage, not a save a
+        kill cut short (`.tmp`) or a delete left half-done (`.trash`)."""
+        kind = parse_name(self.path.name)
+        return kind is not None and kind[1] == "final"
+
     def __str__(self) -> str:
         instead = f"restoring step {self.fallback}" if self.fallback is not None else "no checkpoint to restore"
         return f"checkpoint step {self.step} ({self.path}): {self.reason}: skipped, {instead}"

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ettflow.trainer.checkpoint.catalog import scan
+from ettflow.trainer.checkpoint.catalog import CheckpointProblem, CheckpointScan, scan
 from ettflow.trainer.checkpoint.verify import CheckpointInfo
 
 if TYPE_CHECKING:
@@ -18,8 +18,21 @@ log = logging.getLogger("ettflow.trainer")
 def latest_checkpoint(source: TrainerConfig | Path | str) -> CheckpointInfo | None:
     """The newest verified checkpoint of a trainer config (its `checkpoint_dir`) or of a
     checkpoint root; every folder skipped on the way (torn, uncommitted) is logged."""
+    return checked_scan(source).latest
+
+
+def checked_scan(source: TrainerConfig | Path | str) -> CheckpointScan:
+    """`scan` of the root, every folder skipped on the way (torn, uncommitted) logged."""
     root = Path(source) if isinstance(source, (str, Path)) else source.checkpoint_dir
     found = scan(root)
     for problem in found.problems:
         log.warning("checkpoint skipped: %s", problem)
-    return found.latest
+    return found
+
+
+def fallbacks(found: CheckpointScan) -> list[CheckpointProblem]:
+    """The damaged checkpoints newer than the one a restore uses: each made the restore fall
+    back to an older step (or to none), and the steps between are trained again."""
+    latest = found.latest
+    return [p for p in found.problems
+            if p.damaged and p.step is not None and (latest is None or p.step > latest.step)]

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
+from ettflow.ett.events import CHECKPOINT_FALLBACK
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import CheckpointInfo
-from ettflow.trainer.checkpoint.latest import latest_checkpoint
+from ettflow.trainer.checkpoint.latest import checked_scan, fallbacks
 from ettflow.trainer.collectives import Groups, teardown_any
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.batch import synthetic_batch
@@ -258,8 +259,13 @@ class TrainerSession:
             self.rec.record("device_init", self.process_started_at, time.time(), part="process_start")
         self.beat.start()
         with self.beat.phase("device_init"):  # finding the checkpoint to resume reads the folder
-            self.resume = latest_checkpoint(self.config)
+            found = checked_scan(self.config)
+            self.resume = found.latest
             self.parent = parent_anchor(self.config) if self.resume is None else None
+        if self.rank == 0:  # the run's record of checkpoint damage (every rank read the same folder)
+            for damaged in fallbacks(found):
+                self.rec.mark(CHECKPOINT_FALLBACK, damaged_step=damaged.step, restored_step=damaged.fallback,
+                              file=damaged.file, reason=damaged.reason[:300], path=str(damaged.path))
         pipeline = InitPipeline(self.stages(), recorder=self.rec,
                                 concurrent=self.config.switches.parallel_init)
         try:
