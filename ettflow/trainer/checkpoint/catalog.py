@@ -120,14 +120,14 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     found = scan(root)
     kept = found.committed[-keep_last:]
     oldest_kept = kept[0].step if kept else None
-    doomed = [info.path for info in found.committed[:-keep_last]]
+    doomed = [(info.path, f"older than the newest {keep_last} kept") for info in found.committed[:-keep_last]]
     for problem in found.problems:
         folder_kind = parse_name(problem.path.name)
         is_final = folder_kind is not None and folder_kind[1] == "final"
         older = oldest_kept is not None and problem.step is not None and problem.step < oldest_kept
         if not is_final or older:
-            doomed.append(problem.path)
-    for path in doomed:
-        log.info("checkpoint prune: deleting %s", path)
+            doomed.append((problem.path, f"{problem.reason}{'; older than the oldest kept' if is_final else ''}"))
+    for path, why in doomed:
+        log.info("checkpoint prune: deleting %s (%s)", path, why)
         remove_tree(path)
-    return doomed
+    return [path for path, _ in doomed]
