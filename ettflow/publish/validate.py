@@ -75,6 +75,9 @@ def score_in_fresh_process(model_file: Path, data: HeldOut, *, timeout_s: float 
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             raise PublishError(f"scoring the snapshot in a fresh process took over {timeout_s:.0f} s") from e
+        if proc.returncode < 0:  # killed (OOM killer, an operator): not the snapshot's fault, a retry may pass
+            raise PublishError(f"the process scoring the snapshot {model_file} was killed by signal "
+                               f"{-proc.returncode} ({_signal_name(-proc.returncode)}); the publish is retried")
         if proc.returncode != 0 or not output.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
             raise SnapshotValidationError(
@@ -85,6 +88,15 @@ def score_in_fresh_process(model_file: Path, data: HeldOut, *, timeout_s: float 
         raise SnapshotValidationError(f"loading the snapshot imported {result['loaded']}: it depends on "
                                       "code an inference server does not have")
     return result
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
 
 
 def logloss(labels: np.ndarray, probs: np.ndarray) -> float:

@@ -205,3 +205,19 @@ def test_cli_publishes_once_and_says_whether_to_run_again(monkeypatch, tmp_path,
     monkeypatch.setattr(publisher, "publish_snapshot", failing(AnchorError("torn")))
     assert args.func(args) == 2 and len(calls) == 2
     assert "run the same command again" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_scoring_process_is_a_retryable_publish_failure(tmp_path, monkeypatch, how):
+    """The fresh process that loads and scores the snapshot, killed (the OOM killer, an operator):
+    not the snapshot's fault, so the publish task's retry may pass (a validation that ran and
+    failed stays not retryable: above)."""
+    from ettflow.publish import PublishError, SnapshotValidationError, is_retryable, validate
+
+    script = tmp_path / "loadcheck.py"
+    script.write_text(f"import os, signal\nos.kill(os.getpid(), signal.{how})\n")
+    monkeypatch.setattr(validate, "LOADCHECK", script)
+    with pytest.raises(PublishError, match=rf"was killed by signal \d+ \({how}\)") as killed:
+        nothing = validate.HeldOut(windows=(), batches=[], labels=torch.zeros(0))
+        validate.score_in_fresh_process(tmp_path / "model.pt", nothing)
+    assert is_retryable(killed.value) and not isinstance(killed.value, SnapshotValidationError)
