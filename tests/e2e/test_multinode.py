@@ -4,7 +4,8 @@ A run of `refresh_model` (Prefect test harness, TorchRec, the SQLite warehouse; 
 compile) on a `ray.cluster_utils.Cluster` of a head and a worker node of 2 CPUs each (logical
 resources, so each node holds exactly two ranks), the flow joining it through RAY_ADDRESS as a
 worker would: 4 ranks spread 2 + 2, the worker node lost mid-training, the restart on the head
-alone. Then a restart that may not shrink waits for capacity. Checkpoints go to `work_root`,
+alone. Then a restart that may not shrink waits for capacity, and a GPU placement (a node that
+declares GPUs) keeps its spare in a bundle of its own and recovers a killed rank live. Checkpoints go to `work_root`,
 the storage both nodes share (here a local folder). The pieces, pure: unit/test_placement.py.
 
 The session's shared Ray (`ray_session`, tests/conftest.py) cannot live beside the cluster in
@@ -225,3 +226,44 @@ def test_a_restart_that_may_not_shrink_waits_for_capacity_within_its_bound(clust
     finally:
         reserving.join(timeout=120)
         group.teardown()
+
+
+# ---- a GPU placement's live recovery (issue 25), on a node that declares GPUs ---------------------
+
+def test_a_gpu_placement_keeps_its_spare_in_a_bundle_of_its_own_and_recovers_live(cluster, flow_data, tmp_path):
+    """A node that declares 3 GPUs joins (Ray's logical resources: this machine has none, so the
+    ranks run on the CPU with gloo, `device="auto"`): a 2-rank run's placement is a GPU one, so
+    it reserves a third bundle ({CPU: 1, GPU: 1}) whose spare holds its device from the start.
+    Rank 1 is SIGKILLed at step 8: the spare takes its place live (restored from the in-memory
+    tier, which runs because a spare has a place), and every spare's hold is in the ledger with
+    its GPU."""
+    from ettflow.ett.capacity import held_by_model, holdings_of_run
+    from ettflow.trainer.config import FailAt
+    from ettflow.trainer.group.ray_group import ensure_ray
+
+    from helpers.trainer_runs import by, config, drive
+
+    ensure_ray()  # joins RAY_ADDRESS, the cluster
+    gpu_node = cluster.add_node(num_cpus=3, num_gpus=3, object_store_memory=200 << 20)
+    cluster.wait_for_nodes()
+    try:
+        cfg = config(tmp_path, "gpu-shaped", tmp_path / "compile-cache", data_root=str(flow_data), device="auto",
+                     max_steps=20, eval_batches=0, failures=(FailAt(kind="kill", rank=1, step=8),)
+                     ).with_switches(compile=False, warm_pool=False)
+        result, events, m = drive(tmp_path, cfg, "gpu-shaped")
+    finally:
+        cluster.remove_node(gpu_node)
+    assert result.attempts == 2 and m.nof == 1 and m.failures[0].failure_class == "infrastructure"
+    (placed,) = by(events, "scheduling", attempt=0)
+    assert placed.attrs["nodes"] == [gpu_node.node_id] * 2  # PACK, on the one node with GPUs
+    (handoff,) = by(events, "spare_handoff")
+    assert handoff.attrs["handed"] and handoff.attrs["rank"] == 1
+    for rank in (0, 1):
+        (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=1)
+        assert restore.attrs["source"] == "memory"
+    spares = by(events, "spare_start")
+    assert len(spares) == 2 and all(e.attrs["gpus"] == 1.0 for e in spares)  # the used one, the next one
+    assert sorted(e.attrs["used"] for e in spares) == [False, True]
+    holdings = holdings_of_run("gpu-shaped", "dlrm", events, m.wall_start, m.wall_end)
+    (by_model,) = held_by_model(holdings)
+    assert by_model.gpu_s == pytest.approx(sum(h.held_s for h in holdings)) and by_model.gpu_s > 0
