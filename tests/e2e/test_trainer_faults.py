@@ -74,6 +74,48 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
+def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(trainer_world, compile_cache, clean_run,
+                                                                           tmp_path):
+    """The waiting spare is SIGKILLed once it answered (the OOM killer's choice, say), while the
+    ranks train; the group's poll notices, records its hold (`lost`) and starts another, which
+    takes rank 1's place when rank 1 is killed at step 16: still a live recovery."""
+    cfg = config(trainer_world, "spare-lost", compile_cache, failures=(FailAt(kind="kill", rank=1, step=16),),
+                 eval_batches=0)
+    spool, groups, killed = trainer_world / "spool", [], []
+
+    def factory(attempt: int):
+        groups.append(RayWorkerGroup(cfg, "spare-lost", attempt, spool))
+        return groups[-1]
+
+    def kill_the_waiting_spare() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            spares = groups[0].spares if groups else None
+            pid = spares.spare_pid if spares is not None else None
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_waiting_spare, daemon=True)
+    killer.start()
+    result, events, m = drive(trainer_world, cfg, "spare-lost", group_factory=factory)
+    killer.join()
+    assert killed, "the spare never answered a ping"
+    assert result.attempts == 2 and m.nof == 1 and len(groups) == 1  # recovered live: no second group
+    lost = [e for e in by(events, "spare_start") if e.attrs.get("lost")]
+    assert len(lost) == 1 and lost[0].attrs["used"] is False
+    (handoff,) = by(events, "spare_handoff")
+    assert handoff.attrs["handed"] and handoff.attrs["rank"] == 1
+    used = [e for e in by(events, "spare_start") if e.attrs.get("used")]
+    assert len(used) == 1 and used[0].start >= lost[0].end - 1e-6  # the replacement took the place
+    for rank in (0, 1):
+        (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=1)
+        assert restore.attrs["source"] == "memory"
+    assert m.effective_steps == 2 * STEPS
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+
+
 def test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint(trainer_world, compile_cache, clean_run,
                                                                        tmp_path):
     # rank 1's in-memory copies are damaged from step 6 on; it is killed at step 11, while the

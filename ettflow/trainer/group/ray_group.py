@@ -362,6 +362,8 @@ class RayWorkerGroup:
         self.spares.prewarm()  # the next spare, in the background
 
     def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]:
+        if self.spares is not None:
+            self.spares.watch(self.attempt)  # a spare that died while it waited is replaced
         done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)
         finished: dict[int, RankResult] = {}
         failed: list[Failure] = []

@@ -15,6 +15,11 @@ and after a hand-off the next spare starts in the bundle the failed rank left (t
 `bundle`). Its start is recorded off the clock as `spare_start` (from the request to prewarmed,
 with the prewarm's timings, its GPUs and CPUs: held capacity, `ett.capacity`).
 
+A spare that dies while it waits (the OOM killer, a lost process) is replaced: the group's poll
+pings the waiting spare every `PING_S` (`watch`, never blocking); a dead one is recorded (its
+hold, `lost=True`), logged with its pid, and a new spare starts and prewarms in the background,
+so the next failure still finds one.
+
 When this process keeps a warm pool (warm_pool.py), a CPU placement's first spare is one the
 pool prepared before the run (`pooled`), and a spare the run did not use goes back to the pool
 at the end; a GPU spare belongs to its placement and is stopped with it.
@@ -23,6 +28,7 @@ at the end; a GPU spare belongs to its placement and is stopped with it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,11 @@ from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.warm_pool import POOL, PooledWorker, record_start, start_worker
 from ettflow.trainer.protocol import WorkerInfo
+
+log = logging.getLogger("ettflow.trainer")
+
+
+PING_S = 1.0  # how often the waiting spare is asked whether it lives
 
 
 class SpareUnavailable(RuntimeError):
@@ -49,6 +60,9 @@ class SparePool:
         self.bundle = bundle
         self._spare: PooledWorker | None = None
         self._pooled = False  # the spare came prewarmed from the warm pool
+        self._ping: Any = None  # a liveness call to the waiting spare, in flight
+        self._pinged_at = 0.0
+        self._pid: int | None = None  # the waiting spare's process, once a ping answered
 
     @property
     def has_spare(self) -> bool:
@@ -72,11 +86,50 @@ class SparePool:
         if self._spare.prewarmed is None:
             self._spare.prewarmed = self._spare.actor.prewarm.remote()
 
+    @property
+    def spare_pid(self) -> int | None:
+        """The waiting spare's process id, once it answered a ping (None: none yet)."""
+        return self._pid if self._spare is not None else None
+
+    def watch(self, attempt: int) -> bool:
+        """Ask the waiting spare whether it lives (at most every `PING_S`, never waiting);
+        replace it when its process died. True when it was replaced."""
+        spare = self._spare
+        if spare is None:
+            return False
+        if self._ping is None:
+            if time.monotonic() - self._pinged_at >= PING_S:
+                self._ping, self._pinged_at = spare.actor.ready.remote(), time.monotonic()
+            return False
+        ready, _ = ray.wait([self._ping], timeout=0)
+        if not ready:
+            return False
+        ping, self._ping = self._ping, None
+        try:
+            self._pid = ray.get(ping).pid
+            return False
+        except (RayActorError, RayTaskError) as exc:
+            self._replace_lost(spare, attempt, exc)
+            return True
+
+    def _replace_lost(self, spare: PooledWorker, attempt: int, exc: BaseException) -> None:
+        now = time.time()
+        log.warning("the run's warm spare (pid %s) died while it waited (%s): another starts", self._pid,
+                    type(exc).__name__)
+        with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
+            rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now,
+                       lost=True, **spare.holding_attrs())
+        with contextlib.suppress(Exception):
+            ray.kill(spare.actor, no_restart=True)
+        self._spare, self._pooled, self._pid = None, False, None
+        self.prewarm()
+
     def take(self, attempt: int, timeout_s: float) -> tuple[Any, WorkerInfo]:
         """The spare, prewarmed (waits up to `timeout_s`; starts one if there is none), and its
         `ready()` info. It is the caller's from here."""
         self.prewarm()
         spare, pooled, self._spare = self._spare, self._pooled, None
+        self._ping, self._pid = None, None
         try:
             timings = ray.get(spare.prewarmed, timeout=timeout_s)
             info = ray.get(spare.actor.adopt.remote(self.config, self.run_id, attempt, -1, str(self.spool_root)),
@@ -94,6 +147,7 @@ class SparePool:
         spare the run did not need is the next run's). Its hold is recorded in `attempt` (off
         the clock: an unused spare is capacity held for the run, `ett.capacity`)."""
         spare, self._spare = self._spare, None
+        self._ping = None
         if spare is None:
             return
         if attempt is not None:
