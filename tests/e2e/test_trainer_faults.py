@@ -32,6 +32,18 @@ pytestmark = [pytest.mark.slow]
 SLACK_S = 10.0  # polling, a loaded 2-core machine; gloo's timeout (the old detector) was 300 s
 
 
+def kept_groups(cfg, run_id: str, spool: Path):
+    """A group factory for the driver that keeps every group it makes (a test signals their
+    processes): (factory, the groups so far)."""
+    groups: list[RayWorkerGroup] = []
+
+    def factory(attempt: int) -> RayWorkerGroup:
+        groups.append(RayWorkerGroup(cfg, run_id, attempt, spool))
+        return groups[-1]
+
+    return factory, groups
+
+
 def restore_step(events, attempt: int) -> int:
     (restore,) = by(events, "checkpoint_restore", rank=0, attempt=attempt)
     return restore.attrs["step"]
@@ -81,11 +93,8 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(traine
     takes rank 1's place when rank 1 is killed at step 16: still a live recovery."""
     cfg = config(trainer_world, "spare-lost", compile_cache, failures=(FailAt(kind="kill", rank=1, step=16),),
                  eval_batches=0)
-    spool, groups, killed = trainer_world / "spool", [], []
-
-    def factory(attempt: int):
-        groups.append(RayWorkerGroup(cfg, "spare-lost", attempt, spool))
-        return groups[-1]
+    factory, groups = kept_groups(cfg, "spare-lost", trainer_world / "spool")
+    killed: list[int] = []
 
     def kill_the_waiting_spare() -> None:
         deadline = time.monotonic() + 300
@@ -172,11 +181,8 @@ def test_an_external_and_a_scripted_sigterm_take_emergency_checkpoints_and_resum
     reaches its step)."""
     cfg = config(trainer_world, "preempt", compile_cache, failures=(FailAt.parse("preempt:rank=1:step=18"),),
                  eval_batches=0)
-    spool, groups, sent = trainer_world / "spool", [], []
-
-    def factory(attempt: int):
-        groups.append(RayWorkerGroup(cfg, "preempt", attempt, spool))
-        return groups[-1]
+    spool, sent = trainer_world / "spool", []
+    factory, groups = kept_groups(cfg, "preempt", spool)
 
     def preempt_rank_1_in_training() -> None:
         deadline = time.monotonic() + 300
