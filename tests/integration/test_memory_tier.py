@@ -13,7 +13,7 @@ from helpers.plain_model import plain_state, plain_step
 from helpers.state_fingerprint import fingerprint
 
 
-def test_memory_tier_saves_to_the_keeper_restores_and_refuses_damaged_or_missing_copies(ray_session):
+def test_memory_tier_saves_to_the_keeper_restores_and_refuses_damaged_or_missing_copies(ray_session, caplog):
     import ray
 
     from ettflow.trainer.checkpoint.state_keeper import find_keeper, start_keeper
@@ -47,9 +47,32 @@ def test_memory_tier_saves_to_the_keeper_restores_and_refuses_damaged_or_missing
 
     ray.kill(keeper, no_restart=True)  # the keeper is gone: saves go on, restores say why
     plain_step(state, 3)
-    tier.save(5, state)
-    assert not tier.wait().ok and done[-1].error
+    with caplog.at_level("WARNING", logger="ettflow"):
+        tier.save(5, state)
+        assert not tier.wait().ok and done[-1].error
+    assert "the run's in-memory checkpoint keeper is gone" in caplog.text  # named, with what follows
     with pytest.raises(MemoryCopyError, match="copy of rank 0 at step 3 is unreachable"):
         tier.restore(state, 3)
     assert tier.restore(state, 5)["where"] == "local"  # its own copy needs no keeper
     tier.close()
+
+
+def test_a_recovery_whose_keeper_is_gone_names_it_and_uses_the_durable_checkpoint(ray_session, tmp_path, caplog):
+    """The group's choice of a restore point when the run's keeper died: no memory step (not an
+    error that ends the run), and a warning naming the keeper."""
+    import ray
+
+    from ettflow.trainer.checkpoint.state_keeper import keeper_name, start_keeper
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.group.ray_group import RayWorkerGroup
+
+    (tmp_path / "data").mkdir()
+    cfg = TrainerConfig(data_root=str(tmp_path / "data"), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
+    group = RayWorkerGroup(cfg, "keeper-gone", 0, tmp_path / "spool")
+    group.keeper = start_keeper("keeper-gone")
+    assert group._memory_step() is None  # alive, holding nothing yet
+    ray.kill(group.keeper, no_restart=True)
+    with caplog.at_level("WARNING", logger="ettflow"):
+        assert group._memory_step() is None
+    assert f"keeper (actor {keeper_name('keeper-gone')}) is gone or not answering (ActorDiedError)" in caplog.text

@@ -150,8 +150,12 @@ class MemoryTier:
             ok, error = True, None
         except Exception as e:  # noqa: BLE001 - the keeper is gone or refused: reported, not raised
             ok, error = False, f"{type(e).__name__}: {e}"
-            log.warning("in-memory copy of rank %d at step %d not handed to the keeper: %s",
-                        self.rank, meta.step, error)
+            from ray.exceptions import RayActorError
+
+            gone = ("the run's in-memory checkpoint keeper is gone (its actor died): a failure restores from the "
+                    "durable checkpoint; " if isinstance(e, RayActorError) else "")
+            log.warning("%sin-memory copy of rank %d at step %d not handed to the keeper: %s",
+                        gone, self.rank, meta.step, error)
         result = MemorySaveResult(step=meta.step, rank=self.rank, nbytes=meta.nbytes, start=start, end=time.time(),
                                   ok=ok, checksum=meta.checksum, error=error)
         if self._on_done is not None:

@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
-from ettflow.trainer.checkpoint.state_keeper import start_keeper
+from ettflow.trainer.checkpoint.state_keeper import keeper_name, start_keeper
 from ettflow.trainer.classify import failure_from_exception, is_process_loss, on_lost_node
 from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
@@ -303,13 +303,26 @@ class RayWorkerGroup:
         if why is not None:
             log.info("attempt %d: every rank restarts (no live recovery: %s)", self.attempt, why)
             return None
-        memory = ray.get(self.keeper.latest_common.remote(self.world_size)) if self.keeper is not None else None
+        memory = self._memory_step()
         durable = newest_committed(self.config.checkpoint_dir)
         point = choose_restore_point(memory, *(durable if durable else (None, None)))
         if point is None:
             log.info("attempt %d: every rank restarts (no live recovery: no in-memory copy, no checkpoint)",
                      self.attempt)
         return point
+
+    def _memory_step(self) -> int | None:
+        """The newest step every rank holds in the in-memory tier; None when there is none, or
+        when the run's keeper is gone (named in the log: the durable checkpoint is used)."""
+        if self.keeper is None:
+            return None
+        try:
+            return ray.get(self.keeper.latest_common.remote(self.world_size), timeout=PARK_TIMEOUT_S)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            log.warning("attempt %d: the run's in-memory checkpoint keeper (actor %s) is gone or not answering "
+                        "(%s): the restore point is the durable checkpoint", self.attempt, keeper_name(self.run_id),
+                        type(exc).__name__)
+            return None
 
     def _not_live(self, failure: Failure, timeout_s: float) -> str | None:
         """Why `failure` cannot be recovered live (None: it can, as far as the ranks go)."""

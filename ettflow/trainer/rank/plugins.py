@@ -231,7 +231,7 @@ class TrainerPlugins:
     def _on_memory_done(self, result: Any) -> None:
         self._memory_background.append(result.end - result.start)
         self.rec.record("memory_save_background", result.start, result.end, step=result.step,
-                        bytes=result.nbytes, ok=result.ok)
+                        bytes=result.nbytes, ok=result.ok, **({"error": result.error[:300]} if result.error else {}))
 
     def check_finite(self, step: int, *, loss: float | None, action: str) -> None:
         """Raise (and record) a numerics failure unless the last loss and the dense parameters
