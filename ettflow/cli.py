@@ -216,21 +216,39 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # the command as given, for reports that print how to reproduce them
     try:
         rc = int(args.func(args) or 0)
+    except BrokenPipeError:  # `ettflow report | head`: the reader had enough, if it was stdout's
+        if not _stdout_reader_gone():
+            raise  # another pipe broke (a socket, a subprocess): a real error
+        return _reader_left(0)
+    try:
         sys.stdout.flush()  # here, where a reader that left is caught, not at the interpreter's exit
-        return rc
-    except BrokenPipeError:  # `ettflow report | head`: the reader had enough; end quietly
-        return _reader_left()
+    except BrokenPipeError:
+        return _reader_left(rc)
+    return rc
 
 
-def _reader_left() -> int:
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reader_left(rc: int) -> int:
     """Our stdout's reader closed it: point stdout at /dev/null, so the interpreter's final
-    flush does not raise again, and exit 0 (what was read was what was asked for)."""
+    flush does not raise again, and end with the command's own code (what was read was what
+    was asked for)."""
     import os
 
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

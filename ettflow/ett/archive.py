@@ -87,11 +87,14 @@ def fallback_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     """The row's record of checkpoint damage (empty when none): each damaged checkpoint a
     restore skipped, the step it restored instead and the steps the damage cost (trained again
     because the newer checkpoint could not be used)."""
-    found = [{"attempt": e.attempt, "damaged_step": e.attrs.get("damaged_step"),
-              "restored_step": e.attrs.get("restored_step"), "file": e.attrs.get("file"),
-              "steps_lost": int(e.attrs["damaged_step"]) - int(e.attrs.get("restored_step") or 0)}
-             for e in events if e.phase == CHECKPOINT_FALLBACK and e.attrs.get("damaged_step") is not None]
-    return {"checkpoint_fallbacks": found} if found else {}
+    found: dict[Any, dict[str, Any]] = {}  # by damaged step: a later attempt skipping it again is not new
+    for e in sorted(events, key=lambda e: (e.attempt, e.start)):
+        if e.phase == CHECKPOINT_FALLBACK and e.attrs.get("damaged_step") is not None:
+            found.setdefault(e.attrs["damaged_step"], {
+                "attempt": e.attempt, "damaged_step": e.attrs["damaged_step"],
+                "restored_step": e.attrs.get("restored_step"), "file": e.attrs.get("file"),
+                "steps_lost": int(e.attrs["damaged_step"]) - int(e.attrs.get("restored_step") or 0)})
+    return {"checkpoint_fallbacks": list(found.values())} if found else {}
 
 
 def _with_read_tags(info: RunInfo, read: SpoolRead) -> RunInfo:

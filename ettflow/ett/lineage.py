@@ -224,17 +224,20 @@ def settle_ended_run(wh: OpenWarehouse, model: str, run_id: str, status: str, *,
     """A run that ended `status` (crashed, failed or cancelled: `ENDED_OUTCOME`) without
     recording how its refresh ended: in one transaction, its lineage record (CRASHED or FAILED,
     the windows it had claimed, `reason`) and its live claims released, so the next refresh of
-    the model trains those windows again at once. Nothing when it already has a lineage record
-    (it settled its own claims) or holds no claims (it never got as far as claiming); returns
-    the record written, or None."""
+    the model trains those windows again at once. When it already has a lineage record (it
+    settled its own claims), only claims taken after that record (a later try of the same run)
+    are released, and the record stays; nothing when it holds no claims (it never got as far as
+    claiming). Returns the record written, or None."""
     outcome = ENDED_OUTCOME.get(status)
     if outcome is None:
         raise ValueError(f"settle_ended_run: status must be one of {sorted(ENDED_OUTCOME)}, got {status!r}")
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, model)
-        if conn.execute(select(_LINEAGE.c.run_id).where(_LINEAGE.c.run_id == run_id)).first() is not None:
-            return None
         mine = (_CLAIMS.c.model == model) & (_CLAIMS.c.run_id == run_id) & (_CLAIMS.c.state == CLAIMED)
+        own = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == run_id)).first()
+        if own is not None:  # it recorded its end; a later try of it (a flow retry) may have claimed again
+            conn.execute(delete(_CLAIMS).where(mine & (_CLAIMS.c.claimed_at > (own.finished_at or 0.0))))
+            return None
         claims = conn.execute(select(_CLAIMS).where(mine).order_by(_CLAIMS.c.window)).all()
         if not claims:
             return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,7 +76,7 @@ def score_in_fresh_process(model_file: Path, data: HeldOut, *, timeout_s: float 
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             raise PublishError(f"scoring the snapshot in a fresh process took over {timeout_s:.0f} s") from e
-        if proc.returncode < 0:  # killed (OOM killer, an operator): not the snapshot's fault, a retry may pass
+        if -proc.returncode in (signal.SIGKILL, signal.SIGTERM):  # the OOM killer, an operator: a retry may pass
             raise PublishError(f"the process scoring the snapshot {model_file} was killed by signal "
                                f"{-proc.returncode} ({_signal_name(-proc.returncode)}); the publish is retried")
         if proc.returncode != 0 or not output.is_file():
@@ -91,8 +92,6 @@ def score_in_fresh_process(model_file: Path, data: HeldOut, *, timeout_s: float 
 
 
 def _signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:

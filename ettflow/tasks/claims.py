@@ -63,6 +63,7 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
     archived), waiting up to `plan.claim_wait_s`."""
     start = time.monotonic()
     announced = False
+    archived: set[str] = set()  # holders archived as dead here: each at most once
     while True:
         got = lineage.claim_windows(wh, plan.model, plan.run_id,
                                     lambda mark, parent: _bound(plan, mark, parent))
@@ -71,7 +72,8 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
             if bound.windows_choice.nothing_new:
                 return Claim(bound, f"nothing new to train for model {plan.model}: {bound.windows_choice.reason}")
             return Claim(bound)
-        if _archive_if_dead(plan, got.holder, url, log):
+        if got.holder not in archived and _archive_if_dead(plan, got.holder, url, log):
+            archived.add(got.holder)
             continue  # its claims are released: ask again now
         waited = time.monotonic() - start
         if waited >= plan.claim_wait_s:
@@ -89,9 +91,14 @@ def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) 
     from .reconcile import reconcile  # the archiving path every dead run takes
 
     beat = read_heartbeat(plan.spool_root, holder)
-    if beat is None or beat.is_live(time.time()):
+    if beat is None or not beat.is_orphaned(time.time()):  # alive, or ended (it settles its own claims)
         return False
-    done = reconcile(plan.spool_root, url, run_ids=[holder])
+    try:
+        done = reconcile(plan.spool_root, url, run_ids=[holder])
+    except Exception as exc:  # noqa: BLE001 - the waiting refresh goes on waiting; the next one retries
+        if log is not None:
+            log.warning("model %s: could not archive the dead holder %s (%s): waiting", plan.model, holder, exc)
+        return False
     released = bool(done) and done[0].action == "archived" and done[0].status == "crashed"
     if log is not None:
         log.warning("model %s: run %s holds its windows but its heartbeat stopped %.0f s ago: %s", plan.model,

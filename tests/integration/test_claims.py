@@ -146,8 +146,32 @@ def test_a_finished_or_claimless_run_is_left_as_it_recorded_itself(warehouse_url
         assert lineage.settle_ended_run(wh, "dlrm", "r-never-claimed", "crashed", reason="x") is None
         (record,) = lineage.lineage(wh, "dlrm")
         assert (record.outcome, record.reason) == (Outcome.FAILED, "its own reason")
+        # a flow retry of the same run claims again, then dies: those later claims are released, the
+        # record it wrote itself stays
+        assert take_claim(p, wh).skipped is None
+        assert lineage.settle_ended_run(wh, "dlrm", "r-own", "crashed", reason="x") is None
+        assert take_claim(plan(flow_data, tmp_path, "r-next", claim_wait_s=0), wh).skipped is None
+        (record,) = [r for r in lineage.lineage(wh, "dlrm") if r.run_id == "r-own"]
+        assert (record.outcome, record.reason) == (Outcome.FAILED, "its own reason")
         with pytest.raises(ValueError, match="status must be one of"):
             lineage.settle_ended_run(wh, "dlrm", "r-own", "completed", reason="x")
+
+
+def test_a_holder_whose_heartbeat_ended_is_not_archived_by_a_waiting_refresh(warehouse_url, flow_data, tmp_path):
+    """An ended heartbeat is a run past its heartbeat block, recording its own end (or between
+    the tries of a flow retry): not dead. The waiting refresh waits, and is skipped."""
+    from ettflow.ett.heartbeat import RunHeartbeat
+
+    spool = tmp_path / "spool"
+    with Warehouse.open(warehouse_url) as wh:
+        assert take_claim(plan(flow_data, tmp_path, "r-ending"), wh).skipped is None
+        with RunHeartbeat(spool, "r-ending", every_s=0.05):
+            pass
+        time.sleep(0.5)
+        claim = take_claim(plan(flow_data, tmp_path, "r-waiting", claim_wait_s=0.3), wh, poll_s=0.05,
+                           url=warehouse_url)
+        assert claim.skipped is not None and "is being refreshed by run r-ending" in claim.skipped
+        assert wh.runs_frame(run_id="r-ending").empty  # not archived
 
 
 def test_a_claim_whose_holder_stopped_heartbeating_is_released_at_the_orphan_bound(warehouse_url, flow_data,

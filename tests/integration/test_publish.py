@@ -221,3 +221,17 @@ def test_a_killed_scoring_process_is_a_retryable_publish_failure(tmp_path, monke
         nothing = validate.HeldOut(windows=(), batches=[], labels=torch.zeros(0))
         validate.score_in_fresh_process(tmp_path / "model.pt", nothing)
     assert is_retryable(killed.value) and not isinstance(killed.value, SnapshotValidationError)
+
+
+def test_a_scoring_process_that_crashes_by_itself_is_a_validation_failure(tmp_path, monkeypatch):
+    """SIGSEGV, SIGABRT: the snapshot crashed the interpreter, the same way next time: not retried."""
+    from ettflow.publish import SnapshotValidationError, is_retryable, validate
+
+    script = tmp_path / "loadcheck.py"
+    script.write_text("import os, signal, sys\nprint('crashing', file=sys.stderr, flush=True)\n"
+                      "os.kill(os.getpid(), signal.SIGABRT)\n")
+    monkeypatch.setattr(validate, "LOADCHECK", script)
+    with pytest.raises(SnapshotValidationError, match=r"(?s)exit -6.*crashing") as crashed:
+        validate.score_in_fresh_process(tmp_path / "model.pt", validate.HeldOut(windows=(), batches=[],
+                                                                               labels=torch.zeros(0)))
+    assert not is_retryable(crashed.value)

@@ -54,3 +54,17 @@ def test_round_trip():
     ev = PhaseEvent.from_dict(record(phase="train_step", attrs=attrs, seq=4))
     assert PhaseEvent.from_dict(ev.to_dict()) == ev
     assert ev.cursor_end == (0, 1, 66) and ev.component is None and ev.duration == 1.0
+
+
+def test_a_damaged_checkpoint_skipped_by_several_attempts_is_reported_once():
+    from ettflow.ett.archive import fallback_tags
+    from ettflow.ett.events import PhaseEvent
+
+    def marker(attempt: int, start: float) -> PhaseEvent:
+        return PhaseEvent(run_id="r", phase="checkpoint_fallback", start=start, end=start, attempt=attempt, rank=0,
+                          attrs={"damaged_step": 15, "restored_step": 10, "file": "__0_0.distcp"})
+
+    tags = fallback_tags([marker(2, 30.0), marker(1, 10.0)])
+    assert tags == {"checkpoint_fallbacks": [{"attempt": 1, "damaged_step": 15, "restored_step": 10,
+                                              "file": "__0_0.distcp", "steps_lost": 5}]}
+    assert fallback_tags([]) == {}

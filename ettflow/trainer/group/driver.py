@@ -204,10 +204,13 @@ class TrainingDriver:
         if not unfired:
             return ()
         now = self.clock()
-        with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
-            for f in unfired:
-                rec.mark(FAULT_UNFIRED, now, kind=f.kind, fault_index=f.index, fault_rank=f.rank, step=f.step,
-                         fault_attempt=f.attempt, spec=f.spec)
+        try:
+            with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
+                for f in unfired:
+                    rec.mark(FAULT_UNFIRED, now, kind=f.kind, fault_index=f.index, fault_rank=f.rank, step=f.step,
+                             fault_attempt=f.attempt, spec=f.spec)
+        except OSError as exc:  # a full disk must not turn a trained run into a failed one: the warning says it
+            log.warning("could not record the unfired scripted faults in the spool: %s", exc)
         log.warning("the run ended without firing %d scripted fault(s): %s", len(unfired),
                     ", ".join(f.spec for f in unfired))
         return unfired

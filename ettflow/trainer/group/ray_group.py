@@ -56,6 +56,7 @@ RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read ag
 # while the ranks train, and is seconds late)
 SPARES_AHEAD = 2
 SPARE_NOTE = ", one for the spare"
+SPARE_WAIT_S = 10.0  # a GPU placement waits this long for its spare's bundle, then starts without it
 PARK_TIMEOUT_S = 10.0  # live recovery: how long the survivors of a failure may take to park
 
 
@@ -204,6 +205,7 @@ class RayWorkerGroup:
         self.world_size = self._wanted(bundle)
         self.bundles = self._plan_bundles(bundle)
         self.pg = self._placement_group(bundle)
+        asked_at = time.monotonic()
         while True:
             left = deadline - time.monotonic()
             try:
@@ -221,7 +223,14 @@ class RayWorkerGroup:
                                f"{[n['resources'] for n in live_nodes().values()]}; add capacity, raise "
                                "capacity_wait_s, or allow a smaller restart with min_world_size")) from exc
                 wanted = self._wanted(bundle)
-                if wanted != self.world_size:  # capacity changed while waiting: ask for what fits now
+                if self.bundles.spare is not None and time.monotonic() - asked_at >= SPARE_WAIT_S:
+                    # the spare's device is taken elsewhere: the ranks do not wait for it
+                    log.warning("attempt %d: no GPU for a spare within %g s: the ranks start without one (a "
+                                "failure restarts every rank)", self.attempt, SPARE_WAIT_S)
+                    remove_placement_group(self.pg)
+                    self.bundles = SpareBundles.plan(self.world_size, spare=False)
+                    self.pg = self._placement_group(bundle)
+                elif wanted != self.world_size:  # capacity changed while waiting: ask for what fits now
                     remove_placement_group(self.pg)
                     self.world_size = wanted
                     self.bundles = self._plan_bundles(bundle)
@@ -332,8 +341,9 @@ class RayWorkerGroup:
         if not is_process_loss(failure) or failure.node is not None or not 0 <= failure.rank < len(self.actors):
             return f"the failure is not one rank's lost process ({failure.summary})"
         survivors = [r for r in range(len(self.actors)) if r != failure.rank]
-        for r in survivors:  # NCCL: a survivor's collective waits for the dead peer until aborted
-            self.actors[r].interrupt.remote()
+        # NCCL: a survivor's collective waits for the dead peer until aborted; each interrupt is
+        # waited for below, before anything rejoins (a threaded actor's calls are not ordered)
+        interrupts = [self.actors[r].interrupt.remote() for r in survivors]
         waiting = [ref for ref, rank in self.refs.items() if rank in survivors]
         done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout_s)
         if len(done) < len(waiting):
@@ -342,6 +352,8 @@ class RayWorkerGroup:
             self.refs.pop(ref)
             with contextlib.suppress(RayActorError, RayTaskError):
                 ray.get(ref)
+        with contextlib.suppress(GetTimeoutError, RayActorError, RayTaskError):
+            ray.get(interrupts, timeout=timeout_s)
         try:
             parked = ray.get([self.actors[r].parked.remote() for r in survivors], timeout=timeout_s)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:

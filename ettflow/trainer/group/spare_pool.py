@@ -45,6 +45,8 @@ log = logging.getLogger("ettflow.trainer")
 
 
 PING_S = 1.0  # how often the waiting spare is asked whether it lives
+MAX_REPLACED = 3  # spares lost or failed in one run before the pool stops replacing them (a spare that
+# fails its prewarm every time, a CUDA OOM, must not respawn forever; a failure then restarts every rank)
 
 
 class SpareUnavailable(RuntimeError):
@@ -63,6 +65,7 @@ class SparePool:
         self._ping: Any = None  # a liveness call to the waiting spare, in flight
         self._pinged_at = 0.0
         self._pid: int | None = None  # the waiting spare's process, once a ping answered
+        self.replaced = 0  # spares lost or failed and replaced in this run
 
     @property
     def has_spare(self) -> bool:
@@ -97,6 +100,14 @@ class SparePool:
         spare = self._spare
         if spare is None:
             return False
+        if spare.prewarmed is not None and spare.timings is None:  # its prewarm: done, and did it work?
+            done, _ = ray.wait([spare.prewarmed], timeout=0)
+            if done:
+                try:
+                    spare.timings = ray.get(done[0])
+                except (RayActorError, RayTaskError) as exc:  # it died, or its prewarm raised (a CUDA OOM)
+                    self._replace_lost(spare, attempt, exc)
+                    return True
         if self._ping is None:
             if time.monotonic() - self._pinged_at >= PING_S:
                 self._ping, self._pinged_at = spare.actor.ready.remote(), time.monotonic()
@@ -108,9 +119,11 @@ class SparePool:
         try:
             self._pid = ray.get(ping).pid
             return False
-        except (RayActorError, RayTaskError) as exc:
+        except RayActorError as exc:  # its process is gone (a RayTaskError would be a live actor's error)
             self._replace_lost(spare, attempt, exc)
             return True
+        except RayTaskError:
+            return False
 
     def _replace_lost(self, spare: PooledWorker, attempt: int, exc: BaseException) -> None:
         now = time.time()
@@ -122,6 +135,11 @@ class SparePool:
         with contextlib.suppress(Exception):
             ray.kill(spare.actor, no_restart=True)
         self._spare, self._pooled, self._pid = None, False, None
+        self.replaced += 1
+        if self.replaced > MAX_REPLACED:
+            log.warning("%d spares of this run were lost or failed: no more are started (a failure restarts every "
+                        "rank)", self.replaced)
+            return
         self.prewarm()
 
     def take(self, attempt: int, timeout_s: float) -> tuple[Any, WorkerInfo]:

@@ -272,7 +272,7 @@ class TrainerSession:
             pipeline.start().wait_all()
         except BaseException:
             pipeline.close()
-            self.close()
+            self.close(failed=True)
             raise
         pipeline.close()
         return self._train()
@@ -288,7 +288,7 @@ class TrainerSession:
             if self.can_park:
                 self.park()
             else:
-                self.close()
+                self.close(failed=True)
             raise
         self.close()
         return result
@@ -337,7 +337,7 @@ class TrainerSession:
                 with self.beat.phase(name), self.rec.span(name, spare=True):
                     stage()
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
         return self._resume(point)
 
@@ -356,7 +356,7 @@ class TrainerSession:
             self.state.batches = self.state.data.batches(self.state.plugins.resume_cursor, prefetch=PREFETCH_BATCHES)
             self.state.first_batch = None
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
         return self._train()
 
@@ -367,12 +367,14 @@ class TrainerSession:
         else:
             teardown_any()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """End the session: `failed` when it ends with an error (NCCL's communicators are then
+        aborted before the groups are destroyed: a peer may be gone)."""
         if self.state.is_set("plugins"):
             self.state.plugins.close()
         if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
             self.state.batches.close()
-        self._teardown_groups(failed=False)
+        self._teardown_groups(failed=failed)
         self.beat.close()
         PREEMPTION.detach(self.rec)
         self.rec.close()
