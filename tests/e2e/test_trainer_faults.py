@@ -30,6 +30,9 @@ from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, co
 pytestmark = [pytest.mark.slow]
 
 SLACK_S = 10.0  # polling, a loaded 2-core machine; gloo's timeout (the old detector) was 300 s
+# the hang test's compile bound: above a real warm compile on a loaded 2-core CI host (15.1 s seen
+# for the restart's compile when the suite's other worker was busy: a false hang), below gloo's 300 s
+COMPILE_BOUND_S = 30.0
 
 
 def kept_groups(cfg, run_id: str, spool: Path):
@@ -152,11 +155,11 @@ def detection_s(events, attempt: int) -> float:
 
 
 def test_hangs_in_compile_and_at_step_0_are_detected_within_their_bounds(trainer_world, compile_cache):
-    """Rank 1 hangs in pt2_compile (bound 15 s) in attempt 0, then at step 0 (bound 3 s) in
-    the attempt that restarted every rank (a hang is never recovered live)."""
+    """Rank 1 hangs in pt2_compile (bound COMPILE_BOUND_S) in attempt 0, then at step 0 (bound
+    3 s) in the attempt that restarted every rank (a hang is never recovered live)."""
     cfg = config(trainer_world, "hangs", compile_cache, failures=(
         FailAt.parse("hang:rank=1:phase=pt2_compile"), FailAt.parse("hang:rank=1:step=0")),
-        compile_timeout_s=15.0, step_timeout_s=3.0, eval_batches=0)
+        compile_timeout_s=COMPILE_BOUND_S, step_timeout_s=3.0, eval_batches=0)
     result, events, m = drive(trainer_world, cfg, "hangs")
     compile_hang, step_hang = result.failures
     assert result.attempts == 3 and m.nof == 2
@@ -165,9 +168,9 @@ def test_hangs_in_compile_and_at_step_0_are_detected_within_their_bounds(trainer
     assert by(events, "train_step", attempt=0) == []  # attempt 0 never trained
     assert (step_hang.rank, step_hang.step) == (1, 0) and step_hang.reason.startswith("rank 1 hung in train_step for ")
     took = detection_s(events, 0), detection_s(events, 1)
-    print(f"\nhang in pt2_compile: detected {took[0]:.2f} s after it began (bound 15 s); "
+    print(f"\nhang in pt2_compile: detected {took[0]:.2f} s after it began (bound {COMPILE_BOUND_S:g} s); "
           f"at step 0: {took[1]:.2f} s (bound 3 s)")
-    assert took[0] <= 15.0 + SLACK_S and took[1] <= 3.0 + SLACK_S
+    assert took[0] <= COMPILE_BOUND_S + SLACK_S and took[1] <= 3.0 + SLACK_S
     assert result.rank0.final_step == STEPS
     m.check_partition()
 
