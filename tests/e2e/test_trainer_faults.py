@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,26 @@ def kept_groups(cfg, run_id: str, spool: Path):
         return groups[-1]
 
     return factory, groups
+
+
+def signal_when(find_pid: Callable[[], int | None], sig: int, *, every_s: float,
+                timeout_s: float = 300.0) -> tuple[threading.Thread, list[int]]:
+    """A started thread that sends `sig` once to the process `find_pid()` names, as soon as it
+    names one (asked every `every_s`, for up to `timeout_s`); and the list of pids signalled."""
+    sent: list[int] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not sent:
+            pid = find_pid()
+            if pid is not None:
+                os.kill(pid, sig)
+                sent.append(pid)
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, sent
 
 
 def restore_step(events, attempt: int) -> int:
@@ -97,20 +118,12 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(traine
     cfg = config(trainer_world, "spare-lost", compile_cache, failures=(FailAt(kind="kill", rank=1, step=16),),
                  eval_batches=0)
     factory, groups = kept_groups(cfg, "spare-lost", trainer_world / "spool")
-    killed: list[int] = []
 
-    def kill_the_waiting_spare() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not killed:
-            spares = groups[0].spares if groups else None
-            pid = spares.spare_pid if spares is not None else None
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            time.sleep(0.05)
+    def waiting_spare() -> int | None:
+        spares = groups[0].spares if groups else None
+        return spares.spare_pid if spares is not None else None
 
-    killer = threading.Thread(target=kill_the_waiting_spare, daemon=True)
-    killer.start()
+    killer, killed = signal_when(waiting_spare, signal.SIGKILL, every_s=0.05)
     result, events, m = drive(trainer_world, cfg, "spare-lost", group_factory=factory)
     killer.join()
     assert killed, "the spare never answered a ping"
@@ -184,24 +197,18 @@ def test_an_external_and_a_scripted_sigterm_take_emergency_checkpoints_and_resum
     reaches its step)."""
     cfg = config(trainer_world, "preempt", compile_cache, failures=(FailAt.parse("preempt:rank=1:step=18"),),
                  eval_batches=0)
-    spool, sent = trainer_world / "spool", []
+    spool = trainer_world / "spool"
     factory, groups = kept_groups(cfg, "preempt", spool)
 
-    def preempt_rank_1_in_training() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not sent:
-            try:
-                steps = [e for e in read_spool(spool, "preempt", phases=frozenset({"train_step"})).events
-                         if e.attempt == 0 and e.rank == 1]
-            except FileNotFoundError:
-                steps = []
-            if len(steps) >= 4:
-                os.kill(groups[0].info[1].pid, signal.SIGTERM)
-                sent.append(len(steps))
-            time.sleep(0.02)
+    def rank_1_after_4_steps() -> int | None:
+        try:
+            steps = [e for e in read_spool(spool, "preempt", phases=frozenset({"train_step"})).events
+                     if e.attempt == 0 and e.rank == 1]
+        except FileNotFoundError:
+            return None
+        return groups[0].info[1].pid if len(steps) >= 4 else None
 
-    killer = threading.Thread(target=preempt_rank_1_in_training, daemon=True)
-    killer.start()
+    killer, sent = signal_when(rank_1_after_4_steps, signal.SIGTERM, every_s=0.02)
     result, events, m = drive(trainer_world, cfg, "preempt", group_factory=factory)
     killer.join()
     assert sent, "rank 1 never trained 4 steps"

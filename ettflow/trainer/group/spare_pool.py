@@ -129,9 +129,7 @@ class SparePool:
         now = time.time()
         log.warning("the run's warm spare (pid %s) died while it waited (%s): another starts", self._pid,
                     type(exc).__name__)
-        with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
-            rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now,
-                       lost=True, **spare.holding_attrs())
+        self._record_unused(spare, attempt, now, lost=True)
         with contextlib.suppress(Exception):
             ray.kill(spare.actor, no_restart=True)
         self._spare, self._pooled, self._pid = None, False, None
@@ -141,6 +139,13 @@ class SparePool:
                         "rank)", self.replaced)
             return
         self.prewarm()
+
+    def _record_unused(self, spare: PooledWorker, attempt: int, released_at: float, **attrs: Any) -> None:
+        """The hold of a spare no rank took (released, or lost), off the clock: held capacity
+        (`ett.capacity`); a spool that cannot be written loses only this line."""
+        with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
+            rec.record("spare_start", spare.requested_at, released_at, pooled=self._pooled, used=False,
+                       released_at=released_at, **attrs, **spare.holding_attrs())
 
     def take(self, attempt: int, timeout_s: float) -> tuple[Any, WorkerInfo]:
         """The spare, prewarmed (waits up to `timeout_s`; starts one if there is none), and its
@@ -169,10 +174,7 @@ class SparePool:
         if spare is None:
             return
         if attempt is not None:
-            with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
-                now = time.time()
-                rec.record("spare_start", spare.requested_at, now, pooled=self._pooled, used=False, released_at=now,
-                           **spare.holding_attrs())
+            self._record_unused(spare, attempt, time.time())
         if spare.prewarmed is not None and self.config.switches.warm_pool and self.bundle is None:
             POOL.give(spare)
             return
