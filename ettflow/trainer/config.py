@@ -21,6 +21,9 @@ FAULT_KINDS = ("kill", "raise", "hang", "nan", "preempt", "corrupt")
 # phases a scripted `hang` may stop in instead of a step (`hang:rank=1:phase=pt2_compile`)
 HANG_PHASES = ("device_init", "process_group_init", "preproc_creation", "train_module_creation", "init_plugins",
                "pre_train", "get_first_batch_data", "checkpoint_restore", "pt2_compile")
+# the instant a scripted `kill` may take instead of a step: the anchor checkpoint committed, its
+# `anchor.json` not yet written (`kill:rank=0:phase=anchor_commit`; rank 0 writes the marker)
+ANCHOR_COMMIT = "anchor_commit"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +79,9 @@ Scripted faults, one item each: KIND[:FIELD=VALUE]...
            publish  fail a publish try (publish; training is not touched)
   fields:  rank=R      the rank (default 0)
            step=S      at training step S, before it is trained
-           phase=P     hang only, instead of step: hang in init stage P (e.g. pt2_compile, pre_train)
+           phase=P     instead of step: a hang in init stage P (e.g. pt2_compile, pre_train), or
+                       a kill at anchor_commit (the final checkpoint committed, anchor.json not
+                       yet written)
            after_s=T   kill only: T seconds after an attempt started training (sent by the driver)
            attempt=A   only in attempt A (default: whichever attempt reaches it first)
            times=N     publish only: the first N publish tries fail (default 1)
@@ -84,7 +89,7 @@ Scripted faults, one item each: KIND[:FIELD=VALUE]...
   whichever attempt; a restart that replays that step does not fire it again.
   Examples: kill:rank=1:step=30   hang:step=5   raise:rank=0:step=12:attempt=1
             kill:after_s=12.5     nan:step=40   publish:times=2   hang:rank=1:phase=pt2_compile
-            preempt:rank=1:step=9
+            preempt:rank=1:step=9   kill:rank=0:phase=anchor_commit
 """
 
 
@@ -101,7 +106,7 @@ class FailAt:
     rank: int = 0
     step: int | None = None
     after_s: float | None = None
-    phase: str | None = None  # hang only: the init stage it hangs in
+    phase: str | None = None  # a hang's init stage, or a kill's ANCHOR_COMMIT
     attempt: int | None = None  # None: any attempt
     index: int | None = None
 
@@ -110,9 +115,11 @@ class FailAt:
             raise ValueError(f"FailAt.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
         if sum(v is not None for v in (self.step, self.after_s, self.phase)) != 1:
             raise ValueError("FailAt needs exactly one of step (a training step), after_s (seconds) or phase "
-                             "(an init stage, hang only)")
-        if self.phase is not None and (self.kind != "hang" or self.phase not in HANG_PHASES):
-            raise ValueError(f"FailAt.phase is for kind='hang' in one of {HANG_PHASES}, got {self.kind}:{self.phase}")
+                             f"(a hang's init stage, or a kill's {ANCHOR_COMMIT})")
+        if self.phase is not None and not ((self.kind == "hang" and self.phase in HANG_PHASES)
+                                           or (self.kind == "kill" and self.phase == ANCHOR_COMMIT)):
+            raise ValueError(f"FailAt.phase is for kind='hang' in one of {HANG_PHASES}, or kind='kill' at "
+                             f"{ANCHOR_COMMIT!r}; got {self.kind}:{self.phase}")
         if self.after_s is not None and self.kind != "kill":
             raise ValueError("FailAt.after_s is a SIGKILL from the driver: use kind='kill'")
         if any(v is not None and v < 0 for v in (self.rank, self.attempt, self.step, self.index)):

@@ -59,14 +59,23 @@ def test_fast_batch_compile_does_not_wait_for_real_data(clean_run):
 def test_a_nan_loss_and_a_sigkill_each_restart_every_rank_exactly_and_warm(trainer_world, compile_cache, clean_run,
                                                                            tmp_path):
     """A NaN loss on rank 0 at step 7 (attempt 0), then a SIGKILL of rank 1 at step 12
-    (attempt 1); live recovery off, so every rank restarts both times (the path a lost node,
-    a hang or a numerics failure takes, and the ablation's)."""
+    (attempt 1), then a SIGKILL of rank 0 between the anchor checkpoint's commit and its
+    `anchor.json` (attempt 2); live recovery off, so every rank restarts each time (the path a
+    lost node, a hang or a numerics failure takes, and the ablation's)."""
     cfg = config(trainer_world, "nan-kill", compile_cache,
-                 failures=(FailAt(kind="nan", rank=0, step=7), FailAt(kind="kill", rank=1, step=12))).with_switches(
+                 failures=(FailAt(kind="nan", rank=0, step=7), FailAt(kind="kill", rank=1, step=12),
+                           FailAt.parse("kill:rank=0:phase=anchor_commit"))).with_switches(
         live_recovery=False, memory_checkpoint=False)
     result, events, m = drive(trainer_world, cfg, "nan-kill")
-    assert result.attempts == 3 and m.nof == 2
-    assert [f.failure_class for f in m.failures] == ["numerics", "infrastructure"]
+    assert result.attempts == 4 and m.nof == 3
+    assert [f.failure_class for f in m.failures] == ["numerics", "infrastructure", "infrastructure"]
+    # the last restart found the committed final checkpoint without its marker: it is the anchor,
+    # with its cursor, and nothing was trained again
+    (last,) = by(events, "checkpoint_restore", rank=0, attempt=3)
+    assert last.attrs["step"] == STEPS and by(events, "train_step", attempt=3) == []
+    assert result.rank0.anchor == last.attrs["path"]
+    marker, uninterrupted = read_anchor(result.rank0.anchor), read_anchor(clean_run[0].rank0.anchor)
+    assert marker["step"] == STEPS and marker["cursor"] == uninterrupted["cursor"] is not None
     m.check_partition()
     # the NaN ended attempt 0 with a numerics marker from rank 0 ...
     (marker,) = by(events, "failure", rank=0, attempt=0)

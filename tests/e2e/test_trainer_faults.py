@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ettflow.ett.spool import read_spool
+from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.config import FailAt
 from ettflow.trainer.group.ray_group import RayWorkerGroup
 
@@ -78,12 +79,19 @@ def restore_step(events, attempt: int) -> int:
 def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_ready(trainer_world, compile_cache,
                                                                                     clean_run, tmp_path):
     """Rank 1 is killed at step 8, and again at step 9 of the attempt that recovered it, while
-    the spare that replaces the first spare may still be starting."""
+    the spare that replaces the first spare may still be starting; then rank 0 is killed
+    between the anchor checkpoint's commit and its `anchor.json`, and recovered live too."""
     cfg = config(trainer_world, "live", compile_cache, failures=(
-        FailAt(kind="kill", rank=1, step=8), FailAt(kind="kill", rank=1, step=9, attempt=1)))
+        FailAt(kind="kill", rank=1, step=8), FailAt(kind="kill", rank=1, step=9, attempt=1),
+        FailAt.parse("kill:rank=0:phase=anchor_commit")))
     result, events, m = drive(trainer_world, cfg, "live")
-    assert result.attempts == 3 and m.nof == 2
-    assert [f.failure_class for f in m.failures] == ["infrastructure", "infrastructure"]
+    assert result.attempts == 4 and m.nof == 3
+    assert [f.failure_class for f in m.failures] == ["infrastructure"] * 3
+    # the last recovery restored the committed final checkpoint: it is the anchor, with its cursor
+    (last,) = by(events, "checkpoint_restore", rank=0, attempt=3)
+    assert last.attrs["step"] == STEPS and by(events, "train_step", attempt=3) == []
+    marker, uninterrupted = read_anchor(result.rank0.anchor), read_anchor(clean_run[0].rank0.anchor)
+    assert marker["step"] == STEPS and marker["cursor"] == uninterrupted["cursor"] is not None
     m.check_partition()
     # rank 0 kept its process and its compiled step throughout; rank 1 is a new process each time
     pids = [beat_pid(trainer_world, "live", attempt, 0) for attempt in (0, 1, 2)]
@@ -93,7 +101,7 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     assert result.rank0.compile.stats.recompiles == 0 and result.rank0.compile.stats.frames_compiled == 1
     # each time a spare took rank 1; every rank rebuilt its group and module and restored
     handoffs = sorted(by(events, "spare_handoff"), key=lambda e: e.attempt)
-    assert [(h.attempt, h.attrs["rank"]) for h in handoffs] == [(1, 1), (2, 1)]
+    assert [(h.attempt, h.attrs["rank"]) for h in handoffs] == [(1, 1), (2, 1), (3, 0)]
     assert [e.attrs.get("spare") for e in by(events, "preproc_creation", rank=1, attempt=1)] == [True]
     for rank in (0, 1):
         for phase in ("process_group_rebuild", "module_reshard"):

@@ -216,9 +216,10 @@ def test_bounds_are_validated_and_the_collectives_outwait_them(tmp_path):
 def test_hang_and_preempt_faults_parse():
     assert FailAt.parse("hang:rank=1:phase=pt2_compile") == FailAt(kind="hang", rank=1, phase="pt2_compile")
     assert FailAt.parse("preempt:rank=1:step=9") == FailAt(kind="preempt", rank=1, step=9)
-    with pytest.raises(ValueError, match="FailAt.phase is for kind='hang'"):
-        FailAt.parse("kill:phase=pt2_compile")
-    with pytest.raises(ValueError, match="FailAt.phase is for kind='hang'"):
-        FailAt.parse("hang:phase=nowhere")
+    assert FailAt.parse("kill:rank=0:phase=anchor_commit") == FailAt(kind="kill", phase="anchor_commit")
+    for wrong in ("kill:phase=pt2_compile", "hang:phase=nowhere", "hang:phase=anchor_commit",
+                  "raise:phase=anchor_commit"):
+        with pytest.raises(ValueError, match="FailAt.phase is for kind='hang'.*or kind='kill' at 'anchor_commit'"):
+            FailAt.parse(wrong)
     with pytest.raises(ValueError, match="exactly one of"):
         FailAt.parse("hang:step=1:phase=pt2_compile")

@@ -40,9 +40,10 @@ from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
 from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
-from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.config import ANCHOR_COMMIT, TrainerConfig
 from ettflow.trainer.data.batch import Batch
 from ettflow.trainer.data.windows import Cursor, split_windows
+from ettflow.trainer.faults import due_in_phase, fire
 from ettflow.trainer.protocol import MEMORY, CompileReport, RestorePoint
 from ettflow.trainer.rank.numerics import refuse_nonfinite
 
@@ -77,6 +78,7 @@ class TrainerPlugins:
         self.memory = (MemoryTier(keeper, rank, config.world_size, on_done=self._on_memory_done)
                        if keeper is not None and config.switches.memory_checkpoint else None)
         self.live_point: tuple[int, Cursor] | None = None  # where a live recovery resumed
+        self.restored_path: Path | None = None  # the committed checkpoint the last restore read (None: memory, parent)
         self._memory_background: list[float] = []  # seconds, each in-memory copy's background part
         if config.switches.compile and config.switches.compile_cache and warm_cache is not None:
             self.cache_hit = warm_cache  # a spare restored the archive before it compiled (spare.py)
@@ -185,6 +187,7 @@ class TrainerPlugins:
                     problem = str(exc)
             if self.control.all_ok(problem is None):
                 self.live_point = (point.step, Cursor.from_dict(self.train_state.cursor))
+                self.restored_path = None
                 return {**attrs, "source": "memory", "step": point.step}
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
@@ -196,6 +199,7 @@ class TrainerPlugins:
                                   "no durable checkpoint; every rank restarts")
         restored = self.manager.load(self.train_state, path)
         self.live_point = (restored.checkpoint.step, Cursor.from_dict(self.train_state.cursor))
+        self.restored_path = Path(restored.checkpoint.path)
         return {**attrs, "source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path)}
 
     def save_memory(self, step: int, cursor: Cursor | None, *, since: float | None = None) -> float:
@@ -246,6 +250,7 @@ class TrainerPlugins:
         if self.resharded:
             return self._restore_resharded()
         restored = self.manager.load(self.train_state, self.resume)
+        self.restored_path = Path(restored.checkpoint.path)
         log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
         return {"source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
                 "cursor": list(self.resume_cursor.as_tuple()) if self.resume_cursor else None}
@@ -302,26 +307,44 @@ class TrainerPlugins:
     def save_anchor(self, step: int, cursor: Cursor | None, run_id: str, *, loss: float | None = None) -> Path | None:
         """The final checkpoint, durable before this returns, marked with `anchor.json`: a
         restart or a flow retry finds it, and publishing reads it. Refused (a numerics
-        failure) when `loss` or a dense parameter is not finite: no NaN anchor is written."""
+        failure) when `loss` or a dense parameter is not finite: no NaN anchor is written.
+        `cursor` None: nothing was trained in this attempt (a kill after the final checkpoint
+        committed, before its `anchor.json`): the anchor is the state restored, with its cursor,
+        on every recovery path: the committed checkpoint of `step` when the restore read one
+        (durable restart, live recovery from disk), else a checkpoint saved now (a restore
+        from the in-memory tier, or one resharded to this world size)."""
         assert self.manager is not None
         self.check_finite(step, loss=loss, action=f"anchor at step {step}")
-        if cursor is None:  # nothing trained in this attempt: the restored checkpoint is it
+        path: Path | None = None
+        if cursor is None:
             self.manager.wait()
-            path = self.resume.path if self.resume else None
-        else:
+            cursor = self.resume_cursor
+            path = self._restored_checkpoint(step)
+            if path is None and cursor is None:  # a warm start that trains nothing: no checkpoint of its own
+                return None
+        if path is None:
             result = self._save(step, cursor)
             self.manager.wait()
             commit = result.commit_result()
             if not commit.committed:
                 raise RuntimeError(f"the anchor checkpoint at step {step} did not commit: {commit.error}")
             path = commit.path
-        if path is not None and self.rank == 0:
-            write_anchor(Path(path), AnchorInfo(run_id=run_id, step=step,
-                                                cursor=cursor.to_dict() if cursor else None,
+        fault = due_in_phase(self.config.failures, attempt=self.rec.attempt, rank=self.rank, phase=ANCHOR_COMMIT)
+        if fault is not None:  # scripted: killed between the commit and its marker
+            fire(fault, self.rec, step=step)
+        if self.rank == 0:
+            write_anchor(Path(path), AnchorInfo(run_id=run_id, step=step, cursor=cursor.to_dict(),
                                                 world_size=self.config.world_size,
                                                 model=self.config.model, schema=self.config.schema,
                                                 parent=self._parent_anchor(), windows=self._windows()))
-        return Path(path) if path is not None else None
+        return Path(path)
+
+    def _restored_checkpoint(self, step: int) -> Path | None:
+        """The committed checkpoint of `step` this attempt restored, written at this world size."""
+        restored = self.restored_path
+        if restored is None or self.resume_step != step or self.resharded:
+            return None
+        return restored
 
     def _parent_anchor(self) -> str | None:
         """The anchor this run was warm started from (a restart reads it from its own
