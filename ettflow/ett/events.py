@@ -60,6 +60,16 @@ CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and 
 FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a failure fired (its fault_index)
 FAULT_UNFIRED = "fault_unfired"  # marker: a scripted fault the run ended without reaching (its fault_index)
 CHECKPOINT_FALLBACK = "checkpoint_fallback"  # marker: a damaged checkpoint skipped, an older step restored
+# evidence, not time: a rank's process was not running for a while (SIGSTOP, a frozen VM, a starved
+# host): its heartbeat thread woke late and the process used almost no CPU in between (`rank_heartbeat`)
+PROCESS_PAUSED = "process_paused"
+# derived by the sweep (`ett.timeline`): the part of a training step beyond what its rank's recent
+# steps took, when above the stall bound, owned by the evidence: a paused process (the host), else the rank
+STEP_STALL = "step_stall"
+HOST_STALL = "host_stall"
+HANG = "hang"  # derived: a hung attempt's time from its last finished work to the watchdog's detection
+# wasted training that no checkpoint interval can change (the interval table leaves it out)
+NOT_INTERVAL_WASTE: tuple[str, ...] = (DATA_STALL, STEP_STALL, HOST_STALL, HANG)
 
 # phase -> the component its time belongs to. None: the phase is informational (a marker,
 # or work in the background that the critical path does not wait for).
@@ -87,6 +97,7 @@ PHASE_COMPONENT: dict[str, str | None] = {
     "checkpoint_save_background": None,
     "memory_save_background": None,  # the in-memory copy handed to the keeper, overlapping training
     "spare_start": None,  # a new spare starting in the background, off the critical path
+    PROCESS_PAUSED: None,  # evidence for the owner of a stalled step, never time of its own
     "flow_prestart": None,  # the run's flow process, started by the worker ahead of its scheduled time (held for it)
     "publish_standalone": None,  # on CPU after the devices were released
     SUBMITTED: None,
@@ -102,7 +113,7 @@ MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECK
                                      FAULT_UNFIRED, CHECKPOINT_FALLBACK})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
-                                       "spare_start", "flow_prestart"})
+                                       "spare_start", "flow_prestart", PROCESS_PAUSED})
 
 # Phases whose owner is not their component's owner (derived phases included).
 PHASE_OWNERS: dict[str, str] = {
@@ -127,6 +138,10 @@ PHASE_OWNERS: dict[str, str] = {
     "lost_in_flight": "storage",
     DATA_STALL: "data",
     "failed_startup": "trainer",
+    STEP_STALL: "trainer",  # the rank: its process ran, its step did not end
+    HOST_STALL: "host",  # the process was not running (stopped, frozen, starved of CPU)
+    PROCESS_PAUSED: "host",
+    HANG: "trainer",
 }
 
 
@@ -135,6 +150,9 @@ DERIVED_COMPONENT: dict[str, str] = {
     TRAIN_STEP: "effective_training",
     "train_step_replay": "wasted_training",
     "failed_startup": "trainer_init",
+    STEP_STALL: "wasted_training",
+    HOST_STALL: "wasted_training",
+    HANG: "wasted_training",
 }
 
 

@@ -79,6 +79,8 @@ class Failure:
     injected: a scripted fault (`fail_at`).
     secondary: a consequence of another rank's failure (a collective lost its peer): never
         taken as an attempt's cause while the cause itself is known.
+    hang: the watchdog found the rank hung (or a scripted hang fired): the time up to the
+        detection is the hang's (`ett.timeline`), not work lost in flight.
     """
 
     failure_class: FailureClass
@@ -91,6 +93,7 @@ class Failure:
     node: str | None = None
     injected: bool = False
     secondary: bool = False
+    hang: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failure_class", FailureClass.parse(self.failure_class))
@@ -116,6 +119,8 @@ class Failure:
             out["injected"] = True
         if self.secondary:
             out["secondary"] = True
+        if self.hang:
+            out["hang"] = True
         return out
 
     @classmethod
@@ -124,7 +129,8 @@ class Failure:
                    rank=int(attrs.get("failed_rank", -1)), attempt=attempt,
                    step=attrs.get("step"), reason=str(attrs.get("reason", "")),
                    detail=str(attrs.get("detail", "")), path=attrs.get("path"), node=attrs.get("node"),
-                   injected=bool(attrs.get("injected", False)), secondary=bool(attrs.get("secondary", False)))
+                   injected=bool(attrs.get("injected", False)), secondary=bool(attrs.get("secondary", False)),
+                   hang=bool(attrs.get("hang", False)))
 
 
 class FailureError(RuntimeError):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from .events import L2_ORDER, component_of, owner_of
+from .events import L2_ORDER, NOT_INTERVAL_WASTE, component_of, owner_of
 from .interval_plan import TAG
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def lineage_table(records: Sequence[LineageRecord], runs: pd.DataFrame) -> pd.Da
     return pd.DataFrame(rows, columns=["run", "started", "windows", "parent", "outcome", "ETT%", "reason"])
 
 
-INTERVAL_PHASES = ("train_step_replay", "lost_in_flight", "checkpoint_save_blocking", "data_stall")
+INTERVAL_PHASES = ("train_step_replay", "lost_in_flight", "checkpoint_save_blocking", *NOT_INTERVAL_WASTE)
 
 
 def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) -> pd.DataFrame:
@@ -188,13 +188,13 @@ def interval_table(runs: pd.DataFrame, phases: Mapping[tuple[str, str], float]) 
     came from (`ett.interval_plan`: history, probe, fixed; '-' when none was recorded), its
     inputs (failure rate per training hour, CSBT), the expected wasted training, and the
     realized one: the run's `wasted_training` (replay and lost in flight, save blocking:
-    `phases`, (run, phase) -> exposed s) less its data stalls (wasted, but no interval can
-    change them), also as % of wall, and realized / expected."""
+    `phases`, (run, phase) -> exposed s) less its stalls and hangs (`NOT_INTERVAL_WASTE`:
+    wasted, but no interval can change them), also as % of wall, and realized / expected."""
     rows = []
     for _, run in runs.iterrows():
         planned = (run["tags"] or {}).get(TAG) or {}
         rid, wall = run["run_id"], float(run["wall_s"]) or 1.0
-        stalled = phases.get((rid, "data_stall"), 0.0)
+        stalled = sum(phases.get((rid, phase), 0.0) for phase in NOT_INTERVAL_WASTE)
         expected, realized = planned.get("expected_wasted_s"), float(run["wasted_training_s"]) - stalled
         replay = phases.get((rid, "train_step_replay"), 0.0) + phases.get((rid, "lost_in_flight"), 0.0)
         rows.append({

@@ -5,6 +5,10 @@
   the next failure's detection if the recovery itself failed first (a cascade), so the TTRs
   of a run never overlap. A failure after which nothing new is trained runs to wall end and
   is marked not recovered.
+- A failed publish try (a `publish` or `publish_standalone` event with outcome `failed`) is a
+  failure too, class `publish`, counted in NoF: detected at the try's end, recovered when a
+  later try of the run succeeds; its TTR runs to the next try's start when publishing held the
+  devices (`publish`, on the clock), 0 when it ran on the CPU after their release (off it).
 - ETT% = effective training / wall. The study's L1 form 1 - (TTS + NoF x TTR) / wall is
   reported beside it (`ett_l1_pct`): it counts save blocking, lost in-flight work and
   shutdown after the last failure as productive, so it is an upper bound of ETT%.
@@ -134,6 +138,27 @@ def _failures(fs: Sequence[Fault], part: Partition) -> tuple[FailureMetrics, ...
     return tuple(out)
 
 
+PUBLISH_TRIES = ("publish", "publish_standalone")
+
+
+def _publish_failures(events: Sequence[PhaseEvent], wall_end: float) -> tuple[FailureMetrics, ...]:
+    tries = sorted((ev for ev in events if ev.phase in PUBLISH_TRIES), key=lambda e: (e.start, e.end))
+    out = []
+    for i, ev in enumerate(tries):
+        if ev.attrs.get("outcome") != "failed":
+            continue
+        later = tries[i + 1:]
+        retry = later[0] if later else None
+        on_clock = ev.phase == "publish"
+        ttr = max(0.0, min(retry.start if retry is not None else wall_end, wall_end) - ev.end) if on_clock else 0.0
+        out.append(FailureMetrics(
+            attempt=ev.attempt, rank=ev.rank, failure_class="publish",
+            reason=str(ev.attrs.get("error") or "publish failed")[:500], failed_at=ev.end, detected_at=ev.end,
+            ttr_s=ttr, recovered=any(t.attrs.get("outcome") != "failed" for t in later),
+            cascaded=retry is not None and retry.attrs.get("outcome") == "failed"))
+    return tuple(out)
+
+
 def _attempts(events: Sequence[PhaseEvent], fs: Sequence[Fault]) -> tuple[AttemptMetrics, ...]:
     failed = {f.attempt for f in fs}
     grouped: dict[int, list[PhaseEvent]] = defaultdict(list)
@@ -187,7 +212,7 @@ def compute_run_metrics(events: Sequence[PhaseEvent]) -> RunMetrics:
         wall_s=part.wall_s,
         tts_s=(first_new if first_new is not None else part.wall_end) - part.wall_start,
         started_training=first_new is not None,
-        failures=_failures(fs, part),
+        failures=_failures(fs, part) + _publish_failures(events, part.wall_end),
         components=part.components,
         components_raw=part.components_raw,
         phases=part.phases,

@@ -6,9 +6,19 @@ Two labels are derived here, in the open, never silently:
 - a training step is effective where it advances the furthest data cursor its rank has
   reached so far in the run (across attempts); the rest is replay (`train_step_replay`,
   wasted training);
+- a step that took longer than `STALL_FACTOR` times its expected time (the median of its
+  rank's last `STALL_BASELINE_STEPS` steps in the attempt, at least `STALL_MIN_STEPS` of them)
+  and more than `STALL_MIN_S` beyond it is cut at its expected time: the rest is a stall
+  (wasted training, never effective), `host_stall` where a `process_paused` event of any rank
+  of the attempt covers it (the process was not running: the host's), else `step_stall` (the
+  rank's); a stalled step enters its rank's history at its expected time;
+- a `process_paused` span within an attempt's training (its first step's start to its last
+  step's end) is `host_stall` itself, and a host stall takes the whole instant from the other
+  phases of its component (a save or a peer's step that waited for the stopped process);
 - the work in flight when a fault happened (from the failed attempt's last finished activity
   to the fault's detection) is `lost_in_flight` (wasted training once the attempt trained,
-  `failed_startup` in trainer init before that).
+  `failed_startup` in trainer init before that), or `hang` when the fault was a hang (the
+  watchdog's wait is the hung rank's, not the checkpoint interval's).
 
 The sweep then gives each instant of [wall start, wall end] to the highest-priority component
 covering it (effective > wasted > compile > init > scheduling > shutdown); an instant nothing
@@ -27,8 +37,12 @@ from .events import (
     COMPONENTS,
     FAILURE,
     FAILURE_DETECTED,
+    HANG,
+    HOST_STALL,
     MARKERS,
     OFF_CLOCK,
+    PROCESS_PAUSED,
+    STEP_STALL,
     TRAIN_STEP,
     UNATTRIBUTED,
     Cursor,
@@ -39,6 +53,10 @@ REPLAY = "train_step_replay"
 LOST_IN_FLIGHT = "lost_in_flight"
 FAILED_STARTUP = "failed_startup"
 _PRIORITY = {name: i for i, name in enumerate(COMPONENTS)}
+STALL_BASELINE_STEPS = 5
+STALL_MIN_STEPS = 3
+STALL_FACTOR = 3.0
+STALL_MIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,7 @@ class Fault:
     rank: int
     failure_class: str
     reason: str
+    hang: bool = False  # the watchdog found the attempt hung (or a scripted hang fired)
 
 
 def _split_step(ev: PhaseEvent, furthest: Cursor | None) -> tuple[float, Cursor]:
@@ -100,24 +119,71 @@ def _split_step(ev: PhaseEvent, furthest: Cursor | None) -> tuple[float, Cursor]
     return 0.0, c1
 
 
+def expected_step_s(history: Sequence[float]) -> float | None:
+    """A step's expected duration: the median of its rank's last `STALL_BASELINE_STEPS` steps
+    of the attempt; None with fewer than `STALL_MIN_STEPS` (no baseline, no stall)."""
+    recent = sorted(history[-STALL_BASELINE_STEPS:])
+    if len(recent) < STALL_MIN_STEPS:
+        return None
+    mid = len(recent) // 2
+    return recent[mid] if len(recent) % 2 else (recent[mid - 1] + recent[mid]) / 2
+
+
+def stall_cut(duration: float, expected: float | None) -> float | None:
+    """Where a step of `duration` stops being its own work (seconds from its start), None when
+    it did not stall."""
+    if expected is None or duration <= STALL_FACTOR * expected or duration - expected <= STALL_MIN_S:
+        return None
+    return expected
+
+
+def split_by_cover(start: float, end: float, cover: Sequence[tuple[float, float]]) -> list[tuple[float, float, bool]]:
+    """[start, end] in pieces, each flagged whether `cover` (sorted, possibly overlapping spans) covers it."""
+    pieces: list[tuple[float, float, bool]] = []
+    at = start
+    for s, e in cover:
+        s, e = max(s, at), min(e, end)
+        if e <= s:
+            continue
+        if s > at:
+            pieces.append((at, s, False))
+        pieces.append((s, e, True))
+        at = e
+    if at < end:
+        pieces.append((at, end, False))
+    return pieces
+
+
 def resolve_steps(events: Iterable[PhaseEvent]) -> tuple[list[Interval], int, int]:
-    """Label each training step (or its parts) effective or replay, per rank across attempts."""
+    """Label each training step (or its parts) effective or replay, per rank across attempts,
+    and cut its stall off (module docstring)."""
     by_rank: dict[int, list[PhaseEvent]] = defaultdict(list)
+    paused: dict[int, list[tuple[float, float]]] = defaultdict(list)  # attempt -> spans
     for ev in events:
         if ev.phase == TRAIN_STEP:
             by_rank[ev.rank].append(ev)
+        elif ev.phase == PROCESS_PAUSED and ev.end > ev.start:
+            paused[ev.attempt].append((ev.start, ev.end))
+    for spans in paused.values():
+        spans.sort()
     out: list[Interval] = []
     effective_steps = replayed_steps = 0
     for rank, steps in by_rank.items():
         furthest: Cursor | None = None
+        history: dict[int, list[float]] = defaultdict(list)  # attempt -> step durations
         for ev in sorted(steps, key=lambda e: (e.start, e.attempt, e.end)):
+            cut_at = stall_cut(ev.duration, expected_step_s(history[ev.attempt]))
+            own_end = ev.end if cut_at is None else ev.start + cut_at
+            history[ev.attempt].append(own_end - ev.start)
+            for s, e, host in split_by_cover(own_end, ev.end, paused.get(ev.attempt, ())):
+                out.append(Interval(s, e, "wasted_training", HOST_STALL if host else STEP_STALL, ev.attempt, rank))
             wasted_frac, furthest = _split_step(ev, furthest)
-            cut = ev.start + wasted_frac * ev.duration
+            cut = ev.start + wasted_frac * (own_end - ev.start)
             if wasted_frac > 0:
                 out.append(Interval(ev.start, cut, "wasted_training", REPLAY, ev.attempt, rank))
                 replayed_steps += 1
             if wasted_frac < 1:
-                out.append(Interval(cut, ev.end, "effective_training", TRAIN_STEP, ev.attempt, rank))
+                out.append(Interval(cut, own_end, "effective_training", TRAIN_STEP, ev.attempt, rank))
                 effective_steps += 1
     return out, effective_steps, replayed_steps
 
@@ -144,6 +210,7 @@ def faults(events: Sequence[PhaseEvent]) -> list[Fault]:
                 rank=int(first.attrs.get("failed_rank", first.rank)),
                 failure_class=str(first.attrs.get("failure_class", "infrastructure")),
                 reason=str(first.attrs.get("reason", "")),
+                hang=any(bool(ev.attrs.get("hang")) for ev in (*failed.get(attempt, ()), *detected.get(attempt, ()))),
             )
         )
     return out
@@ -167,9 +234,28 @@ def lost_in_flight(events: Sequence[PhaseEvent], run_faults: Iterable[Fault]) ->
         trained = any(ev.phase == TRAIN_STEP for ev in done)
         if last < fault.detected_at:
             component, phase = (
-                ("wasted_training", LOST_IN_FLIGHT) if trained else ("trainer_init", FAILED_STARTUP)
+                ("wasted_training", HANG if fault.hang else LOST_IN_FLIGHT) if trained
+                else ("trainer_init", FAILED_STARTUP)
             )
             out.append(Interval(last, fault.detected_at, component, phase, fault.attempt, fault.rank))
+    return out
+
+
+def paused_in_training(events: Sequence[PhaseEvent]) -> list[Interval]:
+    """Each `process_paused` span, clipped to its attempt's training (first step start to last
+    step end), as a host stall."""
+    trained: dict[int, tuple[float, float]] = {}
+    for ev in events:
+        if ev.phase == TRAIN_STEP:
+            lo, hi = trained.get(ev.attempt, (ev.start, ev.end))
+            trained[ev.attempt] = (min(lo, ev.start), max(hi, ev.end))
+    out = []
+    for ev in events:
+        if ev.phase == PROCESS_PAUSED and ev.attempt in trained:
+            lo, hi = trained[ev.attempt]
+            s, e = max(ev.start, lo), min(ev.end, hi)
+            if e > s:
+                out.append(Interval(s, e, "wasted_training", HOST_STALL, ev.attempt, ev.rank))
     return out
 
 
@@ -180,7 +266,7 @@ def intervals_of(events: Sequence[PhaseEvent], run_faults: Iterable[Fault]) -> t
         for ev in events
         if ev.component is not None and ev.end > ev.start
     ]
-    return plain + steps + lost_in_flight(events, run_faults), n_eff, n_rep
+    return plain + steps + lost_in_flight(events, run_faults) + paused_in_training(events), n_eff, n_rep
 
 
 def sweep(
@@ -217,6 +303,8 @@ def sweep(
         winner = min(live, key=_PRIORITY.__getitem__)
         components[winner] += span
         sharing = sorted({p for c, p in active if c == winner})
+        if HOST_STALL in sharing:  # the others waited for a process that did not run
+            sharing = [HOST_STALL]
         for phase in sharing:
             exposed[phase] += span / len(sharing)
     phases = {p: PhaseTime(raw_s=raw[p], exposed_s=exposed.get(p, 0.0)) for p in raw}

@@ -126,6 +126,8 @@ class Failure(Base):
 
     run_id: Mapped[str] = _run_fk()
     attempt: Mapped[int] = mapped_column(primary_key=True)
+    # 0: the attempt's own failure; 1..n: publish tries that failed after it (migration 0005)
+    seq: Mapped[int] = mapped_column(primary_key=True, server_default="0")
     rank: Mapped[int]
     failure_class: Mapped[str] = mapped_column(String(32))
     reason: Mapped[str] = mapped_column(Text)

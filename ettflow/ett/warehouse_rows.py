@@ -8,6 +8,7 @@ the run's. A bad input raises `EventError` (a ValueError) naming the event.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -153,13 +154,7 @@ def rows_for_run(
         ],
         RunComponent.__tablename__: component_rows(run_id, metrics),
         Event.__tablename__: [event_row(ev) for ev in events],
-        Failure.__tablename__: [
-            {"run_id": run_id, "attempt": f.attempt, "rank": f.rank,
-             "failure_class": f.failure_class, "reason": f.reason, "failed_at": f.failed_at,
-             "detected_at": f.detected_at, "ttr_s": f.ttr_s, "recovered": f.recovered,
-             "cascaded": f.cascaded}
-            for f in metrics.failures
-        ],
+        Failure.__tablename__: failure_rows(run_id, metrics),
         Checkpoint.__tablename__: [
             checkpoint_row(ev) for ev in events if ev.phase in CHECKPOINT_KINDS
         ],
@@ -167,3 +162,17 @@ def rows_for_run(
             h.row() for h in holdings_of_run(run_id, info.model, events, metrics.wall_start, metrics.wall_end)
         ],
     }
+
+
+def failure_rows(run_id: str, metrics: RunMetrics) -> list[dict[str, Any]]:
+    """One row per failure, keyed (attempt, seq): seq 0 for an attempt's own failure, 1..n for
+    its failed publish tries, in order."""
+    rows, seqs = [], defaultdict(int)
+    for f in metrics.failures:
+        seq = seqs[f.attempt] + 1 if f.failure_class == "publish" else 0
+        seqs[f.attempt] = max(seqs[f.attempt], seq)
+        rows.append({"run_id": run_id, "attempt": f.attempt, "seq": seq, "rank": f.rank,
+                     "failure_class": f.failure_class, "reason": f.reason, "failed_at": f.failed_at,
+                     "detected_at": f.detected_at, "ttr_s": f.ttr_s, "recovered": f.recovered,
+                     "cascaded": f.cascaded})
+    return rows

@@ -66,7 +66,7 @@ def injected_failure(fault: FailAt, *, rank: int, attempt: int, step: int | None
     """The failure a fired item stands for."""
     at = f"at step {step}" if step is not None else (f"in {fault.phase}" if fault.phase else f"after {fault.after_s} s")
     return Failure(failure_class=KIND_CLASS[fault.kind], rank=rank, attempt=attempt, step=step,
-                   reason=f"injected {fault.kind} of rank {rank} {at}", injected=True)
+                   reason=f"injected {fault.kind} of rank {rank} {at}", injected=True, hang=fault.kind == "hang")
 
 
 def record_fired(fault: FailAt, recorder: SpoolWriter, *, rank: int, step: int | None,

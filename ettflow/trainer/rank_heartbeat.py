@@ -20,6 +20,12 @@ bound (`PhaseBounds`, from `TrainerConfig`). The rules:
 - Among the hung ranks the culprit is the one that progressed least (in init before training;
   at step s before inside step s; a lower step first), then the one hung longest: its peers
   wait for it in a collective.
+
+The thread also notices when its own process was not running (`Pause`, pure): it woke more
+than `PAUSE_MIN_S` later than it meant to while the process used less than
+`PAUSE_CPU_SHARE` of that gap in CPU time (SIGSTOP, a frozen VM, a host starving it; a
+training thread holding the lock would have used the CPU). It hands the span to `on_pause`
+(the rank records a `process_paused` event: the evidence that owns a stalled step to the host).
 """
 
 from __future__ import annotations
@@ -44,6 +50,27 @@ STARTUP = "startup"  # a rank that has not beaten yet
 SAVE = "checkpoint_save"  # a save the loop waits for (periodic, emergency, anchor)
 STARTUP_STAGES = ("device_init", "process_group_init", "preproc_creation", "train_module_creation",
                   "init_plugins", "pre_train", "get_first_batch_data", "evaluation")
+
+
+PAUSE_MIN_S = 1.0  # a wake-up later than planned by more than this may be a pause
+PAUSE_CPU_SHARE = 0.1  # ... when the process used less CPU than this share of the gap
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The process was not running between `start` and `end` (wall clock, epoch seconds)."""
+
+    start: float
+    end: float
+
+    @staticmethod
+    def between(last_wall: float, wall: float, *, slept_s: float, planned_s: float, cpu_s: float) -> Pause | None:
+        """A pause, given the thread's last wake-up and this one (`wall`), the time it slept
+        (monotonic), the most it meant to sleep and the process's CPU time in between."""
+        late = slept_s - planned_s
+        if late <= PAUSE_MIN_S or cpu_s >= PAUSE_CPU_SHARE * slept_s:
+            return None
+        return Pause(start=last_wall, end=wall)
 
 
 def beat_file(root: Path | str, run_id: str, attempt: int, rank: int) -> Path:
@@ -135,7 +162,7 @@ class Hang:
 
     def failure(self, attempt: int) -> Failure:
         return Failure(failure_class=FailureClass.INFRASTRUCTURE, rank=self.rank, attempt=attempt, step=self.step,
-                       reason=f"rank {self.rank} hung in {self.phase} for {self.for_s:.1f} s "
+                       hang=True, reason=f"rank {self.rank} hung in {self.phase} for {self.for_s:.1f} s "
                               f"(bound {self.bound_s:g} s)")
 
 
@@ -179,8 +206,9 @@ class RankHeartbeat:
     """The rank side: phases entered and left by the training code, written by a daemon thread."""
 
     def __init__(self, path: Path | str, rank: int, *, every_s: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, on_pause: Callable[[Pause], None] | None = None) -> None:
         self.path, self.rank, self.every_s, self.clock = Path(path), rank, every_s, clock
+        self.on_pause = on_pause
         self._lock = threading.Lock()
         self._phases: dict[str, float] = {}
         self._training_since: float | None = None
@@ -253,7 +281,17 @@ class RankHeartbeat:
             log.warning("heartbeat of rank %d not written: %s", self.rank, exc)
 
     def _loop(self) -> None:
+        last_wall, last_mono, last_cpu = self.clock(), time.monotonic(), time.process_time()
         while not self._stop.is_set():
             self._changed.wait(self.every_s)
             self._changed.clear()
+            wall, mono, cpu = self.clock(), time.monotonic(), time.process_time()
+            pause = Pause.between(last_wall, wall, slept_s=mono - last_mono, planned_s=self.every_s,
+                                  cpu_s=cpu - last_cpu)
+            last_wall, last_mono, last_cpu = wall, mono, cpu
             self._write()
+            if pause is not None and self.on_pause is not None:
+                try:
+                    self.on_pause(pause)
+                except Exception:  # noqa: BLE001 - evidence only: the beat must go on
+                    log.exception("rank %d: recording a pause of its process failed", self.rank)

@@ -118,11 +118,42 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
+# the SIGSTOP of the stall case (issue 26 #3); the 30 s case: ETTFLOW_TEST_STOP_S=30 pytest -s -k spare_that_dies
+STOP_S = float(os.environ.get("ETTFLOW_TEST_STOP_S", "6"))
+
+
+def stop_at_step(world: Path, run_id: str, rank: int, step: int, stop_s: float) -> tuple[threading.Thread, list]:
+    """A started thread that SIGSTOPs `rank` of attempt 0 once its heartbeat says it reached
+    `step`, and SIGCONTs it `stop_s` later; and the list it fills with (stopped at, resumed at)."""
+    from ettflow.trainer.rank_heartbeat import beat_file, read_beat
+
+    done: list[tuple[float, float]] = []
+
+    def run() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            beat = read_beat(beat_file(world / "spool", run_id, 0, rank))
+            if beat is not None and beat.step is not None and beat.step >= step:
+                os.kill(beat.pid, signal.SIGSTOP)
+                stopped = time.time()
+                time.sleep(stop_s)
+                os.kill(beat.pid, signal.SIGCONT)
+                done.append((stopped, time.time()))
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, done
+
+
 def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(trainer_world, compile_cache, clean_run,
                                                                            tmp_path):
     """The waiting spare is SIGKILLed once it answered (the OOM killer's choice, say), while the
     ranks train; the group's poll notices, records its hold (`lost`) and starts another, which
-    takes rank 1's place when rank 1 is killed at step 16: still a live recovery."""
+    takes rank 1's place when rank 1 is killed at step 16: still a live recovery.
+    Before that, rank 0's process is SIGSTOPped for `STOP_S` at step 6 (issue 26 #3): the stall is
+    wasted training owned by the host (its process did not run), never effective training."""
     cfg = config(trainer_world, "spare-lost", compile_cache, failures=(FailAt(kind="kill", rank=1, step=16),),
                  eval_batches=0)
     factory, groups = kept_groups(cfg, "spare-lost", trainer_world / "spool")
@@ -132,9 +163,21 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(traine
         return spares.spare_pid if spares is not None else None
 
     killer, killed = signal_when(waiting_spare, signal.SIGKILL, every_s=0.05)
+    stopper, stopped = stop_at_step(trainer_world, "spare-lost", 0, 6, STOP_S)
     result, events, m = drive(trainer_world, cfg, "spare-lost", group_factory=factory)
     killer.join()
+    stopper.join()
     assert killed, "the spare never answered a ping"
+    # the stall: about STOP_S of host stall (rank 0's heartbeat saw its process stopped), and
+    # effective training as in the uninterrupted run (before: the stopped step counted whole)
+    assert stopped and any(e.duration > STOP_S - 1 for e in by(events, "process_paused", rank=0))
+    clean_effective = clean_run[2].components["effective_training"]
+    print(f"stopped {STOP_S:g} s: host stall {m.exposed('host_stall'):.2f} s, "
+          f"step stall {m.exposed('step_stall'):.2f} s, effective training "
+          f"{m.components['effective_training']:.2f} s (uninterrupted run: {clean_effective:.2f} s)")
+    stall = m.exposed("host_stall") + m.exposed("step_stall")
+    assert STOP_S - 1.5 < stall < STOP_S + 1.5 and m.exposed("host_stall") > STOP_S - 1.5, m.phases
+    assert m.components["effective_training"] < clean_effective + STOP_S / 2, (m.components, clean_effective)
     assert result.attempts == 2 and m.nof == 1 and len(groups) == 1  # recovered live: no second group
     lost = [e for e in by(events, "spare_start") if e.attrs.get("lost")]
     assert len(lost) == 1 and lost[0].attrs["used"] is False

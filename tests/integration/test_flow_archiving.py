@@ -38,4 +38,8 @@ def test_concurrent_hooks_archive_one_copy(warehouse_url, tmp_path):
         events = wh.table_frame("events", "run-a")
     n_spool = len(read_spool(spool, "run-a").events)
     assert len(runs) == 1 and len(events) == n_spool and runs.iloc[0]["status"] == "completed"
-    assert runs.iloc[0]["nof"] == 1 and runs.iloc[0]["tags"]["publish_failures"] == 1
+    # the sample run's own failure and the failed publish try (issue 26: a publish failure is in NoF)
+    assert runs.iloc[0]["nof"] == 2 and runs.iloc[0]["tags"]["publish_failures"] == 1
+    with Warehouse.open(warehouse_url) as wh:
+        failures = wh.table_frame("failures", "run-a")
+    assert sorted(zip(failures.failure_class, failures.seq)) == [("infrastructure", 0), ("publish", 1)]

@@ -31,6 +31,7 @@ RNG is fresh); otherwise a cold start. Both restores are the `checkpoint_restore
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import replace
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ettflow.ett.events import CHECKPOINT_FALLBACK
+from ettflow.ett.events import CHECKPOINT_FALLBACK, PROCESS_PAUSED
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import CheckpointInfo
 from ettflow.trainer.checkpoint.latest import checked_scan, fallbacks
@@ -59,7 +60,9 @@ from ettflow.trainer.rank.plugins import TrainerPlugins
 from ettflow.trainer.rank.preemption import PREEMPTION
 from ettflow.trainer.rank.rank_state import RankState
 from ettflow.trainer.rank.spare import WarmSpare
-from ettflow.trainer.rank_heartbeat import RankHeartbeat, beat_file
+from ettflow.trainer.rank_heartbeat import Pause, RankHeartbeat, beat_file
+
+log = logging.getLogger("ettflow.trainer")
 
 # batches the data pipeline's thread keeps ready (about 90 KB each at the bench's size). Measured:
 # 16 instead of 4 did not change the fetches that waited (their queue was full either way: the
@@ -106,12 +109,19 @@ class TrainerSession:
         self.state = RankState()
         self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint
         self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
-        self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank)
+        self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank, on_pause=self._record_pause)
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
         self.warm = warm
         # a prewarmed process's compile-cache hit (it restored the archive: never twice)
         self.warm_cache: bool | None = bool(warm.timings.cache_hit) if warm is not None else None
         PREEMPTION.attach(self.rec)
+
+    def _record_pause(self, pause: Pause) -> None:
+        """The heartbeat thread's evidence that this process was not running (`ett.timeline`
+        owns a step that stalled meanwhile to the host)."""
+        self.rec.record(PROCESS_PAUSED, pause.start, pause.end, sync=False)
+        log.warning("rank %d: its process did not run for %.1f s (stopped, or starved of CPU by its host)",
+                    self.rank, pause.end - pause.start)
 
     # ---- stages -------------------------------------------------------------------------
     def device_init(self) -> torch.device:
@@ -318,7 +328,8 @@ class TrainerSession:
             raise RuntimeError(f"rank {self.rank} was not parked: only a rank kept through a peer's failure rejoins")
         self.config, self.attempt, self.master, self.parked = config, attempt, master, False
         self.rec = SpoolWriter(self.spool_root, self.run_id, attempt, self.rank)
-        self.beat = RankHeartbeat(beat_file(self.spool_root, self.run_id, attempt, self.rank), self.rank)
+        self.beat = RankHeartbeat(beat_file(self.spool_root, self.run_id, attempt, self.rank), self.rank,
+                                  on_pause=self._record_pause)
         PREEMPTION.attach(self.rec)
         self.beat.start()
         return self._resume(point)
