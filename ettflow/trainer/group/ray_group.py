@@ -43,7 +43,7 @@ from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
 from ettflow.trainer.group.placement import SpareBundles, attempt_world_size, ranks_that_fit
-from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed
+from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.warm_pool import POOL, record_start
 from ettflow.trainer.protocol import RankResult, RestorePoint, WorkerInfo
@@ -288,7 +288,8 @@ class RayWorkerGroup:
 
     def launch(self) -> None:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
-        self.refs = {a.train.remote(addr, port, self.keeper): rank for rank, a in enumerate(self.actors)}
+        point = self._restart_point()
+        self.refs = {a.train.remote(addr, port, self.keeper, point): rank for rank, a in enumerate(self.actors)}
         if self.spares is not None and self._spare_compiles_warm():
             self.spares.prewarm()  # beside the ranks' init: ready for an early failure
         # (else when training starts: a cold compile of its own beside the ranks' would slow theirs)
@@ -318,6 +319,18 @@ class RayWorkerGroup:
         if point is None:
             log.info("attempt %d: every rank restarts (no live recovery: no in-memory copy, no checkpoint)",
                      self.attempt)
+        return point
+
+    def _restart_point(self) -> RestorePoint | None:
+        """A restart of every rank restores the run's in-memory copies when they are newer than
+        its durable checkpoint (the keeper outlives the ranks); None: the durable checkpoint."""
+        if self.attempt == 0 or self.keeper is None:
+            return None
+        durable = newest_committed(self.config.checkpoint_dir)
+        point = restart_point(self._memory_step(), durable[0] if durable else None)
+        if point is not None:
+            log.info("attempt %d: every rank restores the in-memory copy of step %d (the durable checkpoint is %s)",
+                     self.attempt, point.step, f"step {durable[0]}" if durable else "none")
         return point
 
     def _memory_step(self) -> int | None:

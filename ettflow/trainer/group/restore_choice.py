@@ -19,6 +19,16 @@ def choose_restore_point(memory_step: int | None, durable_step: int | None,
     return None
 
 
+def restart_point(memory_step: int | None, durable_step: int | None) -> RestorePoint | None:
+    """A full restart's restore point when the in-memory tier holds a newer step than the
+    durable checkpoint (every rank restores it, the durable one stays the fallback); None: the
+    ranks restore the durable checkpoint (or warm start) as usual. A copy of step 0 with no
+    durable checkpoint is where a cold or warm start begins anyway: not worth a restore."""
+    if memory_step is None or memory_step <= (durable_step if durable_step is not None else 0):
+        return None
+    return RestorePoint(step=memory_step, source=MEMORY)
+
+
 def newest_committed(root: Path) -> tuple[int, str] | None:
     """(step, path) of the newest committed checkpoint folder under `root`, by name only: the
     ranks verify every byte before they read it (`CheckpointManager.load`), so the driver's

@@ -73,18 +73,19 @@ class TrainerActor:
         self._become(rank)
         return self.ready()
 
-    def train(self, master_addr: str, master_port: int, keeper=None) -> RankResult:
+    def train(self, master_addr: str, master_port: int, keeper=None, point: RestorePoint | None = None) -> RankResult:
         """Start the rank and train. `keeper`: the run's in-memory checkpoint keeper (None: no
-        in-memory tier). A worker that prewarmed (warm_pool.py) starts from what it prepared,
-        with no process start on the run's clock. A session that fails may stay parked here for
-        a `rejoin`."""
+        in-memory tier); `point`: a restart's in-memory restore point (None: the durable
+        checkpoint, or a warm start). A worker that prewarmed (warm_pool.py) starts from what it
+        prepared, with no process start on the run's clock. A session that fails may stay
+        parked here for a `rejoin`."""
         from ettflow.trainer.rank.session import TrainerSession
 
         self.lifecycle.require("train", RankPhase.IDLE, RankPhase.PREWARMED)
         self.lifecycle.enter(RankPhase.TRAINING, "train")
         warm, self.warm = self.warm, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
-                                 master_addr, master_port, keeper=keeper, warm=warm,
+                                 master_addr, master_port, keeper=keeper, warm=warm, restart_point=point,
                                  process_started_at=None if warm is not None else self.started_at)
         return self._typed(session, session.run)
 

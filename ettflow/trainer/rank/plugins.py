@@ -169,11 +169,13 @@ class TrainerPlugins:
         if self.memory is not None:
             self.memory.wait()
 
-    def restore_point(self, point: RestorePoint) -> dict[str, Any]:
-        """A live recovery's restore, collective: the in-memory copy of `point.step` on every rank,
-        or, when it is missing or fails its checksum on any rank, the durable checkpoint on
-        every rank (with a warning); `point` itself may name the durable one. The ranks agree
-        on the checkpoint group (gloo: its flag is a CPU tensor, which an NCCL group refuses)."""
+    def restore_point(self, point: RestorePoint, *, fallback: bool = False) -> dict[str, Any]:
+        """A live recovery's (or a full restart's) restore, collective: the in-memory copy of
+        `point.step` on every rank, or, when it is missing or fails its checksum on any rank,
+        the durable checkpoint on every rank (with a warning); `point` itself may name the
+        durable one. The ranks agree on the control group (gloo). `fallback`: with no durable
+        checkpoint either, a full restart's ranks warm start as they would have (a live
+        recovery's survivors cannot: they raise)."""
         assert self.manager is not None and self.train_state is not None
         attrs: dict[str, Any] = point.spool_attrs()
         problem = None
@@ -194,6 +196,8 @@ class TrainerPlugins:
             attrs["memory_problem"] = problem or "a peer's copy failed its check"
         durable = self.manager.latest() if point.source is MEMORY else None
         path = durable.path if durable is not None else point.path
+        if path is None and fallback and self.parent is not None:
+            return {**attrs, **self._warm_start()}
         if path is None:
             raise CheckpointError(f"live recovery: the in-memory copy of step {point.step} failed and the run has "
                                   "no durable checkpoint; every rank restarts")

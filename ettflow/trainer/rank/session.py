@@ -95,7 +95,7 @@ class TrainerSession:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
                  spool_root: Path | str, master_addr: str, master_port: int,
                  *, process_started_at: float | None = None, keeper: Any = None,
-                 warm: WarmSpare | None = None) -> None:
+                 warm: WarmSpare | None = None, restart_point: RestorePoint | None = None) -> None:
         """`keeper`: the run's in-memory checkpoint keeper (`checkpoint/memory_tier.py`), or
         None (no in-memory tier). `warm`: what this process prepared before the run (a pooled
         worker, warm_pool.py): the device, dense modules, dense optimizer and compiled step that
@@ -104,6 +104,8 @@ class TrainerSession:
         self.spool_root = spool_root
         self.master = (master_addr, master_port)
         self.keeper = keeper
+        # a restart of every rank that restores the in-memory tier (newer than the durable checkpoint)
+        self.restart_point = restart_point
         self.rec = SpoolWriter(spool_root, run_id, attempt, rank)
         self.process_started_at = process_started_at
         self.state = RankState()
@@ -176,7 +178,7 @@ class TrainerSession:
     @property
     def restores(self) -> bool:
         """Whether the `checkpoint_restore` stage runs (own checkpoint or warm start)."""
-        return self.resume is not None or self.parent is not None
+        return self.resume is not None or self.parent is not None or self.restart_point is not None
 
     @property
     def evaluates_at_start(self) -> bool:
@@ -192,6 +194,8 @@ class TrainerSession:
                                       self.state.device, self.state.groups.control))
 
     def checkpoint_restore(self) -> dict[str, Any]:
+        if self.restart_point is not None:  # every rank, from the keeper (the durable checkpoint if that fails)
+            return self.state.plugins.restore_point(self.restart_point, fallback=True)
         return self.state.plugins.restore()
 
     def get_first_batch_data(self):
@@ -236,7 +240,8 @@ class TrainerSession:
 
     def _stages(self) -> list[Stage]:
         sw = self.config.switches
-        first_needs = ("preproc_creation", "init_plugins")
+        # an in-memory restore point's data cursor is known once it is restored
+        first_needs = ("preproc_creation", "init_plugins") + (("checkpoint_restore",) if self.restart_point else ())
         first_batch = Stage("get_first_batch_data", self.get_first_batch_data, first_needs,
                             background=sw.fast_batch)
         restore = ("checkpoint_restore",) if self.restores else ()
@@ -247,7 +252,8 @@ class TrainerSession:
             Stage("process_group_init", self.process_group_init, ("device_init",)),
             Stage("init_plugins", self.init_plugins, ("device_init",)),
         ]
-        if sw.fast_batch:
+        early_batch = sw.fast_batch and not self.restart_point  # else its cursor waits for the restore
+        if early_batch:
             out.append(first_batch)
         out += [
             Stage("train_module_creation", self.train_module_creation, ("process_group_init",)),
@@ -257,7 +263,7 @@ class TrainerSession:
         ]
         if self.restores:
             out.append(Stage("checkpoint_restore", self.checkpoint_restore, ("pre_train",)))
-        if not sw.fast_batch:
+        if not early_batch:
             out.append(first_batch)
         if sw.compile:
             out.append(Stage("pt2_compile", self.pt2_compile, compile_needs))
