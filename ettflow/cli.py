@@ -220,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         if not _stdout_reader_gone():
             raise  # another pipe broke (a socket, a subprocess): a real error
         return _reader_left(0)
+    except Exception as exc:
+        from .console import is_explained
+
+        if not is_explained(exc) or getattr(args, "verbose", False):
+            raise
+        print(f"ettflow {args.command}: {exc}", file=sys.stderr)  # its message says what to do
+        return 1
     try:
         sys.stdout.flush()  # here, where a reader that left is caught, not at the interpreter's exit
     except BrokenPipeError:

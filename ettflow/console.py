@@ -16,6 +16,11 @@ verbosity the CLI left in `ETTFLOW_VERBOSE` (Ray's processes inherit the environ
 process that starts Ray). `verbose=True` installs nothing, so everything shows (and Ray stops
 folding repeated lines: `RAY_DEDUP_LOGS=0`).
 
+An error whose class says `explained = True` (its message names what is wrong and what to do:
+a bad parameter, an unreachable warehouse, a bad data file) is logged by Prefect's engine
+without its traceback in quiet mode (`ExplainedErrorFilter`), and the CLI prints it as one
+line (`ettflow.cli.main`); `--verbose` shows the tracebacks.
+
 Prefect's own state-change lines ("Finished in state Completed()", "Beginning flow run",
 hook boilerplate) are dropped at their loggers in quiet mode, so a run started by a quiet CLI
 does not send them to the Prefect API either; states themselves are still recorded, and
@@ -105,6 +110,24 @@ class KnownNoiseFilter(logging.Filter):
         return not self.pattern.search(text)
 
 
+def is_explained(exc: BaseException | None) -> bool:
+    """An error whose message says everything a user needs (`explained = True` on its class)."""
+    return exc is not None and getattr(type(exc), "explained", False) is True
+
+
+class ExplainedErrorFilter(logging.Filter):
+    """Keeps a record, less the traceback of an explained error (the message line stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and is_explained(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+# the loggers whose records carry a failed flow's or task's exception
+EXCEPTION_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
 def verbose_from_env() -> bool:
     """The verbosity the CLI chose (`ETTFLOW_VERBOSE`), as seen by a trainer process."""
     return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
@@ -134,3 +157,7 @@ def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> 
         for old in [f for f in logger.filters if isinstance(f, KnownNoiseFilter)]:
             logger.removeFilter(old)
         logger.addFilter(KnownNoiseFilter(patterns))
+    for name in EXCEPTION_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ExplainedErrorFilter) for f in logger.filters):
+            logger.addFilter(ExplainedErrorFilter())

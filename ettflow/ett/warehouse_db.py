@@ -66,6 +66,8 @@ class OpenWarehouse(Protocol):
 class WarehouseError(RuntimeError):
     """The warehouse cannot be used; the message names the URL and what to check."""
 
+    explained = True  # shown without a traceback (`ettflow.console`)
+
 
 def default_url() -> str:
     """The warehouse URL from the environment (see the module docstring)."""

@@ -72,6 +72,21 @@ def parameters(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def check_parameter_names(params: dict[str, Any]) -> None:
+    """Refuse a `--param` the refresh flow does not take, naming the ones it does (before
+    anything starts: Prefect's own refusal is a signature dump)."""
+    import inspect
+
+    from ettflow.flows.refresh import refresh_model
+    from ettflow.tasks.errors import ParameterError
+
+    known = list(inspect.signature(refresh_model.fn).parameters)
+    for name in params:
+        if name not in known:
+            raise ParameterError(name, f"is not a parameter of the refresh flow (--param NAME=VALUE); its parameters "
+                                       f"are: {', '.join(known)}")
+
+
 def print_report(run_id: str, url: str | None, *, phases: bool = False) -> bool:
     """Print the run's ETT report: its L1/L2 row and its components (and each phase when `phases`)."""
     from ettflow.ett import report
@@ -108,6 +123,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from ettflow.tasks.arrivals import ensure_new_window
 
     params, private = parameters(args), private_warehouse_url(args)
+    check_parameter_names(params)
     if private is not None:
         os.environ[ENV_URL] = private  # for this process and its hooks only
     shown_params = {**params, **({"warehouse_url": redact_url(params["warehouse_url"])}

@@ -34,6 +34,8 @@ from .errors import ParameterError
 class WarehouseUnavailable(RuntimeError):
     """The run's warehouse cannot be opened; the message shows the URL redacted and says what to fix."""
 
+    explained = True  # shown without a traceback (`ettflow.console`)
+
 
 def check_warehouse_params(url: Any, secret: Any) -> None:
     """Refuse a `warehouse_url` with a password (Prefect stores parameters in clear) and a

@@ -1,6 +1,7 @@
 """`ettflow demo` and `ettflow report` through the real spool and warehouse."""
 
 import json
+import os
 
 import pytest
 
@@ -68,3 +69,27 @@ def test_a_report_piped_to_a_reader_that_left_ends_quietly(home, warehouse_url):
         finally:
             os.close(write)
         assert (done.returncode, done.stderr) == (0, ""), done.stderr
+
+
+@pytest.fixture
+def in_process_refresh(home, monkeypatch):
+    """`ettflow refresh` run by `main` in this process (as its supervised worker would)."""
+    from ettflow.console import RAY_SKIP_ENV, VERBOSE_ENV
+    from ettflow.flows.supervise import SUPERVISOR_ENV
+
+    for name in (SUPERVISOR_ENV, VERBOSE_ENV, RAY_SKIP_ENV):
+        monkeypatch.setenv(name, os.environ.get(name, "0"))
+    return home
+
+
+def test_a_refresh_refused_before_it_starts_says_so_in_one_line(in_process_refresh, capsys):
+    """Issue 26 #8: an unknown --param and an unreachable warehouse are one line each, with
+    what to do, and no traceback (before: Prefect's signature dump, a 120-line chained one)."""
+    assert main(["refresh", "--param", "nosuch=1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ettflow refresh: parameter 'nosuch' is not a parameter of the refresh flow")
+    assert "world_size" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert main(["refresh", "--warehouse-url", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == 1
+    err = capsys.readouterr().err
+    assert "ettflow refresh: cannot reach the ettflow warehouse at postgresql+psycopg://nobody@127.0.0.1:1/none" in err
+    assert "Check that PostgreSQL is running" in err and "Traceback" not in err

@@ -30,3 +30,25 @@ def test_the_ray_skip_regex_matches_every_sample_and_no_ettflow_line():
     for own in ("attempt 0 failed (infrastructure failure: rank 1: process died)", "trainer reserved in 3.1 s",
                 "training: step 18/32 (56%), attempt 1, loss 0.5017", "published /tmp/x (step 32) in 7.5 s"):
         assert not skip.search(own)
+
+
+def test_an_explained_error_is_logged_without_its_traceback_and_others_with_theirs():
+    import logging
+
+    from ettflow.console import ExplainedErrorFilter, is_explained
+    from ettflow.tasks.errors import ParameterError
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:  # noqa: BLE001
+            import sys
+
+            return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "Encountered exception", None,
+                                     sys.exc_info())
+
+    explained, other = record(ParameterError("world_size", "must be >= 1")), record(KeyError("x"))
+    assert is_explained(explained.exc_info[1]) and not is_explained(other.exc_info[1]) and not is_explained(None)
+    keep = ExplainedErrorFilter()
+    assert keep.filter(explained) and keep.filter(other)  # both lines stay
+    assert explained.exc_info is None and other.exc_info is not None

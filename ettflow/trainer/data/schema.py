@@ -23,6 +23,8 @@ import pyarrow.parquet as pq
 class DataError(ValueError):
     """Data that cannot be trained on; says which file, which column, and what is wrong."""
 
+    explained = True  # shown without a traceback (`ettflow.console`)
+
     def __init__(self, file: str | Path, column: str | None, what: str):
         self.file, self.column, self.what = str(file), column, what
         where = f"{self.file}: column {column!r}" if column else self.file
