@@ -18,7 +18,8 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from uuid import UUID
 
@@ -90,9 +91,20 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def ett_over_time_png(runs: pd.DataFrame, title: str) -> bytes:
+def ett_axis(values: Iterable[float], goal: float | None = None) -> tuple[float, float]:
+    """The ETT% axis: from 0 to a quarter above the highest value (and the goal, when one is
+    set), in steps of 5, at most 100; (0, 100) with nothing to show. Fixed at 0-100, runs at
+    1.6-4.5% drew a flat line (issue 27)."""
+    top = max([v for v in values if v == v] + ([goal] if goal is not None else []), default=None)
+    if top is None or top >= 80:
+        return 0.0, 100.0
+    return 0.0, float(min(100, max(5, math.ceil(top * 1.25 / 5) * 5)))
+
+
+def ett_over_time_png(runs: pd.DataFrame, title: str, goal: float | None = None) -> bytes:
     """ETT% of each trained run by its start time, one line per deployment; runs that did not
-    complete marked with a red X."""
+    complete marked with a red X; the axis scaled to the data (`ett_axis`), the goal as a
+    dashed line where one is set, the legend outside the plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,12 +119,14 @@ def ett_over_time_png(runs: pd.DataFrame, title: str) -> bytes:
         if bad.any():
             ax.plot(when[bad], group["ett_pct"][bad], linestyle="none", marker="X", markersize=9,
                     color=FAILURE_COLOUR)
-    ax.set_ylim(0, 100)
+    ax.set_ylim(*ett_axis(done["ett_pct"], goal))
+    if goal is not None:
+        ax.axhline(goal, linestyle="--", linewidth=1, color="grey", label=f"goal {goal:g}%")
     ax.set_ylabel("ETT %")
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
     if len(done):
-        ax.legend(fontsize=8, frameon=False, loc="lower left")
+        ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.autofmt_xdate()
     return _png(fig)
 

@@ -1,0 +1,25 @@
+"""The fleet view's pictures (`tasks/fleet_report.py`, matplotlib): the ETT axis scaled to the
+data (issue 27: fixed at 0-100, runs at 1.6-4.5% drew a flat line), drawn without error."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ettflow.tasks.fleet_report import ett_axis, ett_over_time_png
+
+
+def test_the_ett_axis_is_scaled_to_the_data_and_the_goal():
+    assert ett_axis([1.6, 4.5]) == (0.0, 10.0)
+    assert ett_axis([1.6, 4.5], goal=50) == (0.0, 65.0)
+    assert ett_axis([42.6, 6.4]) == (0.0, 55.0)
+    assert ett_axis([80.0, 93.0]) == (0.0, 100.0)
+    assert ett_axis([0.2]) == (0.0, 5.0)
+    assert ett_axis([]) == (0.0, 100.0) and ett_axis([float("nan")]) == (0.0, 100.0)
+
+
+def test_the_picture_draws_low_ett_runs_with_a_goal():
+    runs = pd.DataFrame({
+        "run_id": ["r1", "r2", "r3"], "deployment": ["a", "a", "b"], "wall_start": [1.7e9, 1.7e9 + 60, 1.7e9 + 30],
+        "ett_pct": [1.6, 4.5, 3.0], "status": ["completed", "failed", "completed"], "outcome": ["published"] * 3})
+    png = ett_over_time_png(runs, "ETT", goal=5.0)
+    assert png.startswith(b"\x89PNG")
