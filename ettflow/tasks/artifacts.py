@@ -36,11 +36,15 @@ def timeline_file(snapshot: str | None, spool_dir: Path) -> Path:
 
 
 def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
-    """L1 then L2: each row has level, metric, exposed (s or %), raw, share of wall, owner."""
+    """L1 then L2: each row has level, metric, exposed (s or %), raw, share of wall, owner (`NO_OWNER`
+    where nobody owns it). Every value is named by its row: a raw value that is not the exposed
+    one's raw time says what it is in the metric's name."""
     wall = m.wall_s or 1.0
     rows = [
-        {"level": "L1", "metric": "ETT %", "exposed": round(m.ett_pct, 2), "raw": round(m.ett_l1_pct, 2),
-         "pct_of_wall": None, "owner": "-"},
+        {"level": "L1", "metric": "ETT %", "exposed": round(m.ett_pct, 2), "raw": None, "pct_of_wall": None,
+         "owner": "-"},
+        {"level": "L1", "metric": "ETT % in the study's L1 form, 1 - (TTS + NoF x TTR) / wall (an upper bound)",
+         "exposed": round(m.ett_l1_pct, 2), "raw": None, "pct_of_wall": None, "owner": "-"},
         {"level": "L1", "metric": "capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)",
          "exposed": round(m.capacity_ett_pct, 2), "raw": round(m.held.held_s, 3), "pct_of_wall": None, "owner": "-"},
         {"level": "L1", "metric": "unused spares, slot-s (cost)", "exposed": round(m.held.unused_spare_s, 3),
@@ -56,7 +60,7 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
         {"level": "L1", "metric": "TTS s", "exposed": round(m.tts_s, 3), "raw": None,
          "pct_of_wall": round(100 * m.tts_s / wall, 1), "owner": "-"},
         {"level": "L1", "metric": "NoF", "exposed": m.nof, "raw": None, "pct_of_wall": None, "owner": "-"},
-        {"level": "L1", "metric": "TTR s (total)", "exposed": round(m.ttr_total_s, 3),
+        {"level": "L1", "metric": "TTR s (total; raw: the mean per failure)", "exposed": round(m.ttr_total_s, 3),
          "raw": round(m.ttr_mean_s, 3), "pct_of_wall": round(100 * m.ttr_total_s / wall, 1), "owner": "-"},
     ]
     for name in (*COMPONENTS, UNATTRIBUTED):
@@ -68,7 +72,11 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
             rows.append({"level": "L2", "metric": "scheduling: ray_start (a local Ray started on this run's clock)",
                          "exposed": round(ray.exposed_s, 3), "raw": round(ray.raw_s, 3),
                          "pct_of_wall": round(100 * ray.exposed_s / wall, 1), "owner": owner_of("scheduling") or "-"})
-    return rows
+    return [{**r, "owner": NO_OWNER if r["owner"] == "-" else r["owner"]} for r in rows]
+
+
+# a table cell of "-" is drawn as a list bullet by the Prefect UI's markdown
+NO_OWNER = "none"
 
 
 def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any]]:
@@ -84,7 +92,7 @@ def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any
         return None if v is None else round(v, digits)
 
     wasted = m.components["wasted_training"]
-    return [
+    rows = [
         row(f"checkpoint interval s ({planned.source.value}; raw: steps)", r(planned.interval_s),
             planned.interval_steps),
         row("failure rate per training h (raw: own weight)", r(planned.rate_per_h, 4), r(planned.own_weight)),
@@ -93,6 +101,7 @@ def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any
         row("expected wasted s (raw: realized wasted_training)", r(planned.expected_wasted_s), round(wasted, 3),
             round(100 * wasted / wall, 1)),
     ]
+    return [x for x in rows if x["exposed"] is not None or x["raw"] is not None]  # a probe run plans nothing yet
 
 
 def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:

@@ -152,3 +152,18 @@ def test_a_local_ray_started_for_the_run_is_scheduling_on_its_clock_and_named_in
     joined = Timeline("joined")
     joined.mark("submitted", 0).ev("scheduling", 0, 10, rank=-1, ray="joined").ev("pt2_compile", 10, 12)
     assert not [r for r in table_rows(compute_run_metrics(joined.steps(12, 0, 8).events)) if "ray_start" in r["metric"]]
+
+
+def test_the_ett_table_labels_every_value_and_never_shows_a_bare_dash():
+    """Issue 27: the L1 form was an unlabelled 'raw' of the ETT % row, and an owner of '-' is
+    drawn as a list bullet by the Prefect UI."""
+    from ettflow.tasks.artifacts import NO_OWNER, table_rows
+
+    m = compute_run_metrics(timelines.two_failures().events)
+    rows = {r["metric"]: r for r in table_rows(m)}
+    assert rows["ETT %"]["raw"] is None and rows["ETT %"]["exposed"] == round(m.ett_pct, 2)
+    (l1,) = [r for name, r in rows.items() if name.startswith("ETT % in the study's L1 form")]
+    assert l1["exposed"] == round(m.ett_l1_pct, 2)
+    assert rows["TTR s (total; raw: the mean per failure)"]["raw"] == round(m.ttr_mean_s, 3)
+    assert all(r["owner"] not in ("-", "", None) for r in rows.values())
+    assert rows["NoF"]["owner"] == NO_OWNER and rows["pt2_compile"]["owner"] == "compiler"
