@@ -9,7 +9,8 @@ a pure function of it, so the strings are defined here and tested exactly:
   then how the refresh ended when that is not a plain publish (``gated: ...``, ``failed: ...``,
   ``crashed: ...``, ``cancelled: ...``). A skipped refresh trained nothing: its message is only
   why it was skipped.
-- `run_name`: ``dlrm-optimized 2024010100..2024010103 (4)``: model, mode and the windows.
+- `run_name`: ``dlrm-optimized 2024010100..2024010103 (4)``: model, mode and the windows;
+  `measured_name` adds the result once archived (``· ETT 42.6%``, ``· skipped``), for the runs list.
 - `run_tags`: ``model:dlrm``, ``mode:optimized``, ``failures:1``, ``outcome:published``, on top
   of the run's other tags (the deployment's), so the UI filters runs by them.
 - `description_head`: ``ETT 91.2% · NoF 1 · Completed``, the start of every artifact's description.
@@ -142,6 +143,16 @@ def run_name(model: str, mode: str, windows: Sequence[str] = ()) -> str:
     """`dlrm-optimized 2024010100..2024010103 (4)`; before the windows are known, `dlrm-optimized`."""
     span = window_span(windows)
     return f"{model}-{mode} {span}" if span else f"{model}-{mode}"
+
+
+def measured_name(s: RunSummary) -> str:
+    """The run's name once it is measured, so the runs list shows its result without a click:
+    `dlrm-optimized 2024010100..2024010103 (4) · ETT 42.6%`; `... · skipped`; `... · no ETT`."""
+    if s.outcome == Outcome.SKIPPED.value:
+        result = "skipped"
+    else:
+        result = f"ETT {s.ett_pct:.1f}%" if s.measured else "no ETT"
+    return SEP.join([run_name(s.model, s.mode, s.windows), result])
 
 
 def run_tags(s: RunSummary, existing: Iterable[str] = ()) -> list[str]:

@@ -49,6 +49,7 @@ from ettflow.ett.run_summary import (
     RunSummary,
     description_head,
     failure_line,
+    measured_name,
     run_tags,
     state_message,
     summarize,
@@ -224,6 +225,9 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
     summary = summarize(archived.metrics if archived is not None else None, run_id=run_id,
                         model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
                         state=state, outcome=outcome, windows=windows, reason=reason)
+    name = measured_name(summary)  # the runs list shows the result; the event names the run so
+    if run_labels.name_flow_run(run_id, name):
+        flow_run = flow_run.model_copy(update={"name": name}) if hasattr(flow_run, "model_copy") else flow_run
     if archived is not None:  # the `ettflow.run.measured` event (tasks.run_event)
         emit_run_measured(flow_run, archived, outcome=outcome, deployment=deployment)
     logger = _run_logger(flow_run)

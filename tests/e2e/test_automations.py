@@ -60,6 +60,9 @@ def test_measured_event_and_automations_fire(measured_runs):
     related = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
     assert related["flow-run"] == f"prefect.flow-run.{run_id}" and related["deployment"].startswith(
         "prefect.deployment.")
+    # the related run is named as it is now, its ETT in the name (issue 27: was the name before the rename)
+    names = {r["prefect.resource.role"]: r.get("prefect.resource.name") for r in event["related"]}
+    assert names["flow-run"] == "dlrm-optimized · ETT 27.8%", names
 
     ett_alert = receiver.wait_for(lambda b: b["alert"] == "ett_below")
     assert ett_alert["automation"] == "ettflow: ETT below 40% on refresh-adhoc"

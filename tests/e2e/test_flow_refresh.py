@@ -106,7 +106,7 @@ def test_refresh_recovers_from_a_sigkill(env, killed):
     with client() as c:
         fr = c.read_flow_run(run_id)
     first, last = (w.removeprefix("window=") for w in (env["windows"][0], env["windows"][-1]))
-    assert fr.name == f"dlrm-optimized {first}..{last} (2)"
+    assert fr.name == f"dlrm-optimized {first}..{last} (2) · {state.message.split(' · ')[0]}"  # ETT in the list
     assert {"model:dlrm", "mode:optimized", "failures:1", "outcome:published"} <= set(fr.tags), fr.tags
     # the log names the failure that ended attempt 0 in ettflow's words, Ray's detail after
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId

@@ -149,7 +149,8 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
     with Warehouse.open(f"sqlite:///{home / 'warehouse.db'}") as wh:
         (window,) = next(r for r in wh.lineage(MODEL) if r.run_id == run_id).windows
         row = wh.runs_frame(run_id=run_id).iloc[0]
-    assert run["name"] == f"{MODEL}-optimized {window.removeprefix('window=')}"
+    ett = run["state"]["message"].split(" · ")[0]  # the runs list shows the result (issue 27)
+    assert run["name"] == f"{MODEL}-optimized {window.removeprefix('window=')} · {ett}"
     assert {"ettflow", "scheduled", f"model:{MODEL}", "mode:optimized", "failures:0", "outcome:published"} <= set(
         run["tags"]), run["tags"]
     # max_steps 24 on each of the 2 ranks, every step on new data

@@ -16,6 +16,7 @@ from ettflow.ett.run_summary import (
     RunSummary,
     description_head,
     failure_line,
+    measured_name,
     run_name,
     run_tags,
     state_message,
@@ -70,6 +71,10 @@ def test_name_tags_and_description_head():
     assert run_name("dlrm", "optimized", s.windows) == "dlrm-optimized 2024010100..2024010101 (2)"
     assert run_name("dlrm", "baseline", ("window=2024010105",)) == "dlrm-baseline 2024010105"
     assert run_name("dlrm", "baseline") == "dlrm-baseline"
+    # once archived, the runs list shows the result in the name (issue 27)
+    assert measured_name(s) == "dlrm-optimized 2024010100..2024010101 (2) · ETT 91.2%"
+    assert measured_name(summary(outcome="skipped", ett_pct=None, windows=())) == "dlrm-optimized · skipped"
+    assert measured_name(summary(state=FinalState.CRASHED, ett_pct=None)).endswith(" · no ETT")
     assert run_tags(s, ["ettflow", "adhoc", "outcome:failed", "failures:3", "ettflow"]) == [
         "ettflow", "adhoc", "model:dlrm", "mode:optimized", "failures:1", "outcome:published"]
     assert description_head(s) == "ETT 91.2% · NoF 1 · Completed"
