@@ -15,20 +15,37 @@ from __future__ import annotations
 import inspect
 import textwrap
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import TypeVar
 
-from ettflow.trainer.config import FAIL_AT_GRAMMAR
+from ettflow.trainer.config import Switches, fail_at_grammar
 
 F = TypeVar("F", bound=Callable)
+
+# every trainer switch (`trainer.config.Switches`) and the flow's own, as the run form lists them
+SWITCH_HELP: dict[str, str] = {
+    "parallel_init": "independent init stages run concurrently",
+    "fast_batch": "compile on a synthetic batch while the data pipeline warms up",
+    "compile": "torch.compile the dense step (false: eager)",
+    "compile_cache": "restore and save the compile-cache archive",
+    "async_checkpoint": "asynchronous checkpoints with staging (false: synchronous)",
+    "memory_checkpoint": "the in-memory checkpoint tier (a copy of each save in host memory that outlives the ranks)",
+    "live_recovery": "survivors keep running and a warm spare takes a failed rank",
+    "warm_pool": "ranks and spares from trainer processes prewarmed before the run",
+    "local_inductor_cache": "without the compile cache, keep PyTorch's own inductor cache across processes",
+    "publish_in_trainer": "publish while the trainer holds its devices (the baseline's way)",
+}
+missing = {f.name for f in fields(Switches)} - set(SWITCH_HELP)
+if missing:  # a new switch cannot reach the run form undocumented
+    raise TypeError(f"switches without help in SWITCH_HELP: {sorted(missing)}")
 
 REFRESH_HELP: dict[str, str] = {
     "model": "The model's name (lowercase letters, digits, - and _): its lineage, checkpoints and snapshots.",
     "mode": "baseline or optimized: the preset of the trainer's switches (baseline: sequential init, compile "
             "on the first real batch, synchronous checkpoints, no compile cache, no in-memory checkpoints, every rank "
             "restarted after a failure, publishing in the trainer).",
-    "switches": "Single switches on top of the mode, e.g. {\"compile_cache\": false}: parallel_init, fast_batch, "
-                "compile, compile_cache, async_checkpoint, memory_checkpoint (the in-memory checkpoint tier), "
-                "live_recovery (survivors keep running and a warm spare takes a failed rank), publish_in_trainer.",
+    "switches": "Single switches on top of the mode, e.g. {\"compile_cache\": false}:\n\n"
+                + "\n".join(f"- `{name}`: {text}" for name, text in SWITCH_HELP.items()),
     "architecture": "ModelConfig fields: embedding_dim, dense_arch, over_arch, learning rates (null: the defaults).",
     "data_root": "The folder of hourly data windows (window=YYYYMMDDHH/*.parquet); null: tiny synthetic data, "
                  "made on first use.",
@@ -42,8 +59,8 @@ REFRESH_HELP: dict[str, str] = {
                               "failure rate, Young/Daly).",
     "eval_batches": "Held-out batches evaluated after training.",
     "device": "auto, cpu or cuda (auto: cuda when the worker has GPUs).",
-    "fail_at": "Injected failures, to see and measure a recovery, e.g. [\"kill:rank=1:step=16\"].\n"
-               + FAIL_AT_GRAMMAR,
+    "fail_at": "Injected failures, to see and measure a recovery, e.g. [\"kill:rank=1:step=16\"].\n\n"
+               + fail_at_grammar(markdown=True),
     "work_root": "Where checkpoints and the compile cache live (null: the per-user ettflow folder).",
     "snapshot_root": "Where inference snapshots are published (null: the per-user ettflow folder).",
     "spool_root": "Where the run's phase events are spooled (null: the per-user ettflow folder).",

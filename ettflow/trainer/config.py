@@ -35,8 +35,9 @@ class Switches:
     async_checkpoint: bool = True  # DCP async_save with staging (False: synchronous save)
     # in-memory checkpoint tier: every save also stages each rank's shards into host memory that
     # outlives the rank (trainer/checkpoint/memory_tier.py); a live recovery's restore reads it
-    # when it is intact. Only where one can: copies are taken only with live_recovery on and a
-    # place for the spare (on a GPU placement, room for its bundle); a full restart reads disk
+    # when it is intact, and so does a restart of every rank when its copies are newer than the
+    # durable checkpoint. Copies are taken only with live_recovery on and a place for the spare
+    # (on a GPU placement, room for its bundle)
     memory_checkpoint: bool = True
     # live recovery: when one rank fails, the healthy ranks keep their processes (imports, compiled
     # step), a pre-started warm spare takes the failed rank's place, and all restore from memory
@@ -67,30 +68,53 @@ class Switches:
         return cls.baseline() if mode == "baseline" else cls.optimized()
 
 
-FAIL_AT_GRAMMAR = """\
-Scripted faults, one item each: KIND[:FIELD=VALUE]...
-  kinds:   kill     SIGKILL the rank's process (infrastructure)
-           raise    raise an exception before the step (user)
-           hang     stop making steps until the watchdog catches it (infrastructure)
-           nan      a dense parameter turns NaN, so the step's loss is not finite (numerics)
-           preempt  the rank sends itself SIGTERM, as a scheduler taking the devices back (preemption)
-           corrupt  from this step on, the rank's in-memory checkpoint copies are corrupted in the
-                    keeper (not a failure: a later recovery must notice and use the durable one)
-           publish  fail a publish try (publish; training is not touched)
-  fields:  rank=R      the rank (default 0)
-           step=S      at training step S, before it is trained
-           phase=P     instead of step: a hang in init stage P (e.g. pt2_compile, pre_train), or
-                       a kill at anchor_commit (the final checkpoint committed, anchor.json not
-                       yet written)
-           after_s=T   kill only: T seconds after an attempt started training (sent by the driver)
-           attempt=A   only in attempt A (default: whichever attempt reaches it first)
-           times=N     publish only: the first N publish tries fail (default 1)
-  Each item fires once per run: the first time the run reaches its step (or its after_s), in
-  whichever attempt; a restart that replays that step does not fire it again.
-  Examples: kill:rank=1:step=30   hang:step=5   raise:rank=0:step=12:attempt=1
-            kill:after_s=12.5     nan:step=40   publish:times=2   hang:rank=1:phase=pt2_compile
-            preempt:rank=1:step=9   kill:rank=0:phase=anchor_commit
-"""
+# the grammar of `fail_at` items, as data: the CLI's help prints it as text, the run form as markdown
+FAULT_KIND_HELP: tuple[tuple[str, str], ...] = (
+    ("kill", "SIGKILL the rank's process (infrastructure)"),
+    ("raise", "raise an exception before the step (user)"),
+    ("hang", "stop making steps until the watchdog catches it (infrastructure)"),
+    ("nan", "a dense parameter turns NaN, so the step's loss is not finite (numerics)"),
+    ("preempt", "the rank sends itself SIGTERM, as a scheduler taking the devices back (preemption)"),
+    ("corrupt", "from this step on, the rank's in-memory checkpoint copies are corrupted in the keeper (not a "
+                "failure: a later recovery must notice and use the durable one)"),
+    ("publish", "fail a publish try (publish; training is not touched)"),
+)
+FAULT_FIELD_HELP: tuple[tuple[str, str], ...] = (
+    ("rank=R", "the rank (default 0)"),
+    ("step=S", "at training step S, before it is trained"),
+    ("phase=P", "instead of step: a hang in init stage P (e.g. pt2_compile, pre_train), or a kill at anchor_commit "
+                "(the final checkpoint committed, anchor.json not yet written)"),
+    ("after_s=T", "kill only: T seconds after an attempt started training (sent by the driver)"),
+    ("attempt=A", "only in attempt A (default: whichever attempt reaches it first)"),
+    ("times=N", "publish only: the first N publish tries fail (default 1)"),
+)
+FAULT_RULE = ("Each item fires once per run: the first time the run reaches its step (or its after_s), in whichever "
+              "attempt; a restart that replays that step does not fire it again.")
+FAULT_EXAMPLES = ("kill:rank=1:step=30", "hang:step=5", "raise:rank=0:step=12:attempt=1", "kill:after_s=12.5",
+                  "nan:step=40", "publish:times=2", "hang:rank=1:phase=pt2_compile", "preempt:rank=1:step=9",
+                  "kill:rank=0:phase=anchor_commit")
+
+
+def fail_at_grammar(*, markdown: bool = False) -> str:
+    """The grammar of `fail_at` items: plain text (the CLI's help), or markdown lists (the run
+    form: Prefect's UI joins plain lines into one paragraph)."""
+    if markdown:
+        return "\n".join([
+            "Scripted faults, one item each: `KIND[:FIELD=VALUE]...`", "", "Kinds:", "",
+            *(f"- `{k}`: {t}" for k, t in FAULT_KIND_HELP), "", "Fields:", "",
+            *(f"- `{f}`: {t}" for f, t in FAULT_FIELD_HELP), "", FAULT_RULE, "",
+            "Examples: " + ", ".join(f"`{e}`" for e in FAULT_EXAMPLES)])
+    width = max(len(k) for k, _ in FAULT_KIND_HELP) + 2
+    fwidth = max(len(f) for f, _ in FAULT_FIELD_HELP) + 2
+    lines = ["Scripted faults, one item each: KIND[:FIELD=VALUE]..."]
+    lines += [f"  {'kinds:' if i == 0 else '':<9}{k:<{width}}{t}" for i, (k, t) in enumerate(FAULT_KIND_HELP)]
+    lines += [f"  {'fields:' if i == 0 else '':<9}{f:<{fwidth}}{t}" for i, (f, t) in enumerate(FAULT_FIELD_HELP)]
+    lines += [f"  {FAULT_RULE}", "  Examples: " + "   ".join(FAULT_EXAMPLES)]
+    return "\n".join(lines) + "\n"
+
+
+FAIL_AT_GRAMMAR = fail_at_grammar()
+
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -155,15 +155,17 @@ def test_every_flow_parameter_is_described_in_the_parameter_schema():
     from prefect.utilities.callables import parameter_schema
 
     from ettflow.flows.refresh import refresh_model
-    from ettflow.trainer.config import FAIL_AT_GRAMMAR
+    from ettflow.trainer.config import fail_at_grammar
 
     props = parameter_schema(refresh_model).model_dump()["properties"]
     assert len(props) >= 28
     assert [name for name, p in props.items() if not p.get("description")] == []
     fail_at = props["fail_at"]["description"]
     assert "kill:rank=1:step=16" in fail_at
-    for line in FAIL_AT_GRAMMAR.strip().splitlines():
+    for line in fail_at_grammar(markdown=True).splitlines():  # markdown: the UI keeps one item per line
         assert line.strip() in fail_at, line
+    assert "\n- `kill`: SIGKILL" in fail_at and "\n- `rank=R`: the rank" in fail_at
+    assert all(f"- `{name}`:" in props["switches"]["description"] for name in ("warm_pool", "live_recovery"))
 
 
 def test_a_parameter_without_help_is_refused():
