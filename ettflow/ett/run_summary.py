@@ -5,10 +5,11 @@ A `RunSummary` is the run's measured result after archiving (ETT%, NoF and the f
 the L2 components, model, mode, windows, final state and outcome); everything the UI shows is
 a pure function of it, so the strings are defined here and tested exactly:
 
-- `state_message`: ``ETT 91.2% · NoF 1 (infrastructure: rank 1 killed at step 16) · TTS 8.3 s``,
-  then how the refresh ended when that is not a plain publish (``gated: ...``, ``failed: ...``,
-  ``crashed: ...``, ``cancelled: ...``). A skipped refresh trained nothing: its message is only
-  why it was skipped.
+- `state_message`: ``ETT 91.2% · NoF 1 · TTS 8.3 s · infrastructure: rank 1 killed at step 16``:
+  the numbers first (the UI cuts a long message at "See More"), then how the refresh ended when
+  that is not a plain publish (``gated: ...``, ``failed: ...``, ``crashed: ...``, ``cancelled:
+  ...``), then its failures, each reason once. A skipped refresh trained nothing: its message is
+  only why it was skipped.
 - `run_name`: ``dlrm-optimized 2024010100..2024010103 (4)``: model, mode and the windows;
   `measured_name` adds the result once archived (``· ETT 42.6%``, ``· skipped``), for the runs list.
 - `run_tags`: ``model:dlrm``, ``mode:optimized``, ``failures:1``, ``outcome:published``, on top
@@ -112,22 +113,34 @@ def summarize(metrics: RunMetrics | None, *, run_id: str, model: str, mode: str,
         failures=tuple(FailureNote(f.failure_class, f.reason) for f in metrics.failures), reason=reason)
 
 
-def _nof(s: RunSummary) -> str:
-    if not s.failures:
-        return f"NoF {s.nof}"
-    named = "; ".join(f.text for f in s.failures[:FAILURES_NAMED])
-    more = f"; and {len(s.failures) - FAILURES_NAMED} more" if len(s.failures) > FAILURES_NAMED else ""
-    return f"NoF {s.nof} ({named}{more})"
+def _failures_named(s: RunSummary, said: str) -> str | None:
+    """The run's failures in ettflow's words, the first FAILURES_NAMED of them; a failure whose
+    reason the outcome already says (or that says the outcome's) is not repeated."""
+    def repeats(note: FailureNote) -> bool:
+        a, b = note.reason.strip().lower(), said.strip().lower()
+        return bool(a and b) and (a in b or b in a)
+
+    notes = [f for f in s.failures if not repeats(f)]
+    if not notes:
+        return None
+    more = f"; and {len(notes) - FAILURES_NAMED} more" if len(notes) > FAILURES_NAMED else ""
+    return "; ".join(f.text for f in notes[:FAILURES_NAMED]) + more
 
 
 def state_message(s: RunSummary) -> str:
-    """The run's final state message (see the module docstring)."""
+    """The run's final state message (see the module docstring): the numbers first, so the UI's
+    cut ("See More") never hides them; then how it ended, then its failures."""
     if s.outcome == Outcome.SKIPPED.value:
         return s.reason or "skipped"
-    parts = [f"ETT {s.ett_pct:.1f}%", _nof(s), f"TTS {s.tts_s:.1f} s"] if s.measured \
+    parts = [f"ETT {s.ett_pct:.1f}%", f"NoF {s.nof}", f"TTS {s.tts_s:.1f} s"] if s.measured \
         else ["no ETT: the run recorded no phase"]
+    ended = ""
     if s.outcome not in (Outcome.PUBLISHED.value, FinalState.COMPLETED.value):
-        parts.append(f"{s.outcome}: {s.reason}" if s.reason else s.outcome)
+        ended = f"{s.outcome}: {s.reason}" if s.reason else s.outcome
+        parts.append(ended)
+    named = _failures_named(s, s.reason or "")
+    if named:
+        parts.append(named)
     return SEP.join(parts)
 
 

@@ -36,7 +36,8 @@ def summary(**over) -> RunSummary:
 
 
 def test_the_state_message_says_ett_nof_with_its_failures_and_tts():
-    assert state_message(summary()) == "ETT 91.2% · NoF 1 (infrastructure: rank 1 killed at step 16) · TTS 8.3 s"
+    # the numbers first: the UI cuts a long message at "See More" (issue 27)
+    assert state_message(summary()) == "ETT 91.2% · NoF 1 · TTS 8.3 s · infrastructure: rank 1 killed at step 16"
     assert state_message(summary(nof=0, failures=())) == "ETT 91.2% · NoF 0 · TTS 8.3 s"
 
 
@@ -47,11 +48,17 @@ def test_the_state_message_says_how_a_refresh_that_did_not_publish_ended():
     failed = summary(state=FinalState.FAILED, outcome="failed", ett_pct=12.04, tts_s=30.0, nof=4,
                      failures=(KILL, data, data, data), reason="TrainingFailed: stopped after 4 failures")
     assert state_message(failed) == (
-        "ETT 12.0% · NoF 4 (infrastructure: rank 1 killed at step 16; data: window=2024010101/part-00001.parquet: "
-        "column c3 missing; data: window=2024010101/part-00001.parquet: column c3 missing; and 1 more) · "
-        "TTS 30.0 s · failed: TrainingFailed: stopped after 4 failures")
+        "ETT 12.0% · NoF 4 · TTS 30.0 s · failed: TrainingFailed: stopped after 4 failures · infrastructure: rank 1 "
+        "killed at step 16; data: window=2024010101/part-00001.parquet: column c3 missing; data: "
+        "window=2024010101/part-00001.parquet: column c3 missing; and 1 more")
     crashed = summary(state=FinalState.CRASHED, outcome="crashed", reason="Execution was cancelled by the runtime")
-    assert state_message(crashed).endswith(" · TTS 8.3 s · crashed: Execution was cancelled by the runtime")
+    assert state_message(crashed) == ("ETT 91.2% · NoF 1 · TTS 8.3 s · crashed: Execution was cancelled by the runtime"
+                                      " · infrastructure: rank 1 killed at step 16")
+    # one reason, once: the crash's orchestrator failure says what the outcome says
+    said_twice = summary(state=FinalState.CRASHED, outcome="crashed", reason="process killed", nof=2,
+                         failures=(KILL, FailureNote("orchestrator", "process killed")))
+    assert state_message(said_twice) == ("ETT 91.2% · NoF 2 · TTS 8.3 s · crashed: process killed · "
+                                         "infrastructure: rank 1 killed at step 16")
     nothing = summary(state=FinalState.CRASHED, outcome="crashed", ett_pct=None, tts_s=None, nof=0, failures=(),
                       reason="process killed")
     assert state_message(nothing) == "no ETT: the run recorded no phase · crashed: process killed"
