@@ -166,20 +166,22 @@ def crash_open_task_runs(flow_run_id: str, message: str | None) -> int:
 
 
 def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, artifact_slug: str) -> None:
-    from .artifacts import create_run_artifacts, timeline_file
+    from .artifacts import create_run_artifacts, create_skipped_artifact, timeline_file
     from .timeline_plot import render_timeline
 
     params = dict(flow_run.parameters or {})
     run_id = str(flow_run.id)
     evs = run_spool.events(spool_of(params), run_id)
+    if archived.status == "skipped":  # nothing trained: no timeline, no ETT table (issue 27)
+        create_skipped_artifact(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id,
+                                reason=skip_reason(evs) or "skipped", head=description_head(summary))
+        return
     m = archived.metrics
     png = render_timeline(evs, m)
     snapshot = run_spool.publish_summary(evs).get("snapshot")
     timeline_file(snapshot, spool_of(params) / run_id).write_bytes(png)
     text = (f"run {run_id} ({summary.model}, {summary.mode}): ETT {m.ett_pct:.1f}%, wall {m.wall_s:.1f} s, "
             f"TTS {m.tts_s:.1f} s, NoF {m.nof}")
-    if archived.status == "skipped":
-        text = f"run {run_id} ({summary.model}) skipped: {skip_reason(evs)}"
     create_run_artifacts(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id, metrics=m, png=png,
                          snapshot=snapshot, summary=text, head=description_head(summary),
                          interval=run_spool.planned_interval(evs))

@@ -129,19 +129,29 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
+def folder_first(path: str | None) -> str | None:
+    """A long path as `name (in parent)`: the UI cuts a table cell at its right edge, and the
+    name (a checkpoint's step, a snapshot's run) is what tells one from another."""
+    if not path:
+        return path
+    p = Path(path)
+    return f"{p.name} (in {p.parent})" if p.name and str(p.parent) not in ("", ".") else path
+
+
 def manifest_markdown(manifest: SnapshotManifest, manifest_sha256: str) -> str:
     """The snapshot as its manifest tells it: where, which files (sha256), which step and
     windows, how it validated, and what it came from."""
     lineage, source, validation = manifest.lineage or {}, manifest.source or {}, manifest.validation or {}
-    rows = [("path", f"`{manifest.path}`"), ("run", manifest.run_id), ("step", manifest.step),
+    rows = [("path", folder_first(manifest.path)), ("run", manifest.run_id), ("step", manifest.step),
             ("windows trained", lineage.get("windows")), ("held out", lineage.get("held_out")),
             ("validation", "passed" if validation.get("passed") else "FAILED"),
-            ("parent snapshot", lineage.get("parent_snapshot")), ("parent anchor", lineage.get("parent_anchor")),
-            ("anchor checkpoint", source.get("checkpoint")),
+            ("parent snapshot", folder_first(lineage.get("parent_snapshot"))),
+            ("parent anchor", folder_first(lineage.get("parent_anchor"))),
+            ("anchor checkpoint", folder_first(source.get("checkpoint"))),
             (f"{MANIFEST_FILE} sha256", f"`{manifest_sha256}`")]
     rows += [(f"{name} sha256", f"`{info.get('sha256')}` ({info.get('size')} bytes)")
              for name, info in sorted(manifest.files.items())]
-    lines = [f"### Inference snapshot of run `{manifest.run_id}`", "", "| | |", "|---|---|"]
+    lines = [f"### Inference snapshot of run `{manifest.run_id}`", "", "| field | value |", "|---|---|"]
     lines += [f"| {k} | {_cell(v)} |" for k, v in rows]
     if manifest.metrics:
         lines += ["", "**Validation metrics**", "", "| metric | value |", "|---|---|"]
@@ -157,6 +167,19 @@ def snapshot_markdown(snapshot: str) -> str:
     except (PublishError, OSError) as exc:
         return f"### Inference snapshot\n\n`{snapshot}`: its manifest cannot be read ({exc})"
     return manifest_markdown(manifest, digest)
+
+
+def create_skipped_artifact(*, flow_run_id: UUID | str, slug: str, run_id: str, reason: str, head: str) -> UUID:
+    """A skipped refresh trained nothing: no ETT table or timeline (an ETT of 0% would be a lie),
+    one short artifact that says why (same key as the ETT table, so the deployment's history of
+    that key shows the skip in its place)."""
+    from prefect.artifacts import MarkdownArtifact
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return MarkdownArtifact(key=f"ett-{slug}", flow_run_id=UUID(str(flow_run_id)),
+                                markdown=f"### Run `{run_id}` skipped\n\nskipped: {reason}\n\nNothing was trained: "
+                                         "it has no ETT.", description=f"{head} · {reason}").create(_sync=True).id
 
 
 def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, metrics: RunMetrics, png: bytes,

@@ -168,6 +168,15 @@ def test_a_refresh_with_nothing_new_is_skipped(env, sequence):
     s5, r5 = sequence["r5"]
     assert s5.is_completed() and "nothing new to train" in s5.message
     assert s5.result()["outcome"] == "skipped" and events(env, r5, "train_step") == []
+    # no ETT table or timeline (a 0% ETT would be a lie): one short artifact says why (issue 27)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        found = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[r5])))
+    ett = [a for a in found if (a.key or "").startswith("ett-")]
+    assert [(a.key.startswith("ett-timeline"), a.type) for a in ett] == [(False, "markdown")], ett
+    assert "skipped: nothing new to train" in ett[0].data and "ETT" not in ett[0].description.split(" · ")[0]
 
 
 def test_a_warm_start_reshards_a_two_rank_anchor_onto_one_rank(env, sequence):

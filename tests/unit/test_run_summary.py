@@ -144,9 +144,11 @@ def test_the_snapshot_artifact_shows_its_manifest(tmp_path):
                                   "parent_snapshot": "/snap/r0", "parent_anchor": None},
                          files={"model.pt": {"size": 10, "sha256": "ab" * 32}})
     text = manifest_markdown(m, "cd" * 32)
-    for row in ("| path | `/snap/r1` |", "| step | 40 |", "| windows trained | window=2024010100 |",
-                "| held out | window=2024010102 |", "| validation | passed |", "| parent snapshot | /snap/r0 |",
-                "| parent anchor | - |", "| anchor checkpoint | /work/r1/step_40.final |",
+    # paths name their folder first (a cut cell still shows the step), the header row is not empty (issue 27)
+    for row in ("| field | value |", "| path | r1 (in /snap) |", "| step | 40 |",
+                "| windows trained | window=2024010100 |", "| held out | window=2024010102 |",
+                "| validation | passed |", "| parent snapshot | r0 (in /snap) |",
+                "| parent anchor | - |", "| anchor checkpoint | step_40.final (in /work/r1) |",
                 f"| manifest.json sha256 | `{'cd' * 32}` |", f"| model.pt sha256 | `{'ab' * 32}` (10 bytes) |",
                 "| auc_float | 0.7123 |", "| n_examples | 256 |"):
         assert row in text.splitlines(), (row, text)
