@@ -20,7 +20,7 @@ from ettflow.ett.events import CHECKPOINT_INTERVAL, FAILURE, FAILURE_DETECTED, O
 from ettflow.ett.failures import Failure
 from ettflow.ett.interval_plan import TAG, PlannedInterval
 from ettflow.ett.spool import SpoolWriter, read_spool
-from ettflow.trainer.classify import failure_from_exception
+from ettflow.trainer.classify import failure_from_exception, stop_signal
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\.")
 PUBLISH_PHASES = ("publish", "publish_standalone")
@@ -79,7 +79,8 @@ def record_task_failure(root: Path | str, run_id: str, attempt: int, exc: BaseEx
     if any(e.phase in (FAILURE, FAILURE_DETECTED) for e in evs):
         return None
     failure = failure_from_exception(exc, rank=-1, attempt=attempt)
-    failure = replace(failure, reason=f"{task} raised {type(exc).__name__}: {exc}"[:500])
+    said = f"{task}: {failure.reason}" if stop_signal(exc) else f"{task} raised {type(exc).__name__}: {exc}"
+    failure = replace(failure, reason=said[:500])
     with SpoolWriter(root, run_id, attempt, -1) as rec:
         rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True)
     return failure

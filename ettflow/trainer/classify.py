@@ -12,6 +12,10 @@ The mapping (first match wins):
     torch DistError (Backend, Network)    infrastructure, secondary: a collective lost its peer
     any other Ray error, ConnectionError,
     TimeoutError                          infrastructure (the cluster, not the code)
+    SystemExit, KeyboardInterrupt, a
+    BaseException carrying an int `signal`
+    (Prefect's TerminationSignal)         preemption: the process running the run was told to stop
+                                          (SIGTERM of `ettflow refresh`, a CI runner's timeout, Ctrl-C)
     anything else                         user: a bug in model or training code
 
 Gloo (torch 2.13) reports a lost peer as a plain RuntimeError: it maps to user, and the
@@ -50,7 +54,28 @@ def failure_from_exception(exc: BaseException, *, rank: int = -1, attempt: int |
                    step=typed.step if typed.step is not None else step)
 
 
+def stop_signal(exc: BaseException) -> str | None:
+    """The stop a BaseException stands for (`SIGTERM`, `SIGINT`, `exit`), None for an error."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "SIGINT"
+    if isinstance(exc, SystemExit):
+        return "exit"
+    number = getattr(exc, "signal", None)
+    if not isinstance(exc, Exception) and isinstance(number, int) and not isinstance(number, bool):
+        import signal
+
+        try:
+            return signal.Signals(number).name
+        except ValueError:
+            return f"signal {number}"
+    return None
+
+
 def _typed(exc: BaseException, rank: int) -> Failure:
+    stopped = stop_signal(exc)
+    if stopped is not None:  # never a bug in the training code: the process was stopped (issue 26 #4)
+        return _failure(FailureClass.PREEMPTION, rank, f"the process running the refresh was stopped ({stopped}): "
+                        "preempted", exc)
     ray_task, ray_actor, ray_any = _ray_types()
     if isinstance(exc, ray_task):  # first: what `ray.get` raises also subclasses the cause's type
         cause = getattr(exc, "cause", None)
