@@ -3,7 +3,8 @@
 Emitted once per final flow state, after the run's row is archived (or left pending: the
 numbers come from the spool either way), so automations can react to a run's ETT:
 
-- resource ``ettflow.run.<run_id>``, named ``<model>-<mode>``, with labels an automation's
+- resource ``ettflow.run.<run_id>``, named ``<model>-<mode> · ETT 27.8% · NoF 2 · completed``
+  (the event feed shows the name), with labels an automation's
   trigger can match (`ett.thresholds`): ``ettflow.model``, ``ettflow.mode``,
   ``ettflow.outcome``, ``ettflow.deployment`` (when the run has one), ``ettflow.ett_pct``
   (``DDD.D``) and ``ettflow.nof`` (``DDD``);
@@ -49,10 +50,19 @@ def measured_payload(archived: ArchiveResult, *, model: str, mode: str, deployme
     }
 
 
+def resource_name(payload: dict[str, Any]) -> str:
+    """`dlrm-optimized · ETT 27.8% · NoF 2 · completed` (skipped: `dlrm-optimized · skipped`)."""
+    head = f"{payload['model']}-{payload['mode']}"
+    if payload["outcome"] == "skipped":
+        return f"{head} · skipped"
+    return f"{head} · ETT {payload['ett_pct']:.1f}% · NoF {payload['nof']} · {payload['outcome']}"
+
+
 def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
     labels = {
         "prefect.resource.id": f"ettflow.run.{payload['run_id']}",
-        "prefect.resource.name": f"{payload['model']}-{payload['mode']}",
+        # the event feed shows a resource's name: the numbers in it (issue 27: they were only in the JSON)
+        "prefect.resource.name": resource_name(payload),
         "ettflow.model": payload["model"],
         "ettflow.mode": payload["mode"],
         "ettflow.outcome": payload["outcome"],

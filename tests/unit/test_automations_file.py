@@ -25,6 +25,13 @@ def run(deployment: str | None, ett: float, nof: int, outcome: str = "completed"
             "ett_pct": ett, "nof": nof}
 
 
+def test_the_event_feed_shows_the_numbers_in_the_resource_name():
+    assert measured_resource(run("refresh-adhoc", 27.78, 2))["prefect.resource.name"] == (
+        "dlrm-optimized · ETT 27.8% · NoF 2 · completed")
+    skipped = measured_resource(run(None, 0.0, 0, outcome="skipped"))
+    assert skipped["prefect.resource.name"] == "dlrm-optimized · skipped"
+
+
 def test_the_shipped_file_compiles_to_four_automations():
     automations = compile_automations(AutomationsConfig.load(DEFAULT_FILE), "00000000-0000-0000-0000-000000000001")
     assert [a.name for a in automations] == ["ettflow: ETT below 40% on refresh-adhoc",
