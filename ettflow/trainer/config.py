@@ -196,6 +196,8 @@ class TrainerConfig:
     collective_check: str = "backend"
     threads_per_rank: int = 1  # same on every rank: the compile-cache key holds it
     checkpoint_every_steps: int | None = None  # None: from the metric core's optimizer
+    # steps between in-memory copies (None: chosen from the copies' measured cost after a few steps)
+    memory_every_steps: int | None = None
     expected_failures: float = 1.0  # per job, for the interval optimizer (when failure_rate_per_s is None)
     # the model's estimated failures per second of training (ett.failure_history), for the interval
     # chosen after the probe save; the plan sets it (and checkpoint_every_steps, when the model has history)
@@ -230,6 +232,8 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
             raise ValueError("checkpoint_every_steps must be >= 1 (or None for the optimizer)")
+        if self.memory_every_steps is not None and self.memory_every_steps < 1:
+            raise ValueError("memory_every_steps must be >= 1 (or None for the optimizer)")
         if self.failure_rate_per_s is not None and not (0 <= self.failure_rate_per_s < float("inf")):
             raise ValueError(f"failure_rate_per_s must be >= 0 failures per second, got {self.failure_rate_per_s!r}")
         if not (0 <= self.expected_failures < float("inf")):

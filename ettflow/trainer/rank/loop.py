@@ -67,7 +67,8 @@ class TrainLoop:
         self.interval_choice: IntervalChoice | None = None  # chosen after the probe save
         self.memory_interval_choice: MemoryIntervalChoice | None = None
         self.blocking: list[float] = []
-        self.memory_interval: int | None = None  # steps between in-memory copies (chosen after a few steps)
+        # steps between in-memory copies: configured, else chosen after a few steps
+        self.memory_interval: int | None = config.memory_every_steps
         self.memory_blocking: list[float] = []
 
     def train_step(self, batch, step: int, *, fault: FailAt | None = None) -> float:
@@ -202,7 +203,7 @@ class TrainLoop:
         memory = self.plugins.memory is not None
         if memory:  # a restore point from the start: a live recovery never lacks one
             self._save_memory(step, self.plugins.resume_cursor)
-        memory_probe_at = step + MEMORY_PROBE_STEPS if memory else None
+        memory_probe_at = step + MEMORY_PROBE_STEPS if memory and self.memory_interval is None else None
         if self.beat is not None:
             self.beat.training(step)
         # where the next step's interval starts (`step_clock`: no gap between steps); after the
