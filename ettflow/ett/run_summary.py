@@ -158,6 +158,36 @@ def run_name(model: str, mode: str, windows: Sequence[str] = ()) -> str:
     return f"{model}-{mode} {span}" if span else f"{model}-{mode}"
 
 
+PHASES_NAMED = 3  # an attempt's longest phases named in the progress history
+
+
+def progress_history(m: RunMetrics) -> list[str]:
+    """What the run went through, one line per attempt, for the progress artifact once the run
+    ended (the live progress lines are gone by then): when the attempt ran (seconds from the
+    wall start), how it ended and its longest phases; then the work after the release:
+
+    ``attempt 0, 0.0-38.0 s: failed (infrastructure: SIGKILL rank 0), recovered in 14.0 s; steps 15.0 s,
+    pt2_compile 10.0 s, scheduling 5.0 s``."""
+    failures = {f.attempt: f for f in m.failures if f.failure_class != "publish"}
+    lines = []
+    for a in m.attempts:
+        head = f"attempt {a.attempt}, {a.start - m.wall_start:.1f}-{a.end - m.wall_start:.1f} s"
+        f = failures.get(a.attempt)
+        how = "completed" if f is None else (
+            f"failed ({f.failure_class}: {f.reason[:REASON_CHARS]})"
+            + (f", recovered in {f.ttr_s:.1f} s" if f.recovered else ", not recovered"))
+        longest = sorted(((s, p) for p, s in a.phase_raw_s.items() if s > 0), reverse=True)[:PHASES_NAMED]
+        named = ", ".join(f"{'steps' if p == 'train_step' else p} {s:.1f} s" for s, p in longest)
+        lines.append(f"{head}: {how}" + (f"; {named}" if named else ""))
+    off = [f"{p} {t.raw_s:.1f} s" for p, t in sorted(m.phases.items()) if p == "publish_standalone" and t.raw_s > 0]
+    publish_failures = sum(f.failure_class == "publish" for f in m.failures)
+    if off or publish_failures:
+        lines.append("after the release: " + ", ".join(
+            off + ([f"{publish_failures} failed publish tr{'y' if publish_failures == 1 else 'ies'}"]
+                   if publish_failures else [])))
+    return lines
+
+
 def measured_name(s: RunSummary) -> str:
     """The run's name once it is measured, so the runs list shows its result without a click:
     `dlrm-optimized 2024010100..2024010103 (4) · ETT 42.6%`; `... · skipped`; `... · no ETT`."""

@@ -50,6 +50,7 @@ from ettflow.ett.run_summary import (
     description_head,
     failure_line,
     measured_name,
+    progress_history,
     run_tags,
     state_message,
     summarize,
@@ -246,7 +247,9 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
     from .progress import RunProgress
 
     message = state_message(summary)
-    RunProgress(run_id, slug).finish(state.title, message)
+    RunProgress(run_id, slug).finish(state.title, message,
+                                     progress_history(archived.metrics)
+                                     if archived is not None and archived.status != "skipped" else None)
     logger.log(logging.INFO if state is FinalState.COMPLETED else logging.WARNING, "%s: %s", state.title, message)
     if in_body:
         _FINISHED_IN_BODY[run_id] = state

@@ -92,10 +92,12 @@ class RunProgress:
             log.warning("could not update the progress artifact %s of flow run %s", self.key, self.flow_run_id,
                         exc_info=True)
 
-    def finish(self, state_title: str, message: str) -> None:
+    def finish(self, state_title: str, message: str, history: list[str] | None = None) -> None:
         """The run's final state: `Completed · ETT ...` at 100%; other states keep the progress.
-        A run that never showed progress (refused before it started) gets none now."""
-        self.show(f"{state_title} · {message}", 100.0 if state_title == "Completed" else None, create=False)
+        `history` (`ett.run_summary.progress_history`): what the run went through, kept below
+        it as a list. A run that never showed progress (refused before it started) gets none now."""
+        text = f"{state_title} · {message}" + ("\n\n" + "\n".join(f"- {line}" for line in history) if history else "")
+        self.show(text, 100.0 if state_title == "Completed" else None, create=False)
 
 
 class StepTail(SpoolTail):

@@ -164,6 +164,8 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
         head = r"Completed · ETT \d+\.\d% · NoF 0 · TTS" if a["type"] == "progress" else \
             r"ETT \d+\.\d% · NoF 0 · Completed"
         assert re.match(head, a["description"]), a
+        if a["type"] == "progress":  # and keeps what the run went through (issue 27)
+            assert "\n- attempt 0, 0.0-" in a["description"] and "completed; " in a["description"], a
     deployment = httpx.get(f"{api}/deployments/name/refresh-model/refresh-scheduled").json()
     props = deployment["parameter_openapi_schema"]["properties"]  # the run form describes every parameter
     assert props and all(p.get("description") for p in props.values())

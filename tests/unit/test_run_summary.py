@@ -211,3 +211,23 @@ def test_the_report_shows_status_deployment_and_the_run_link_and_counts_failed_r
            day["failures"])
     assert got == (3, 1, 1, 1, 50.0, 80.0, 5)
     assert "skipped runs" in report.SUMMARY_NOTE and "Failed and crashed runs count" in report.SUMMARY_NOTE
+
+
+def test_the_progress_history_keeps_what_the_run_went_through():
+    """Issue 27: after the run only "Progress: 100%" was left; the phases it went through were gone."""
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.run_summary import progress_history
+
+    from helpers import timelines
+
+    assert progress_history(compute_run_metrics(timelines.two_failures().events)) == [
+        "attempt 0, 0.0-40.0 s: failed (infrastructure: SIGKILL rank 0), recovered in 27.0 s; steps 15.0 s, "
+        "pt2_compile 10.0 s, scheduling 5.0 s",
+        "attempt 1, 40.0-75.0 s: failed (user: ValueError in model), recovered in 13.0 s; steps 12.0 s, "
+        "pt2_compile 8.0 s, scheduling 5.0 s",
+        "attempt 2, 75.0-100.0 s: completed; steps 10.0 s, pt2_compile 4.0 s, device_init 4.0 s"]
+    t = timelines.long_shutdown()
+    t.ev("publish_standalone", 50, 80, rank=-1, outcome="failed").ev("publish_standalone", 82, 90, rank=-1)
+    assert progress_history(compute_run_metrics(t.events))[-1] == (
+        "after the release: publish_standalone 38.0 s, 1 failed publish try")
+
