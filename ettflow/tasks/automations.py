@@ -101,15 +101,20 @@ def compile_automations(config: AutomationsConfig, webhook_block_id: Any) -> lis
             match["ettflow.deployment"] = deployment
             where = deployment
         out.append(make(f"ettflow: ETT below {threshold:g}% on {where}", "ett_below",
-                        f"A run of {where} measured an ETT below {threshold:g}% (automations/ettflow.yaml).",
+                        f"Trigger: an {MEASURED_EVENT} event of {where} (not skipped) with ETT below "
+                        f"{threshold:g}% (its ettflow.ett_pct label). Action: call the webhook. From "
+                        "automations/ettflow.yaml.",
                         MEASURED_EVENT, match))
     if config.nof_above is not None:
         out.append(make(f"ettflow: NoF above {config.nof_above}", "nof_above",
-                        f"A run failed more than {config.nof_above} times (automations/ettflow.yaml).", MEASURED_EVENT,
+                        f"Trigger: an {MEASURED_EVENT} event with NoF above {config.nof_above} (its ettflow.nof "
+                        "label: the run failed more often). Action: call the webhook. From automations/ettflow.yaml.",
+                        MEASURED_EVENT,
                         {"prefect.resource.id": "ettflow.run.*", "ettflow.nof": nof_above_globs(config.nof_above)}))
     if config.component_regression:
         out.append(make("ettflow: component regression", "component_regression",
-                        "The fleet report found a component regression (ettflow/ett/fleet.py's rule).",
+                        f"Trigger: an {REGRESSED_EVENT} event (the fleet report found a lost component "
+                        "above its baseline: ettflow/ett/fleet.py's rule). Action: call the webhook.",
                         REGRESSED_EVENT, {"prefect.resource.id": "ettflow.regression.*"}))
     return out
 

@@ -38,6 +38,10 @@ def test_the_shipped_file_compiles_to_four_automations():
                                              "ettflow: ETT below 60% on refresh-scheduled",
                                              "ettflow: NoF above 1", "ettflow: component regression"]
     assert all(a.tags == ["ettflow"] and a.actions[0].type == "call-webhook" for a in automations)
+    # the automations page shows "A custom trigger": each description says its trigger and threshold (issue 27)
+    assert all(a.description.startswith("Trigger: ") and "Action: call the webhook" in a.description
+               for a in automations)
+    assert "with ETT below 40%" in automations[0].description and "NoF above 1" in automations[2].description
     assert matching(automations, run("refresh-adhoc", 27.8, 2)) == {"ettflow: ETT below 40% on refresh-adhoc",
                                                                     "ettflow: NoF above 1"}
     assert matching(automations, run("refresh-adhoc", 40.0, 1)) == set()  # not below 40, not above 1
