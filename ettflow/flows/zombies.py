@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+# a refresh's final-state hook sends it after its last heartbeat (`tasks.run_event.emit_finished`)
+from ettflow.tasks.run_event import FINISHED_EVENT
+
 NAME = "ettflow: crash flow runs whose heartbeats stopped"
 FINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
-                "prefect.flow-run.Crashed")
+                "prefect.flow-run.Crashed", FINISHED_EVENT)
 
 
 def missing_after_s(heartbeat_s: float) -> float:
@@ -67,13 +70,25 @@ def zombie_automation(heartbeat_s: float | None = None):
 
 
 def ensure_zombie_automation(heartbeat_s: float | None = None) -> tuple[object, bool]:
-    """Create the automation unless one with its name exists; (automation, created)."""
+    """Create the automation unless one with its name exists (one that predates `FINISHED_EVENT`
+    is brought up to date); (automation, created)."""
     from prefect.automations import Automation
 
     try:
-        return Automation.read(name=NAME), False
+        found = Automation.read(name=NAME)
     except ValueError:  # not found
         return zombie_automation(heartbeat_s).create(), True
+    if FINISHED_EVENT not in found.trigger.expect:
+        try:
+            found.trigger.expect = {*found.trigger.expect, FINISHED_EVENT}
+            found.update()
+        except Exception as exc:  # noqa: BLE001 - it still crashes dead runs; say what it lacks
+            import logging
+
+            logging.getLogger("ettflow.flows").warning(
+                "the automation %r could not be brought up to date (%s): it may fire on a completed run whose "
+                "last heartbeat arrived late; delete it and run `python -m ettflow.flows.zombies` again", NAME, exc)
+    return found, False
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from ettflow.ett.spool import SpoolWriteError
 from ettflow.ett.warehouse import RunInfo
 
 from . import run_labels, run_spool
-from .run_event import emit_run_measured
+from .run_event import emit_finished, emit_run_measured
 from .skipped import skip_reason
 from .warehouse_url import resolve_warehouse_url
 
@@ -267,6 +267,13 @@ def archive_on_flow_state(flow, flow_run, state) -> None:
     except ValueError:
         log.warning("archive hook called for a %s state: nothing to do", state.type.value)
         return
+    try:
+        _archive_final(flow, flow_run, state, final)
+    finally:  # last: after every heartbeat this process sent (the crash automation expects it)
+        emit_finished(str(flow_run.id))
+
+
+def _archive_final(flow, flow_run, state, final: FinalState) -> None:
     params = dict(flow_run.parameters or {})
     run_id = str(flow_run.id)
     if finished_in_body(run_id, final):

@@ -27,6 +27,12 @@ from ettflow.ett.events import COMPONENTS, UNATTRIBUTED
 from ettflow.ett.thresholds import ett_label, nof_label
 
 EVENT = "ettflow.run.measured"
+# emitted by a refresh's final-state hook on its flow run, through the same client queue as the
+# run's heartbeats, so it reaches the server after the last of them. Prefect's own final-state
+# event is the server's: a heartbeat sent just before the final state can arrive after it, open
+# a new wait with nothing left to end it, and the crash automation (`flows.zombies`, which
+# expects this event too) fired on completed runs (issue 27)
+FINISHED_EVENT = "ettflow.flow-run.finished"
 log = logging.getLogger("ettflow.tasks")
 
 
@@ -107,3 +113,16 @@ def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None 
         log.info("emitted %s for run %s (ETT %.1f%%, NoF %d)", EVENT, archived.run_id, payload["ett_pct"],
                  payload["nof"])
     return event
+
+
+def emit_finished(flow_run_id: str) -> None:
+    """The run's `FINISHED_EVENT` (its final-state hook, after its work); never raises."""
+    from prefect.events import emit_event
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        return
+    try:
+        emit_event(FINISHED_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"})
+    except Exception:  # noqa: BLE001 - a notification: the run is archived either way
+        log.warning("could not emit %s for flow run %s", FINISHED_EVENT, flow_run_id, exc_info=True)

@@ -42,6 +42,9 @@ def test_zombie_automation_expects_the_next_heartbeat():
     assert automation.trigger.after == {"prefect.flow-run.heartbeat"}
     assert "prefect.flow-run.heartbeat" in automation.trigger.expect
     assert automation.trigger.within.total_seconds() == 150
+    # a refresh's final-state hook sends this after its last heartbeat: a heartbeat that reached the
+    # server after Prefect's own Completed event no longer leaves the automation waiting (issue 27)
+    assert {"prefect.flow-run.Completed", "ettflow.flow-run.finished"} <= automation.trigger.expect
     assert automation.actions[0].state.value == "CRASHED"
     with pytest.raises(ValueError, match="at most every 30 s"):
         zombie_automation(heartbeat_s=10)
