@@ -10,7 +10,9 @@ with the automations test). The test checks, as a person would see them:
 - the flow run page: its state, and in its Details tab the state message with its ETT;
 - the run's Artifacts tab, and the artifacts it opens: the ETT table (its rows) and the
   timeline picture, rendered (an <img> with a non-zero natural width);
-- the fleet artifact's page: its sections and both pictures rendered.
+- the fleet artifact's page: its sections and both pictures rendered;
+- the runs list, where a run's name carries its ETT, and the automations page, where each
+  shipped automation's name carries its threshold.
 
 Screenshots are test outputs, under the test's tmp dir (the run's details, artifacts tab, ETT
 table and timeline, the fleet view; `failure.png` and `failure.html` when a check fails); with
@@ -99,6 +101,7 @@ def check_pages(page, ui: str, run_id: str, fleet_artifact_id: str, tmp_path: Pa
     # the run's name says its ETT once archived (issue 27: ETT in the runs list without a click)
     expect(page.get_by_text("dlrm-optimized · ETT 27.8%").first).to_be_visible()
     expect(page.get_by_text("Completed").first).to_be_visible()
+    save(page, "run-details-top.png", tmp_path)
     tab(page, "Details").click()  # the flow run's details show its state message
     expect(page.get_by_text("State Message").first).to_be_visible()
     expect(page.get_by_text("ETT 27.8% · NoF 2").first).to_be_visible()  # the state message says its ETT
@@ -130,3 +133,16 @@ def check_pages(page, ui: str, run_id: str, fleet_artifact_id: str, tmp_path: Pa
     assert {i["alt"] for i in rendered_images(page) if i["w"] > 0} == {"ETT per run of the fleet",
                                                                        "components of the fleet"}
     save(page, "fleet-view.png", tmp_path, readme=True)
+
+    # the runs list shows each run's ETT without a click: in its name once archived (issue 27)
+    page.goto(f"{ui}/runs")
+    expect(page.get_by_text("dlrm-optimized · ETT 27.8%").first).to_be_visible()
+    save(page, "runs-list.png", tmp_path, readme=True)
+
+    # the automations page: each shipped automation's name says its threshold
+    page.goto(f"{ui}/automations")
+    for name in ("ettflow: ETT below 40% on refresh-adhoc", "ettflow: NoF above 1"):
+        expect(page.get_by_text(name).first).to_be_visible()
+    # ... and its description says what triggers it (the page's "Trigger" says only "A custom trigger")
+    expect(page.get_by_text("with ETT below 40% (its ettflow.ett_pct label)", exact=False).first).to_be_visible()
+    save(page, "automations.png", tmp_path, readme=True)
