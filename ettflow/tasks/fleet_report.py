@@ -185,12 +185,15 @@ def flow_run_url(flow_run_id: Any) -> str | None:
     return f"{base.rstrip('/') if base else ''}/runs/flow-run/{flow_run_id}"
 
 
+RUN_LABEL_CHARS = 8  # a run id's first characters label its link: the whole id made the table scroll sideways
+
+
 def _worst_md(runs: pd.DataFrame, n: int) -> str:
     worst = fleet.worst_runs(runs, n)
     links = []
     for run, fr in zip(worst["run"], worst["flow_run_id"], strict=True):
-        url = flow_run_url(fr)
-        links.append(f"[{run}]({url})" if url else str(run))
+        url, label = flow_run_url(fr), str(run)[:RUN_LABEL_CHARS]
+        links.append(f"[{label}]({url})" if url else label)
     return md_table(worst.assign(run=links).drop(columns="flow_run_id"))
 
 

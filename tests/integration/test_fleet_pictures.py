@@ -23,3 +23,17 @@ def test_the_picture_draws_low_ett_runs_with_a_goal():
         "ett_pct": [1.6, 4.5, 3.0], "status": ["completed", "failed", "completed"], "outcome": ["published"] * 3})
     png = ett_over_time_png(runs, "ETT", goal=5.0)
     assert png.startswith(b"\x89PNG")
+
+
+def test_the_worst_runs_table_labels_runs_short_enough_to_read_without_scrolling():
+    from ettflow.ett.events import L2_ORDER
+    from ettflow.tasks.fleet_report import _worst_md
+
+    run_id = "0e4f1c98-cd0d-400d-8e6c-e1f091e0e806"
+    runs = pd.DataFrame([{"run_id": run_id, "flow_run_id": run_id, "deployment": "nightly", "wall_start": 1.7e9,
+                          "status": "completed", "ett_pct": 30.0, "nof": 1, "wall_s": 100.0,
+                          **{f"{c}_s": 10.0 for c in L2_ORDER}, "pt2_compile_s": 50.0}])
+    table = _worst_md(runs, 5)
+    assert "[0e4f1c98](" in table and run_id not in table.split("](")[0]
+    assert "| pt2_compile | compiler | 50.0 |" in table
+
