@@ -168,8 +168,8 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(traine
     killer.join()
     stopper.join()
     assert killed, "the spare never answered a ping"
-    # the stall: about STOP_S of host stall (rank 0's heartbeat saw its process stopped), and
-    # effective training as in the uninterrupted run (before: the stopped step counted whole)
+    # the stall: about STOP_S of host stall (rank 0's heartbeat saw its process stopped), and no
+    # effective training inside it (before: the stopped step counted whole)
     assert stopped and any(e.duration > STOP_S - 1 for e in by(events, "process_paused", rank=0))
     clean_effective = clean_run[2].components["effective_training"]
     print(f"stopped {STOP_S:g} s: host stall {m.exposed('host_stall'):.2f} s, "
@@ -177,7 +177,15 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(traine
           f"{m.components['effective_training']:.2f} s (uninterrupted run: {clean_effective:.2f} s)")
     stall = m.exposed("host_stall") + m.exposed("step_stall")
     assert STOP_S - 1.5 < stall < STOP_S + 1.5 and m.exposed("host_stall") > STOP_S - 1.5, m.phases
-    assert m.components["effective_training"] < clean_effective + STOP_S / 2, (m.components, clean_effective)
+    # no effective training while the process was stopped (beyond the expected part of the step
+    # in flight: tens of ms). Compared with the clean run's total instead, a loaded host's slower
+    # steps (the spare's compile beside them) failed it: 4.2 s against 1.0 s, the stall excluded
+    from ettflow.ett.timeline import partition, union_length
+
+    (stop, resume), = stopped
+    inside = union_length((max(iv.start, stop), min(iv.end, resume)) for iv in partition(events).effective
+                          if iv.end > stop and iv.start < resume)
+    assert inside < 0.5, inside
     assert result.attempts == 2 and m.nof == 1 and len(groups) == 1  # recovered live: no second group
     lost = [e for e in by(events, "spare_start") if e.attrs.get("lost")]
     assert len(lost) == 1 and lost[0].attrs["used"] is False
