@@ -60,6 +60,8 @@ CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and 
 FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a failure fired (its fault_index)
 FAULT_UNFIRED = "fault_unfired"  # marker: a scripted fault the run ended without reaching (its fault_index)
 CHECKPOINT_FALLBACK = "checkpoint_fallback"  # marker: a damaged checkpoint skipped, an older step restored
+# a publish try, on the devices (the baseline's) or on the CPU after their release; its `outcome` says how it ended
+PUBLISH_PHASES: tuple[str, ...] = ("publish", "publish_standalone")
 # evidence, not time: a rank's process was not running for a while (SIGSTOP, a frozen VM, a starved
 # host): its heartbeat thread woke late and the process used almost no CPU in between (`rank_heartbeat`)
 PROCESS_PAUSED = "process_paused"

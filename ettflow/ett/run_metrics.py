@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .capacity import HeldCapacity, capacity_ett_pct, held_capacity
-from .events import COMPONENTS, MARKERS, OFF_CLOCK, UNATTRIBUTED, PhaseEvent
+from .events import COMPONENTS, MARKERS, OFF_CLOCK, PUBLISH_PHASES, UNATTRIBUTED, PhaseEvent
+from .failures import FailureClass
 from .timeline import Fault, Partition, PhaseTime, faults, partition, union_length
 
 
@@ -138,11 +139,8 @@ def _failures(fs: Sequence[Fault], part: Partition) -> tuple[FailureMetrics, ...
     return tuple(out)
 
 
-PUBLISH_TRIES = ("publish", "publish_standalone")
-
-
 def _publish_failures(events: Sequence[PhaseEvent], wall_end: float) -> tuple[FailureMetrics, ...]:
-    tries = sorted((ev for ev in events if ev.phase in PUBLISH_TRIES), key=lambda e: (e.start, e.end))
+    tries = sorted((ev for ev in events if ev.phase in PUBLISH_PHASES), key=lambda e: (e.start, e.end))
     out = []
     for i, ev in enumerate(tries):
         if ev.attrs.get("outcome") != "failed":
@@ -152,7 +150,7 @@ def _publish_failures(events: Sequence[PhaseEvent], wall_end: float) -> tuple[Fa
         on_clock = ev.phase == "publish"
         ttr = max(0.0, min(retry.start if retry is not None else wall_end, wall_end) - ev.end) if on_clock else 0.0
         out.append(FailureMetrics(
-            attempt=ev.attempt, rank=ev.rank, failure_class="publish",
+            attempt=ev.attempt, rank=ev.rank, failure_class=FailureClass.PUBLISH.value,
             reason=str(ev.attrs.get("error") or "publish failed")[:500], failed_at=ev.end, detected_at=ev.end,
             ttr_s=ttr, recovered=any(t.attrs.get("outcome") != "failed" for t in later),
             cascaded=retry is not None and retry.attrs.get("outcome") == "failed"))

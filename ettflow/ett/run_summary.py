@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .failures import Failure
+from .failures import Failure, FailureClass
 from .lineage import Outcome
 from .run_metrics import RunMetrics
 
@@ -134,10 +134,8 @@ def state_message(s: RunSummary) -> str:
         return s.reason or "skipped"
     parts = [f"ETT {s.ett_pct:.1f}%", f"NoF {s.nof}", f"TTS {s.tts_s:.1f} s"] if s.measured \
         else ["no ETT: the run recorded no phase"]
-    ended = ""
     if s.outcome not in (Outcome.PUBLISHED.value, FinalState.COMPLETED.value):
-        ended = f"{s.outcome}: {s.reason}" if s.reason else s.outcome
-        parts.append(ended)
+        parts.append(f"{s.outcome}: {s.reason}" if s.reason else s.outcome)
     named = _failures_named(s, s.reason or "")
     if named:
         parts.append(named)
@@ -168,7 +166,8 @@ def progress_history(m: RunMetrics) -> list[str]:
 
     ``attempt 0, 0.0-38.0 s: failed (infrastructure: SIGKILL rank 0), recovered in 14.0 s; steps 15.0 s,
     pt2_compile 10.0 s, scheduling 5.0 s``."""
-    failures = {f.attempt: f for f in m.failures if f.failure_class != "publish"}
+    publish = FailureClass.PUBLISH.value
+    failures = {f.attempt: f for f in m.failures if f.failure_class != publish}
     lines = []
     for a in m.attempts:
         head = f"attempt {a.attempt}, {a.start - m.wall_start:.1f}-{a.end - m.wall_start:.1f} s"
@@ -179,12 +178,12 @@ def progress_history(m: RunMetrics) -> list[str]:
         longest = sorted(((s, p) for p, s in a.phase_raw_s.items() if s > 0), reverse=True)[:PHASES_NAMED]
         named = ", ".join(f"{'steps' if p == 'train_step' else p} {s:.1f} s" for s, p in longest)
         lines.append(f"{head}: {how}" + (f"; {named}" if named else ""))
-    off = [f"{p} {t.raw_s:.1f} s" for p, t in sorted(m.phases.items()) if p == "publish_standalone" and t.raw_s > 0]
-    publish_failures = sum(f.failure_class == "publish" for f in m.failures)
-    if off or publish_failures:
-        lines.append("after the release: " + ", ".join(
-            off + ([f"{publish_failures} failed publish tr{'y' if publish_failures == 1 else 'ies'}"]
-                   if publish_failures else [])))
+    standalone_s = m.raw("publish_standalone")
+    publish_failures = sum(f.failure_class == publish for f in m.failures)
+    after = ([f"publish_standalone {standalone_s:.1f} s"] if standalone_s > 0 else []) + (
+        [f"{publish_failures} failed publish tr{'y' if publish_failures == 1 else 'ies'}"] if publish_failures else [])
+    if after:
+        lines.append("after the release: " + ", ".join(after))
     return lines
 
 

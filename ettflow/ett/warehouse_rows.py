@@ -22,6 +22,7 @@ from .events import (
     PhaseEvent,
     owner_of,
 )
+from .failures import FailureClass
 from .run_metrics import RunMetrics
 from .warehouse_models import Attempt, Checkpoint, Event, Failure, HeldCapacityRow, Run, RunComponent
 
@@ -169,7 +170,7 @@ def failure_rows(run_id: str, metrics: RunMetrics) -> list[dict[str, Any]]:
     its failed publish tries, in order."""
     rows, seqs = [], defaultdict(int)
     for f in metrics.failures:
-        seq = seqs[f.attempt] + 1 if f.failure_class == "publish" else 0
+        seq = seqs[f.attempt] + 1 if f.failure_class == FailureClass.PUBLISH.value else 0
         seqs[f.attempt] = max(seqs[f.attempt], seq)
         rows.append({"run_id": run_id, "attempt": f.attempt, "seq": seq, "rank": f.rank,
                      "failure_class": f.failure_class, "reason": f.reason, "failed_at": f.failed_at,

@@ -35,6 +35,10 @@ def timeline_file(snapshot: str | None, spool_dir: Path) -> Path:
     return spool_dir / ("run" + TIMELINE_SUFFIX)
 
 
+# nobody owns the value: a table cell of "-" is drawn as a list bullet by the Prefect UI's markdown
+NO_OWNER = "none"
+
+
 def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
     """L1 then L2: each row has level, metric, exposed (s or %), raw, share of wall, owner (`NO_OWNER`
     where nobody owns it). Every value is named by its row: a raw value that is not the exposed
@@ -42,11 +46,12 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
     wall = m.wall_s or 1.0
     rows = [
         {"level": "L1", "metric": "ETT %", "exposed": round(m.ett_pct, 2), "raw": None, "pct_of_wall": None,
-         "owner": "-"},
+         "owner": NO_OWNER},
         {"level": "L1", "metric": "ETT % in the study's L1 form, 1 - (TTS + NoF x TTR) / wall (an upper bound)",
-         "exposed": round(m.ett_l1_pct, 2), "raw": None, "pct_of_wall": None, "owner": "-"},
+         "exposed": round(m.ett_l1_pct, 2), "raw": None, "pct_of_wall": None, "owner": NO_OWNER},
         {"level": "L1", "metric": "capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)",
-         "exposed": round(m.capacity_ett_pct, 2), "raw": round(m.held.held_s, 3), "pct_of_wall": None, "owner": "-"},
+         "exposed": round(m.capacity_ett_pct, 2), "raw": round(m.held.held_s, 3), "pct_of_wall": None,
+         "owner": NO_OWNER},
         {"level": "L1", "metric": "unused spares, slot-s (cost)", "exposed": round(m.held.unused_spare_s, 3),
          "raw": None, "pct_of_wall": None, "owner": "scheduler"},
     ]
@@ -56,27 +61,24 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
                      "owner": "scheduler"})
     rows += [
         {"level": "L1", "metric": "wall s", "exposed": round(m.wall_s, 3), "raw": None, "pct_of_wall": 100.0,
-         "owner": "-"},
+         "owner": NO_OWNER},
         {"level": "L1", "metric": "TTS s", "exposed": round(m.tts_s, 3), "raw": None,
-         "pct_of_wall": round(100 * m.tts_s / wall, 1), "owner": "-"},
-        {"level": "L1", "metric": "NoF", "exposed": m.nof, "raw": None, "pct_of_wall": None, "owner": "-"},
+         "pct_of_wall": round(100 * m.tts_s / wall, 1), "owner": NO_OWNER},
+        {"level": "L1", "metric": "NoF", "exposed": m.nof, "raw": None, "pct_of_wall": None, "owner": NO_OWNER},
         {"level": "L1", "metric": "TTR s (total; raw: the mean per failure)", "exposed": round(m.ttr_total_s, 3),
-         "raw": round(m.ttr_mean_s, 3), "pct_of_wall": round(100 * m.ttr_total_s / wall, 1), "owner": "-"},
+         "raw": round(m.ttr_mean_s, 3), "pct_of_wall": round(100 * m.ttr_total_s / wall, 1), "owner": NO_OWNER},
     ]
     for name in (*COMPONENTS, UNATTRIBUTED):
         rows.append({"level": "L2", "metric": name, "exposed": round(m.components[name], 3),
                      "raw": round(m.components_raw[name], 3),
-                     "pct_of_wall": round(100 * m.components[name] / wall, 1), "owner": owner_of(name) or "-"})
+                     "pct_of_wall": round(100 * m.components[name] / wall, 1), "owner": owner_of(name) or NO_OWNER})
         ray = m.phases.get("ray_start") if name == "scheduling" else None
         if ray is not None:  # no Ray to join: the run started one, and paid for it (`ettflow up` keeps one)
             rows.append({"level": "L2", "metric": "scheduling: ray_start (a local Ray started on this run's clock)",
                          "exposed": round(ray.exposed_s, 3), "raw": round(ray.raw_s, 3),
-                         "pct_of_wall": round(100 * ray.exposed_s / wall, 1), "owner": owner_of("scheduling") or "-"})
-    return [{**r, "owner": NO_OWNER if r["owner"] == "-" else r["owner"]} for r in rows]
-
-
-# a table cell of "-" is drawn as a list bullet by the Prefect UI's markdown
-NO_OWNER = "none"
+                         "pct_of_wall": round(100 * ray.exposed_s / wall, 1),
+                         "owner": owner_of("scheduling") or NO_OWNER})
+    return rows
 
 
 def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any]]:

@@ -16,14 +16,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ettflow.ett.events import CHECKPOINT_INTERVAL, FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
+from ettflow.ett.events import CHECKPOINT_INTERVAL, FAILURE, FAILURE_DETECTED, OFF_CLOCK, PUBLISH_PHASES, PhaseEvent
 from ettflow.ett.failures import Failure
 from ettflow.ett.interval_plan import TAG, PlannedInterval
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.trainer.classify import failure_from_exception, stop_signal
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\.")
-PUBLISH_PHASES = ("publish", "publish_standalone")
 
 
 def attempts(root: Path | str, run_id: str) -> list[int]:
