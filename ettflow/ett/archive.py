@@ -36,7 +36,7 @@ from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
 from .lineage_pending import read_pending_lineage
 from .redact import redact_url
 from .run_metrics import RunMetrics, compute_run_metrics
-from .spool import SpoolProblem, SpoolRead, read_spool
+from .spool import KEPT_LIMIT, SpoolProblem, SpoolRead, kept_dropped, read_spool, write_kept
 from .warehouse import RunInfo, Warehouse, WarehouseError, default_url
 
 PENDING_FILE = "pending.json"
@@ -74,6 +74,15 @@ def describe_problems(problems: Sequence[SpoolProblem], limit: int = 3) -> str:
 
 
 def _read(spool_root: Path | str, run_id: str) -> SpoolRead:
+    """The run's events; this process's kept ones (a disk that refused them) are written to the
+    spool first where it has room again, and read from memory where it still has not."""
+    if (still := write_kept(spool_root, run_id)):
+        log.warning("run %s: %d event(s) the disk refused are still not in its spool under %s: archived from "
+                    "this process's memory (the spool gets them at its next write once the disk has room)",
+                    run_id, still, spool_root)
+    if (dropped := kept_dropped(spool_root, run_id)):
+        log.warning("run %s: %d event(s) could neither be spooled nor kept (over %d per file): lost",
+                    run_id, dropped, KEPT_LIMIT)
     read = read_spool(spool_root, run_id)
     if not read.events:
         raise ValueError(
@@ -99,9 +108,13 @@ def fallback_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
 
 def _with_read_tags(info: RunInfo, read: SpoolRead) -> RunInfo:
     tags = {k: v for k, v in info.tags.items()
-            if k not in ("spool_problems", "spool_problem_lines", "checkpoint_fallbacks")}
+            if k not in ("spool_problems", "spool_problem_lines", "checkpoint_fallbacks", "unspooled_events",
+                         "spooled_events")}
+    # a row archived with events its spool never got (`SpoolRead.kept`) says how many, so a later
+    # archiving from that spool alone does not replace it with less (`tasks.reconcile`)
+    unspooled = {"unspooled_events": read.kept, "spooled_events": len(read.events) - read.kept} if read.kept else {}
     return replace(info, tags={**tags, "spool_bytes": read.bytes, **problem_tags(read.problems),
-                               **fallback_tags(read.events)})
+                               **fallback_tags(read.events), **unspooled})
 
 
 def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunInfo) -> Archived:

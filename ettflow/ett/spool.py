@@ -20,6 +20,14 @@ writer raises `SpoolWriteError`: an `OSError` that keeps the errno and the file,
 class. An fsync that fails in the group-commit thread is raised by the next `record` (and every
 one after it: the writer is broken once the kernel lost a write).
 
+An event whose write was refused is not dropped: the process keeps it (`kept_events`, at most
+`KEPT_LIMIT` per file) and the next write to that file, by any writer of this process, writes
+the kept ones first, in order, under the sequence numbers they would have had (`write_kept`
+does it without a new event). `read_spool` in that process returns them beside what the file
+holds, so a run whose first event found the disk full still has its events where its own
+process archives it (the flow's final hook writes its row to the warehouse, which may live on
+another disk), and in its spool once the disk has room again.
+
 The reader keeps every good line: a torn last line (a write cut by a kill or a full disk) is reported and
 skipped, and so is any corrupt line, each with its file and line number. `SpoolRead.bytes`
 is how much it read, which the archive stores to tell later whether the spool grew.
@@ -35,7 +43,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +79,67 @@ class SpoolWriteError(OSError, FailureError):
 
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps's output, without a new encoder per line
 
+KEPT_LIMIT = 10_000  # events kept per file when the disk refuses them; a rank stops its attempt at the first
+_kept: dict[Path, list[PhaseEvent]] = {}  # by spool file: events this process could not write yet, oldest first
+_kept_dropped: dict[Path, int] = {}
+_kept_lock = threading.Lock()
+
+
+def _keep(path: Path, event: PhaseEvent) -> None:
+    with _kept_lock:
+        held = _kept.setdefault(path, [])
+        if len(held) < KEPT_LIMIT:
+            held.append(event)
+        else:
+            _kept_dropped[path] = _kept_dropped.get(path, 0) + 1
+
+
+def _lines_in(path: Path) -> int:
+    """The lines a writer would count in `path` (a torn last line is ended, so it counts)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+
+
+def kept_events(root: Path | str, run_id: str) -> list[PhaseEvent]:
+    """The run's events this process could not write yet, each under the sequence number it
+    will have in its file (the file's lines now, then in order)."""
+    folder = Path(root) / run_id
+    with _kept_lock:
+        held = {path: list(evs) for path, evs in _kept.items() if path.parent == folder and evs}
+    out = []
+    for path, evs in sorted(held.items()):
+        first = _lines_in(path)
+        out += [replace(e, seq=first + i) for i, e in enumerate(evs)]
+    return out
+
+
+def kept_dropped(root: Path | str, run_id: str) -> int:
+    """Events of the run this process could neither write nor keep (past `KEPT_LIMIT`)."""
+    folder = Path(root) / run_id
+    with _kept_lock:
+        return sum(n for path, n in _kept_dropped.items() if path.parent == folder)
+
+
+def write_kept(root: Path | str, run_id: str) -> int:
+    """Write the run's kept events to their files (see the module's docstring); the number
+    still kept (0: all written). Raises nothing: a disk still full keeps them."""
+    folder = Path(root) / run_id
+    with _kept_lock:
+        paths = [path for path, evs in _kept.items() if path.parent == folder and evs]
+    for path in paths:
+        head = path.name.split(".")
+        attempt = int(head[0].removeprefix("attempt-"))
+        rank = -1 if head[1] == "driver" else int(head[1].removeprefix("rank-"))
+        try:
+            with SpoolWriter(root, run_id, attempt, rank) as writer:
+                writer.flush_kept()
+        except OSError:
+            pass  # still refused: they stay kept
+    return len(kept_events(root, run_id))
+
 
 def spool_file(root: Path | str, run_id: str, attempt: int, rank: int) -> Path:
     who = "driver" if rank < 0 else f"rank-{rank}"
@@ -90,20 +159,31 @@ class SpoolWriter:
         self._closing = threading.Event()
         self._error: SpoolWriteError | None = None  # an fsync of the group-commit thread that failed
         self.path = spool_file(root, run_id, attempt, rank)
+        self._fd = -1
+        self._closed = False
+        try:
+            self._open()
+        except SpoolWriteError:
+            pass  # the disk refused even the file: `record` tries again, and keeps the event if it fails
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._size = -1  # file size after our last write; another writer changes it
+        self.recorded_until: float | None = None  # the latest end of an on-clock interval recorded here
+
+    def _open(self) -> None:
+        if self._fd >= 0:
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # append only: never O_TRUNC, so reopening a file never loses a line it had
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise SpoolWriteError.of(exc, self.path) from exc
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._size = -1  # file size after our last write; another writer changes it
-        self.recorded_until: float | None = None  # the latest end of an on-clock interval recorded here
 
     def close(self) -> None:
         """Fsync what is not yet durable and close; raises `SpoolWriteError` if that fsync fails."""
         self._closing.set()
+        self._closed = True
         flusher = self._flusher
         if flusher is not None and flusher is not threading.current_thread():
             flusher.join()  # it ends an fsync in progress first
@@ -172,28 +252,64 @@ class SpoolWriter:
         self._seq = data.count(b"\n")
         self._size = len(data)
 
+    def _write_event(self, event: PhaseEvent) -> PhaseEvent:
+        """One line under the next sequence number; the event as written."""
+        event = replace(event, seq=self._seq)
+        line = (_ENCODE(event.to_dict()) + "\n").encode()
+        self._write_all(line)
+        self._seq += 1
+        self._size += len(line)
+        return event
+
+    def _write_kept_first(self) -> None:
+        """This process's kept events of this file, oldest first; each leaves the buffer once
+        written, so a refused one stays first."""
+        while True:
+            with _kept_lock:
+                held = _kept.get(self.path)
+                if not held:
+                    return
+                event = held[0]
+            self._write_event(event)
+            with _kept_lock:
+                held.pop(0)
+
+    def _prepare(self) -> None:
+        """Open (a first open may have been refused), take the file lock, count its lines."""
+        self._open()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if os.fstat(self._fd).st_size != self._size:
+            self._resync()
+
+    def flush_kept(self) -> None:
+        """Write this process's kept events of this file (raises `SpoolWriteError` if refused)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"spool writer for {self.path} is closed")
+            try:
+                self._prepare()
+                self._write_kept_first()
+                self._fsync()
+            finally:
+                if self._fd >= 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def record(self, phase: str, start: float, end: float, *, sync: bool = True, **attrs: Any) -> PhaseEvent:
         with self._lock:
-            if self._fd < 0:
+            if self._closed:
                 raise RuntimeError(f"spool writer for {self.path} is closed")
             if self._error is not None:
                 raise self._error
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            event = PhaseEvent(run_id=self.run_id, attempt=self.attempt, rank=self.rank, phase=phase,
+                               start=float(start), end=float(end), attrs=attrs)
             try:
-                if os.fstat(self._fd).st_size != self._size:
-                    self._resync()
-                event = PhaseEvent(
-                    run_id=self.run_id,
-                    attempt=self.attempt,
-                    rank=self.rank,
-                    phase=phase,
-                    start=float(start),
-                    end=float(end),
-                    attrs=attrs,
-                    seq=self._seq,
-                )
-                line = (_ENCODE(event.to_dict()) + "\n").encode()
-                self._write_all(line)
+                try:
+                    self._prepare()
+                    self._write_kept_first()
+                    event = self._write_event(event)
+                except SpoolWriteError:
+                    _keep(self.path, event)  # written first by the next write that succeeds
+                    raise
                 if sync:
                     self._fsync()
                 else:
@@ -203,14 +319,13 @@ class SpoolWriter:
                         self._flusher = threading.Thread(target=self._flush_loop, name="ettflow-spool-fsync",
                                                          daemon=True)
                         self._flusher.start()
-                self._seq += 1
-                self._size += len(line)
                 if phase not in OFF_CLOCK and phase not in MARKERS and (
                         self.recorded_until is None or event.end > self.recorded_until):
                     self.recorded_until = event.end
                 return event
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                if self._fd >= 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def mark(self, phase: str, at: float | None = None, **attrs: Any) -> PhaseEvent:
         at = time.time() if at is None else at
@@ -252,6 +367,7 @@ class SpoolRead:
     events: list[PhaseEvent] = field(default_factory=list)
     problems: list[SpoolProblem] = field(default_factory=list)
     bytes: int = 0  # total size of the files read, as read
+    kept: int = 0  # events of `events` held by this process, not (yet) in a file: the disk refused them
 
 
 def read_file(path: Path | str, into: SpoolRead | None = None, *,
@@ -283,14 +399,16 @@ def read_file(path: Path | str, into: SpoolRead | None = None, *,
 
 
 def read_spool(root: Path | str, run_id: str, *, phases: frozenset[str] | None = None) -> SpoolRead:
-    """Every event of a run (`phases`: only those phases'), from all its files, ordered by
-    start time."""
+    """Every event of a run (`phases`: only those phases'), from all its files and the ones
+    this process keeps for them (`kept_events`), ordered by start time."""
     folder = Path(root) / run_id
-    if not folder.is_dir():
+    kept = [e for e in kept_events(root, run_id) if phases is None or e.phase in phases]
+    if not folder.is_dir() and not kept:
         raise FileNotFoundError(f"no spool for run {run_id!r} under {root} (expected {folder})")
-    out = SpoolRead()
+    out = SpoolRead(kept=len(kept))
     for path in sorted(folder.glob("*.jsonl")):
         read_file(path, out, phases=phases)
+    out.events += kept  # this process's events the disk refused (see the module's docstring)
     out.events.sort(key=lambda e: (e.start, e.end, e.attempt, e.rank, e.seq or 0))
     return out
 

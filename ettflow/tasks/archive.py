@@ -180,7 +180,13 @@ def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, ar
     m = archived.metrics
     png = render_timeline(evs, m)
     snapshot = run_spool.publish_summary(evs).get("snapshot")
-    timeline_file(snapshot, spool_of(params) / run_id).write_bytes(png)
+    picture = timeline_file(snapshot, spool_of(params) / run_id)
+    try:
+        picture.write_bytes(png)
+    except OSError as exc:  # a full disk: the Prefect artifacts below still carry the picture
+        picture.unlink(missing_ok=True)
+        log.warning("cannot save the timeline picture %s (%s): it is in the run's Prefect artifacts only",
+                    picture, exc)
     text = (f"run {run_id} ({summary.model}, {summary.mode}): ETT {m.ett_pct:.1f}%, wall {m.wall_s:.1f} s, "
             f"TTS {m.tts_s:.1f} s, NoF {m.nof}")
     create_run_artifacts(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id, metrics=m, png=png,

@@ -163,6 +163,12 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     evs = run_spool.events(spool_root, run_id)
+    if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):
+        total = int(row.info.tags.get("spooled_events") or 0) + unspooled
+        if len(evs) < total:  # archived by its own process with events the disk refused: more than the spool has
+            return Reconciled(run_id, "skipped", (
+                f"its row was archived by its own process with {unspooled} event(s) the disk refused; the spool "
+                f"holds {len(evs)} of its {total}: the row stands"), row.status)
     base = _info(run_id, beat, mark, row)
     info = replace(base, status=status, tags={**base.tags, **run_spool.publish_summary(evs)})
     try:

@@ -44,8 +44,11 @@ def last_attempt(root: Path | str, run_id: str) -> int:
 
 
 def events(root: Path | str, run_id: str) -> list[PhaseEvent]:
-    folder = Path(root) / run_id
-    return read_spool(root, run_id).events if folder.is_dir() else []
+    """The run's events: its files', and those this process keeps because the disk refused them."""
+    try:
+        return read_spool(root, run_id).events
+    except FileNotFoundError:
+        return []
 
 
 def on_clock_end(evs: list[PhaseEvent]) -> float | None:

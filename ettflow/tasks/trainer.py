@@ -11,6 +11,7 @@ One failure budget per run: the driver's restarts and the train task's own retry
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ettflow.ett.archive import fallback_tags
 from ettflow.ett.failures import Failure
+from ettflow.ett.spool import SpoolWriteError
 from ettflow.tasks.plan import RefreshPlan
 from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.checkpoint.latest import latest_checkpoint
@@ -109,18 +111,25 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
     t0 = time.time()
     logger.info("reserving %d trainer slots on Ray for attempt %d", plan.trainer.world_size, attempt)
     ray_attrs: dict[str, Any] = {}
+    queued = False
     try:
         ray_attrs = record_ray_connection(plan, attempt, ensure_ray(), t0, logger)
         lease.reserve()
+        ready = time.time()
+        queued = True  # recorded, or kept by this process when the disk refuses it (`ett.spool`)
+        record_queueing(plan, attempt, ready, stage="reserve_trainer", reserved=True, placement_s=ready - t0,
+                        **ray_attrs)
     except BaseException as exc:
-        record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False, **ray_attrs)
-        run_spool.record_task_failure(plan.spool_root, plan.run_id, attempt, exc, task="reserve-trainer",
-                                      at=time.time())
+        # the failure is recorded and the reservation released whatever the spool's disk says:
+        # a refused event is kept by this process and archived from there
+        with contextlib.suppress(SpoolWriteError):
+            if not queued:
+                record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False, **ray_attrs)
+        with contextlib.suppress(SpoolWriteError):
+            run_spool.record_task_failure(plan.spool_root, plan.run_id, attempt, exc, task="reserve-trainer",
+                                          at=time.time())
         lease.release()
         raise
-    ready = time.time()
-    record_queueing(plan, attempt, ready, stage="reserve_trainer", reserved=True, placement_s=ready - t0,
-                    **ray_attrs)
     logger.info("trainer reserved in %.1f s", ready - t0)
     return lease
 
@@ -181,7 +190,8 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         raise  # every failure is in the spool already, with its class
     except Exception as exc:
         last = run_spool.last_attempt(plan.spool_root, plan.run_id)
-        run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
+        with contextlib.suppress(SpoolWriteError):  # refused: kept by this process (`ett.spool`)
+            run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
         lease.release()
         history = run_spool.failures(plan.spool_root, plan.run_id)
         failure, earlier = history[-1], history[:-1]
@@ -189,7 +199,8 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
                              policy.explain(failure, earlier)) from exc
     except BaseException as exc:
         last = run_spool.last_attempt(plan.spool_root, plan.run_id)
-        run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
+        with contextlib.suppress(SpoolWriteError):
+            run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
         lease.release()
         raise
     rank0 = result.rank0

@@ -273,9 +273,10 @@ class FillAfterFirstCommit(threading.Thread):
             if path.is_file():
                 self.sizes.setdefault(path, []).append(path.stat().st_size)
 
-    def fill(self) -> None:
-        with open(self.ballast, "wb") as f:
-            while (free := shutil.disk_usage(self.disk).free - self.leave) > 0:
+    def fill(self, leave: int | None = None) -> None:
+        """Fill the disk to `leave` bytes free (default: `self.leave`, and the disk is filled)."""
+        with open(self.ballast, "ab") as f:
+            while (free := shutil.disk_usage(self.disk).free - (self.leave if leave is None else leave)) > 0:
                 try:
                     f.write(b"\0" * min(free, 1 << 20))
                     f.flush()
@@ -283,10 +284,13 @@ class FillAfterFirstCommit(threading.Thread):
                     if exc.errno != errno.ENOSPC:
                         raise
                     break
-        self.filled = True
+        self.filled = leave is None
 
     def run(self) -> None:
         try:
+            # most of the disk first, so the last fill is short: a fast host's run finished its last
+            # save while a whole 256 MiB fill was still being written (the run then completed)
+            self.fill(leave=self.leave + (48 << 20))
             while not self.stop.is_set():
                 self.sample()
                 if not self.filled and any(
@@ -335,3 +339,42 @@ def test_a_full_disk_fails_checkpoints_as_storage_keeps_the_spool_and_archives_o
         classes=["storage"] * len(run_spool.failures(spool_root, run_id)), cut_lines=True))
     assert row["nof"] >= 1
     assert all("ENOSPC" in r or "No space" in r or "space" in r for r in failed["reason"]), list(failed["reason"])
+
+
+def test_a_disk_full_from_the_start_still_gets_its_row_from_the_runs_own_process(env, small_disk):
+    """Neighbour of case 8 (issue 26 #5): the disk is full before the run writes its first
+    event (at reservation). The driver keeps the events the disk refused and archives them from
+    memory at the run's end, into a warehouse on another disk: the row exists, failed, with one
+    `storage` failure naming the spool's file. Once the process is gone (its kept events with
+    it), a later reconciliation from the short spool leaves that row as it is; within the
+    process, the kept events reach the spool first thing once there is room."""
+    from ettflow.ett import spool as spool_mod
+    from ettflow.tasks.reconcile import reconcile
+
+    work_root, spool_root = small_disk / "work", small_disk / "spool"
+    env = {**env, "work_root": str(work_root), "spool_root": str(spool_root)}
+    filler = FillAfterFirstCommit(small_disk, spool_root, work_root, leave=0)
+    filler.fill()
+    state, run_id = run(env)
+    assert state.is_failed(), state
+    assert "storage" in state.message or "No space left" in state.message, state.message
+    row, events, failed = assert_run(env, state, run_id, Expect(outcome="failed", nof=1, classes=["storage"]))
+    assert str(spool_root) in failed["reason"].iloc[0] and "No space left" in failed["reason"].iloc[0]
+    assert row["tags"]["unspooled_events"] == len(events) >= 2  # every event came from the process's memory
+    assert no_trainer_left() == []  # the reservation was released although its event could not be written
+    # the process ends (what it kept is gone); space returns; the row stands
+    kept = spool_mod.kept_events(spool_root, run_id)
+    with spool_mod._kept_lock:
+        saved = {path: list(evs) for path, evs in spool_mod._kept.items()}
+        spool_mod._kept.clear()
+    filler.ballast.unlink()
+    done = reconcile(spool_root, env["warehouse_url"], run_ids=[run_id])
+    assert [d.action for d in done] == ["skipped"] and "the row stands" in done[0].note, done
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        assert wh.runs_frame(run_id=run_id).iloc[0]["nof"] == 1
+    # within the process, the kept events reach the spool once there is room, numbered as archived
+    with spool_mod._kept_lock:
+        spool_mod._kept.update(saved)
+    assert spool_mod.write_kept(spool_root, run_id) == 0
+    assert [(e.attempt, e.rank, e.seq) for e in read_spool(spool_root, run_id).events] == \
+        [(e.attempt, e.rank, e.seq) for e in sorted(kept, key=lambda e: (e.start, e.end, e.attempt, e.rank, e.seq))]

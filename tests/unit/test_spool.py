@@ -12,7 +12,16 @@ import pytest
 
 from ettflow.ett import spool as spool_mod
 from ettflow.ett.failures import FailureClass, FailureError
-from ettflow.ett.spool import SpoolWriteError, SpoolWriter, read_spool, spool_bytes, spool_file, spooled_runs
+from ettflow.ett.spool import (
+    SpoolWriteError,
+    SpoolWriter,
+    kept_events,
+    read_spool,
+    spool_bytes,
+    spool_file,
+    spooled_runs,
+    write_kept,
+)
 
 
 def test_write_and_read_back(tmp_path):
@@ -115,15 +124,47 @@ def test_enospc_is_a_typed_storage_error_and_never_truncates(tmp_path, monkeypat
     assert (back.errno, back.filename, back.failure) == (exc.errno, exc.filename, exc.failure)
     with pytest.raises(SpoolWriteError):  # still full
         w.record("device_init", 4, 4.5)
-    monkeypatch.undo()  # space is back
+    # the refused events are kept by this process: its readers see them, under the sequence
+    # numbers they will have (the cut line is ended and counted first)
+    kept = kept_events(tmp_path, "full")
+    assert [(e.start, e.seq) for e in kept] == [(3, 4), (4, 5)]
+    assert read_spool(tmp_path, "full").kept == 2
+    monkeypatch.undo()  # space is back: the next write writes the kept ones first, in order
     w.record("device_init", 5, 5.5)
     w.close()
+    assert kept_events(tmp_path, "full") == []
     data = path.read_bytes()
     assert data.startswith(before) and len(data) > len(before)  # what it had is all there
     got = read_spool(tmp_path, "full")
-    assert [e.start for e in got.events] == [0, 1, 2, 5]
+    assert [e.start for e in got.events] == [0, 1, 2, 3, 4, 5] and got.kept == 0
+    assert [e.seq for e in got.events if e.start in (3, 4)] == [4, 5]  # as promised while kept
     assert [(p.line, p.torn) for p in got.problems] == [(4, False)]  # the cut line, named
     assert got.bytes == spool_bytes(tmp_path, "full") == len(data)
+
+
+def test_events_refused_from_the_first_are_kept_read_and_written_once_there_is_room(tmp_path, monkeypatch):
+    """A run whose very first events found the disk full (its file could not even be created):
+    its process still reads them, `write_kept` writes them once there is room, and a writer of
+    another file of the run is not affected."""
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spool_mod.os, "open", no_room)
+    w = SpoolWriter(tmp_path, "first", 0, -1)  # the file cannot be created: the first record says so
+    for t in (1.0, 2.0):
+        with pytest.raises(SpoolWriteError) as err:
+            w.mark("submitted", t)
+        assert err.value.errno == errno.ENOSPC and err.value.filename.endswith("attempt-000.driver.jsonl")
+    got = read_spool(tmp_path, "first")
+    assert [(e.phase, e.start, e.seq) for e in got.events] == [("submitted", 1.0, 0), ("submitted", 2.0, 1)]
+    assert write_kept(tmp_path, "first") == 2  # still no room: still kept
+    monkeypatch.undo()
+    assert write_kept(tmp_path, "first") == 0
+    w.close()
+    on_disk = read_spool(tmp_path, "first")
+    assert [(e.start, e.seq) for e in on_disk.events] == [(1.0, 0), (2.0, 1)] and on_disk.kept == 0
+    assert write_kept(tmp_path, "first") == 0  # nothing twice
+    assert len(read_spool(tmp_path, "first").events) == 2
 
 
 def test_a_new_file_on_a_full_disk_raises_a_storage_error(tmp_path, monkeypatch):
@@ -131,9 +172,13 @@ def test_a_new_file_on_a_full_disk_raises_a_storage_error(tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(spool_mod.os, "open", no_inode)
+    w = SpoolWriter(tmp_path, "r", 1, 0)
     with pytest.raises(SpoolWriteError) as err:
-        SpoolWriter(tmp_path, "r", 1, 0)
+        w.record("device_init", 0, 1)
     assert err.value.errno == errno.ENOSPC and err.value.filename.endswith("attempt-001.rank-0.jsonl")
+    monkeypatch.undo()
+    w.close()
+    assert write_kept(tmp_path, "r") == 0
 
 
 def test_group_commit_fsync_error_surfaces_on_the_next_record(tmp_path, monkeypatch):
