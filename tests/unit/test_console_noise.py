@@ -5,6 +5,7 @@ the real command's console: e2e/test_console.py)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -52,3 +53,27 @@ def test_an_explained_error_is_logged_without_its_traceback_and_others_with_thei
     keep = ExplainedErrorFilter()
     assert keep.filter(explained) and keep.filter(other)  # both lines stay
     assert explained.exc_info is None and other.exc_info is not None
+
+
+def test_console_times_carry_their_zone():
+    """Issue 26 #10: a console line's time is labelled with its zone (Prefect's default is a
+    bare local time, beside reports in UTC)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "from ettflow.flows.env_defaults import set_env_defaults; set_env_defaults()\n"
+        "import logging\n"
+        "from prefect.logging.configuration import setup_logging; setup_logging()\n"
+        "handler = next(h for h in logging.getLogger().handlers if type(h).__name__ == 'PrefectConsoleHandler')\n"
+        "record = logging.LogRecord('prefect.flow_runs', logging.INFO, 'probe', 1, 'hello', (), None)\n"
+        "record.created, record.flow_run_name = 1796300207.5, 'probe-run'\n"  # 2026-12-03 12:16:47 UTC
+        "print(handler.format(record))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_LOGGING_")}
+    for tz, shown in (("America/Los_Angeles", "04:16:47 PST"), ("UTC", "12:16:47 UTC")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, "TZ": tz}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        line = out.stdout.strip().splitlines()[-1]
+        assert line.startswith(f"{shown} | INFO") and line.endswith("Flow run 'probe-run' - hello"), line
