@@ -14,8 +14,9 @@ the two markers every failure has, on the driver's file (rank -1):
 Both carry `Failure(ORCHESTRATOR).to_attrs()`. The failure goes on the last attempt, or on the
 next one when the last attempt already failed (its failure was detected and the driver died
 before starting the restart), so NoF counts it. When the last attempt's failure is the stop of
-the run's own process, recorded by its task (a `preemption` with `task`: a SIGTERM of `ettflow
-refresh`), the crash is that stop and nothing is added: one failure, with its real class.
+the run's own process, recorded by its driver or task (a `preemption` with `process_stopped`, or
+`task`: a SIGTERM of `ettflow refresh`), the crash is that stop and nothing is added: one
+failure, with its real class.
 Nothing trains after it: its TTR runs to the wall end, which is the detection, and the time
 from the last finished work to the detection is lost in flight (`ett.timeline`). Idempotent: a
 run whose last attempt already holds an orchestrator failure gets none added, and two processes
@@ -63,9 +64,10 @@ def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | No
     last = max(e.attempt for e in events)
     if has_orchestrator_failure(events, last):
         return None
-    if any(e.attempt == last and e.phase == FAILURE_DETECTED and e.attrs.get("task")
+    if any(e.attempt == last and e.phase == FAILURE_DETECTED
+           and (e.attrs.get("process_stopped") or e.attrs.get("task"))
            and e.attrs.get("failure_class") == FailureClass.PREEMPTION.value for e in events):
-        return None  # the process was stopped, and its task said so: the crash is that stop
+        return None  # the process was stopped, and its driver or task said so: the crash is that stop
     failed = any(e.attempt == last and e.phase in (FAILURE, FAILURE_DETECTED) for e in events)
     end = last_on_clock_end(events)
     failed_at = last_alive if last_alive is not None else end

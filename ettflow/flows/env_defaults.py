@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-
 # Prefect's console lines carry their time zone (its default shows a bare local "18:53:12.086", while
 # reports and the warehouse are UTC): the standard formatter's date format and its three line
 # formats (Prefect's, with the milliseconds dropped: they would follow the zone), read by Prefect's

@@ -80,6 +80,9 @@ class HeldGroup:
     def kill(self, rank: int) -> None:
         self.group.kill(rank)
 
+    def preempt(self) -> None:
+        self.group.preempt()
+
     def teardown(self) -> None:
         if len(self.finished) == self.world_size and not self.released:
             self.held_since = time.time()  # trained: hold the devices until release()

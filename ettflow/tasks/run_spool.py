@@ -84,7 +84,8 @@ def record_task_failure(root: Path | str, run_id: str, attempt: int, exc: BaseEx
     said = f"{task}: {failure.reason}" if stop_signal(exc) else f"{task} raised {type(exc).__name__}: {exc}"
     failure = replace(failure, reason=said[:500])
     with SpoolWriter(root, run_id, attempt, -1) as rec:
-        rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True)
+        rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True,
+                 **({"process_stopped": True} if stop_signal(exc) else {}))
     return failure
 
 

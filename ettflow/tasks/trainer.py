@@ -28,6 +28,7 @@ from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.checkpoint.latest import latest_checkpoint
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision
+from ettflow.trainer.group.stop_request import DeferredStop, StopRequested
 from ettflow.trainer.protocol import RankResult
 
 from . import run_spool
@@ -180,10 +181,11 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     if prior:
         logger.info("run %s had %d failure(s) before this try; they count against its budget of %d",
                     plan.run_id, len(prior), plan.trainer.max_failures)
+    stop = DeferredStop()  # a SIGTERM is taken at the driver's next poll, never inside Ray's wait
     driver = TrainingDriver(plan.trainer, plan.run_id, plan.spool_root, group_factory=lease.group_for,
-                            failure_policy=policy)
+                            failure_policy=policy, stop_check=stop.check)
     try:
-        with ProgressReporter(plan, logger):
+        with ProgressReporter(plan, logger), stop:
             result = driver.run(first_attempt=first, submitted_at=submitted_at, prior_failures=prior)
     except TrainingFailed:
         lease.release()
@@ -202,6 +204,10 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         with contextlib.suppress(SpoolWriteError):
             run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
         lease.release()
+        if isinstance(exc, StopRequested):  # Prefect's own stop from here on: the run crashes, the process exits
+            from prefect.exceptions import TerminationSignal
+
+            raise TerminationSignal(signal=exc.signal) from exc
         raise
     rank0 = result.rank0
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)

@@ -56,7 +56,7 @@ class Refresh:
     """One `ettflow refresh` process of its own ETTFLOW_HOME and PREFECT_HOME under `folder`,
     started at once; `kill` SIGKILLs one of its processes."""
 
-    def __init__(self, folder: Path, flow_data: Path, *extra: str) -> None:
+    def __init__(self, folder: Path, flow_data: Path, *extra: str, fail_at: str = "hang:rank=0:step=3") -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.home, self.prefect_home = folder, folder / "home", folder / "prefect"
         env = {k: v for k, v in os.environ.items()
@@ -67,7 +67,7 @@ class Refresh:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             [str(ETTFLOW), "refresh", "--data-root", str(flow_data), "--batch-size", "32", "--switch", "compile=false",
-             "--fail-at", "hang:rank=0:step=3", "--param", "max_embeddings=100", *extra],
+             *(["--fail-at", fail_at] if fail_at else ["--no-failure"]), "--param", "max_embeddings=100", *extra],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.snapshot: list[psutil.Process] = []
         self.killed_at = 0.0
@@ -81,12 +81,12 @@ class Refresh:
             pytest.fail(f"`ettflow refresh` exited ({self.proc.returncode}) before training:\n{self.log()[-4000:]}")
         return training_started(self.home / "spool") is not None and (shows is None or bool(shows.search(self.log())))
 
-    def kill(self, target: int) -> None:
-        """SIGKILL `target` (a process of this command's tree), noting the tree as it was."""
+    def kill(self, target: int, signum: int = signal.SIGKILL) -> None:
+        """Send `signum` to `target` (a process of this command's tree), noting the tree as it was."""
         self.snapshot = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
         assert any("raylet" in " ".join(p.cmdline()) for p in self.snapshot), describe(self.snapshot)
         self.killed_at = time.monotonic()
-        os.kill(target, signal.SIGKILL)
+        os.kill(target, signum)
 
     def left(self) -> list[psutil.Process]:
         self.proc.poll()  # reap the supervisor once it exits
@@ -138,9 +138,24 @@ def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(
     assert f"the `ettflow refresh` process (pid {command.proc.pid}) was killed" in message
     from ettflow.ett.warehouse import Warehouse
 
+    from ettflow.ett import lineage
+    from ettflow.tasks.claims import take_claim
+    from ettflow.tasks.plan import plan_refresh
+
     with Warehouse.open(f"sqlite:///{command.home / 'warehouse.db'}") as wh:
         runs = wh.runs_frame(run_id=run_id)
-    assert len(runs) == 1 and runs.iloc[0]["status"] == "crashed"
+        assert len(runs) == 1 and runs.iloc[0]["status"] == "crashed"
+        # the very next refresh trains the same windows at once (issue 26 #1): archiving the crashed
+        # run recorded it in the lineage and released its claims, no stale claim to wait out
+        # (the flow records its refresh's end itself when the stop reaches it: failed; archiving, when it
+        # never could: crashed)
+        (record,) = lineage.lineage(wh, "dlrm")
+        assert record.run_id == run_id and record.outcome.value in ("failed", "crashed") and record.windows
+        following = plan_refresh({"data_root": str(flow_data), "work_root": str(tmp_path / "next-work"),
+                                  "spool_root": str(tmp_path / "next-spool"), "max_embeddings": 100,
+                                  "snapshot_root": str(tmp_path / "next-snap"), "claim_wait_s": 0}, run_id="next")
+        claim = take_claim(following, wh)
+        assert claim.skipped is None and claim.plan.trainer.windows == record.windows, claim
     assert not THIRD_PARTY.search(command.log())  # the default console drops them
 
     # the worker killed: the command crashed the run through the worker's server and exited 137
@@ -149,3 +164,53 @@ def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(
     assert state == "CRASHED", (state, message)
     assert f"the refresh worker process (pid {worker.pid}) was killed by SIGKILL" in message
     assert "nothing it started is left running" in worker_killed.log()
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory):
+    """Windows long enough (625 steps of 2 ranks x 32) that a stop lands mid-training."""
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    root = tmp_path_factory.mktemp("long-data")
+    generate_windows(root, SyntheticConfig(windows=3, rows_per_window=20000, files_per_window=2, seed=3))
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_of_the_refresh_process_preempts_its_run_with_an_emergency_checkpoint(tmp_path, long_data):
+    """Issue 26 #4: SIGTERM to `ettflow refresh` (a preempted CLI, a CI runner's timeout) is a
+    preemption of its run: every rank takes an emergency checkpoint, the run's one failure is a
+    `preemption` (before: NoF 2 with a bogus `user` failure "train raised SystemExit: 1", or a
+    `SystemError` out of Ray's wait that restarted the run), the command exits 143 (before: its
+    worker died by SIGABRT, 134) and nothing it started is left."""
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.trainer.checkpoint.verify import verify
+
+    from helpers.spool import events
+
+    command = Refresh(tmp_path / "term", long_data, fail_at="")
+    spool = command.home / "spool"
+    wait_for(lambda: command.training() and training_started(spool, min_step=20) is not None, START_S,
+             "`ettflow refresh` to train 20 steps", poll_s=0.2)
+    command.kill(command.proc.pid, signal.SIGTERM)
+    (took,) = wait_until_nothing_is_left([command])
+    assert command.proc.wait(timeout=5) == 128 + signal.SIGTERM, command.log()[-4000:]
+    print(f"\nSIGTERM of `ettflow refresh`: no process left after {took:.1f} s")
+    ((run_id, state, message),) = flow_runs(command.prefect_home)
+    assert state == "CRASHED", (state, message)
+    # every rank preempted with an emergency checkpoint, committed and whole
+    marks = events(spool, run_id, "failure", attempt=0)
+    assert sorted(e.rank for e in marks) == [0, 1], marks
+    assert all(e.attrs["failure_class"] == "preemption" and e.attrs.get("emergency_checkpoint") for e in marks), marks
+    steps = {e.attrs.get("step") for e in marks}
+    assert len(steps) == 1 and (step := steps.pop()) < 625, marks
+    folder = next((command.home / "checkpoints").glob(f"*/runs/{run_id}/checkpoints/step_{step:010d}"))
+    verify(folder)
+    # one failure, a preemption, the command's own stop
+    with Warehouse.open(f"sqlite:///{command.home / 'warehouse.db'}") as wh:
+        runs, failures = wh.runs_frame(run_id=run_id), wh.table_frame("failures", run_id)
+    assert len(runs) == 1 and runs.iloc[0]["status"] == "crashed" and runs.iloc[0]["nof"] == 1
+    assert list(failures["failure_class"]) == ["preemption"], failures[["failure_class", "reason"]]
+    assert "preempted (SIGTERM)" in failures["reason"].iloc[0]  # the ranks' own words: they took the SIGTERM
+    assert "SIGABRT" not in command.log() and "SystemError" not in command.log()

@@ -56,6 +56,7 @@ class ScriptedGroup:
         self.killed: list[int] = []
         self.hung: set[int] = set()
         self.torn_down = False
+        self.preempted: dict[int, int] | None = None  # after `preempt`: steps each rank still trains
         self.writers = {}
         self.training_since: dict[int, float] = {}
         self.faults = pending_faults(run.config, run.spool, run.run_id).failures
@@ -76,8 +77,22 @@ class ScriptedGroup:
         t0 = self.run.clock.t
         self.run.clock.t += 1.0
         done, failed = {}, []
+        if self.script.get(("driver", self.polls)) == "stop":
+            raise Stopped()  # the driver's own process is told to stop (e.g. Prefect's TerminationSignal)
         for rank, w in self.writers.items():
             action = self.script.get((rank, self.polls), "step")
+            if self.preempted is not None and rank not in self.killed:  # SIGTERM: a save, then the marker
+                steps_left = self.preempted.get(rank, 0)
+                if steps_left > 0:  # this rank still finishes its step before the agreed boundary
+                    self.preempted[rank] -= 1
+                    action = "step"
+                else:
+                    w.record("checkpoint_save_blocking", t0, t0 + 0.25, step=self.run.cursor[rank], emergency=True)
+                    w.mark("failure", t0 + 0.25, failure_class="preemption", rank=rank,
+                           reason=f"rank {rank}: SIGTERM: preempted", emergency_checkpoint=True)
+                    self.killed.append(rank)
+                    failed.append(Failure(failure_class=FailureClass.PREEMPTION, rank=rank, reason="preempted"))
+                    continue
             cursor = self.run.cursor[rank]
             fault = due(self.faults, attempt=self.attempt, rank=rank, step=cursor) if action == "step" else None
             if rank in self.killed:
@@ -121,9 +136,19 @@ class ScriptedGroup:
     def kill(self, rank: int) -> None:
         self.killed.append(rank)
 
+    def preempt(self) -> None:
+        # rank 1 is mid-step: it finishes that one before the ranks agree to stop
+        self.preempted = {0: 0, 1: 1}
+
     def teardown(self) -> None:
         self.torn_down = True
         self.run.clock.t += 0.5
+
+
+class Stopped(BaseException):
+    """A stop signal as Prefect raises it in the flow's main thread (`TerminationSignal`)."""
+
+    signal = 15
 
 
 class Run:
@@ -190,6 +215,28 @@ def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):
     # recovery: teardown 0.5 s, queueing 2 s, then rank 0 trains new data at once
     assert m.failures[0].detected_at == 1005.0 and m.failures[0].ttr_s == 2.5
     assert m.exposed("lost_in_flight") == 0  # rank 1's last step ended when the fault was seen
+
+
+def test_a_stop_of_the_drivers_process_preempts_every_rank_and_is_one_failure(tmp_path):
+    """Issue 26 #4: SIGTERM of `ettflow refresh` reaches the driver as a stop signal in its
+    poll. It preempts the ranks (each saves and marks its preemption), waits for them, records
+    the run's one failure (`preemption`, its own process's stop) and lets the stop go on."""
+    run = Run(tmp_path, [{("driver", 4): "stop"}])
+    with pytest.raises(Stopped):
+        run.drive()
+    (group,) = run.groups
+    assert group.preempted == {0: 0, 1: 0} and not group.torn_down  # the lease's holder releases the devices
+    # polls 1-3 trained 3 steps; the stop came in poll 4 (1005 -> 1006): detected at 1006; poll 5
+    # (1006 -> 1007): rank 0 saves and ends, rank 1 trains its last step; poll 6: rank 1 saves and ends
+    saves = [(e.rank, e.attrs["step"], e.start) for e in run.markers("checkpoint_save_blocking")]
+    assert saves == [(0, 3, 1006.0), (1, 4, 1007.0)]
+    (detected,) = run.markers("failure_detected")
+    assert (detected.start, detected.attrs["failure_class"], detected.attrs["process_stopped"]) == (
+        1006.0, "preemption", True)
+    assert "stopped (SIGTERM)" in detected.attrs["reason"]
+    m = run.metrics()
+    assert m.nof == 1 and [f.failure_class for f in m.failures] == ["preemption"]
+    assert run_spool.failures(run.spool, run.run_id)[0].failure_class is FailureClass.PREEMPTION
 
 
 def test_user_errors_spend_the_budget_and_the_message_counts_them(tmp_path):

@@ -12,6 +12,12 @@ the next attempt, which restores the latest checkpoint and the compile cache and
 the checkpoint's cursor; RAISE stops the run with `TrainingFailed`. Scripted SIGKILLs by time
 are sent from here, once per run (`faults.pending_faults`).
 
+A stop of the driver's own process while it watches (SIGTERM of `ettflow refresh`, Ctrl-C,
+the worker's cancellation: a BaseException `classify.stop_signal` names) preempts every rank
+(`WorkerGroup.preempt`: each takes its emergency checkpoint when its grace allows), waits for
+them within `preemption_grace_s`, records the run's one `preemption` failure and lets the stop
+go on.
+
 Live recovery (`Switches.live_recovery`, trainer/rank/live_recovery.py): with a group that can
 (`LiveGroup`), a failure the group can recover live (one rank's lost process, the others
 parked) is not torn down. The driver still records the detection and the policy decides; on
@@ -29,7 +35,9 @@ may run fewer than the config's `world_size`) and on which node each is; the att
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,9 +45,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ettflow.ett.events import FAILURE_DETECTED, FAULT_UNFIRED, TRAIN_STEP
-from ettflow.ett.failures import Failure
+from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.spool import SpoolWriter, read_file, spool_file
-from ettflow.trainer.classify import is_process_loss, primary_failure
+from ettflow.trainer.classify import is_process_loss, primary_failure, stop_signal
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fired
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
@@ -48,6 +56,12 @@ from ettflow.trainer.protocol import RankResult, RestorePoint
 from ettflow.trainer.rank_heartbeat import PhaseBounds, find_hang
 
 log = logging.getLogger("ettflow.trainer")
+
+# The longest the driver waits for its ranks' emergency checkpoints once its own process was
+# told to stop: whoever sent the stop kills after a grace of its own (the `ettflow refresh`
+# worker's guard after 20 s, which also covers the run's crash handling; Docker after 10 s), and
+# a rank that cannot save in time (a hung peer) must not hold the run's record back past it
+STOP_WAIT_S = 10.0
 
 
 class WorkerGroup(Protocol):
@@ -71,6 +85,14 @@ class PlacedGroup(WorkerGroup, Protocol):
 
     @property
     def placement(self) -> tuple[str, ...]: ...  # each rank's node, by rank
+
+
+@runtime_checkable
+class PreemptibleGroup(WorkerGroup, Protocol):
+    """A group whose ranks can be preempted (`preemption.py`): when the driver's own process is
+    told to stop, each rank gets the chance of an emergency checkpoint."""
+
+    def preempt(self) -> None: ...  # SIGTERM every rank: each ends as preempted, saving if it has the grace
 
 
 @runtime_checkable
@@ -158,12 +180,16 @@ class TrainingDriver:
         poll_s: float = 0.25,
         grace_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        stop_check: Callable[[], None] = lambda: None,
     ) -> None:
-        """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`."""
+        """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`.
+        `stop_check`: raises a stop of this process noted since (`stop_request.DeferredStop.check`),
+        called after each poll."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.group_factory = group_factory
         self.policy = failure_policy or DefaultFailurePolicy(max_failures=config.max_failures)
         self.poll_s, self.grace_s, self.clock = poll_s, grace_s, clock
+        self.stop_check = stop_check
 
     def run(self, *, first_attempt: int = 0, submitted_at: float | None = None,
             prior_failures: Sequence[Failure] = ()) -> TrainingResult:
@@ -252,6 +278,49 @@ class TrainingDriver:
         return group.world_size if isinstance(group, PlacedGroup) else self.config.world_size
 
     def _watch(self, attempt: int, group: WorkerGroup, rec: SpoolWriter) -> AttemptOutcome:
+        try:
+            return self._watch_until_done(attempt, group, rec)
+        except BaseException as exc:
+            stopped = stop_signal(exc)
+            if stopped is not None:  # the driver's own process is being stopped: its ranks are preempted with it
+                self._preempt(attempt, group, rec, stopped)
+            raise
+
+    def _preempt(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, stopped: str) -> None:
+        """The process running the driver was told to stop (SIGTERM of `ettflow refresh`, a
+        worker's cancellation, Ctrl-C): that is a preemption of the run. Every rank gets SIGTERM,
+        so each ends as a rank does when its own scheduler takes it back (`preemption.py`: an
+        emergency checkpoint at the next step boundary when the grace allows); the driver waits
+        for them up to `preemption_grace_s` (at most `STOP_WAIT_S`), then records the run's one failure, class
+        `preemption`, as its own process's stop (`process_stopped`: the crash that follows is
+        this stop, `ett.orphans`). The caller re-raises the stop; the devices are released by
+        whoever holds the lease."""
+        detected = self.clock()
+        wait_s = min(self.config.preemption_grace_s, STOP_WAIT_S)
+        log.warning("attempt %d: this process was stopped (%s): every rank is preempted with it (emergency "
+                    "checkpoint within %.0f s)", attempt, stopped, wait_s)
+        try:
+            if not isinstance(group, PreemptibleGroup):
+                raise TypeError(f"{type(group).__name__} cannot preempt its ranks")
+            group.preempt()
+            deadline = detected + wait_s
+            ended: set[int] = set()
+            world = self._world(group)
+            while len(ended) < world and self.clock() < deadline:
+                done, failed = group.poll(self.poll_s)
+                ended |= set(done) | {f.rank for f in failed}
+        except BaseException as exc:  # noqa: BLE001 - a second stop, or the group gone: the failure is still recorded
+            log.warning("attempt %d: the ranks' preemption did not finish (%s: %s)", attempt, type(exc).__name__, exc)
+        failure = Failure(failure_class=FailureClass.PREEMPTION, rank=-1, attempt=attempt,
+                          reason=f"the process running the refresh was stopped ({stopped}): every rank was preempted "
+                                 "with it",
+                          detail=f"stop {stopped} of pid {os.getpid()}")
+        with contextlib.suppress(OSError):  # a full disk: the task records it, or the process keeps it (`ett.spool`)
+            rec.mark(FAILURE_DETECTED, detected, **failure.to_attrs(), process_stopped=True)
+        with contextlib.suppress(Exception):
+            rec.record("shutdown", detected, self.clock(), failed=True, live=False)
+
+    def _watch_until_done(self, attempt: int, group: WorkerGroup, rec: SpoolWriter) -> AttemptOutcome:
         world = self._world(group)
         tail = SpoolTail(self.spool_root, self.run_id, attempt, world)
         pending = pending_faults(self.config, self.spool_root, self.run_id).failures
@@ -261,6 +330,7 @@ class TrainingDriver:
         spare_asked = False
         while True:
             done, failed = group.poll(self.poll_s)
+            self.stop_check()
             finished.update(done)
             tail.poll()
             failed = failed + self._marked_failures(tail, attempt)

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,14 +85,35 @@ def ensure_ray(num_cpus: int | None = None) -> RayConnection:
         return RayConnection("already", _gcs_address(), 0.0)
     address = os.environ.get("RAY_ADDRESS")
     t0 = time.monotonic()
+    with _keep_sigterm_handler():
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
+                     log_to_driver=True)
     if address:
-        ray.init(address=address, log_to_driver=True)
         joined = RayConnection("joined", address, time.monotonic() - t0)
         POOL.attach_cluster()  # a cluster that outlives this process: its pool serves every run
         return joined
-    ray.init(address="local", num_cpus=num_cpus or max(os.cpu_count() or 1, 4), include_dashboard=False,
-             log_to_driver=True)
     return RayConnection("started", _gcs_address(), time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """`ray.init` replaces the driver's SIGTERM handling: a Python handler that exits, under
+    a native one that logs and later aborts the process (a SIGTERM of `ettflow refresh` ended
+    its worker by SIGABRT, exit 134, with a bare `SystemExit` in the train task). The handler
+    the process had (Prefect's, which raises `TerminationSignal` so the flow run crashes in
+    order and the driver preempts its ranks) is put back. Only the main thread can."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _gcs_address() -> str:
@@ -429,6 +451,25 @@ class RayWorkerGroup:
             os.kill(info.pid, signal.SIGKILL)
         else:
             ray.kill(self.actors[rank], no_restart=True)
+
+    def preempt(self) -> None:
+        """SIGTERM every rank whose process this node can signal: each ends as preempted
+        (preemption.py: the ranks agree at the next step boundary and take an emergency
+        checkpoint when the grace allows). A rank on another node gets none: its peers' stop
+        ends its attempt, and the durable checkpoint is what restores it."""
+        here = ray.util.get_node_ip_address()
+        remote = []
+        for rank, info in enumerate(self.info):
+            if rank in self.finished:
+                continue
+            if info.node_ip == here:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(info.pid, signal.SIGTERM)
+            else:
+                remote.append(rank)
+        if remote:
+            log.warning("rank(s) %s run on other nodes: no SIGTERM reaches them from here; they stop with their peers",
+                        ", ".join(map(str, remote)))
 
     def teardown(self) -> None:
         # SIGKILL first where the pid is ours to signal: `ray.kill` may deliver SIGTERM, which

@@ -1,0 +1,59 @@
+"""A stop of the driver's process (SIGTERM), taken at the driver's next safe point.
+
+While the driver watches its ranks, the main thread sits in Ray's `wait` (Cython). A Python
+signal handler that raises there (Prefect's, which raises `TerminationSignal`) comes out of
+Ray as `SystemError: <cyfunction CoreWorker.wait> returned a result with an exception set`:
+the stop was taken for a bug in the training code (class `user`) and the run restarted. So,
+for the time the driver runs, SIGTERM only notes the signal (`DeferredStop`), and the driver
+raises `StopRequested` from its loop (`check`, after each poll), where its handling
+(`driver._preempt`) and the caller's (the train task re-raises it as Prefect's own
+termination) run as for any stop. Outside the driver, the process's handler stands.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+
+class StopRequested(BaseException):
+    """The process was told to stop by `signal` (a number, as Prefect's `TerminationSignal`
+    carries it: `classify.stop_signal` names it); never an error of the training code."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stop requested by {signal.Signals(signum).name}")
+        self.signal = signum
+
+
+class DeferredStop:
+    """Within the block, SIGTERM is noted instead of handled; `check()` raises it as
+    `StopRequested`. The previous handler is put back on exit (and a stop noted but never
+    checked is raised then). Outside the main thread nothing is installed: `check` is a no-op."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+        self.noted: int | None = None
+        self._previous: signal.Handlers | object | None = None
+        self._installed = False
+
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
+        self.noted = signum
+
+    def check(self) -> None:
+        if self.noted is not None:
+            noted, self.noted = self.noted, None
+            raise StopRequested(noted)
+
+    def __enter__(self) -> DeferredStop:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._note)
+            self._installed = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._installed:
+            signal.signal(self.signum, self._previous)  # type: ignore[arg-type]
+            self._installed = False
+        if exc_type is None:
+            self.check()  # a stop that came as the block ended still stops the process
