@@ -136,9 +136,8 @@ def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(
     ((run_id, state, message),) = flow_runs(command.prefect_home)
     assert state == "CRASHED", (state, message)
     assert f"the `ettflow refresh` process (pid {command.proc.pid}) was killed" in message
-    from ettflow.ett.warehouse import Warehouse
-
     from ettflow.ett import lineage
+    from ettflow.ett.warehouse import Warehouse
     from ettflow.tasks.claims import take_claim
     from ettflow.tasks.plan import plan_refresh
 
