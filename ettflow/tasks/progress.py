@@ -11,7 +11,7 @@ reads its spool (`SpoolTail`, the same events the metric and the driver's watchd
 its ranks' heartbeats, and every few seconds updates the artifact and logs one line. Before
 the first step it says which startup phase the ranks are in and for how long
 (`startup_text`: ``attempt 0 starting: pt2_compile for 35 s``); after a failure, which attempt
-failed and why, and what the next one does. It runs in a copy of the task's context, so it
+failed and why, and, once the next one trains, what it restored (`restored_text`). It runs in a copy of the task's context, so it
 talks to the same Prefect API as the task.
 """
 
@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 from uuid import UUID
 
+from ettflow.ett.events import CHECKPOINT_FALLBACK, PhaseEvent
 from ettflow.ett.failures import Failure
 from ettflow.ett.run_summary import failure_line
 from ettflow.trainer.group.progress import SpoolTail
@@ -148,10 +149,31 @@ def step_text(step: int, total: int | None, attempt: int, loss: float | None, ex
 
 
 def restart_text(failure: Failure | None, new_attempt: int) -> str:
-    """`attempt 0 failed (infrastructure: rank 1 killed at step 16); attempt 1 restores the last checkpoint`."""
+    """`attempt 0 failed (infrastructure: rank 1 killed at step 16); attempt 1 restarts from the newest
+    good copy`: what it restores is said once it trains (`restored_text`), not promised."""
     old = failure.attempt if failure is not None and failure.attempt is not None else new_attempt - 1
     why = failure.summary if failure is not None else "cause not recorded"
-    return f"attempt {old} failed ({why}); attempt {new_attempt} restores the last checkpoint"
+    return f"attempt {old} failed ({why}); attempt {new_attempt} restarts from the newest good copy"
+
+
+def restored_text(events: list[PhaseEvent], attempt: int) -> str:
+    """What `attempt` started from, read from its spool once it trains (pure): the step it
+    restored and from where (the in-memory tier, the run's durable checkpoint, the parent
+    anchor), each damaged checkpoint it skipped, or that no copy could be used (step 0)."""
+    own = [e for e in events if e.attempt == attempt]
+    restores = sorted((e for e in own if e.phase == "checkpoint_restore" and not e.attrs.get("error")),
+                      key=lambda e: (e.rank, e.start))
+    skipped = sorted({int(e.attrs["damaged_step"]) for e in own
+                      if e.phase == CHECKPOINT_FALLBACK and e.attrs.get("damaged_step") is not None})
+    damage = (f"; damaged checkpoint(s) of step {', '.join(map(str, skipped))} skipped" if skipped else "")
+    if not restores:
+        return f"attempt {attempt} started from step 0: no copy of this run could be restored{damage}"
+    first = restores[0]
+    if first.attrs.get("source") == "parent":
+        return (f"attempt {attempt} started from step 0 on the parent refresh's anchor: no copy of this run could "
+                f"be restored{damage}")
+    where = "the in-memory copies" if first.attrs.get("source") == "memory" else "the durable checkpoint"
+    return f"attempt {attempt} restored step {first.attrs.get('step')} from {where}{damage}"
 
 
 class ProgressReporter:
@@ -229,7 +251,10 @@ class ProgressReporter:
                 self._quiet_since = now
                 self.logger.info("%s", text)
             return
-        self._restart = None if s["step"] > 0 else self._restart
+        if self._restart is not None and s["step"] > 0:  # the restart trains: say what it really restored
+            self.logger.info("%s", restored_text(run_spool.events(self.plan.spool_root, self.plan.run_id),
+                                                 s["attempt"]))
+            self._restart = None
         text = step_text(s["step"], self.total, s["attempt"], s["loss"], s["examples_per_s"])
         if text != self._said:
             self.logger.info("training: %s", text)

@@ -170,7 +170,7 @@ def ray_log_lines(text: str) -> list[str]:
     return out
 
 
-def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_good_one(env):
+def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_good_one(env, caplog):
     """Rank 0 is SIGKILLed at step 17 after checkpoints at 5, 10, 15 (two kept); the newest
     committed one is damaged (64 KiB of 0xFF, same size) before the restart. The restart
     refuses it, warns naming the file, restores the previous good step, and the run completes
@@ -198,6 +198,11 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
     assert row["tags"]["checkpoint_fallbacks"] == [{"attempt": 1, "damaged_step": damaged_step,
                                                    "restored_step": corrupter.fallback, "file": corrupter.file.name,
                                                    "steps_lost": damaged_step - corrupter.fallback}]
+    # the console says what the restart restored, not "the last checkpoint" (issue 26 #6)
+    said = f"attempt 1 restored step {corrupter.fallback} from the durable checkpoint; damaged checkpoint(s) of step " \
+           f"{damaged_step} skipped"
+    assert any(r.getMessage() == said for r in caplog.records), [r.getMessage() for r in caplog.records
+                                                                 if "attempt 1" in r.getMessage()]
     if corrupter.damaged.is_dir():  # unless pruned since: still torn, never restored, never "repaired"
         with pytest.raises(Exception, match=corrupter.file.name):
             verify(corrupter.damaged)

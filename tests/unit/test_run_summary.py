@@ -125,7 +125,7 @@ def test_progress_says_the_startup_phase_not_waiting():
     assert startup_text(1, {0: None, 1: None}, now=5.0) == "attempt 1 starting: launching the rank processes"
     kill = Failure(failure_class="infrastructure", rank=1, attempt=0, step=16, reason="rank 1 killed at step 16")
     assert restart_text(kill, 1) == ("attempt 0 failed (infrastructure: rank 1 killed at step 16); "
-                                     "attempt 1 restores the last checkpoint")
+                                     "attempt 1 restarts from the newest good copy")
     assert step_text(12, 60, 1, 0.69314, 512.4) == "step 12/60 (20%), attempt 1, loss 0.6931, 512 examples/s"
 
 
@@ -231,3 +231,30 @@ def test_the_progress_history_keeps_what_the_run_went_through():
     assert progress_history(compute_run_metrics(t.events))[-1] == (
         "after the release: publish_standalone 38.0 s, 1 failed publish try")
 
+
+
+def test_a_restart_says_what_it_really_restored():
+    """Issue 26 #6: the console said "attempt 1 restores the last checkpoint" while, every
+    checkpoint damaged, training restarted at step 0. Once the attempt trains, its own spool
+    says what it started from."""
+    from ettflow.ett.events import PhaseEvent
+    from ettflow.tasks.progress import restored_text
+
+    def ev(phase, attempt, rank=0, **attrs):
+        return PhaseEvent(run_id="r", attempt=attempt, rank=rank, phase=phase, start=1.0 + attempt,
+                          end=(1.0 if phase == "checkpoint_fallback" else 2.0) + attempt,
+                          attrs=attrs)
+
+    events = [ev("checkpoint_restore", 1, source="own", step=20), ev("checkpoint_restore", 1, rank=1, source="own",
+                                                                       step=20),
+              ev("checkpoint_fallback", 1, damaged_step=25, restored_step=20),
+              ev("checkpoint_restore", 2, source="memory", step=31),
+              ev("checkpoint_fallback", 3, damaged_step=5, restored_step=None),
+              ev("checkpoint_restore", 4, source="parent", parent_step=600)]
+    assert restored_text(events, 1) == ("attempt 1 restored step 20 from the durable checkpoint; damaged "
+                                        "checkpoint(s) of step 25 skipped")
+    assert restored_text(events, 2) == "attempt 2 restored step 31 from the in-memory copies"
+    assert restored_text(events, 3) == ("attempt 3 started from step 0: no copy of this run could be restored; "
+                                        "damaged checkpoint(s) of step 5 skipped")
+    assert restored_text(events, 4) == ("attempt 4 started from step 0 on the parent refresh's anchor: no copy of "
+                                        "this run could be restored")
