@@ -147,7 +147,9 @@ HELD_NOTE = ("Held capacity: pooled workers and spares (one trainer slot each; a
 def component_table(components: pd.DataFrame, wall_s: float, *, phases: bool = True) -> pd.DataFrame:
     """One run's L2 in detail: each component and (`phases`) each phase, exposed and raw, with owners."""
     frame = components.copy() if phases else components[components["kind"] == "component"].copy()
-    frame["owner"] = [owner_of(n) or "-" for n in frame["name"]]
+    # the row's owner as archived (a component's is its largest phase's in that run: `RunMetrics.owner`)
+    stored = frame["owner"] if "owner" in frame.columns else [None] * len(frame)
+    frame["owner"] = [o if isinstance(o, str) and o else (owner_of(n) or "-") for o, n in zip(stored, frame["name"])]
     frame["exposed_%"] = (100 * frame["exposed_s"] / wall_s).round(1) if wall_s > 0 else 0.0
     order = {name: i for i, name in enumerate(L2_ORDER)}
     # components first in sweep priority, then phases grouped under their component

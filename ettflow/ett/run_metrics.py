@@ -22,7 +22,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .capacity import HeldCapacity, capacity_ett_pct, held_capacity
-from .events import COMPONENTS, MARKERS, OFF_CLOCK, PUBLISH_PHASES, UNATTRIBUTED, PhaseEvent
+from .events import (
+    COMPONENTS,
+    MARKERS,
+    OFF_CLOCK,
+    PUBLISH_PHASES,
+    UNATTRIBUTED,
+    PhaseEvent,
+    component_of,
+    owner_of,
+)
 from .failures import FailureClass
 from .timeline import Fault, Partition, PhaseTime, faults, partition, union_length
 
@@ -108,6 +117,17 @@ class RunMetrics:
 
     def raw(self, phase: str) -> float:
         return self.phases[phase].raw_s if phase in self.phases else 0.0
+
+    def owner(self, name: str) -> str | None:
+        """Who owns the time of component or phase `name` in this run: a component's owner is
+        its largest exposed phase's (wasted training is checkpoint blocking in one run, a
+        stalled host or rank in another), else its usual owner (`owner_of`)."""
+        if name in COMPONENTS:
+            parts = [(t.exposed_s, phase) for phase, t in self.phases.items()
+                     if component_of(phase) == name and t.exposed_s > 0 and owner_of(phase)]
+            if parts:
+                return owner_of(max(parts)[1])
+        return owner_of(name)
 
     def check_partition(self, tolerance_s: float = 1e-3) -> None:
         total = sum(self.components[c] for c in (*COMPONENTS, UNATTRIBUTED))

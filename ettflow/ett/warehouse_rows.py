@@ -110,7 +110,7 @@ def run_row(info: RunInfo, m: RunMetrics, archived_at: datetime) -> dict[str, An
 def component_rows(run_id: str, m: RunMetrics) -> list[dict[str, Any]]:
     rows = [
         {"run_id": run_id, "kind": "component", "name": name, "exposed_s": m.components[name],
-         "raw_s": m.components_raw[name], "owner": owner_of(name)}
+         "raw_s": m.components_raw[name], "owner": m.owner(name)}
         for name in (*COMPONENTS, UNATTRIBUTED)
     ]
     rows += [

@@ -71,7 +71,7 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
     for name in (*COMPONENTS, UNATTRIBUTED):
         rows.append({"level": "L2", "metric": name, "exposed": round(m.components[name], 3),
                      "raw": round(m.components_raw[name], 3),
-                     "pct_of_wall": round(100 * m.components[name] / wall, 1), "owner": owner_of(name) or NO_OWNER})
+                     "pct_of_wall": round(100 * m.components[name] / wall, 1), "owner": m.owner(name) or NO_OWNER})
         ray = m.phases.get("ray_start") if name == "scheduling" else None
         if ray is not None:  # no Ray to join: the run started one, and paid for it (`ettflow up` keeps one)
             rows.append({"level": "L2", "metric": "scheduling: ray_start (a local Ray started on this run's clock)",

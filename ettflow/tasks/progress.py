@@ -10,9 +10,9 @@ While the train task runs, `ProgressReporter` follows the latest attempt: a back
 reads its spool (`SpoolTail`, the same events the metric and the driver's watchdog read) and
 its ranks' heartbeats, and every few seconds updates the artifact and logs one line. Before
 the first step it says which startup phase the ranks are in and for how long
-(`startup_text`: ``attempt 0 starting: pt2_compile for 35 s``); after a failure, which attempt
-failed and why, and, once the next one trains, what it restored (`restored_text`). It runs in a copy of the task's context, so it
-talks to the same Prefect API as the task.
+(`startup_text`: ``attempt 0 starting: pt2_compile for 35 s``); after a failure, which
+attempt failed and why, and, once the next one trains, what it restored (`restored_text`).
+It runs in a copy of the task's context, so it talks to the same Prefect API as the task.
 """
 
 from __future__ import annotations

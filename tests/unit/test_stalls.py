@@ -81,6 +81,10 @@ def test_a_stall_covered_by_a_paused_process_is_the_hosts_and_two_ranks_share_th
     assert l2(m) == expect(effective_training=6, wasted_training=30)
     assert m.exposed(HOST_STALL) == 20 and m.exposed(STEP_STALL) == 10  # [6, 10] and [30, 36] uncovered
     assert m.raw(PROCESS_PAUSED) == 20 and m.wall_s == 36  # evidence claims no time
+    # the component's owner in this run is its largest phase's: the host, not storage (wasted
+    # training's usual owner, for checkpoint blocking)
+    assert m.owner("wasted_training") == "host" and owner_of("wasted_training") == "storage"
+    assert m.owner("effective_training") == owner_of("effective_training") and m.owner(HOST_STALL) == "host"
 
 
 def test_a_pause_during_a_save_is_the_hosts_whole_instant_and_a_pause_before_training_is_not():
