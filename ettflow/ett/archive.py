@@ -106,15 +106,30 @@ def fallback_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     return {"checkpoint_fallbacks": list(found.values())} if found else {}
 
 
+# a compile-cache archive that was there but could not be used (`trainer.compile.cache.RestoreMiss`)
+CACHE_DAMAGE = ("untrusted", "unverified", "unreadable")
+
+
+def cache_refusal_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
+    """The row's record of compile-cache archives refused (empty when none): each distinct
+    refusal once, with the first attempt and rank that met it; those ranks compiled cold."""
+    found: dict[str, dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: (e.attempt, e.rank, e.start)):
+        if e.phase == "compile_cache_restore" and e.attrs.get("miss") in CACHE_DAMAGE:
+            found.setdefault(str(e.attrs.get("reason")), {"attempt": e.attempt, "rank": e.rank,
+                                                          "miss": e.attrs["miss"], "reason": e.attrs.get("reason")})
+    return {"compile_cache_refused": list(found.values())} if found else {}
+
+
 def _with_read_tags(info: RunInfo, read: SpoolRead) -> RunInfo:
     tags = {k: v for k, v in info.tags.items()
             if k not in ("spool_problems", "spool_problem_lines", "checkpoint_fallbacks", "unspooled_events",
-                         "spooled_events")}
+                         "spooled_events", "compile_cache_refused")}
     # a row archived with events its spool never got (`SpoolRead.kept`) says how many, so a later
     # archiving from that spool alone does not replace it with less (`tasks.reconcile`)
     unspooled = {"unspooled_events": read.kept, "spooled_events": len(read.events) - read.kept} if read.kept else {}
     return replace(info, tags={**tags, "spool_bytes": read.bytes, **problem_tags(read.problems),
-                               **fallback_tags(read.events), **unspooled})
+                               **fallback_tags(read.events), **cache_refusal_tags(read.events), **unspooled})
 
 
 def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunInfo) -> Archived:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ettflow.ett.archive import fallback_tags
+from ettflow.ett.archive import cache_refusal_tags, fallback_tags
 from ettflow.ett.failures import Failure
 from ettflow.ett.spool import SpoolWriteError
 from ettflow.tasks.plan import RefreshPlan
@@ -211,7 +211,12 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         raise
     rank0 = result.rank0
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
-    for damage in fallback_tags(run_spool.events(plan.spool_root, plan.run_id)).get("checkpoint_fallbacks", []):
+    evs = run_spool.events(plan.spool_root, plan.run_id)
+    for refused in cache_refusal_tags(evs).get("compile_cache_refused", []):
+        logger.warning("attempt %d, rank %d: the compile cache's archive was refused (%s: %s): compiled cold; the "
+                       "run's end saves a new one", refused["attempt"], refused["rank"], refused["miss"],
+                       refused["reason"])
+    for damage in fallback_tags(evs).get("checkpoint_fallbacks", []):
         logger.warning("attempt %d: checkpoint step %s was damaged (%s): restored step %s instead, %d step(s) "
                        "trained again", damage["attempt"], damage["damaged_step"], damage["file"] or "its folder",
                        damage["restored_step"] if damage["restored_step"] is not None else "none (from scratch)",

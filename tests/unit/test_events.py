@@ -68,3 +68,20 @@ def test_a_damaged_checkpoint_skipped_by_several_attempts_is_reported_once():
     assert tags == {"checkpoint_fallbacks": [{"attempt": 1, "damaged_step": 15, "restored_step": 10,
                                               "file": "__0_0.distcp", "steps_lost": 5}]}
     assert fallback_tags([]) == {}
+
+
+def test_a_refused_compile_cache_archive_is_reported_once_at_the_runs_level():
+    """Issue 26 #6: a damaged compile-cache archive was said only in forwarded Ray lines; the
+    row's tags and the train task's log now carry each distinct refusal once."""
+    from ettflow.ett.archive import cache_refusal_tags
+    from ettflow.ett.events import PhaseEvent
+
+    def restore(attempt: int, rank: int, miss: str | None, reason: str) -> PhaseEvent:
+        return PhaseEvent(run_id="r", phase="compile_cache_restore", start=attempt + rank, end=attempt + rank + 0.5,
+                          attempt=attempt, rank=rank, attrs={"hit": miss is None, "miss": miss, "reason": reason})
+
+    bad = "archive dlrm.tar: sha256 does not match its manifest"
+    tags = cache_refusal_tags([restore(1, 1, "unverified", bad), restore(0, 0, "no_archive", "no archive yet"),
+                               restore(1, 0, "unverified", bad), restore(2, 0, None, "")])
+    assert tags == {"compile_cache_refused": [{"attempt": 1, "rank": 0, "miss": "unverified", "reason": bad}]}
+    assert cache_refusal_tags([restore(0, 0, "no_archive", "no archive yet")]) == {}

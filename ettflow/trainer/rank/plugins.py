@@ -86,7 +86,8 @@ class TrainerPlugins:
             # (never twice in one process: extracting the archive rewrites the kernels it loaded)
             with rec.span("compile_cache_restore") as attrs:
                 restored = self.cache.restore()
-                attrs.update(hit=restored.hit, bytes=restored.bytes, reason=restored.reason)
+                attrs.update(hit=restored.hit, bytes=restored.bytes, reason=restored.reason,
+                             miss=restored.miss.value if restored.miss is not None else None)
             self.cache_hit = restored.hit
 
     @property
