@@ -4,8 +4,9 @@ When the flow's process dies (SIGKILL, a lost node, a worker's flow process that
 marks CRASHED), nobody records the failure. This module writes it into the spool, once, as
 the two markers every failure has, on the driver's file (rank -1):
 
-- ``failure`` at `failed_at`: the last time the driver was known alive (its last heartbeat,
-  else the end of the last spooled on-clock event);
+- ``failure`` at `failed_at`: the last time the run was known alive: its driver's last
+  heartbeat or the end of the last spooled on-clock event, whichever is later (ranks outlive
+  their driver for a moment, and a timeline must not show work after its failure);
 - ``failure_detected`` at `detected_at`: when the death was noticed. For a run found by its
   stale heartbeat this is the last beat + the heartbeat bound (`HeartbeatRecord.detection_at`,
   a function of the spool, so re-archiving gives the same row); for Prefect's CRASHED state,
@@ -70,9 +71,10 @@ def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | No
         return None  # the process was stopped, and its driver or task said so: the crash is that stop
     failed = any(e.attempt == last and e.phase in (FAILURE, FAILURE_DETECTED) for e in events)
     end = last_on_clock_end(events)
-    failed_at = last_alive if last_alive is not None else end
-    if failed_at is None:
-        failed_at = max(e.end for e in events)
+    # never before the last spooled work: a rank's steps recorded after the flow's last heartbeat
+    # (the ranks outlive their driver for a moment) are drawn before the failure, not after it
+    known = [t for t in (last_alive, end) if t is not None]
+    failed_at = max(known) if known else max(e.end for e in events)
     detected = max(detected_at, failed_at, end if end is not None else failed_at)
     return OrphanFailure(attempt=last + 1 if failed else last, failed_at=failed_at, detected_at=detected)
 

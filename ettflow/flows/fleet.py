@@ -34,7 +34,19 @@ def read_held_task(warehouse: dict):
 
 @task(name="publish-fleet-artifacts", cache_policy=NO_CACHE)
 def publish_task(runs, rule: RegressionRule, held=None) -> dict:
-    return publish_fleet_artifacts(runs, rule, held)
+    return publish_fleet_artifacts(runs, rule, held, goals=ett_goals())
+
+
+def ett_goals() -> dict[str, float]:
+    """The ETT% goal lines: the shipped automations' `ett_below` thresholds (none when the file
+    cannot be read: the views are drawn without them, and the log says why)."""
+    from ettflow.tasks.automations import AutomationsConfig
+
+    try:
+        return dict(AutomationsConfig.load().ett_below)
+    except (OSError, ValueError) as exc:
+        get_run_logger().warning("no ETT goal lines: the automations file cannot be read (%s)", exc)
+        return {}
 
 
 @task(name="emit-regressions", cache_policy=NO_CACHE)

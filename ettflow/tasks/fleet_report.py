@@ -224,13 +224,21 @@ def _waste_md(runs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 5) -> str:
-    """One deployment's view: its ETT over time, components per owner, worst runs, regressions."""
+def goal_of(goals: Mapping[str, float], deployment: str | None) -> float | None:
+    """The ETT% goal drawn for `deployment` (None: the fleet's): the automations' `ett_below`
+    threshold for it, else the one for every run (`*`), else none."""
+    return goals.get(deployment, goals.get("*")) if deployment is not None else goals.get("*")
+
+
+def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 5,
+                        goal: float | None = None) -> str:
+    """One deployment's view: its ETT over time (with its goal line), components per owner,
+    worst runs, regressions."""
     summary = fleet.deployment_summary(runs)
     found = [r for r in fleet.regressions(runs, rule) if r.deployment == deployment]
     return "\n".join([
         f"# ETT of deployment `{deployment}`", "", md_table(summary), "",
-        "## ETT% per run over time", "", _image(ett_over_time_png(runs, f"ETT% per run: {deployment}"),
+        "## ETT% per run over time", "", _image(ett_over_time_png(runs, f"ETT% per run: {deployment}", goal),
                                                f"ETT per run of {deployment}"), "",
         "## Components per owner (share of wall time)", "",
         _image(component_shares_png(runs, f"where the wall time went: {deployment}"), f"components of {deployment}"),
@@ -259,13 +267,13 @@ def read_held(warehouse_url: str | None) -> pd.DataFrame:
 
 
 def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 10,
-                   held: pd.DataFrame | None = None) -> str:
+                   held: pd.DataFrame | None = None, goal: float | None = None) -> str:
     """The fleet's view: every deployment's summary and ETT over time, the components per
     owner over all runs, the worst runs, every regression, and what the pool and spares held
     (the ledger, with what no run used)."""
     return "\n".join([
         "# ETT of the fleet", "", md_table(fleet.deployment_summary(runs)), "",
-        "## ETT% per run over time", "", _image(ett_over_time_png(runs, "ETT% per run, by deployment"),
+        "## ETT% per run over time", "", _image(ett_over_time_png(runs, "ETT% per run, by deployment", goal),
                                                "ETT per run of the fleet"), "",
         "## Components per owner (share of wall time, all deployments)", "",
         _image(component_shares_png(runs, "where the wall time went: the fleet's last runs"),
@@ -279,22 +287,24 @@ def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 
 
 # -- publishing ----------------------------------------------------------------------------
 
-def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule,
-                            held: pd.DataFrame | None = None) -> dict[str, UUID]:
-    """Create the fleet artifact and one per deployment on the current flow run; key -> id."""
+def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule, held: pd.DataFrame | None = None,
+                            goals: Mapping[str, float] | None = None) -> dict[str, UUID]:
+    """Create the fleet artifact and one per deployment on the current flow run; key -> id.
+    `goals`: ETT% goal lines by deployment (`*`: every run), as the automations' `ett_below`."""
     from prefect.artifacts import create_markdown_artifact
 
     done = fleet.trained(runs)
     made: dict[str, UUID] = {}
     mean = f"mean ETT {done['ett_pct'].mean():.1f}%" if len(done) else "no trained run"
     made[FLEET_KEY] = create_markdown_artifact(
-        key=FLEET_KEY, markdown=fleet_markdown(runs, rule, held=held),
+        key=FLEET_KEY, markdown=fleet_markdown(runs, rule, held=held, goal=goal_of(goals or {}, None)),
         description=f"Fleet: {runs['deployment'].nunique()} deployments, {len(done)} runs, {mean}")
     for deployment, group in runs.groupby("deployment", sort=True):
         trained = fleet.trained(group)
         last = f"last ETT {trained['ett_pct'].iloc[-1]:.1f}%" if len(trained) else "no trained run"
         key = f"{FLEET_KEY}-{slug(str(deployment))}"
-        made[key] = create_markdown_artifact(key=key, markdown=deployment_markdown(str(deployment), group, rule),
+        made[key] = create_markdown_artifact(key=key, markdown=deployment_markdown(
+            str(deployment), group, rule, goal=goal_of(goals or {}, str(deployment))),
                                              description=f"{deployment}: {len(trained)} runs, {last}")
     return made
 

@@ -37,3 +37,16 @@ def test_the_worst_runs_table_labels_runs_short_enough_to_read_without_scrolling
     assert "[0e4f1c98](" in table and run_id not in table.split("](")[0]
     assert "| pt2_compile | compiler | 50.0 |" in table
 
+
+
+def test_the_goal_line_is_the_automations_threshold_of_the_deployment():
+    """Issue 27: the goal line is wired to what the shipped automations alert on (`ett_below`),
+    per deployment, `*` for the rest and the fleet's view."""
+    from ettflow.flows.fleet import ett_goals
+    from ettflow.tasks.automations import AutomationsConfig
+    from ettflow.tasks.fleet_report import goal_of
+
+    goals = {"nightly": 70.0, "*": 50.0}
+    assert goal_of(goals, "nightly") == 70.0 and goal_of(goals, "adhoc") == 50.0 and goal_of(goals, None) == 50.0
+    assert goal_of({"nightly": 70.0}, "adhoc") is None
+    assert dict(AutomationsConfig.load().ett_below) == ett_goals()

@@ -42,8 +42,10 @@ def test_orphan_failure_goes_on_the_last_attempt_or_the_next_when_that_one_faile
     t = trained_then_silent()
     placed = place_orphan_failure(t.events, last_alive=31.0, detected_at=38.6)
     assert (placed.attempt, placed.failed_at, placed.detected_at) == (0, 31.0, 38.6)
-    # never detected before the last spooled work
-    assert place_orphan_failure(t.events, last_alive=5.0, detected_at=12.0).detected_at == 30.0
+    # never failed nor detected before the last spooled work (issue 27: a crashed run's timeline
+    # showed effective training after its failure mark)
+    early = place_orphan_failure(t.events, last_alive=5.0, detected_at=12.0)
+    assert (early.failed_at, early.detected_at) == (30.0, 30.0)
     # no heartbeat: the last on-clock event's end is the last sign of life
     assert place_orphan_failure(t.events, last_alive=None, detected_at=40.0).failed_at == 30.0
     t.fail(30.5, 31.0, failure_class="infrastructure", failed_rank=1)  # attempt 0 failed, then the driver died
