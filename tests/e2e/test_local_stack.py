@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import time
 
 import httpx
 import psutil
@@ -115,6 +116,7 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         assert slots_held == pytest.approx(runs.loc[second, "held_s"])
         report = ettflow(env, "report", "--model", MODEL, timeout=120)
         assert report.returncode == 0 and "Held capacity, the ledger" in report.stdout, report.stdout[-3000:]
+        _the_crash_automation_never_fired_on_them(api, (first, second), runs)
     finally:
         record = StackRecord.read(home / "stack" / "stack.json")
         down = ettflow(env, "down", timeout=300)
@@ -126,6 +128,29 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
     with socket.socket() as s:  # the API's port is free again (its closed connections may linger in TIME_WAIT)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", api_port))
+
+
+def _the_crash_automation_never_fired_on_them(api: str, run_ids, runs) -> None:
+    """Issue 27: the crash (zombie) automation fired on two completed scheduled runs 77 s after
+    their last heartbeat. Past its window after the first run's end (`missing_after_s` of the
+    stack's 30 s heartbeats, and a margin; the test's own work usually covers it), no event of
+    that automation exists and both runs are still COMPLETED."""
+    from ettflow.flows.zombies import NAME, missing_after_s
+
+    window = missing_after_s(30) + 15.0
+    ended = float(runs.loc[run_ids[0], "wall_end"])
+    waited = max(0.0, ended + window - time.time())
+    time.sleep(waited)
+    (automation,) = [a for a in httpx.post(f"{api}/automations/filter", json={}, timeout=30).json()
+                     if a["name"] == NAME]
+    body = {"filter": {"event": {"prefix": ["prefect.automation."]},
+                       "resource": {"id": [f"prefect.automation.{automation['id']}"]}}, "limit": 50}
+    fired = httpx.post(f"{api}/events/filter", json=body, timeout=30).json()["events"]
+    assert fired == [], [(e["event"], e.get("related")) for e in fired]
+    for run_id in run_ids:
+        assert httpx.get(f"{api}/flow_runs/{run_id}").json()["state_type"] == "COMPLETED"
+    print(f"\ncrash automation: no firing {time.time() - ended:.0f} s after the first run ended "
+          f"(its window {missing_after_s(30):.0f} s; waited {waited:.0f} s for it)")
 
 
 def _pooled_processes(home) -> list[str]:

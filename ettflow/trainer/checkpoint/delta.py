@@ -1,0 +1,312 @@
+"""Delta checkpoints of a sharded TorchRec model: only the embedding rows touched since the parent.
+
+What a refresh changes in its embedding tables is the rows its batches looked up, a small and
+skewed share of each table. TorchRec's tracker records those ids (`ModelDeltaTracker`,
+enabled on the `DistributedModelParallel`: `enable_tracker`), and a delta (`capture_delta`)
+holds, per rank:
+
+- for every local shard of a sharded table, the touched rows (`ids/<key>/<i>`, `rows/<key>/<i>`)
+  and the same rows of the fused optimizer's state (`optrows/<param>/<state>/<i>`);
+- every other tensor of the model's state dict whole (`dense/<key>`: the dense arch, buffers);
+- every other optimizer's state whole (`optim/<name>/...`), its param groups in the meta JSON.
+
+Applying deltas in order onto the restored base (`apply_delta`) writes those rows and tensors
+in place, so base + deltas equals the full checkpoint of the same step bit for bit: an
+untouched row is not changed by the fused optimizer (its gradient is zero and the fused
+kernel updates only the rows of the batch). A table sharded row-wise (a GPU plan) is refused
+with `DeltaUnsupported` (its tracked ids are not checked against the shard's offsets here):
+the caller takes a base and says so once.
+
+The files are written without pickle: one raw byte file per rank (`rank-<r>.bin`) and a JSON
+index of its tensors (name, dtype, shape, offset); the folder is sealed like a checkpoint
+(`manifest.json` with the size and sha256 of every file, then `COMMITTED`), and a read
+verifies every file before it reads a byte of tensor data. The chain around deltas (which save
+is a base, what a restore reads, what retention keeps) is `delta_chain.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
+from ettflow.trainer.checkpoint.layout import COMMITTED, MANIFEST, atomic_write_text
+from ettflow.trainer.checkpoint.verify import sha256_file
+
+DELTA_FORMAT = "ettflow-delta/1"
+DELTA_PREFIX = "delta_"
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                               torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class DeltaUnsupported(CheckpointError):
+    """The model's state cannot be saved as a delta (a row-wise sharded table, no tracker): take a base."""
+
+
+def delta_folder(root: Path | str, step: int) -> Path:
+    return Path(root) / f"{DELTA_PREFIX}{step:010d}"
+
+
+# -- the tracker -------------------------------------------------------------------------------
+
+
+def enable_tracker(dmp: Any) -> Any:
+    """TorchRec's delta tracker on `dmp`, recording the ids every lookup touches (ID_ONLY: the
+    rows themselves are read at the save, from the model)."""
+    from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+
+    return dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True))
+
+
+def touched_rows(tracker: Any) -> dict[str, torch.Tensor]:
+    """Table module FQN -> the sorted unique ids its lookups touched since the last call
+    (consumed: the caller keeps them until its delta commits, `RowLedger`)."""
+    try:
+        got = tracker.get_unique_ids()
+    except ValueError:  # torchrec 1.8: torch.cat of an empty list when nothing was looked up since
+        return {}
+    return {fqn: torch.unique(ids.to(torch.int64)) for fqn, ids in got.items()}
+
+
+class RowLedger:
+    """The rows touched since the last committed save, by table: what the tracker gave since
+    (`add`), kept until a save of them commits (`committed`), so a failed or torn delta loses
+    no row for the next one."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, torch.Tensor] = {}
+
+    def add(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for fqn, ids in rows.items():
+            had = self._rows.get(fqn)
+            self._rows[fqn] = ids if had is None else torch.unique(torch.cat([had, ids]))
+        return dict(self._rows)
+
+    def committed(self) -> None:
+        self._rows = {}
+
+
+# -- capture and apply ---------------------------------------------------------------------------
+
+
+def _table_of(key: str) -> str:
+    """The tracker's FQN of a table parameter's state-dict key (`...embedding_bags.t0.weight`)."""
+    return key.removesuffix(".weight")
+
+
+def _local_shards(value: Any) -> list[Any] | None:
+    shards = getattr(value, "local_shards", None)
+    return list(shards()) if callable(shards) else None
+
+
+def _rows_of(key: str, shard: Any, table_rows: int, touched: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+    if offsets[0] != 0 or sizes[0] != table_rows:
+        raise DeltaUnsupported(f"{key} is sharded by rows (a shard of rows {offsets[0]}..{offsets[0] + sizes[0]} of "
+                               f"{table_rows}): delta checkpoints serve table- and column-wise shards only")
+    return touched.get(_table_of(key), torch.empty(0, dtype=torch.int64))
+
+
+def capture_delta(model: torch.nn.Module, optimizers: Mapping[str, Any], touched: Mapping[str, torch.Tensor], *,
+                  sparse: str = "sparse") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, meta) of this rank's delta: see the module's docstring. `optimizers[sparse]`
+    is the fused embedding optimizer (its state sharded like the tables); every other
+    optimizer is saved whole."""
+    out: dict[str, torch.Tensor] = {}
+    rows_by_param: dict[str, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            shards = _local_shards(value)
+            if shards is None:
+                out[f"dense/{key}"] = value.detach().clone()
+                continue
+            rows_by_param[key] = []
+            for i, shard in enumerate(shards):
+                ids = _rows_of(key, shard, value.size(0), touched)
+                rows_by_param[key].append(ids)
+                out[f"ids/{key}/{i}"] = ids.clone()
+                out[f"rows/{key}/{i}"] = shard.tensor.index_select(0, ids).clone()
+        for param, states in optimizers[sparse].state_dict()["state"].items():
+            for name, value in states.items():
+                shards = _local_shards(value)
+                if shards is None:
+                    raise DeltaUnsupported(f"the fused optimizer's state {name} of {param} is not sharded like its "
+                                           "table: delta checkpoints need it row by row")
+                for i, shard in enumerate(shards):
+                    ids = rows_by_param.get(param, [])
+                    if i >= len(ids):
+                        raise DeltaUnsupported(f"{param}: optimizer shard {i} has no table shard to match")
+                    out[f"optrows/{param}/{name}/{i}"] = shard.tensor.index_select(0, ids[i]).clone()
+        groups: dict[str, Any] = {}
+        for name, opt in optimizers.items():
+            if name == sparse:
+                continue
+            sd = opt.state_dict()
+            groups[name] = sd["param_groups"]
+            for idx, states in sd["state"].items():
+                for k, v in states.items():
+                    if not isinstance(v, torch.Tensor):
+                        raise DeltaUnsupported(f"optimizer {name}'s state {k} of parameter {idx} is not a tensor")
+                    out[f"optim/{name}/{idx}/{k}"] = v.detach().clone()
+    return out, {"param_groups": groups, "sparse": sparse}
+
+
+def apply_delta(model: torch.nn.Module, optimizers: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                meta: Mapping[str, Any]) -> int:
+    """Write one delta into the restored state, in place; the rows written (all tables)."""
+    sparse = meta["sparse"]
+    written = 0
+    with torch.no_grad():
+        sd = model.state_dict()
+        for key, value in sd.items():
+            shards = _local_shards(value)
+            if shards is None:
+                value.copy_(_need(tensors, f"dense/{key}"))
+                continue
+            for i, shard in enumerate(shards):
+                ids = _need(tensors, f"ids/{key}/{i}")
+                shard.tensor.index_copy_(0, ids, _need(tensors, f"rows/{key}/{i}"))
+                written += int(ids.numel())
+        for param, states in optimizers[sparse].state_dict()["state"].items():
+            for name, value in states.items():
+                for i, shard in enumerate(_local_shards(value) or []):
+                    ids = _need(tensors, f"ids/{param}/{i}")
+                    shard.tensor.index_copy_(0, ids, _need(tensors, f"optrows/{param}/{name}/{i}"))
+    for name, opt in optimizers.items():
+        if name == sparse:
+            continue
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        prefix = f"optim/{name}/"
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                idx, k = key[len(prefix):].split("/", 1)
+                state.setdefault(int(idx), {})[k] = value
+        opt.load_state_dict({"state": state, "param_groups": _as_groups(meta["param_groups"][name], opt)})
+    return written
+
+
+def _as_groups(saved: Sequence[Mapping[str, Any]], opt: Any) -> list[dict[str, Any]]:
+    """Param groups read back from JSON: a value the optimizer holds as a tuple (Adam's betas)
+    is a tuple again, so the restored state equals the saved one exactly."""
+    current = opt.param_groups
+    out = []
+    for i, group in enumerate(saved):
+        now = current[i] if i < len(current) else {}
+        out.append({k: tuple(v) if isinstance(now.get(k), tuple) and isinstance(v, list) else v
+                    for k, v in group.items()})
+    return out
+
+
+def _need(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in tensors:
+        raise CheckpointError(f"the delta has no tensor {key}: it was written for another model or sharding plan; "
+                              "restore from a base")
+    return tensors[key]
+
+
+# -- files: raw bytes and a JSON index, sealed ---------------------------------------------------
+
+
+def write_pack(folder: Path, rank: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
+    """Write this rank's tensors (raw bytes) and their index with `meta` (JSON); the bytes written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    index, offset = [], 0
+    with open(folder / f"rank-{rank}.bin", "wb") as f:
+        for name, t in tensors.items():
+            if str(t.dtype) not in _DTYPES:
+                raise CheckpointError(f"delta tensor {name} has dtype {t.dtype}, which the delta format does not hold")
+            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+            f.write(data)
+            index.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
+                          "length": len(data)})
+            offset += len(data)
+    atomic_write_text(folder / f"rank-{rank}.json", json.dumps({"tensors": index, "meta": dict(meta)}))
+    return offset
+
+
+def read_pack(folder: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors and meta (call `verify_delta` first: nothing here checks checksums)."""
+    index = json.loads((folder / f"rank-{rank}.json").read_text())
+    data = (folder / f"rank-{rank}.bin").read_bytes()
+    out: dict[str, torch.Tensor] = {}
+    for entry in index["tensors"]:
+        dtype = _DTYPES.get(entry["dtype"])
+        start, length = int(entry["offset"]), int(entry["length"])
+        if dtype is None or start < 0 or start + length > len(data):
+            raise TornCheckpointError(folder, f"rank-{rank}.json describes tensor {entry.get('name')!r} outside its "
+                                      "data or of an unknown dtype", file=f"rank-{rank}.json")
+        raw = torch.frombuffer(bytearray(data[start:start + length]), dtype=torch.uint8) if length else \
+            torch.empty(0, dtype=torch.uint8)
+        out[entry["name"]] = raw.view(dtype).reshape(entry["shape"])
+    return out, index["meta"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaInfo:
+    """A committed, verified delta."""
+
+    step: int
+    parent: int
+    path: Path
+    world_size: int
+    bytes: int
+
+
+def _canonical_sha(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal_delta(folder: Path, *, step: int, parent: int, world_size: int) -> int:
+    """Seal a delta every rank finished writing: manifest (size and sha256 of every file) then
+    COMMITTED. Rank 0 calls it once the others are done. Its size in bytes."""
+    files = {}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name not in (MANIFEST, COMMITTED):
+            files[f.name] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+    missing = [r for r in range(world_size) if f"rank-{r}.bin" not in files or f"rank-{r}.json" not in files]
+    if missing:
+        raise CheckpointError(f"{folder}: rank(s) {missing} did not write their part of the delta")
+    body = {"format": DELTA_FORMAT, "step": step, "parent": parent, "world_size": world_size,
+            "created_at": time.time(), "files": files}
+    digest = _canonical_sha(body)
+    atomic_write_text(folder / MANIFEST, json.dumps({**body, "manifest_sha256": digest}, indent=1))
+    atomic_write_text(folder / COMMITTED, digest + "\n")
+    return sum(f["size"] for f in files.values())
+
+
+def verify_delta(folder: Path | str) -> DeltaInfo:
+    """Verify a committed delta: marker, manifest, and the size and sha256 of every file.
+    Raises TornCheckpointError saying what is wrong."""
+    folder = Path(folder)
+    if not (folder / COMMITTED).is_file():
+        raise TornCheckpointError(folder, f"no {COMMITTED} marker: the delta never committed", file=COMMITTED)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        recorded = manifest.pop("manifest_sha256")
+    except (OSError, ValueError, KeyError) as e:
+        raise TornCheckpointError(folder, f"{MANIFEST} is missing or unreadable ({e})", file=MANIFEST) from e
+    if _canonical_sha(manifest) != recorded or (folder / COMMITTED).read_text().strip() != recorded:
+        raise TornCheckpointError(folder, f"{MANIFEST} does not match its sha256 or {COMMITTED}", file=MANIFEST)
+    if manifest.get("format") != DELTA_FORMAT:
+        raise TornCheckpointError(folder, f"unknown format {manifest.get('format')!r}", file=MANIFEST)
+    for name, expect in sorted(manifest["files"].items()):
+        f = folder / name
+        if "/" in name or not f.is_file() or f.stat().st_size != expect["size"]:
+            raise TornCheckpointError(folder, f"{name} is missing or not the size the manifest recorded", file=name)
+        if sha256_file(f) != expect["sha256"]:
+            raise TornCheckpointError(folder, f"{name} sha256 mismatch (its bytes changed after the commit)",
+                                      file=name)
+    return DeltaInfo(step=int(manifest["step"]), parent=int(manifest["parent"]), path=folder,
+                     world_size=int(manifest["world_size"]), bytes=sum(e["size"] for e in manifest["files"].values()))
+
+
+def committed_deltas(root: Path | str) -> Sequence[Path]:
+    """The delta folders under `root` that carry a COMMITTED marker (not yet verified)."""
+    return sorted(p for p in Path(root).glob(f"{DELTA_PREFIX}*") if (p / COMMITTED).is_file())
