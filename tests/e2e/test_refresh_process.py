@@ -1,9 +1,11 @@
 """`ettflow refresh` killed with SIGKILL leaves nothing running and no RUNNING flow run.
 
 The real command (`.venv/bin/ettflow refresh`) runs as a subprocess with its own ETTFLOW_HOME
-and PREFECT_HOME (so it owns its Prefect database), tiny sizes, no compile, and a hang at step
-3 so that it is surely mid-training when the kill comes. Two such commands run one after
-the other; once its spool shows a `train_step`, one process of each gets SIGKILL:
+and PREFECT_HOME (so it owns its Prefect database), tiny sizes, no compile, and windows of 625
+steps, so that it is surely mid-training when the kill comes (a scripted hang made the
+supervisor's case wait out the driver's `STOP_WAIT_S` for the hung rank's emergency checkpoint).
+Two such commands run one after the other; once its spool shows a `train_step`, one process of
+each gets SIGKILL:
 
 - the supervisor (the `ettflow refresh` process): its worker notices, the run ends through
   Prefect's crash handling (CRASHED, the crash hook archives the row as ``crashed``) and the
@@ -56,7 +58,7 @@ class Refresh:
     """One `ettflow refresh` process of its own ETTFLOW_HOME and PREFECT_HOME under `folder`,
     started at once; `kill` SIGKILLs one of its processes."""
 
-    def __init__(self, folder: Path, flow_data: Path, *extra: str, fail_at: str = "hang:rank=0:step=3") -> None:
+    def __init__(self, folder: Path, data: Path, *extra: str, fail_at: str = "") -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.home, self.prefect_home = folder, folder / "home", folder / "prefect"
         env = {k: v for k, v in os.environ.items()
@@ -66,7 +68,7 @@ class Refresh:
         self.log_path = folder / "refresh.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
-            [str(ETTFLOW), "refresh", "--data-root", str(flow_data), "--batch-size", "32", "--switch", "compile=false",
+            [str(ETTFLOW), "refresh", "--data-root", str(data), "--batch-size", "32", "--switch", "compile=false",
              *(["--fail-at", fail_at] if fail_at else ["--no-failure"]), "--param", "max_embeddings=100", *extra],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.snapshot: list[psutil.Process] = []
@@ -116,13 +118,13 @@ def wait_until_nothing_is_left(refreshes: list[Refresh]) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(tmp_path, flow_data):
+def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(tmp_path, long_data):
     # one command at a time: each kill's cleanup bound must hold on two busy cores
-    command = Refresh(tmp_path / "command", flow_data)
+    command = Refresh(tmp_path / "command", long_data)
     wait_for(command.training, START_S, "`ettflow refresh` to start training", poll_s=0.3)
     command.kill(command.proc.pid)
     took = wait_until_nothing_is_left([command])
-    worker_killed = Refresh(tmp_path / "worker", flow_data, "--verbose")
+    worker_killed = Refresh(tmp_path / "worker", long_data, "--verbose")
     wait_for(lambda: worker_killed.training(shows=THIRD_PARTY), START_S,
              "`ettflow refresh --verbose` to start training and show TorchRec's planner lines", poll_s=0.3)
     (worker,) = [p for p in psutil.Process(worker_killed.proc.pid).children()
@@ -150,7 +152,7 @@ def test_sigkill_of_the_refresh_process_or_of_its_worker_leaves_nothing_running(
         # never could: crashed)
         (record,) = lineage.lineage(wh, "dlrm")
         assert record.run_id == run_id and record.outcome.value in ("failed", "crashed") and record.windows
-        following = plan_refresh({"data_root": str(flow_data), "work_root": str(tmp_path / "next-work"),
+        following = plan_refresh({"data_root": str(long_data), "work_root": str(tmp_path / "next-work"),
                                   "spool_root": str(tmp_path / "next-spool"), "max_embeddings": 100,
                                   "snapshot_root": str(tmp_path / "next-snap"), "claim_wait_s": 0}, run_id="next")
         claim = take_claim(following, wh)
@@ -188,7 +190,7 @@ def test_sigterm_of_the_refresh_process_preempts_its_run_with_an_emergency_check
 
     from helpers.spool import events
 
-    command = Refresh(tmp_path / "term", long_data, fail_at="")
+    command = Refresh(tmp_path / "term", long_data)
     spool = command.home / "spool"
     wait_for(lambda: command.training() and training_started(spool, min_step=20) is not None, START_S,
              "`ettflow refresh` to train 20 steps", poll_s=0.2)

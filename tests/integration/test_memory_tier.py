@@ -5,6 +5,8 @@ sharded DLRM in Ray actors: tests/e2e/test_memory_tier_ranks.py.)"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
@@ -73,6 +75,16 @@ def test_a_recovery_whose_keeper_is_gone_names_it_and_uses_the_durable_checkpoin
     group.keeper = start_keeper("keeper-gone")
     assert group._memory_step() is None  # alive, holding nothing yet
     ray.kill(group.keeper, no_restart=True)
+    # `ray.kill` returns before the actor is gone: until then it still answers (seen once in CI)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(group.keeper.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
     with caplog.at_level("WARNING", logger="ettflow"):
         assert group._memory_step() is None
     assert f"keeper (actor {keeper_name('keeper-gone')}) is gone or not answering (ActorDiedError)" in caplog.text

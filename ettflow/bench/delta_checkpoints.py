@@ -1,0 +1,261 @@
+"""`python -m ettflow.bench.delta_checkpoints`: full vs delta checkpoints, side by side (issue 28).
+
+A component bench, not a deployment run: delta checkpoints are not yet wired into the trainer's
+`CheckpointManager` (issue 28 is open), so this measures what they would write, on the bench
+jobs' default model (`criteo_schema(20_000)`, embedding_dim 16, 2 gloo ranks on CPU, the
+trainer's sharding `model.shard`: fused Adagrad in backward, dense Adam), trained eagerly on
+batches whose ids follow a power law over each table's rows (exponent 1.1, the synthetic
+Criteo-like data's: `trainer.data.synthetic`), ids ranked by a fixed random permutation.
+
+Every `steps_between` steps the same state is saved both ways, in one run:
+
+- full: `CheckpointManager` in sync mode, every row of every table (today's checkpoint);
+- delta: the rows TorchRec's tracker saw since the previous save with their optimizer state,
+  and the dense state whole (`trainer.checkpoint.delta`), on the first full save as its base.
+
+Reported per arm: bytes per save (the median; the delta's first save is the full base, not
+counted), the blocking of a save (the slowest rank: capture + write + seal, all synchronous
+here), and the restore of the last step: the full checkpoint vs the base plus every delta,
+checked bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaBenchPlan:
+    num_embeddings: int = 20_000
+    embedding_dim: int = 16
+    world_size: int = 2
+    batch_size: int = 256
+    saves: int = 8
+    steps_between: int = 25
+    exponent: float = 1.1  # the power law of the ids' popularity
+
+    def __post_init__(self) -> None:
+        if min(self.num_embeddings, self.embedding_dim, self.world_size, self.batch_size, self.saves,
+               self.steps_between) < 1 or not self.exponent > 0:
+            raise ValueError(f"every size of DeltaBenchPlan must be >= 1 and the exponent > 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    full_bytes: list[int]
+    delta_bytes: list[int]  # the first is the base (a full save)
+    full_blocking_s: list[float]
+    delta_blocking_s: list[float]
+    touched_rows: list[int]  # per delta, all ranks
+    table_rows: int
+    full_restore_s: float
+    chain_restore_s: float
+    chain_equal: bool
+
+
+def table(m: Measured) -> str:
+    full = statistics.median(m.full_bytes)
+    delta = statistics.median(m.delta_bytes[1:])
+    fb, db = statistics.median(m.full_blocking_s), statistics.median(m.delta_blocking_s[1:])
+    touched = statistics.median(m.touched_rows)
+    rows = ["| arm | saves | median bytes per save | of full | median blocking s | of full | restore of the "
+            "last step s |", "|---|---|---|---|---|---|---|",
+            f"| full (every row) | {len(m.full_bytes)} | {full:,.0f} | 100% | {fb:.4f} | 100% | "
+            f"{m.full_restore_s:.3f} |",
+            f"| delta (touched rows: median {touched:,.0f} of {m.table_rows:,}) | {len(m.delta_bytes) - 1} + base | "
+            f"{delta:,.0f} | {100 * delta / full:.1f}% (1/{full / delta:.1f}) | {db:.4f} | {100 * db / fb:.1f}% | "
+            f"{m.chain_restore_s:.3f} (base + {len(m.delta_bytes) - 1} deltas, bitwise equal: {m.chain_equal}) |"]
+    return "\n".join(rows)
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _skewed_batch(schema, batch_size: int, *, seed, perms):
+    """A batch whose ids follow the power law over each table's rows (`perms`: rank -> id)."""
+    import numpy as np
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from ettflow.trainer.data.batch import DENSE_DTYPE, LABEL_DTYPE, LENGTHS_DTYPE, VALUES_DTYPE, Batch
+
+    rng = np.random.default_rng(seed)
+    values = []
+    for perm, cdf in perms:  # one per sparse feature, in the schema's order
+        ranks = np.searchsorted(cdf, rng.random(batch_size))
+        values.append(torch.from_numpy(perm[np.minimum(ranks, len(perm) - 1)].astype(np.int64)))
+    kjt = KeyedJaggedTensor(keys=list(schema.sparse_names), values=torch.cat(values).to(VALUES_DTYPE),
+                            lengths=torch.ones(batch_size * len(schema.sparse), dtype=LENGTHS_DTYPE),
+                            stride=batch_size)
+    return Batch(dense=torch.from_numpy(rng.random((batch_size, len(schema.dense)))).to(DENSE_DTYPE), sparse=kjt,
+                 labels=torch.from_numpy(rng.integers(0, 2, batch_size)).to(LABEL_DTYPE))
+
+
+def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
+    import numpy as np
+    import torch
+
+    from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState, init_lazy_optimizer_state
+    from ettflow.trainer.checkpoint.delta import (
+        RowLedger,
+        apply_delta,
+        capture_delta,
+        delta_folder,
+        enable_tracker,
+        read_pack,
+        seal_delta,
+        touched_rows,
+        verify_delta,
+        write_pack,
+    )
+    from ettflow.trainer.collectives import Groups
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.model import DenseStep, ModelConfig, build_dlrm, dense_optimizer, dense_parameters, shard
+
+    torch.set_num_threads(1)
+    groups = Groups.form(torch.device("cpu"), init_method=f"file://{work}/pg", rank=rank, world_size=plan.world_size)
+    schema = criteo_schema(plan.num_embeddings)
+    config = ModelConfig(embedding_dim=plan.embedding_dim, dense_arch=(64, plan.embedding_dim))
+
+    def fresh() -> TrainState:
+        dmp = shard(build_dlrm(config, schema, device=torch.device("cpu")), config, groups.training)
+        opt = dense_optimizer(dmp, config)
+        init_lazy_optimizer_state(opt)
+        return TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": opt})
+
+    state = fresh()
+    dmp, opt = state.model, state.optimizers["dense"]
+    dense_step, params = DenseStep(dmp.module), dense_parameters(dmp)
+    tracker, ledger = enable_tracker(dmp), RowLedger()
+    perm_rng = np.random.default_rng(7)
+    perms = []
+    for f in schema.sparse:
+        p = np.arange(1, f.num_embeddings + 1, dtype=np.float64) ** -plan.exponent
+        perms.append((perm_rng.permutation(f.num_embeddings), np.cumsum(p) / p.sum()))
+    full_root, delta_root = Path(work) / "full", Path(work) / "delta"
+    full = CheckpointManager(CheckpointConfig(root=full_root, mode="sync", keep_last=plan.saves + 1),
+                             process_group=groups.checkpoint.pg)
+    base_path: Path | None = None
+    full_bytes, delta_bytes, full_s, delta_s, touched_n = [], [], [], [], []
+    step = 0
+    for _ in range(plan.saves):
+        for _ in range(plan.steps_between):
+            batch = _skewed_batch(schema, plan.batch_size, seed=[step, rank], perms=perms)
+            opt.zero_grad(set_to_none=True)
+            loss, _ = dense_step(batch.dense, dmp.module.sparse_arch(batch.sparse), batch.labels)
+            loss.backward()
+            groups.training.average_grads(params)
+            opt.step()
+            step += 1
+        groups.control.barrier()
+        t0 = time.perf_counter()
+        full.save(step, state)
+        full_s.append(time.perf_counter() - t0)
+        latest = full.latest().path
+        full_bytes.append(_folder_bytes(latest))
+        touched = ledger.add(touched_rows(tracker))
+        groups.control.barrier()
+        t0 = time.perf_counter()
+        if base_path is None:  # the chain's base: the full save just made
+            base_path = latest
+            delta_bytes.append(full_bytes[-1])
+            ledger.committed()
+            delta_s.append(full_s[-1])
+            continue
+        tensors, meta = capture_delta(dmp, state.optimizers, touched)
+        folder = delta_folder(delta_root, step)
+        write_pack(folder, groups.control.rank, tensors, {**meta, "step": step})
+        groups.control.barrier()
+        size = seal_delta(folder, step=step, parent=step - plan.steps_between, world_size=plan.world_size) \
+            if groups.control.rank == 0 else 0
+        groups.control.barrier()
+        delta_s.append(time.perf_counter() - t0)
+        ledger.committed()
+        delta_bytes.append(size)
+        touched_n.append(sum(int(v.numel()) for v in touched.values()))
+    full.close()
+    last_full = full_root / f"step_{step:010d}"
+    # restore the last step both ways, into fresh models, and compare
+    groups.control.barrier()
+    t0 = time.perf_counter()
+    from_full = fresh()
+    restore = CheckpointManager(CheckpointConfig(root=full_root, mode="sync", keep_last=plan.saves + 1),
+                                process_group=groups.checkpoint.pg)
+    restore.load(from_full, last_full)
+    full_restore_s = time.perf_counter() - t0
+    groups.control.barrier()
+    t0 = time.perf_counter()
+    from_chain = fresh()
+    restore.load(from_chain, base_path)
+    for folder in sorted(Path(delta_root).glob("delta_*")):
+        verify_delta(folder)
+        tensors, meta = read_pack(folder, groups.control.rank)
+        apply_delta(from_chain.model, from_chain.optimizers, tensors, meta)
+    chain_restore_s = time.perf_counter() - t0
+    restore.close()
+    equal = _same_state(from_full, from_chain)
+    values = groups.control.max_of(full_s + delta_s + [full_restore_s, chain_restore_s, 0.0 if equal else 1.0])
+    counts = groups.control.max_of([float(n) for n in touched_n]) if touched_n else []
+    if groups.control.rank == 0:
+        n = plan.saves
+        m = Measured(full_bytes=full_bytes, delta_bytes=delta_bytes, full_blocking_s=values[:n],
+                     delta_blocking_s=values[n:2 * n], touched_rows=[int(c) for c in counts],
+                     table_rows=sum(f.num_embeddings for f in schema.sparse), full_restore_s=values[2 * n],
+                     chain_restore_s=values[2 * n + 1], chain_equal=values[2 * n + 2] == 0.0)
+        Path(out).write_text(json.dumps(asdict(m)))
+    groups.control.barrier()
+    groups.teardown()
+
+
+def _same_state(a, b) -> bool:
+    """Every tensor of the model's and the optimizers' state dicts (local shards) equal."""
+    import torch
+
+    def flat(obj, prefix=""):
+        shards = getattr(obj, "local_shards", None)
+        if isinstance(obj, dict):
+            return {k: v for key, sub in obj.items() for k, v in flat(sub, f"{prefix}/{key}").items()}
+        if callable(shards):
+            return {prefix: [s.tensor for s in shards()]}
+        if isinstance(obj, torch.Tensor):
+            return {prefix: [obj]}
+        return {}
+
+    x = flat({"model": a.model.state_dict(), **{n: o.state_dict()["state"] for n, o in a.optimizers.items()}})
+    y = flat({"model": b.model.state_dict(), **{n: o.state_dict()["state"] for n, o in b.optimizers.items()}})
+    return x.keys() == y.keys() and all(len(x[k]) == len(y[k]) and all(map(torch.equal, x[k], y[k])) for k in x)
+
+
+def run(plan: DeltaBenchPlan) -> Measured:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="ettflow-delta-bench-") as work:
+        out = f"{work}/measured.json"
+        mp.spawn(_worker, args=(plan, work, out), nprocs=plan.world_size, join=True)
+        return Measured(**json.loads(Path(out).read_text()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ettflow.bench.delta_checkpoints", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = DeltaBenchPlan()
+    for name in ("num_embeddings", "embedding_dim", "batch_size", "saves", "steps_between"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--exponent", type=float, default=defaults.exponent)
+    args = p.parse_args(argv)
+    plan = DeltaBenchPlan(**{k: v for k, v in vars(args).items()})
+    started = time.perf_counter()
+    measured = run(plan)
+    print(f"delta vs full checkpoints: {plan} ({time.perf_counter() - started:.0f} s)\n")
+    print(table(measured))
+
+
+if __name__ == "__main__":
+    main()
