@@ -52,7 +52,7 @@ class Measured:
     delta_bytes: list[int]  # the first is the base (a full save)
     full_blocking_s: list[float]
     delta_blocking_s: list[float]
-    touched_rows: list[int]  # per delta, all ranks
+    touched_rows: list[int]  # per delta, summed over the ranks
     table_rows: int
     full_restore_s: float
     chain_restore_s: float
@@ -68,7 +68,8 @@ def table(m: Measured) -> str:
             "last step s |", "|---|---|---|---|---|---|---|",
             f"| full (every row) | {len(m.full_bytes)} | {full:,.0f} | 100% | {fb:.4f} | 100% | "
             f"{m.full_restore_s:.3f} |",
-            f"| delta (touched rows: median {touched:,.0f} of {m.table_rows:,}) | {len(m.delta_bytes) - 1} + base | "
+            f"| delta (rows touched since the last save: median {touched:,.0f} of {m.table_rows:,}) | "
+            f"{len(m.delta_bytes) - 1} + base | "
             f"{delta:,.0f} | {100 * delta / full:.1f}% (1/{full / delta:.1f}) | {db:.4f} | {100 * db / fb:.1f}% | "
             f"{m.chain_restore_s:.3f} (base + {len(m.delta_bytes) - 1} deltas, bitwise equal: {m.chain_equal}) |"]
     return "\n".join(rows)
@@ -202,7 +203,8 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     restore.close()
     equal = _same_state(from_full, from_chain)
     values = groups.control.max_of(full_s + delta_s + [full_restore_s, chain_restore_s, 0.0 if equal else 1.0])
-    counts = groups.control.max_of([float(n) for n in touched_n]) if touched_n else []
+    counts = (groups.control.all_reduce(torch.tensor(touched_n, dtype=torch.float64), "sum").tolist()
+              if touched_n else [])  # every rank's rows
     if groups.control.rank == 0:
         n = plan.saves
         m = Measured(full_bytes=full_bytes, delta_bytes=delta_bytes, full_blocking_s=values[:n],

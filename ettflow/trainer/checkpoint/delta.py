@@ -57,21 +57,46 @@ def delta_folder(root: Path | str, step: int) -> Path:
 # -- the tracker -------------------------------------------------------------------------------
 
 
+class _Unwrapped:
+    """The DMP's module as TorchRec's tracker expects to find it (`model.module`): the trainer's
+    DMP wraps its dense part in no DDP (`model._Replicated`), so the wrapped module is the DLRM
+    itself. Its FQNs are the DLRM's, as the state dict's are."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def named_modules(self, *args: Any, **kwargs: Any):
+        return self.module.named_modules(*args, **kwargs)
+
+
 def enable_tracker(dmp: Any) -> Any:
     """TorchRec's delta tracker on `dmp`, recording the ids every lookup touches (ID_ONLY: the
     rows themselves are read at the save, from the model)."""
-    from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+    from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec
+    from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, Trackers, TrackingMode
 
-    return dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True))
+    config = DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY, delete_on_read=True)
+    wrapped = dmp._dmp_wrapped_module
+    if hasattr(wrapped, "module"):  # a DDP-wrapped dense part: TorchRec's own path
+        return dmp.init_torchrec_delta_tracker(config)
+    tracker = ModelDeltaTrackerTrec(model=_Unwrapped(wrapped), consumers=config.consumers,
+                                    delete_on_read=config.delete_on_read, auto_compact=config.auto_compact,
+                                    mode=config.tracking_mode, fqns_to_skip=config.fqns_to_skip)
+    dmp.model_trackers[Trackers.DELTA_TRACKER.name] = tracker
+    return tracker
 
 
 def touched_rows(tracker: Any) -> dict[str, torch.Tensor]:
     """Table module FQN -> the sorted unique ids its lookups touched since the last call
-    (consumed: the caller keeps them until its delta commits, `RowLedger`)."""
+    (consumed: the caller keeps them until its delta commits, `RowLedger`). The tracker's
+    batch index moves on after each read (`step`): the trainer's loop calls the sharded
+    module directly, not the DMP's forward, which is what moves it otherwise, and a lookup
+    recorded under an index already read would be deleted unseen."""
     try:
         got = tracker.get_unique_ids()
     except ValueError:  # torchrec 1.8: torch.cat of an empty list when nothing was looked up since
-        return {}
+        got = {}
+    tracker.step()
     return {fqn: torch.unique(ids.to(torch.int64)) for fqn, ids in got.items()}
 
 
