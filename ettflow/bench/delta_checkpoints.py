@@ -13,10 +13,10 @@ Every `steps_between` steps the same state is saved both ways, in one run:
 - delta: the rows TorchRec's tracker saw since the previous save with their optimizer state,
   and the dense state whole (`trainer.checkpoint.delta`), on the first full save as its base.
 
-Reported per arm: bytes per save (the median; the delta's first save is the full base, not
-counted), the blocking of a save (the slowest rank: capture + write + seal, all synchronous
-here), and the restore of the last step: the full checkpoint vs the base plus every delta,
-checked bitwise equal.
+Reported per arm: bytes per save (the median, as sealed: every file but the manifest and the
+COMMITTED marker; the delta's first save is the full base, not counted), the blocking of a
+save (the slowest rank: capture + write + seal, all synchronous here), and the restore of the
+last step: the full checkpoint vs the base plus every delta, checked bitwise equal.
 """
 
 from __future__ import annotations
@@ -75,10 +75,6 @@ def table(m: Measured) -> str:
     return "\n".join(rows)
 
 
-def _folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def _skewed_batch(schema, batch_size: int, *, seed, perms):
     """A batch whose ids follow the power law over each table's rows (`perms`: rank -> id)."""
     import numpy as np
@@ -104,18 +100,7 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     import torch
 
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState, init_lazy_optimizer_state
-    from ettflow.trainer.checkpoint.delta import (
-        RowLedger,
-        apply_delta,
-        capture_delta,
-        delta_folder,
-        enable_tracker,
-        read_pack,
-        seal_delta,
-        touched_rows,
-        verify_delta,
-        write_pack,
-    )
+    from ettflow.trainer.checkpoint.delta import RowLedger, apply_chain, enable_tracker, touched_rows, write_delta
     from ettflow.trainer.collectives import Groups
     from ettflow.trainer.data.schema import criteo_schema
     from ettflow.trainer.model import DenseStep, ModelConfig, build_dlrm, dense_optimizer, dense_parameters, shard
@@ -157,32 +142,27 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
             step += 1
         groups.control.barrier()
         t0 = time.perf_counter()
-        full.save(step, state)
+        committed = full.save(step, state).commit_result()  # sync: committed (and sealed) on return
         full_s.append(time.perf_counter() - t0)
-        latest = full.latest().path
-        full_bytes.append(_folder_bytes(latest))
+        full_bytes.append(committed.nbytes)
+        last_full = committed.path
         touched = ledger.add(touched_rows(tracker))
         groups.control.barrier()
         t0 = time.perf_counter()
         if base_path is None:  # the chain's base: the full save just made
-            base_path = latest
+            base_path = last_full
             delta_bytes.append(full_bytes[-1])
             ledger.committed()
             delta_s.append(full_s[-1])
             continue
-        tensors, meta = capture_delta(dmp, state.optimizers, touched)
-        folder = delta_folder(delta_root, step)
-        write_pack(folder, groups.control.rank, tensors, {**meta, "step": step})
-        groups.control.barrier()
-        size = seal_delta(folder, step=step, parent=step - plan.steps_between, world_size=plan.world_size) \
-            if groups.control.rank == 0 else 0
-        groups.control.barrier()
+        size = write_delta(delta_root, step=step, parent=step - plan.steps_between, model=dmp,
+                           optimizers=state.optimizers, touched=touched, rank=groups.control.rank,
+                           world_size=plan.world_size, barrier=groups.control.barrier)
         delta_s.append(time.perf_counter() - t0)
         ledger.committed()
         delta_bytes.append(size)
         touched_n.append(sum(int(v.numel()) for v in touched.values()))
     full.close()
-    last_full = full_root / f"step_{step:010d}"
     # restore the last step both ways, into fresh models, and compare
     groups.control.barrier()
     t0 = time.perf_counter()
@@ -195,10 +175,7 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     t0 = time.perf_counter()
     from_chain = fresh()
     restore.load(from_chain, base_path)
-    for folder in sorted(Path(delta_root).glob("delta_*")):
-        verify_delta(folder)
-        tensors, meta = read_pack(folder, groups.control.rank)
-        apply_delta(from_chain.model, from_chain.optimizers, tensors, meta)
+    apply_chain(from_chain.model, from_chain.optimizers, sorted(Path(delta_root).glob("delta_*")), groups.control.rank)
     chain_restore_s = time.perf_counter() - t0
     restore.close()
     equal = _same_state(from_full, from_chain)

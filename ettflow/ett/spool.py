@@ -127,12 +127,9 @@ def write_kept(root: Path | str, run_id: str) -> int:
     """Write the run's kept events to their files (see the module's docstring); the number
     still kept (0: all written). Raises nothing: a disk still full keeps them."""
     folder = Path(root) / run_id
-    with _kept_lock:
-        paths = [path for path, evs in _kept.items() if path.parent == folder and evs]
-    for path in paths:
-        head = path.name.split(".")
-        attempt = int(head[0].removeprefix("attempt-"))
-        rank = -1 if head[1] == "driver" else int(head[1].removeprefix("rank-"))
+    with _kept_lock:  # each file's writer is named by its first kept event (every event of a file is its)
+        owners = [(evs[0].attempt, evs[0].rank) for path, evs in _kept.items() if path.parent == folder and evs]
+    for attempt, rank in owners:
         try:
             with SpoolWriter(root, run_id, attempt, rank) as writer:
                 writer.flush_kept()
@@ -264,6 +261,8 @@ class SpoolWriter:
     def _write_kept_first(self) -> None:
         """This process's kept events of this file, oldest first; each leaves the buffer once
         written, so a refused one stays first."""
+        if not _kept.get(self.path):  # the common case, on every step's record: no lock taken
+            return
         while True:
             with _kept_lock:
                 held = _kept.get(self.path)

@@ -190,20 +190,16 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     except TrainingFailed:
         lease.release()
         raise  # every failure is in the spool already, with its class
-    except Exception as exc:
+    except BaseException as exc:
         last = run_spool.last_attempt(plan.spool_root, plan.run_id)
         with contextlib.suppress(SpoolWriteError):  # refused: kept by this process (`ett.spool`)
             run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
         lease.release()
-        history = run_spool.failures(plan.spool_root, plan.run_id)
-        failure, earlier = history[-1], history[:-1]
-        raise TrainingFailed(plan.run_id, history, policy.decide(failure, earlier),
-                             policy.explain(failure, earlier)) from exc
-    except BaseException as exc:
-        last = run_spool.last_attempt(plan.spool_root, plan.run_id)
-        with contextlib.suppress(SpoolWriteError):
-            run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
-        lease.release()
+        if isinstance(exc, Exception):  # an error outside the driver's loop: the policy decides, as for any
+            history = run_spool.failures(plan.spool_root, plan.run_id)
+            failure, earlier = history[-1], history[:-1]
+            raise TrainingFailed(plan.run_id, history, policy.decide(failure, earlier),
+                                 policy.explain(failure, earlier)) from exc
         if isinstance(exc, StopRequested):  # Prefect's own stop from here on: the run crashes, the process exits
             from prefect.exceptions import TerminationSignal
 

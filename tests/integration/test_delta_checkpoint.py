@@ -37,16 +37,11 @@ def differ(a: dict, b: dict) -> list[str]:
 
 
 def _save_delta(root: Path, state, tracker, ledger, *, step: int, parent: int) -> int:
-    from ettflow.trainer.checkpoint.delta import capture_delta, delta_folder, seal_delta, touched_rows, write_pack
+    from ettflow.trainer.checkpoint.delta import touched_rows, write_delta
 
-    rank = dist.get_rank()
-    touched = ledger.add(touched_rows(tracker))
-    tensors, meta = capture_delta(state.model, state.optimizers, touched)
-    folder = delta_folder(root, step)
-    write_pack(folder, rank, tensors, {**meta, "step": step, "parent": parent})
-    dist.barrier()
-    size = seal_delta(folder, step=step, parent=parent, world_size=WORLD) if rank == 0 else 0
-    dist.barrier()
+    size = write_delta(root, step=step, parent=parent, model=state.model, optimizers=state.optimizers,
+                       touched=ledger.add(touched_rows(tracker)), rank=dist.get_rank(), world_size=WORLD,
+                       barrier=dist.barrier)
     ledger.committed()
     return size
 
@@ -54,15 +49,12 @@ def _save_delta(root: Path, state, tracker, ledger, *, step: int, parent: int) -
 def _restore(root: Path, base: Path, deltas: list[Path]):
     """A fresh model: the base through CheckpointManager, then each delta in order."""
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager
-    from ettflow.trainer.checkpoint.delta import apply_delta, read_pack, verify_delta
+    from ettflow.trainer.checkpoint.delta import apply_chain
 
     state = build(output_dtensor=False)
     manager = CheckpointManager(CheckpointConfig(root=root, mode="sync"), process_group=dist.group.WORLD)
     manager.load(state, base)
-    for folder in deltas:
-        verify_delta(folder)
-        tensors, meta = read_pack(folder, dist.get_rank())
-        apply_delta(state.model, state.optimizers, tensors, meta)
+    apply_chain(state.model, state.optimizers, deltas, dist.get_rank())
     manager.close()
     return state
 

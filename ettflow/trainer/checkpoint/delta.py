@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,6 +332,30 @@ def verify_delta(folder: Path | str) -> DeltaInfo:
                      world_size=int(manifest["world_size"]), bytes=sum(e["size"] for e in manifest["files"].values()))
 
 
-def committed_deltas(root: Path | str) -> Sequence[Path]:
-    """The delta folders under `root` that carry a COMMITTED marker (not yet verified)."""
-    return sorted(p for p in Path(root).glob(f"{DELTA_PREFIX}*") if (p / COMMITTED).is_file())
+# -- a delta's save and a chain's restore, on every rank ----------------------------------------
+
+
+def write_delta(root: Path | str, *, step: int, parent: int, model: torch.nn.Module, optimizers: Mapping[str, Any],
+                touched: Mapping[str, torch.Tensor], rank: int, world_size: int,
+                barrier: Callable[[], None]) -> int:
+    """Every rank writes its part of the delta of `step` on `parent`, then rank 0 seals it
+    (`barrier`: the ranks' meeting, before and after the seal). Collective. The delta's bytes
+    on rank 0, 0 on the others. The caller's `RowLedger` is `committed()` after it returns."""
+    tensors, meta = capture_delta(model, optimizers, touched)
+    folder = delta_folder(root, step)
+    write_pack(folder, rank, tensors, {**meta, "step": step, "parent": parent})
+    barrier()
+    size = seal_delta(folder, step=step, parent=parent, world_size=world_size) if rank == 0 else 0
+    barrier()
+    return size
+
+
+def apply_chain(model: torch.nn.Module, optimizers: Mapping[str, Any], folders: Iterable[Path], rank: int) -> int:
+    """Onto a state its chain's base was just restored into, each delta in order: verified
+    (`verify_delta` raises on damage, before anything is read), then applied. The rows written."""
+    written = 0
+    for folder in folders:
+        verify_delta(folder)
+        tensors, meta = read_pack(folder, rank)
+        written += apply_delta(model, optimizers, tensors, meta)
+    return written
