@@ -100,7 +100,15 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     import torch
 
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState, init_lazy_optimizer_state
-    from ettflow.trainer.checkpoint.delta import RowLedger, apply_chain, enable_tracker, touched_rows, write_delta
+    from ettflow.trainer.checkpoint.delta import (
+        RowLedger,
+        apply_chain,
+        commit_digest,
+        enable_tracker,
+        touched_rows,
+        write_delta,
+    )
+    from ettflow.trainer.checkpoint.group import CheckpointGroup
     from ettflow.trainer.collectives import Groups
     from ettflow.trainer.data.schema import criteo_schema
     from ettflow.trainer.model import DenseStep, ModelConfig, build_dlrm, dense_optimizer, dense_parameters, shard
@@ -129,6 +137,8 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     full = CheckpointManager(CheckpointConfig(root=full_root, mode="sync", keep_last=plan.saves + 1),
                              process_group=groups.checkpoint.pg)
     base_path: Path | None = None
+    parent_digest = ""
+    ckpt_group = CheckpointGroup(groups.checkpoint.pg, mode="sync")
     full_bytes, delta_bytes, full_s, delta_s, touched_n = [], [], [], [], []
     step = 0
     for _ in range(plan.saves):
@@ -151,16 +161,20 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
         t0 = time.perf_counter()
         if base_path is None:  # the chain's base: the full save just made
             base_path = last_full
+            parent_digest = commit_digest(base_path)
             delta_bytes.append(full_bytes[-1])
             ledger.committed()
             delta_s.append(full_s[-1])
             continue
-        size = write_delta(delta_root, step=step, parent=step - plan.steps_between, model=dmp,
-                           optimizers=state.optimizers, touched=touched, rank=groups.control.rank,
-                           world_size=plan.world_size, barrier=groups.control.barrier)
+        state.step = step
+        commit = write_delta(delta_root, step=step, parent=step - plan.steps_between, parent_digest=parent_digest,
+                             state=state, touched=touched, group=ckpt_group)
         delta_s.append(time.perf_counter() - t0)
+        if not commit.committed:
+            raise RuntimeError(f"the delta of step {step} did not commit: {commit.error}")
         ledger.committed()
-        delta_bytes.append(size)
+        parent_digest = commit.digest
+        delta_bytes.append(commit.bytes)
         touched_n.append(sum(int(v.numel()) for v in touched.values()))
     full.close()
     # restore the last step both ways, into fresh models, and compare
@@ -175,7 +189,7 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     t0 = time.perf_counter()
     from_chain = fresh()
     restore.load(from_chain, base_path)
-    apply_chain(from_chain.model, from_chain.optimizers, sorted(Path(delta_root).glob("delta_*")), groups.control.rank)
+    apply_chain(from_chain, sorted(Path(delta_root).glob("delta_*")), groups.control.rank)
     chain_restore_s = time.perf_counter() - t0
     restore.close()
     equal = _same_state(from_full, from_chain)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ettflow.trainer.checkpoint.delta_chain import ChainPolicy
 from ettflow.trainer.group.placement import Placement
 
 from .data.schema import FeatureSchema
@@ -51,6 +52,10 @@ class Switches:
     # False: every process compiles in a fresh folder (a restart on a fresh host, the study's
     # fleet). No effect with `compile_cache` on (its archive restores into a fresh folder).
     local_inductor_cache: bool = True
+    # delta checkpoints: a periodic checkpoint holds only the embedding rows touched since the one
+    # before (TorchRec's tracker), on a full base taken as `delta_max_chain_*` say; anchors are
+    # always bases (trainer/checkpoint/delta.py, delta_chain.py). Off by default while it is new
+    delta_checkpoint: bool = False
 
     @classmethod
     def baseline(cls) -> Switches:
@@ -203,6 +208,10 @@ class TrainerConfig:
     # chosen after the probe save; the plan sets it (and checkpoint_every_steps, when the model has history)
     failure_rate_per_s: float | None = None
     keep_checkpoints: int = 2
+    # with switches.delta_checkpoint: a base is taken once a chain's deltas would add up to more than
+    # this share of its base's bytes, or after this many deltas (`delta_chain.ChainPolicy`)
+    delta_max_chain_share: float = 1.0
+    delta_max_chain_length: int = 16
     failures: tuple[FailAt, ...] = ()
     warm_start_from: str | None = None  # the parent refresh's anchor checkpoint (None: cold start)
     max_failures: int = 3  # failure budget of the driver
@@ -240,6 +249,7 @@ class TrainerConfig:
             raise ValueError(f"expected_failures must be >= 0 per job, got {self.expected_failures!r}")
         if self.keep_checkpoints < 1 or self.max_failures < 0:
             raise ValueError("keep_checkpoints >= 1 and max_failures >= 0 required")
+        self.delta_policy  # noqa: B018 - validates delta_max_chain_share and delta_max_chain_length
         self.placement.check(self.world_size)
         for name in ("startup_timeout_s", "compile_timeout_s", "restore_timeout_s", "step_timeout_s",
                      "save_timeout_s", "preemption_grace_s"):
@@ -268,6 +278,10 @@ class TrainerConfig:
         the peer; the watchdog (a few seconds of polling) always speaks first."""
         return max(self.startup_timeout_s, self.compile_timeout_s, self.restore_timeout_s,
                    self.step_timeout_s, self.save_timeout_s) + 30.0
+
+    @property
+    def delta_policy(self) -> ChainPolicy:
+        return ChainPolicy(max_chain_share=self.delta_max_chain_share, max_chain_length=self.delta_max_chain_length)
 
     @property
     def checkpoint_dir(self) -> Path:

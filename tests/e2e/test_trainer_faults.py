@@ -303,3 +303,63 @@ def test_an_external_and_a_scripted_sigterm_take_emergency_checkpoints_and_resum
     assert m.replayed_steps == 0 and m.effective_steps == 2 * STEPS  # nothing lost, nothing replayed
     m.check_partition()
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+
+
+# ---- delta checkpoints (issue 28) ------------------------------------------------------------
+
+def damage_when_committed(folder: Path, part: str) -> tuple[threading.Thread, list[int]]:
+    """A started thread that flips one byte in the middle of `folder/part` as soon as `folder`
+    is committed (its size kept, so only the checksum can tell); the list gets 1 when it did."""
+    done: list[int] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not done:
+            if (folder / "COMMITTED").is_file():
+                data = bytearray((folder / part).read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                (folder / part).write_bytes(bytes(data))
+                done.append(1)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, done
+
+
+@pytest.mark.timeout(900)  # three attempts; run alone, the session's compile cache and clean run come first
+def test_a_rank_killed_mid_delta_chain_restores_base_and_deltas_and_a_damaged_delta_falls_back(
+        trainer_world, compile_cache, clean_run, tmp_path):
+    """Delta checkpoints on the real trainer, every restart from the durable chain (live recovery
+    and the in-memory tier off). Saves every 5 steps: a base at 5, deltas at 10 and 15; rank 1 is
+    SIGKILLed at step 17 and the restart restores base 5 + deltas 10, 15. Delta 20 (attempt 1) is
+    damaged once it commits and rank 1 is killed at step 22: the restart refuses it, falls back to
+    step 15 and says so (`checkpoint_fallback`), and writes delta 20 anew. The anchor (a base) equals
+    the uninterrupted run's bitwise, and retention kept every link the kept steps need."""
+    from ettflow.trainer.checkpoint.catalog import scan
+
+    cfg = config(trainer_world, "delta-chain", compile_cache, eval_batches=0, delta_max_chain_share=100.0,
+                 failures=(FailAt.parse("kill:rank=1:step=17"), FailAt.parse("kill:rank=1:step=22:attempt=1")),
+                 ).with_switches(delta_checkpoint=True, live_recovery=False, memory_checkpoint=False)
+    damager, damaged = damage_when_committed(cfg.checkpoint_dir / "delta_0000000020", "rank-1.bin")
+    result, events, m = drive(trainer_world, cfg, "delta-chain")
+    damager.join(timeout=1)
+    assert damaged, "delta 20 never committed"
+    assert result.attempts == 3 and m.nof == 2
+    kinds = {(e.attempt, e.attrs["step"]): e.attrs.get("kind") for e in by(events, "checkpoint_save_blocking", rank=0)}
+    assert kinds == {(0, 5): "base", (0, 10): "delta", (0, 15): "delta", (1, 20): "delta", (2, 20): "delta"}, kinds
+    for attempt in (1, 2):
+        for rank in (0, 1):
+            (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=attempt)
+            assert (restore.attrs["step"], restore.attrs["base_step"], restore.attrs["deltas"]) == (15, 5, [10, 15])
+            assert restore.attrs["delta_rows"] > 0
+    (fallback,) = [e for e in events if e.phase == "checkpoint_fallback"]
+    assert (fallback.attempt, fallback.attrs["damaged_step"], fallback.attrs["restored_step"]) == (2, 20, 15)
+    assert "rank-1.bin" in fallback.attrs["reason"] and fallback.attrs["file"] == "rank-1.bin"
+    assert m.replayed_steps == 2 * (17 - 15) + 2 * (22 - 15) and m.effective_steps == 2 * STEPS
+    m.check_partition()
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+    # the anchor is a base; the chain of the newest delta (20, rewritten whole) is kept entire
+    found = scan(cfg.checkpoint_dir)
+    assert [c.step for c in found.committed] == [5, STEPS] and [d.step for d in found.deltas] == [10, 15, 20]
+    assert found.damaged_deltas == () and found.chain(2).step == STEPS

@@ -36,14 +36,18 @@ def differ(a: dict, b: dict) -> list[str]:
     return out
 
 
-def _save_delta(root: Path, state, tracker, ledger, *, step: int, parent: int) -> int:
-    from ettflow.trainer.checkpoint.delta import touched_rows, write_delta
+def _save_delta(root: Path, state, tracker, ledger, *, step: int, parent: Path):
+    """The delta of `step` on the committed `parent` folder, every rank; its commit."""
+    from ettflow.trainer.checkpoint.delta import commit_digest, touched_rows, write_delta
+    from ettflow.trainer.checkpoint.group import CheckpointGroup
 
-    size = write_delta(root, step=step, parent=parent, model=state.model, optimizers=state.optimizers,
-                       touched=ledger.add(touched_rows(tracker)), rank=dist.get_rank(), world_size=WORLD,
-                       barrier=dist.barrier)
+    state.step = step
+    commit = write_delta(root, step=step, parent=int(parent.name.split("_")[1]), parent_digest=commit_digest(parent),
+                         state=state, touched=ledger.add(touched_rows(tracker)),
+                         group=CheckpointGroup(dist.group.WORLD, mode="sync"))
+    assert commit.committed, commit.error
     ledger.committed()
-    return size
+    return commit
 
 
 def _restore(root: Path, base: Path, deltas: list[Path]):
@@ -54,7 +58,7 @@ def _restore(root: Path, base: Path, deltas: list[Path]):
     state = build(output_dtensor=False)
     manager = CheckpointManager(CheckpointConfig(root=root, mode="sync"), process_group=dist.group.WORLD)
     manager.load(state, base)
-    apply_chain(state.model, state.optimizers, deltas, dist.get_rank())
+    apply_chain(state, deltas, dist.get_rank())
     manager.close()
     return state
 
@@ -77,10 +81,10 @@ def worker(rank: int, tmp: str) -> None:
 
     touched_rows(tracker)  # the base holds every row: the next delta starts from it
     train(state, range(4, 8))
-    rec["delta_8_bytes"] = _save_delta(root, state, tracker, ledger, step=8, parent=4)
+    rec["delta_8_bytes"] = _save_delta(root, state, tracker, ledger, step=8, parent=base).bytes
     at_8 = full_state(state)
     train(state, range(8, 12))
-    rec["delta_12_bytes"] = _save_delta(root, state, tracker, ledger, step=12, parent=8)
+    rec["delta_12_bytes"] = _save_delta(root, state, tracker, ledger, step=12, parent=delta_folder(root, 8)).bytes
     at_12 = full_state(state)
     manager.close()
     rec["base_bytes"] = sum(f.stat().st_size for f in base.iterdir() if f.is_file())

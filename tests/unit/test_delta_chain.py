@@ -69,3 +69,19 @@ def test_retention_keeps_every_link_a_kept_delta_needs():
     assert needed(links, keep=[30, 50]) == {10, 20, 30, 40, 50}
     assert needed(links, keep=[10]) == {10}
     assert needed([link for link in links if link.step != 20], keep=[30]) == {30}  # nothing can mend a gap
+
+
+def test_a_delta_written_on_a_parent_saved_again_since_is_not_restored():
+    """A restart replayed to step 20 and saved it again (digest b2): the old delta of 30,
+    written on the first save of 20 (digest b1), is skipped; the new step 20 is restored."""
+    links = [Link(step=10, kind="base", bytes=BASE, digest="a"),
+             Link(step=20, kind="delta", parent=10, digest="b2", parent_digest="a"),
+             Link(step=30, kind="delta", parent=20, digest="c", parent_digest="b1")]
+    plan = restore_chain(links)
+    assert [link.step for link in plan.links] == [10, 20] and plan.skipped == 30
+    assert plan.why == ("the chain of step 30 needs step 20 as its delta of step 30 was written on, "
+                        "and step 20 was saved again since")
+    kind, why = next_kind(links, 30, 1, anchor=False, policy=ChainPolicy())
+    assert kind == "base" and "saved again since" in why
+    same = [*links[:2], Link(step=30, kind="delta", parent=20, digest="c", parent_digest="b2")]
+    assert restore_chain(same).step == 30

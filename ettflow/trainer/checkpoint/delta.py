@@ -17,11 +17,17 @@ kernel updates only the rows of the batch). A table sharded row-wise (a GPU plan
 with `DeltaUnsupported` (its tracked ids are not checked against the shard's offsets here):
 the caller takes a base and says so once.
 
+Each rank's own step, data cursor and RNG state go in too (`own/...`, as `TrainState` saves
+them in a base), so a restart resumes from the delta exactly as from a full checkpoint.
+
 The files are written without pickle: one raw byte file per rank (`rank-<r>.bin`) and a JSON
-index of its tensors (name, dtype, shape, offset); the folder is sealed like a checkpoint
-(`manifest.json` with the size and sha256 of every file, then `COMMITTED`), and a read
-verifies every file before it reads a byte of tensor data. The chain around deltas (which save
-is a base, what a restore reads, what retention keeps) is `delta_chain.py`.
+index of its tensors (name, dtype, shape, offset), into `delta_<n>.tmp`; rank 0 seals it like
+a checkpoint (`manifest.json` with the size and sha256 of every file, every rank's cursor,
+the parent's step and commit digest, then `COMMITTED`) and renames it to `delta_<n>`: the
+commit point. A read verifies every file before it reads a byte of tensor data. A delta names
+its parent's digest, not only its step: a parent rewritten since (a restart that replayed to
+the same step) does not carry deltas written on the old one. The chain around deltas (which
+save is a base, what a restore reads, what retention keeps) is `delta_chain.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +43,15 @@ from typing import Any
 import torch
 
 from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
-from ettflow.trainer.checkpoint.layout import COMMITTED, MANIFEST, atomic_write_text
+from ettflow.trainer.checkpoint.layout import (
+    COMMITTED,
+    MANIFEST,
+    atomic_write_text,
+    delta_dir,
+    fsync_dir,
+    remove_tree,
+)
+from ettflow.trainer.checkpoint.state import TrainState, capture_rng, json_tensor, restore_rng, tensor_json
 from ettflow.trainer.checkpoint.verify import sha256_file
 
 DELTA_FORMAT = "ettflow-delta/1"
@@ -51,7 +65,13 @@ class DeltaUnsupported(CheckpointError):
 
 
 def delta_folder(root: Path | str, step: int) -> Path:
-    return Path(root) / f"{DELTA_PREFIX}{step:010d}"
+    """The committed delta of `step` under a checkpoint root."""
+    return delta_dir(Path(root), step)
+
+
+def commit_digest(folder: Path | str) -> str:
+    """A committed checkpoint's or delta's identity: the digest its COMMITTED marker holds."""
+    return (Path(folder) / COMMITTED).read_text().strip()
 
 
 # -- the tracker -------------------------------------------------------------------------------
@@ -183,6 +203,26 @@ def capture_delta(model: torch.nn.Module, optimizers: Mapping[str, Any], touched
     return out, {"param_groups": groups, "sparse": sparse}
 
 
+def own_tensors(state: TrainState, step: int) -> dict[str, torch.Tensor]:
+    """This rank's step, data cursor and RNG state, as a base holds them (`state.py`)."""
+    plain, rng_torch, rng_cuda = capture_rng()
+    out = {"own/state": json_tensor({"step": step, "cursor": json.loads(state.cursor_json()), "rng": plain}),
+           "own/rng_torch": rng_torch}
+    if rng_cuda is not None:
+        out["own/rng_cuda"] = rng_cuda
+    return out
+
+
+def apply_own(state: TrainState, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Set the step, data cursor and RNG state the delta's rank saved."""
+    mine = tensor_json(_need(tensors, "own/state"))
+    if not isinstance(mine, dict) or not isinstance(mine.get("step"), int) or not isinstance(mine.get("cursor"), dict):
+        raise CheckpointError(f"the delta's own/state must hold {{'step': int, 'cursor': dict, 'rng': dict}}, "
+                              f"got {str(mine)[:200]}")
+    state.step, state.cursor = mine["step"], mine["cursor"]
+    restore_rng(mine["rng"], tensors["own/rng_torch"], tensors.get("own/rng_cuda"))
+
+
 def apply_delta(model: torch.nn.Module, optimizers: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                 meta: Mapping[str, Any]) -> int:
     """Write one delta into the restored state, in place; the rows written (all tables)."""
@@ -279,18 +319,22 @@ class DeltaInfo:
 
     step: int
     parent: int
+    parent_digest: str  # the COMMITTED digest of the parent it was written on
+    digest: str  # its own COMMITTED digest (a child names it)
     path: Path
     world_size: int
     bytes: int
+    cursors: tuple[Mapping[str, Any], ...]  # per rank, in rank order (as a base's manifest)
 
 
 def _canonical_sha(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def seal_delta(folder: Path, *, step: int, parent: int, world_size: int) -> int:
-    """Seal a delta every rank finished writing: manifest (size and sha256 of every file) then
-    COMMITTED. Rank 0 calls it once the others are done. Its size in bytes."""
+def seal_delta(folder: Path, *, step: int, parent: int, parent_digest: str, world_size: int) -> int:
+    """Seal a delta every rank finished writing: manifest (size and sha256 of every file, every
+    rank's cursor, the parent's step and digest) then COMMITTED. Rank 0 calls it once the
+    others are done. Its size in bytes."""
     files = {}
     for f in sorted(folder.iterdir()):
         if f.is_file() and f.name not in (MANIFEST, COMMITTED):
@@ -298,8 +342,10 @@ def seal_delta(folder: Path, *, step: int, parent: int, world_size: int) -> int:
     missing = [r for r in range(world_size) if f"rank-{r}.bin" not in files or f"rank-{r}.json" not in files]
     if missing:
         raise CheckpointError(f"{folder}: rank(s) {missing} did not write their part of the delta")
-    body = {"format": DELTA_FORMAT, "step": step, "parent": parent, "world_size": world_size,
-            "created_at": time.time(), "files": files}
+    cursors = [json.loads((folder / f"rank-{r}.json").read_text())["meta"].get("cursor", {})
+               for r in range(world_size)]
+    body = {"format": DELTA_FORMAT, "step": step, "parent": parent, "parent_digest": parent_digest,
+            "world_size": world_size, "cursors": cursors, "created_at": time.time(), "files": files}
     digest = _canonical_sha(body)
     atomic_write_text(folder / MANIFEST, json.dumps({**body, "manifest_sha256": digest}, indent=1))
     atomic_write_text(folder / COMMITTED, digest + "\n")
@@ -328,34 +374,95 @@ def verify_delta(folder: Path | str) -> DeltaInfo:
         if sha256_file(f) != expect["sha256"]:
             raise TornCheckpointError(folder, f"{name} sha256 mismatch (its bytes changed after the commit)",
                                       file=name)
-    return DeltaInfo(step=int(manifest["step"]), parent=int(manifest["parent"]), path=folder,
-                     world_size=int(manifest["world_size"]), bytes=sum(e["size"] for e in manifest["files"].values()))
+    return DeltaInfo(step=int(manifest["step"]), parent=int(manifest["parent"]),
+                     parent_digest=str(manifest.get("parent_digest", "")), digest=recorded, path=folder,
+                     world_size=int(manifest["world_size"]), bytes=sum(e["size"] for e in manifest["files"].values()),
+                     cursors=tuple(dict(c) for c in manifest.get("cursors", ())))
 
 
 # -- a delta's save and a chain's restore, on every rank ----------------------------------------
 
 
-def write_delta(root: Path | str, *, step: int, parent: int, model: torch.nn.Module, optimizers: Mapping[str, Any],
-                touched: Mapping[str, torch.Tensor], rank: int, world_size: int,
-                barrier: Callable[[], None]) -> int:
-    """Every rank writes its part of the delta of `step` on `parent`, then rank 0 seals it
-    (`barrier`: the ranks' meeting, before and after the seal). Collective. The delta's bytes
-    on rank 0, 0 on the others. The caller's `RowLedger` is `committed()` after it returns."""
-    tensors, meta = capture_delta(model, optimizers, touched)
-    folder = delta_folder(root, step)
-    write_pack(folder, rank, tensors, {**meta, "step": step, "parent": parent})
-    barrier()
-    size = seal_delta(folder, step=step, parent=parent, world_size=world_size) if rank == 0 else 0
-    barrier()
-    return size
+@dataclass(frozen=True, kw_only=True)
+class DeltaCommit:
+    """The outcome of one delta save, the same on every rank. `unsupported`: a rank could not
+    express its state as a delta (`DeltaUnsupported`): the caller takes bases from now on."""
+
+    step: int
+    parent: int
+    committed: bool
+    path: Path | None = None
+    digest: str = ""
+    bytes: int = 0  # the whole delta's (every rank's files)
+    error: str | None = None
+    unsupported: bool = False
 
 
-def apply_chain(model: torch.nn.Module, optimizers: Mapping[str, Any], folders: Iterable[Path], rank: int) -> int:
+def write_delta(root: Path | str, *, step: int, parent: int, parent_digest: str, state: TrainState,
+                touched: Mapping[str, torch.Tensor], group: Any) -> DeltaCommit:
+    """Every rank writes its part of the delta of `step` on `parent` into `delta_<n>.tmp`; once
+    every rank reported (`group`: all_gather and broadcast_from_first, the checkpoint group),
+    rank 0 seals it and renames it to `delta_<n>` (replacing a stale one of the same step), or
+    removes the `.tmp` folder when any rank failed. Collective. The caller's `RowLedger` is
+    `committed()` only when the outcome is."""
+    tmp, final = delta_dir(Path(root), step, tmp=True), delta_dir(Path(root), step)
+    problem, unsupported = None, False
+    try:
+        tensors, meta = capture_delta(state.model, state.optimizers, touched)
+        tensors.update(own_tensors(state, step))
+        write_pack(tmp, group.rank, tensors, {**meta, "step": step, "parent": parent,
+                                              "cursor": json.loads(state.cursor_json())})
+    except DeltaUnsupported as exc:
+        problem, unsupported = str(exc), True
+    except (OSError, CheckpointError) as exc:
+        problem = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+    reports = group.all_gather((problem, unsupported))
+    outcome: tuple[str | None, str, int, str | None, bool] = (None, "", 0, None, False)
+    if group.rank == 0:
+        outcome = _commit_delta(tmp, final, reports, step=step, parent=parent, parent_digest=parent_digest,
+                                world_size=group.world_size)
+    path, digest, size, error, unsupported = group.broadcast_from_first(outcome)
+    return DeltaCommit(step=step, parent=parent, committed=path is not None, path=Path(path) if path else None,
+                       digest=digest, bytes=size, error=error, unsupported=unsupported)
+
+
+def _commit_delta(tmp: Path, final: Path, reports: Sequence[tuple[str | None, bool]], *, step: int, parent: int,
+                  parent_digest: str, world_size: int) -> tuple[str | None, str, int, str | None, bool]:
+    """Rank 0: seal and rename, or clean up; (path, digest, bytes, error, unsupported)."""
+    failed = [why for why, _ in reports if why]
+    if failed:
+        _remove_quietly(tmp)
+        return None, "", 0, "; ".join(failed), any(flag for _, flag in reports)
+    try:
+        size = seal_delta(tmp, step=step, parent=parent, parent_digest=parent_digest, world_size=world_size)
+        if final.exists():  # a stale delta of this step (an attempt before a restart wrote it)
+            remove_tree(final)
+        tmp.replace(final)
+        fsync_dir(final.parent)
+        return str(final), commit_digest(final), size, None, False
+    except (OSError, CheckpointError) as exc:
+        _remove_quietly(tmp)
+        return None, "", 0, f"sealing the delta of step {step} failed: {type(exc).__name__}: {exc}", False
+
+
+def _remove_quietly(folder: Path) -> None:
+    try:
+        if folder.exists():
+            remove_tree(folder)
+    except OSError:  # the next start's cleanup removes it (`catalog.remove_uncommitted`)
+        pass
+
+
+def apply_chain(state: TrainState, folders: Iterable[Path], rank: int) -> int:
     """Onto a state its chain's base was just restored into, each delta in order: verified
-    (`verify_delta` raises on damage, before anything is read), then applied. The rows written."""
-    written = 0
+    (`verify_delta` raises on damage, before anything is read), then applied; the step, data
+    cursor and RNG state are the last delta's. The rows written."""
+    written, last = 0, None
     for folder in folders:
         verify_delta(folder)
         tensors, meta = read_pack(folder, rank)
-        written += apply_delta(model, optimizers, tensors, meta)
+        written += apply_delta(state.model, state.optimizers, tensors, meta)
+        last = tensors
+    if last is not None:
+        apply_own(state, last)
     return written

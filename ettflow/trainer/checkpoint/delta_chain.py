@@ -21,6 +21,10 @@ Invariants this module keeps (`Link`s are what the checkpoints folder holds, com
   retention may break.
 - **Retention never deletes a link a kept link needs** (`needed`): keeping a delta keeps its
   parent, and so on down to its base.
+- **A delta belongs to the parent it was written on**: it names the parent's commit digest
+  (`parent_digest`), and a chain through a parent rewritten since (a restart that replayed to
+  the same step and saved it again) is not whole: the delta is skipped, never applied onto
+  another state of that step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Link:
     kind: Kind
     parent: int | None = None
     bytes: int = 0
+    digest: str = ""  # its commit digest ("": not known, not checked)
+    parent_digest: str = ""  # a delta's parent's digest when it was written ("": not checked)
 
     def __post_init__(self) -> None:
         if self.kind not in ("base", "delta"):
@@ -74,6 +80,9 @@ def chain_of(links: Mapping[int, Link], step: int) -> list[Link]:
         if at not in links:
             raise KeyError(f"the chain of step {step} needs step {at}, which is not there")
         link = links[at]
+        if out and out[-1].parent_digest and link.digest and out[-1].parent_digest != link.digest:
+            raise KeyError(f"the chain of step {step} needs step {at} as its delta of step {out[-1].step} was "
+                           f"written on, and step {at} was saved again since")
         out.append(link)
         at = link.parent
     return out[::-1]

@@ -30,9 +30,10 @@ def checked_scan(source: TrainerConfig | Path | str) -> CheckpointScan:
     return found
 
 
-def fallbacks(found: CheckpointScan) -> list[CheckpointProblem]:
-    """The damaged checkpoints newer than the one a restore uses: each made the restore fall
-    back to an older step (or to none), and the steps between are trained again."""
-    latest = found.latest
+def fallbacks(found: CheckpointScan, world_size: int | None = None) -> list[CheckpointProblem]:
+    """The damaged checkpoints (or deltas) newer than the step a restore uses (`found.chain`):
+    each made the restore fall back to an older step (or to none), and the steps between are
+    trained again."""
+    restored = found.chain(world_size).step
     return [p for p in found.problems
-            if p.damaged and p.step is not None and (latest is None or p.step > latest.step)]
+            if p.damaged and p.step is not None and (restored is None or p.step > restored)]

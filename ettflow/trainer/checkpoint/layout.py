@@ -3,6 +3,8 @@
     root/step_0000000100/        committed: DCP files + manifest.json + COMMITTED
     root/step_0000000200.tmp/    being written (or left by a crash: never restored)
     root/step_0000000050.trash/  being deleted
+    root/delta_0000000150/       committed delta on its parent (`delta.py`): rank files + manifest + COMMITTED
+    root/delta_0000000160.tmp/   a delta being written (never restored)
 
 A save writes into `step_<n>.tmp`; once DCP has finished on every rank, rank 0 seals it
 (manifest.json, then the COMMITTED marker, each written to a temporary name, fsynced and
@@ -24,6 +26,7 @@ DCP_METADATA = ".metadata"
 TMP_SUFFIX = ".tmp"
 TRASH_SUFFIX = ".trash"
 _NAME = re.compile(r"^step_(\d+)(\.tmp|\.trash)?$")
+_DELTA_NAME = re.compile(r"^delta_(\d+)(\.tmp|\.trash)?$")
 
 
 def final_dir(root: Path, step: int) -> Path:
@@ -36,7 +39,20 @@ def tmp_dir(root: Path, step: int) -> Path:
 
 def parse_name(name: str) -> tuple[int, str] | None:
     """(step, kind) of a checkpoint folder name, kind in final/tmp/trash; None otherwise."""
-    m = _NAME.match(name)
+    return _parse(_NAME, name)
+
+
+def parse_delta_name(name: str) -> tuple[int, str] | None:
+    """(step, kind) of a delta checkpoint's folder name (`delta_<n>`), as `parse_name`."""
+    return _parse(_DELTA_NAME, name)
+
+
+def delta_dir(root: Path, step: int, *, tmp: bool = False) -> Path:
+    return Path(root) / f"delta_{step:010d}{TMP_SUFFIX if tmp else ''}"
+
+
+def _parse(pattern: re.Pattern[str], name: str) -> tuple[int, str] | None:
+    m = pattern.match(name)
     if m is None:
         return None
     kind = {None: "final", TMP_SUFFIX: "tmp", TRASH_SUFFIX: "trash"}[m.group(2)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ettflow.trainer.checkpoint.layout import parse_name
+from ettflow.trainer.checkpoint.layout import parse_delta_name, parse_name
 from ettflow.trainer.protocol import DURABLE, MEMORY, RestorePoint
 
 
@@ -30,11 +30,13 @@ def restart_point(memory_step: int | None, durable_step: int | None) -> RestoreP
 
 
 def newest_committed(root: Path) -> tuple[int, str] | None:
-    """(step, path) of the newest committed checkpoint folder under `root`, by name only: the
-    ranks verify every byte before they read it (`CheckpointManager.load`), so the driver's
-    choice does not read the checkpoint (a scan would hash it all on the recovery's clock)."""
+    """(step, path) of the newest committed checkpoint folder (a full one or a delta) under
+    `root`, by name only: the ranks verify every byte before they read it
+    (`CheckpointManager.load`; a delta names its chain, which they scan and verify), so the
+    driver's choice does not read the checkpoint (a scan would hash it all on the recovery's clock)."""
     if not root.is_dir():
         return None
     found = [(parsed[0], str(child)) for child in root.iterdir()
-             if (parsed := parse_name(child.name)) is not None and parsed[1] == "final" and child.is_dir()]
+             if (parsed := parse_name(child.name) or parse_delta_name(child.name)) is not None
+             and parsed[1] == "final" and child.is_dir()]
     return max(found) if found else None

@@ -11,6 +11,10 @@ warm start), the step, and the data cursor, which is the same on every rank of a
 (trainer/data/pipeline.py), so every later row is trained exactly once; RNG state starts fresh.
 A checkpoint or anchor is saved only from finite state: non-finite dense parameters (or a
 non-finite last loss) are refused as a `numerics` failure (see `numerics.py`).
+With `switches.delta_checkpoint`, a periodic save may be a delta on the last committed one
+(`delta_saves.py`; `checkpoint_save_blocking` attrs `kind`, `bytes`, `parent`), and a restore
+reads the run's newest restorable chain: its base, then each delta in order (attrs `deltas`).
+Anchors and warm starts read and write bases only.
 The anchor marker's format lives in `checkpoint/anchor.py`, the process's compile-cache
 handle in `compile/process_cache.py`.
 """
@@ -37,6 +41,7 @@ from ettflow.trainer.checkpoint import init_lazy_optimizer_state as init_optimiz
 from ettflow.trainer.checkpoint.anchor import AnchorInfo, write_anchor
 from ettflow.trainer.checkpoint.config import CheckpointError
 from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
+from ettflow.trainer.checkpoint.latest import checked_scan
 from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
@@ -50,7 +55,10 @@ from ettflow.trainer.rank.numerics import refuse_nonfinite
 if TYPE_CHECKING:
     from torchrec.distributed import DistributedModelParallel
 
+    from ettflow.trainer.checkpoint.catalog import Chain
+    from ettflow.trainer.checkpoint.delta import DeltaInfo
     from ettflow.trainer.collectives import Group, Groups
+    from ettflow.trainer.rank.delta_saves import DeltaSaves
 
 log = logging.getLogger("ettflow.trainer")
 DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part of the DLRM
@@ -58,8 +66,10 @@ DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part
 
 class TrainerPlugins:
     def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None,
-                 parent: Path | None = None, *, keeper: Any = None, warm_cache: bool | None = None) -> None:
-        """resume: the run's own latest checkpoint (a restart), else None; parent: the anchor
+                 parent: Path | None = None, *, keeper: Any = None, warm_cache: bool | None = None,
+                 resume_deltas: tuple[DeltaInfo, ...] = ()) -> None:
+        """resume: the run's own latest checkpoint (a restart), else None, and resume_deltas the
+        deltas on it a restore applies in order (its chain, `catalog.Chain`); parent: the anchor
         to warm start from when there is no own checkpoint (model and optimizer state only:
         the step counter starts at 0 and the data cursor at the start of the run's windows).
         keeper: the run's in-memory checkpoint keeper (None: no in-memory tier). warm_cache: a
@@ -68,6 +78,8 @@ class TrainerPlugins:
             raise ValueError("a rank restores its run's own checkpoint or warm starts from a parent, not both")
         self.config, self.rank, self.rec = config, rank, rec
         self.resume, self.parent = resume, parent
+        self.resume_deltas = tuple(resume_deltas) if resume is not None else ()
+        self.deltas: DeltaSaves | None = None  # with switches.delta_checkpoint (prepare_state)
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
         self.control: Group | None = None  # the control group (prepare_state): restore agreements
@@ -96,6 +108,8 @@ class TrainerPlugins:
         0 for a cold or warm start."""
         if self.live_point is not None:
             return self.live_point[0]
+        if self.resume_deltas:
+            return self.resume_deltas[-1].step
         return self.resume.step if self.resume else 0
 
     @property
@@ -111,6 +125,8 @@ class TrainerPlugins:
             return None
         if self.resharded:
             return common_cursor(self.resume)
+        if self.resume_deltas:
+            return Cursor.from_dict(self.resume_deltas[-1].cursors[self.rank])
         return Cursor.from_dict(self.resume.cursors[self.rank])
 
     # ---- checkpoints --------------------------------------------------------------------
@@ -125,6 +141,10 @@ class TrainerPlugins:
         )
         self.control = groups.control
         self.train_state = TrainState(model=dmp, optimizers={"sparse": dmp.fused_optimizer, "dense": dense_opt})
+        if self.config.switches.delta_checkpoint:
+            from ettflow.trainer.rank.delta_saves import DeltaSaves  # TorchRec's tracker: only when on
+
+            self.deltas = DeltaSaves(dmp, self.config)
         dlrm = dmp.module
         self.dense_named = [pair for name in DENSE_MODULES
                             for pair in getattr(dlrm, name).named_parameters(prefix=name)]
@@ -191,21 +211,34 @@ class TrainerPlugins:
             if self.control.all_ok(problem is None):
                 self.live_point = (point.step, Cursor.from_dict(self.train_state.cursor))
                 self.restored_path = None
+                if self.deltas is not None:
+                    self.deltas.restored(None)  # the next save is a base
                 return {**attrs, "source": "memory", "step": point.step}
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
             attrs["memory_problem"] = problem or "a peer's copy failed its check"
-        durable = self.manager.latest() if point.source is MEMORY else None
-        path = durable.path if durable is not None else point.path
+        # the run's newest restorable chain (a base, or a base and its deltas), or the one named
+        chain = checked_scan(self.config).chain(self.config.world_size) \
+            if point.source is MEMORY or point.path is None or not is_base(point.path) else None
+        path = (chain.base.path if chain.base is not None else None) if chain is not None else point.path
         if path is None and fallback and self.parent is not None:
             return {**attrs, **self._warm_start()}
         if path is None:
             raise CheckpointError(f"live recovery: the in-memory copy of step {point.step} failed and the run has "
                                   "no durable checkpoint; every rank restarts")
-        restored = self.manager.load(self.train_state, path)
-        self.live_point = (restored.checkpoint.step, Cursor.from_dict(self.train_state.cursor))
-        self.restored_path = Path(restored.checkpoint.path)
-        return {**attrs, "source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path)}
+        if chain is None or not chain.deltas:
+            restored = self.manager.load(self.train_state, path)
+            chain_attrs = {}
+            if self.deltas is not None:
+                from ettflow.trainer.checkpoint.catalog import Chain
+
+                self.deltas.restored(Chain(base=restored.checkpoint))
+        else:
+            restored, chain_attrs = self._load_chain(chain)
+        self.live_point = (self.train_state.step, Cursor.from_dict(self.train_state.cursor))
+        self.restored_path = None if chain_attrs else Path(restored.checkpoint.path)
+        return {**attrs, "source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
+                **chain_attrs}
 
     def save_memory(self, step: int, cursor: Cursor | None, *, since: float | None = None) -> float:
         """A copy of the state at `step` into the in-memory tier; returns the seconds the loop was
@@ -248,17 +281,43 @@ class TrainerPlugins:
         refuse_nonfinite(self.rec, self.dense_named, rank=self.rank, step=step, loss=loss, action=action)
 
     def restore(self) -> dict[str, Any]:
-        """The `checkpoint_restore` stage: the run's own latest checkpoint, or the parent anchor."""
+        """The `checkpoint_restore` stage: the run's own latest checkpoint (or chain), or the parent anchor."""
         assert self.manager is not None and self.train_state is not None
         if self.resume is None:
             return self._warm_start()
         if self.resharded:
             return self._restore_resharded()
+        if self.resume_deltas:
+            from ettflow.trainer.checkpoint.catalog import Chain
+
+            restored, chain_attrs = self._load_chain(Chain(base=self.resume, deltas=self.resume_deltas))
+            return {"source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
+                    "cursor": list(self.resume_cursor.as_tuple()), **chain_attrs}
         restored = self.manager.load(self.train_state, self.resume)
         self.restored_path = Path(restored.checkpoint.path)
+        if self.deltas is not None:
+            from ettflow.trainer.checkpoint.catalog import Chain
+
+            self.deltas.restored(Chain(base=self.resume))
         log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
         return {"source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
                 "cursor": list(self.resume_cursor.as_tuple()) if self.resume_cursor else None}
+
+    def _load_chain(self, chain: Chain) -> tuple[Any, dict[str, Any]]:
+        """Restore a chain's base, then its deltas in order (each verified before it is read):
+        the state equals a full checkpoint of the chain's step. (RestoreResult of the base,
+        the spool attrs of the deltas.)"""
+        from ettflow.trainer.checkpoint.delta import apply_chain
+
+        assert self.manager is not None and self.train_state is not None and chain.base is not None
+        restored = self.manager.load(self.train_state, chain.base)
+        rows = apply_chain(self.train_state, [d.path for d in chain.deltas], self.rank)
+        self.restored_path = None  # no committed full checkpoint of this step: an anchor here is saved anew
+        if self.deltas is not None:
+            self.deltas.restored(chain)
+        log.info("restored %s (step %d) and %d delta(s) on it, to step %d", chain.base.path, chain.base.step,
+                 len(chain.deltas), self.train_state.step)
+        return restored, {"base_step": chain.base.step, "deltas": [d.step for d in chain.deltas], "delta_rows": rows}
 
     def _restore_resharded(self) -> dict[str, Any]:
         assert self.manager is not None and self.train_state is not None and self.resume is not None
@@ -286,6 +345,8 @@ class TrainerPlugins:
                 "fingerprint": fingerprint}
 
     def _on_commit(self, result: CommitResult) -> None:
+        if self.deltas is not None:
+            self.deltas.base_committed(result)
         if result.background_end > result.background_start:
             self.rec.record("checkpoint_save_background", result.background_start, result.background_end,
                             step=result.step, committed=result.committed, bytes=result.nbytes,
@@ -298,15 +359,41 @@ class TrainerPlugins:
         finite check is part of the save's blocking time."""
         called = time.time() if since is None else min(since, time.time())
         self.check_finite(step, loss=loss, action=f"checkpoint at step {step}")
+        if self.deltas is not None:
+            self.manager.wait()  # a base in flight commits first: it may be the head a delta names
+            kind, why = self.deltas.choose()
+            if kind == "delta":
+                return self._save_delta(step, cursor, called)
+            log.debug("checkpoint of step %d is a base: %s", step, why)
         result = self._save(step, cursor)
         start = min(called, result.blocking_start)
         self.rec.record("checkpoint_save_blocking", start, result.blocking_end,
-                        step=step, mode=result.mode, waited_previous_s=result.waited_previous_s)
+                        step=step, mode=result.mode, waited_previous_s=result.waited_previous_s,
+                        **({"kind": "base"} if self.deltas is not None else {}))
         return result.blocking_end - start
 
+    def _save_delta(self, step: int, cursor: Cursor, called: float) -> float:
+        """A delta checkpoint of `step` on the last committed one, written while the loop waits
+        (it is small: the touched rows); raises CheckpointError when it did not commit."""
+        assert self.manager is not None and self.train_state is not None and self.deltas is not None
+        self.train_state.step, self.train_state.cursor = step, cursor.to_dict()
+        parent = self.deltas.head.step if self.deltas.head else None
+        commit = self.deltas.save(step, self.train_state, self.manager.group)
+        end = time.time()
+        if not commit.committed and not commit.unsupported:
+            raise CheckpointError(f"delta checkpoint of step {step} failed: {commit.error}")
+        if not commit.committed:  # deltas are off from now on: this save is a base after all
+            return self.save(step, cursor, since=called)
+        self.rec.record("checkpoint_save_blocking", called, end, step=step, mode="delta", kind="delta",
+                        parent=parent, bytes=commit.bytes, path=str(commit.path))
+        return end - called
+
     def _save(self, step: int, cursor: Cursor) -> SaveResult:
+        """A full save (a base); periodic, emergency or anchor."""
         assert self.manager is not None and self.train_state is not None
         self.train_state.step, self.train_state.cursor = step, cursor.to_dict()
+        if self.deltas is not None:
+            self.deltas.base_started(step)
         return self.manager.save(step, self.train_state)
 
     def save_anchor(self, step: int, cursor: Cursor | None, run_id: str, *, loss: float | None = None) -> Path | None:
@@ -387,6 +474,13 @@ class TrainerPlugins:
             self.manager.close()
         if self.memory is not None:
             self.memory.close()
+
+
+def is_base(path: str | Path) -> bool:
+    """Whether a checkpoint folder's name is a full checkpoint's (`step_<n>`), not a delta's."""
+    from ettflow.trainer.checkpoint.layout import parse_name
+
+    return parse_name(Path(path).name) is not None
 
 
 def common_cursor(info: CheckpointInfo) -> Cursor:

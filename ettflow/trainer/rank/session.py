@@ -109,7 +109,8 @@ class TrainerSession:
         self.rec = SpoolWriter(spool_root, run_id, attempt, rank)
         self.process_started_at = process_started_at
         self.state = RankState()
-        self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint
+        self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint (the base of its chain)
+        self.resume_deltas: tuple = ()  # the deltas on it, in order (`catalog.Chain`)
         self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
         self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank, on_pause=self._record_pause)
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
@@ -168,7 +169,8 @@ class TrainerSession:
 
     def init_plugins(self) -> None:
         self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume, self.parent,
-                                            keeper=self.keeper, warm_cache=self.warm_cache)
+                                            keeper=self.keeper, warm_cache=self.warm_cache,
+                                            resume_deltas=self.resume_deltas)
 
     def pre_train(self) -> None:
         self.state.plugins.prepare_state(self.state.dmp, self.state.dense_opt, self.state.groups)
@@ -276,10 +278,14 @@ class TrainerSession:
         self.beat.start()
         with self.beat.phase("device_init"):  # finding the checkpoint to resume reads the folder
             found = checked_scan(self.config)
-            self.resume = found.latest
+            chain = found.chain(self.config.world_size)  # the newest base, and the deltas on it
+            self.resume, self.resume_deltas = chain.base, chain.deltas
             self.parent = parent_anchor(self.config) if self.resume is None else None
+        if chain.skipped is not None and chain.why and self.rank == 0:
+            log.warning("checkpoint step %d cannot be restored (%s): restoring step %s", chain.skipped, chain.why,
+                        chain.step)
         if self.rank == 0:  # the run's record of checkpoint damage (every rank read the same folder)
-            for damaged in fallbacks(found):
+            for damaged in fallbacks(found, self.config.world_size):
                 self.rec.mark(CHECKPOINT_FALLBACK, damaged_step=damaged.step, restored_step=damaged.fallback,
                               file=damaged.file, reason=damaged.reason[:300], path=str(damaged.path))
         pipeline = InitPipeline(self.stages(), recorder=self.rec,

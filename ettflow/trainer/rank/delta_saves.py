@@ -1,0 +1,112 @@
+"""A rank's delta checkpoints (`switches.delta_checkpoint`): which periodic save is a delta,
+the rows touched since the last committed save, and the chain the next delta extends.
+
+    saves = DeltaSaves(dmp, config)           # TorchRec's tracker on the sharded module
+    saves.restored(chain)                     # after a restore: the chain read is the head
+    kind, why = saves.choose()                # "delta" on the head, or "base" (delta_chain.next_kind)
+    saves.base_started(step)                  # a full save began: its rows need no delta
+    saves.base_committed(commit)              # ... and committed: it is the head
+    commit = saves.save(step, state, group)   # a delta on the head, collective
+
+Invariants: the head is a committed link (a base or delta whose commit every rank saw) or
+None, and then the next save is a base; the rows of a delta are every row touched since the
+head (`RowLedger`: a failed delta keeps them for the next); after a restore the head is the
+restored step (the restore wrote every row, so nothing tracked before it counts). A state a
+rank cannot save as a delta (`DeltaUnsupported`: a row-wise sharded table) turns deltas off
+for the run, on every rank together, said once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ettflow.trainer.checkpoint.delta import (
+    DeltaCommit,
+    RowLedger,
+    commit_digest,
+    enable_tracker,
+    touched_rows,
+    write_delta,
+)
+from ettflow.trainer.checkpoint.delta_chain import Kind, Link, next_kind
+
+if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint import CommitResult, TrainState
+    from ettflow.trainer.checkpoint.catalog import Chain
+    from ettflow.trainer.config import TrainerConfig
+
+log = logging.getLogger("ettflow.trainer")
+
+
+class DeltaSaves:
+    def __init__(self, dmp: Any, config: TrainerConfig) -> None:
+        self.tracker = enable_tracker(dmp)
+        self.ledger = RowLedger()
+        self.policy = config.delta_policy
+        self.root = Path(config.checkpoint_dir)
+        self.links: list[Link] = []
+        self.head: Link | None = None
+        self.off: str | None = None  # why deltas are off for this run (None: on)
+        self._pending_base: int | None = None
+
+    def restored(self, chain: Chain | None) -> None:
+        """The state was just restored from `chain` (None: from anything else: a warm start, the
+        in-memory tier, a resharded base): the next save builds on it, or is a base."""
+        self._drop_tracked()
+        self.links, self.head = [], None
+        if chain is None or chain.base is None:
+            return
+        self.links = [Link(step=chain.base.step, kind="base", bytes=_folder_bytes(chain.base.path),
+                           digest=commit_digest(chain.base.path))]
+        self.links += [Link(step=d.step, kind="delta", parent=d.parent, bytes=d.bytes, digest=d.digest,
+                            parent_digest=d.parent_digest) for d in chain.deltas]
+        self.head = self.links[-1]
+
+    def choose(self) -> tuple[Kind, str]:
+        """Whether the next periodic save is a delta or a base, and why."""
+        if self.off is not None:
+            return "base", self.off
+        last = self.links[-1].bytes if self.links and self.links[-1].kind == "delta" else 0
+        return next_kind(self.links, self.head.step if self.head else None, last, anchor=False, policy=self.policy)
+
+    def base_started(self, step: int) -> None:
+        """A full save of `step` began: every row touched so far is in it. Until it commits
+        there is no head (a base that fails leaves the next save a base too)."""
+        self._drop_tracked()
+        self.head, self._pending_base = None, step
+
+    def base_committed(self, commit: CommitResult) -> None:
+        """A full save ended (from the checkpoint manager's thread): committed, it is the head."""
+        if commit.step != self._pending_base or not commit.committed or commit.path is None:
+            return
+        link = Link(step=commit.step, kind="base", bytes=commit.nbytes or 0, digest=commit_digest(commit.path))
+        self.links = [*(x for x in self.links if x.step != commit.step), link]
+        self.head, self._pending_base = link, None
+
+    def save(self, step: int, state: TrainState, group: Any) -> DeltaCommit:
+        """The delta of `step` on the head, every rank together (`group`: the checkpoint group)."""
+        assert self.head is not None, "a delta needs a committed head: choose() says when"
+        touched = self.ledger.add(touched_rows(self.tracker))
+        commit = write_delta(self.root, step=step, parent=self.head.step, parent_digest=self.head.digest,
+                             state=state, touched=touched, group=group)
+        if commit.committed:
+            self.ledger.committed()
+            link = Link(step=step, kind="delta", parent=self.head.step, bytes=commit.bytes, digest=commit.digest,
+                        parent_digest=self.head.digest)
+            self.links = [*(x for x in self.links if x.step != step), link]
+            self.head = link
+        elif commit.unsupported:
+            self.off = f"delta checkpoints are off for this run: {commit.error}"
+            if group.rank == 0:
+                log.warning("%s; every checkpoint is a full save", self.off)
+        return commit
+
+    def _drop_tracked(self) -> None:
+        touched_rows(self.tracker)
+        self.ledger.committed()
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
