@@ -254,11 +254,12 @@ RUN_LAST = ("test_multinode.py",)
 # costly session fixtures (the real Prefect server, the measured runs of tests/e2e/conftest.py).
 UNITS = {**{name: "deployed-path" for name in ("test_automations.py", "test_browser.py", "test_deployed_crash.py")},
          **{name: "trainer" for name in ("test_trainer.py", "test_trainer_faults.py")}}  # e2e/conftest `clean_run`
-# Under xdist the costliest units go first (as a two-worker run's durations rank them: `.ci/run`
-# prints them), so that the two workers end about together; the rest keep their order.
-COSTLY_FIRST = ("trainer", "deployed-path", "test_local_stack.py", "test_flow_refresh.py",
-                "test_fault_matrix.py", "test_console.py", "test_continuous_refresh.py", "test_bench.py",
-                "test_refresh_process.py", "test_compile_cache.py")
+# Under xdist the costliest units go first, largest first (as a two-worker run's durations rank
+# them, setup included: `.ci/run` prints them), so that the two workers end about together; the
+# rest keep their order. (A worker takes its next unit while its last two tests still run.)
+COSTLY_FIRST = ("trainer", "test_local_stack.py", "test_fault_matrix.py", "test_console.py", "test_bench.py",
+                "test_flow_refresh.py", "test_refresh_process.py", "test_continuous_refresh.py", "deployed-path",
+                "test_compile_cache.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,11 @@
 """`ettflow publish`: anchor checkpoint -> validated inference snapshot, on the CPU.
 
     ettflow publish --anchor WORK/checkpoints/step_0000000064 --data DATA_ROOT \\
-        [--windows window=2024010102 ...] [--out DIR] [--no-quantize]
+        [--windows window=2024010102 ...] [--out DIR] [--no-quantize] [--delta-on CURRENT_SNAPSHOT]
+    ettflow publish --materialize DELTA_SNAPSHOT [--out DIR] [--run-id NAME]
+
+`--delta-on` stores the snapshot as a delta on a published one (the rows that changed);
+`--materialize` writes the full snapshot (model.pt) a delta snapshot stands for.
 
 It publishes once. `register(subparsers)` adds the command to `ettflow`'s sub-parsers; its
 `func` returns an exit code: 0 published, 2 refused (torn anchor, validation failed, bad
@@ -26,13 +30,22 @@ def default_output_root() -> str:
 
 def _publish(args: argparse.Namespace) -> int:
     from ettflow.publish.config import PublishConfig
+    from ettflow.publish.delta_snapshot import materialize
     from ettflow.publish.publisher import is_retryable, publish_snapshot
 
+    if args.materialize is None and (args.anchor is None or args.data is None):
+        print("ettflow publish: give --anchor and --data (publish), or --materialize (a delta snapshot)",
+              file=sys.stderr)
+        return 2
     try:
+        if args.materialize is not None:
+            manifest = materialize(args.materialize, args.out or default_output_root(), run_id=args.run_id)
+            print(f"materialized {manifest.path} from {args.materialize} (run {manifest.run_id}, step {manifest.step})")
+            return 0
         config = PublishConfig(anchor=args.anchor, output_root=args.out or default_output_root(),
                                data_root=args.data, windows=args.windows, batch_size=args.batch_size,
                                validation_batches=args.batches, tolerance=args.tolerance,
-                               quantize=not args.no_quantize, run_id=args.run_id)
+                               quantize=not args.no_quantize, run_id=args.run_id, delta_on=args.delta_on)
         manifest = publish_snapshot(config)
     except Exception as e:  # noqa: BLE001 - a command's last stop: the message says what was wrong and what to do
         print(f"ettflow publish: {e}", file=sys.stderr)
@@ -50,6 +63,10 @@ def _publish(args: argparse.Namespace) -> int:
     print(f"  validated on {m['n_examples']} examples of {', '.join(manifest.data['windows'])}: "
           f"max |p_snapshot - p_float| = {m['max_abs_diff']:.2g} <= {manifest.validation['tolerance']}, "
           f"AUC float {m['auc_float']} snapshot {m['auc_snapshot']}")
+    if manifest.delta:
+        d = manifest.delta
+        print(f"  stored as a delta on {d['base']}: {d['changed_rows']} of {d['rows']} rows changed, "
+              f"{d['bytes']} bytes (the full module {d['full_bytes']})")
     print("  took " + ", ".join(f"{k} {v:.2f} s" for k, v in t.items()))
     return 0
 
@@ -57,9 +74,8 @@ def _publish(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ettflow.publish.config import DEFAULT_TOLERANCE
 
-    parser.add_argument("--anchor", required=True,
-                        help="the anchor checkpoint folder (<work_dir>/checkpoints/step_<n>)")
-    parser.add_argument("--data", required=True, help="folder of held-out data windows to validate on")
+    parser.add_argument("--anchor", help="the anchor checkpoint folder (<work_dir>/checkpoints/step_<n>)")
+    parser.add_argument("--data", help="folder of held-out data windows to validate on")
     parser.add_argument("--windows", nargs="+", help="held-out window names (default: the last window of --data)")
     parser.add_argument("--out", help="snapshot root; the snapshot goes to OUT/<run_id>/ "
                         "(default: $ETTFLOW_HOME/snapshots)")
@@ -69,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest allowed |p_snapshot - p_float| (default {DEFAULT_TOLERANCE})")
     parser.add_argument("--no-quantize", action="store_true", help="keep float32 embedding tables")
     parser.add_argument("--run-id", help="output folder name (default: the run id in anchor.json)")
+    parser.add_argument("--delta-on", help="a published snapshot folder (the current one): store this snapshot as "
+                        "a delta on it, the rows that changed")
+    parser.add_argument("--materialize", metavar="DELTA_SNAPSHOT",
+                        help="write the full snapshot a delta snapshot stands for into OUT/<run_id>/ (no --anchor)")
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.set_defaults(func=_publish)
 

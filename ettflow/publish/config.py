@@ -46,6 +46,9 @@ class PublishConfig:
     run_id: override anchor.json's run_id (the output folder name).
     parent_snapshot: the snapshot this one follows (the model's current one), for the
         manifest's lineage; None: the first of its model, or not known.
+    delta_on: a published snapshot folder (the model's current one): store this snapshot as a
+        delta on it (`delta_snapshot.py`: the rows that changed), once its materialization is
+        checked to predict exactly as the full snapshot; None: a full snapshot.
     """
 
     anchor: Path | str
@@ -58,6 +61,7 @@ class PublishConfig:
     quantize: bool = True
     run_id: str | None = None
     parent_snapshot: str | None = None
+    delta_on: Path | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("anchor", "output_root", "data_root"):

@@ -9,7 +9,8 @@ config: the new snapshot's validation data, so its own scores come from its mani
 `validate.score_in_fresh_process`, the scoring that validates every snapshot. The current
 one is checked against its manifest first (`verify_snapshot`). The decision (`decide`) is
 pure: gated when the new AUC is below the current one by more than `max_auc_drop`, or its
-log loss above by more than `max_logloss_increase` (a limit set to None is not checked). A
+log loss above by more than `max_logloss_increase` (a limit set to None is not checked); a
+delta snapshot is scored materialized (`delta_snapshot.py`). A
 model's first snapshot, or one whose current snapshot has another schema, is published
 without a comparison, and the reason says so.
 """
@@ -115,14 +116,18 @@ def new_scores(manifest: SnapshotManifest) -> Scores:
 def score_snapshot(folder: str, config: PublishConfig, schema) -> Scores:
     """Score an installed snapshot (checked against its manifest first) on the held-out
     batches of `config`, in a fresh process as validation does."""
+    import tempfile
     from pathlib import Path
 
+    from ettflow.publish.delta_snapshot import is_delta, materialized_file
     from ettflow.publish.validate import held_out, logloss, score_in_fresh_process
     from ettflow.trainer.rank.evaluate import auc
 
-    verify_snapshot(folder)
+    manifest = verify_snapshot(folder)
     data = held_out(config, schema)
-    probs = score_in_fresh_process(Path(folder) / MODEL_FILE, data)["probs"]
+    with tempfile.TemporaryDirectory(prefix="ettflow-gate-") as tmp:  # a delta snapshot: scored materialized
+        model = materialized_file(Path(folder), Path(tmp)) if is_delta(manifest) else Path(folder) / MODEL_FILE
+        probs = score_in_fresh_process(model, data)["probs"]
     y, p = data.labels.numpy(), probs.numpy()
     value = auc(y, p)
     return Scores(auc=None if math.isnan(value) else round(value, 6), logloss=round(logloss(y, p), 6))

@@ -53,6 +53,9 @@ class SnapshotManifest:
     # (the checkpoint its training was warm started from), windows (trained), held_out
     lineage: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
+    # a delta snapshot (delta_snapshot.py): its base folder, the base's model sha256, rows changed,
+    # bytes; a materialized one: where it came from; {}: a full snapshot published as such
+    delta: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
 
     def to_dict(self) -> dict[str, Any]:

@@ -27,11 +27,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ettflow.publish.anchor import load_float_model, open_anchor
-from ettflow.publish.config import PublishConfig, PublishError
+from ettflow.publish.config import PublishConfig, PublishError, SnapshotValidationError
 from ettflow.publish.manifest import SnapshotManifest, install, staging_dir
 from ettflow.publish.snapshot import (
     QUANT_FORMAT,
@@ -100,6 +102,7 @@ def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
         with timer("validate"):
             scored = score_in_fresh_process(model_file, data)
             metrics = compare(reference, scored["probs"], data.labels, config.tolerance)
+        delta = _as_delta(config, tmp, model_file, data, scored["probs"], timer) if config.delta_on else {}
         timer.timings["total"] = round(time.time() - started, 4)
         draft = SnapshotManifest(
             run_id=run_id, step=anchor.step, path=str(final), created_at=time.time(),
@@ -118,6 +121,7 @@ def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
             lineage={"parent_snapshot": config.parent_snapshot, "parent_anchor": anchor.parent,
                      "windows": list(anchor.windows) if anchor.windows is not None else None,
                      "held_out": list(data.windows)},
+            delta=delta,
         )
         manifest = install(tmp, draft, final)
     except BaseException:
@@ -127,6 +131,38 @@ def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
              final, anchor.step, metrics["max_abs_diff"], config.tolerance, metrics["auc_float"],
              metrics["auc_snapshot"], timer.timings["total"])
     return manifest
+
+
+def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, probs: torch.Tensor,
+              timer: _Timer) -> dict[str, Any]:
+    """Replace the validated full module in `tmp` by its delta on `config.delta_on`, once the
+    module rebuilt from that delta predicts exactly what the full one did (bitwise, so it scores
+    the same AUC); the manifest's `delta` section. A snapshot that cannot be a delta stays full
+    (said in the log, {} returned)."""
+    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, rebuild, write_delta_snapshot
+
+    with timer("delta"):
+        pack = tmp / "delta-pack"
+        try:
+            delta = write_delta_snapshot(Path(config.delta_on), model_file, pack)
+        except DeltaSnapshotRefused as exc:
+            log.warning("published as a full snapshot, not a delta on %s: %s", config.delta_on, exc)
+            shutil.rmtree(pack, ignore_errors=True)
+            return {}
+        rebuilt = rebuild(Path(config.delta_on), pack, pack / "rebuilt.pt")
+        again = score_in_fresh_process(rebuilt, data)["probs"]
+        if not torch.equal(again, probs):
+            raise SnapshotValidationError(
+                f"the snapshot rebuilt from its delta on {config.delta_on} predicts differently from the full one "
+                f"(max |dp| {float((again - probs).abs().max()):.3g}): publish it full (no delta_on)")
+        rebuilt.unlink()
+        model_file.unlink()
+        for part in pack.iterdir():
+            part.replace(tmp / part.name)
+        pack.rmdir()
+    log.info("stored as a delta on %s: %d of %d rows changed, %d bytes (the full module: %d)", config.delta_on,
+             delta["changed_rows"], delta["rows"], delta["bytes"], delta["full_bytes"])
+    return delta
 
 
 def is_retryable(error: BaseException) -> bool:

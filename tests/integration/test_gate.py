@@ -108,3 +108,49 @@ def test_a_snapshot_trained_on_shuffled_labels_is_gated_and_current_stays(anchor
     assert read_current(out).path == again.snapshot and json.loads((out / "current").read_text())["snapshot"] \
         == "good-again"
     assert not list(out.glob(".current.tmp-*"))
+
+
+def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(anchors, tmp_path):
+    """Issue 28: the "good" model published as a delta on the "shuffled" one's snapshot holds only
+    the rows that changed (no model file); validated as the full snapshot is, the gate scores it
+    materialized, and `materialize` writes the full module: its state is the full snapshot's bit
+    for bit, so it scores the same AUC. A delta on that delta (the same model again) changes no
+    row and materializes through the chain; a damaged delta is refused."""
+    import torch
+
+    from ettflow.publish import PublishConfig, PublishError, publish_snapshot
+    from ettflow.publish.delta_snapshot import load_module, materialize
+    from ettflow.publish.gate import score_snapshot
+
+    root, anchor = anchors
+    out = tmp_path / "snapshots"
+
+    def config(which: str, run_id: str, **kw) -> PublishConfig:
+        return PublishConfig(anchor=anchor[which], output_root=out, data_root=root / "data", windows=(HELD_OUT,),
+                             batch_size=256, validation_batches=4, run_id=run_id, **kw)
+
+    base = publish_snapshot(config("shuffled", "base"))
+    full = publish_snapshot(config("good", "full"))
+    delta = publish_snapshot(config("good", "delta", delta_on=base.path))
+    assert delta.delta["base"] == str(Path(base.path).resolve()) and sorted(delta.files) == ["delta-0.bin",
+                                                                                            "delta-0.json"]
+    assert 0 < delta.delta["changed_rows"] <= delta.delta["rows"] == 26 * 64
+    assert delta.metrics == full.metrics  # validated as the full snapshot
+    made = materialize(delta.path, tmp_path / "materialized")
+    want = load_module(Path(full.path) / "model.pt").state_dict()
+    got = load_module(Path(made.path) / "model.pt").state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    scores = [score_snapshot(s, config("good", "x"), SCHEMA) for s in (full.path, made.path, delta.path)]
+    assert scores[0] == scores[1] == scores[2] and scores[0].auc == full.metrics["auc_snapshot"]
+    again = publish_snapshot(config("good", "again", delta_on=delta.path))  # a chain of two deltas
+    assert again.delta["changed_rows"] == 0 and again.delta["bytes"] < delta.delta["bytes"]
+    twice = load_module(Path(materialize(again.path, tmp_path / "m2").path) / "model.pt").state_dict()
+    assert all(torch.equal(want[k], twice[k]) for k in want)
+    print(f"\ndelta snapshot: {delta.delta['changed_rows']} of {delta.delta['rows']} rows, {delta.delta['bytes']} "
+          f"bytes vs {delta.delta['full_bytes']} for the full module")
+    part = Path(delta.path) / "delta-0.bin"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(PublishError, match="does not match its manifest"):
+        materialize(again.path, tmp_path / "m3")

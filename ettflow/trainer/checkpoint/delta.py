@@ -279,11 +279,13 @@ def _need(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
 # -- files: raw bytes and a JSON index, sealed ---------------------------------------------------
 
 
-def write_pack(folder: Path, rank: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> int:
-    """Write this rank's tensors (raw bytes) and their index with `meta` (JSON); the bytes written."""
+def write_pack(folder: Path, rank: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], *,
+               stem: str = "rank") -> int:
+    """Write this rank's tensors (raw bytes, `<stem>-<rank>.bin`) and their index with `meta`
+    (JSON, `<stem>-<rank>.json`); the bytes written."""
     folder.mkdir(parents=True, exist_ok=True)
     index, offset = [], 0
-    with open(folder / f"rank-{rank}.bin", "wb") as f:
+    with open(folder / f"{stem}-{rank}.bin", "wb") as f:
         for name, t in tensors.items():
             if str(t.dtype) not in _DTYPES:
                 raise CheckpointError(f"delta tensor {name} has dtype {t.dtype}, which the delta format does not hold")
@@ -292,21 +294,21 @@ def write_pack(folder: Path, rank: int, tensors: Mapping[str, torch.Tensor], met
             index.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
                           "length": len(data)})
             offset += len(data)
-    atomic_write_text(folder / f"rank-{rank}.json", json.dumps({"tensors": index, "meta": dict(meta)}))
+    atomic_write_text(folder / f"{stem}-{rank}.json", json.dumps({"tensors": index, "meta": dict(meta)}))
     return offset
 
 
-def read_pack(folder: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's tensors and meta (call `verify_delta` first: nothing here checks checksums)."""
-    index = json.loads((folder / f"rank-{rank}.json").read_text())
-    data = (folder / f"rank-{rank}.bin").read_bytes()
+def read_pack(folder: Path, rank: int, *, stem: str = "rank") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's tensors and meta (verify the folder first: nothing here checks checksums)."""
+    index = json.loads((folder / f"{stem}-{rank}.json").read_text())
+    data = (folder / f"{stem}-{rank}.bin").read_bytes()
     out: dict[str, torch.Tensor] = {}
     for entry in index["tensors"]:
         dtype = _DTYPES.get(entry["dtype"])
         start, length = int(entry["offset"]), int(entry["length"])
         if dtype is None or start < 0 or start + length > len(data):
-            raise TornCheckpointError(folder, f"rank-{rank}.json describes tensor {entry.get('name')!r} outside its "
-                                      "data or of an unknown dtype", file=f"rank-{rank}.json")
+            raise TornCheckpointError(folder, f"{stem}-{rank}.json describes tensor {entry.get('name')!r} outside its "
+                                      "data or of an unknown dtype", file=f"{stem}-{rank}.json")
         raw = torch.frombuffer(bytearray(data[start:start + length]), dtype=torch.uint8) if length else \
             torch.empty(0, dtype=torch.uint8)
         out[entry["name"]] = raw.view(dtype).reshape(entry["shape"])
