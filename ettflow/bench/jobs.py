@@ -55,7 +55,7 @@ class Row:
             raise ValueError(f"Row.mode must be one of {MODES}, got {self.mode!r}")
         if self.interval_steps is not None and (isinstance(self.interval_steps, bool) or self.interval_steps < 1):
             raise ValueError(f"Row.interval_steps must be an int >= 1 or None, got {self.interval_steps!r}")
-        known = set(Switches.__dataclass_fields__) | {"publish_in_trainer"}
+        known = set(Switches.__dataclass_fields__) | {"publish_in_trainer", "delta_snapshot"}
         unknown = sorted(set(self.switches) - known)
         if unknown:
             raise ValueError(f"Row.switches has unknown switches {unknown}; known: {sorted(known)}")
@@ -221,7 +221,7 @@ def trainer_config(spec: JobSpec, mode: str, run_id: str, *, cache_root: Path | 
         eval_windows=spec.held_out, work_dir=str(spec.work_root / run_id),
         compile_cache_root=str(cache_root) if cache_root else None, model=spec.model,
         switches=replace(Switches.preset(mode), **{k: v for k, v in spec.switches.items()
-                                                   if k != "publish_in_trainer"}),
+                                                   if k not in ("publish_in_trainer", "delta_snapshot")}),
         world_size=spec.world_size, batch_size=spec.batch_size,
         checkpoint_every_steps=spec.checkpoint_every_steps, failures=spec.failures(),
         max_failures=len(spec.kill_steps) + 1, record_steps=spec.record_steps, max_steps=spec.max_steps,

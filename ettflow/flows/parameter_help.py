@@ -36,6 +36,8 @@ SWITCH_HELP: dict[str, str] = {
     "delta_checkpoint": "periodic checkpoints hold only the embedding rows touched since the one before, on full "
                         "bases (anchors are always full)",
     "publish_in_trainer": "publish while the trainer holds its devices (the baseline's way)",
+    "delta_snapshot": "store the snapshot as the rows that changed since the current one (checked to predict as the "
+                      "full one; `ettflow publish --materialize` writes it whole)",
 }
 missing = {f.name for f in fields(Switches)} - set(SWITCH_HELP)
 if missing:  # a new switch cannot reach the run form undocumented

@@ -53,8 +53,9 @@ __all__ = ["ParameterError", "RefreshParams", "RefreshPlan", "WindowChoice", "pl
            "resolve_switches", "select_windows", "slug", "with_interval", "with_lineage"]
 
 MODES = ("baseline", "optimized")
-PUBLISH_IN_TRAINER = "publish_in_trainer"  # the flow's own switch (baseline: True)
-SWITCH_NAMES = (*(f.name for f in fields(Switches)), PUBLISH_IN_TRAINER)
+PUBLISH_IN_TRAINER = "publish_in_trainer"  # the flow's own switches: baseline True
+DELTA_SNAPSHOT = "delta_snapshot"  # publish a delta on the current snapshot (publish/delta_snapshot.py): off
+SWITCH_NAMES = (*(f.name for f in fields(Switches)), PUBLISH_IN_TRAINER, DELTA_SNAPSHOT)
 DEMO_DATA = {"windows": 3, "rows_per_window": 4096, "files_per_window": 2, "seed": 0}
 DEFAULT_MODEL_CONFIG = {"embedding_dim": 16, "dense_arch": [32, 16], "over_arch": [32, 1]}
 
@@ -114,6 +115,7 @@ class RefreshPlan:
     mode: str
     trainer: TrainerConfig
     publish_in_trainer: bool
+    delta_snapshot: bool = False  # the snapshot is stored as a delta on the current one (tasks/publish.py)
     publish_failures: int  # injected: fail this many publish tries of the run
     snapshot_root: Path
     spool_root: Path
@@ -177,10 +179,18 @@ def _int(name: str, value: Any, low: int, *, optional: bool = False) -> int | No
     return value
 
 
-def resolve_switches(mode: str, overrides: Mapping[str, Any] | None) -> tuple[Switches, bool]:
+@dataclass(frozen=True, kw_only=True)
+class FlowSwitches:
+    """The flow's own switches, beside the trainer's (`Switches`)."""
+
+    publish_in_trainer: bool
+    delta_snapshot: bool = False
+
+
+def resolve_switches(mode: str, overrides: Mapping[str, Any] | None) -> tuple[Switches, FlowSwitches]:
     if mode not in MODES:
         raise ParameterError("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
-    values: dict[str, bool] = {PUBLISH_IN_TRAINER: mode == "baseline"}
+    values: dict[str, bool] = {PUBLISH_IN_TRAINER: mode == "baseline", DELTA_SNAPSHOT: False}
     values.update({f.name: getattr(Switches.preset(mode), f.name) for f in fields(Switches)})
     for key, value in (overrides or {}).items():
         if key not in SWITCH_NAMES:
@@ -188,8 +198,8 @@ def resolve_switches(mode: str, overrides: Mapping[str, Any] | None) -> tuple[Sw
         if not isinstance(value, bool):
             raise ParameterError("switches", f"switch {key!r} must be true or false, got {value!r}")
         values[key] = value
-    publish_in_trainer = values.pop(PUBLISH_IN_TRAINER)
-    return Switches(**values), publish_in_trainer
+    flow = FlowSwitches(publish_in_trainer=values.pop(PUBLISH_IN_TRAINER), delta_snapshot=values.pop(DELTA_SNAPSHOT))
+    return Switches(**values), flow
 
 
 def parse_failures(specs: Sequence[str] | None) -> tuple[tuple[FailAt, ...], int]:
@@ -316,7 +326,7 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
     if not isinstance(model, str) or slug(model) != model:
         raise ParameterError("model", f"must be a name of lowercase letters, digits and dashes, got {model!r}")
     mode = p.get("mode", "optimized")
-    switches, publish_in_trainer = resolve_switches(mode, p.get("switches"))
+    switches, flow_switches = resolve_switches(mode, p.get("switches"))
     try:
         model_config = ModelConfig(**{**DEFAULT_MODEL_CONFIG, **(p.get("architecture") or {})})
     except (TypeError, ValueError) as exc:
@@ -358,7 +368,8 @@ def plan_refresh(params: RefreshParams | Mapping[str, Any], *, run_id: str, subm
     if not isinstance(tags, Mapping):
         raise ParameterError("tags", f"must be an object, got {tags!r}")
     plan = RefreshPlan(
-        run_id=run_id, model=model, mode=mode, trainer=trainer, publish_in_trainer=publish_in_trainer,
+        run_id=run_id, model=model, mode=mode, trainer=trainer, publish_in_trainer=flow_switches.publish_in_trainer,
+        delta_snapshot=flow_switches.delta_snapshot,
         publish_failures=publish_failures,
         snapshot_root=Path(p.get("snapshot_root") or home / "snapshots" / model),
         spool_root=Path(p["spool_root"]) if p.get("spool_root") else paths.spool_root(),

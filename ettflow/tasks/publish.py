@@ -88,7 +88,9 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
         anchor=anchor, output_root=plan.snapshot_root, data_root=plan.trainer.data_root,
         windows=plan.trainer.eval_windows, batch_size=(batch := min(plan.trainer.batch_size, 512)),
         validation_batches=-(-VALIDATION_EXAMPLES // batch), run_id=plan.run_id,
-        parent_snapshot=current.path if current is not None and Path(current.path).name != plan.run_id else None)
+        parent_snapshot=(parent := current.path if current is not None and Path(current.path).name != plan.run_id
+                         else None),
+        delta_on=parent if plan.delta_snapshot else None)  # switch delta_snapshot: the rows changed since it
     done = already_published(plan, anchor)
     if done is not None:
         logger.info("run %s already published %s from this anchor", plan.run_id, done)

@@ -32,10 +32,12 @@ def test_plan_builds_the_trainer_config(flow_data, tmp_path):
 
 
 def test_modes_and_single_switches():
-    sw, in_trainer = resolve_switches("baseline", None)
-    assert in_trainer and not sw.parallel_init and not sw.async_checkpoint
-    sw, in_trainer = resolve_switches("optimized", {"publish_in_trainer": True, "fast_batch": False})
-    assert in_trainer and not sw.fast_batch and sw.parallel_init
+    sw, flow = resolve_switches("baseline", None)
+    assert flow.publish_in_trainer and not flow.delta_snapshot and not sw.parallel_init and not sw.async_checkpoint
+    sw, flow = resolve_switches("optimized", {"publish_in_trainer": True, "fast_batch": False})
+    assert flow.publish_in_trainer and not sw.fast_batch and sw.parallel_init and not sw.delta_checkpoint
+    sw, flow = resolve_switches("optimized", {"delta_snapshot": True, "delta_checkpoint": True})
+    assert flow.delta_snapshot and not flow.publish_in_trainer and sw.delta_checkpoint
 
 
 @pytest.mark.parametrize(
