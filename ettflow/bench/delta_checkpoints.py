@@ -1,11 +1,12 @@
 """`python -m ettflow.bench.delta_checkpoints`: full vs delta checkpoints, side by side (issue 28).
 
-A component bench, not a deployment run: delta checkpoints are not yet wired into the trainer's
-`CheckpointManager` (issue 28 is open), so this measures what they would write, on the bench
+A component bench, not a deployment run: both arms from the same state in one run (which a
+deployment run cannot give: it takes one or the other, `switches.delta_checkpoint`), on the bench
 jobs' default model (`criteo_schema(20_000)`, embedding_dim 16, 2 gloo ranks on CPU, the
 trainer's sharding `model.shard`: fused Adagrad in backward, dense Adam), trained eagerly on
 batches whose ids follow a power law over each table's rows (exponent 1.1, the synthetic
-Criteo-like data's: `trainer.data.synthetic`), ids ranked by a fixed random permutation.
+Criteo-like data's: `trainer.data.synthetic`), ids ranked by a fixed random permutation; or
+(`--movielens DIR`) on MovieLens-100K's real interactions in time order, with its schema.
 
 Every `steps_between` steps the same state is saved both ways, in one run:
 
@@ -39,6 +40,9 @@ class DeltaBenchPlan:
     saves: int = 8
     steps_between: int = 25
     exponent: float = 1.1  # the power law of the ids' popularity
+    # MovieLens-100K windows (`ettflow data movielens --out DIR`): real interactions in time order
+    # (its schema and tables, `movielens_schema`) instead of the synthetic power law; None: synthetic
+    movielens: str | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_embeddings, self.embedding_dim, self.world_size, self.batch_size, self.saves,
@@ -110,12 +114,13 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     )
     from ettflow.trainer.checkpoint.group import CheckpointGroup
     from ettflow.trainer.collectives import Groups
-    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.data.schema import criteo_schema, movielens_schema
     from ettflow.trainer.model import DenseStep, ModelConfig, build_dlrm, dense_optimizer, dense_parameters, shard
 
     torch.set_num_threads(1)
     groups = Groups.form(torch.device("cpu"), init_method=f"file://{work}/pg", rank=rank, world_size=plan.world_size)
-    schema = criteo_schema(plan.num_embeddings)
+    schema = movielens_schema() if plan.movielens else criteo_schema(plan.num_embeddings)
+    real = _window_batches(plan, schema, rank) if plan.movielens else None
     config = ModelConfig(embedding_dim=plan.embedding_dim, dense_arch=(64, plan.embedding_dim))
 
     def fresh() -> TrainState:
@@ -143,7 +148,8 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     step = 0
     for _ in range(plan.saves):
         for _ in range(plan.steps_between):
-            batch = _skewed_batch(schema, plan.batch_size, seed=[step, rank], perms=perms)
+            batch = next(real) if real is not None else _skewed_batch(schema, plan.batch_size, seed=[step, rank],
+                                                                      perms=perms)
             opt.zero_grad(set_to_none=True)
             loss, _ = dense_step(batch.dense, dmp.module.sparse_arch(batch.sparse), batch.labels)
             loss.backward()
@@ -207,6 +213,16 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     groups.teardown()
 
 
+def _window_batches(plan: DeltaBenchPlan, schema, rank: int):
+    """This rank's batches of the windows under `plan.movielens`, in time order, over and over."""
+    from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
+
+    config = DataConfig(root=plan.movielens, schema=schema, batch_size=plan.batch_size, rank=rank,
+                        world_size=plan.world_size)
+    while True:
+        yield from DataPipeline(config).batches()
+
+
 def _same_state(a, b) -> bool:
     """Every tensor of the model's and the optimizers' state dicts (local shards) equal."""
     import torch
@@ -242,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("num_embeddings", "embedding_dim", "batch_size", "saves", "steps_between"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--exponent", type=float, default=defaults.exponent)
+    p.add_argument("--movielens", metavar="DIR", help="train on MovieLens-100K windows (`ettflow data movielens "
+                   "--out DIR`) instead of synthetic power-law ids")
     args = p.parse_args(argv)
     plan = DeltaBenchPlan(**{k: v for k, v in vars(args).items()})
     started = time.perf_counter()

@@ -15,3 +15,19 @@ def test_the_delta_bench_runs_and_restores_the_chain_bitwise():
     assert m.delta_bytes[0] == m.full_bytes[0]  # the chain's base is the first full save
     assert all(0 < d < f for d, f in zip(m.delta_bytes[1:], m.full_bytes[1:]))
     assert "bitwise equal: True" in table(m)
+
+
+@pytest.mark.timeout(240)
+def test_the_delta_bench_trains_on_movielens_windows(tmp_path):
+    """`--movielens DIR`: the same bench on MovieLens windows (made-up source files here, in the
+    recbole wheel's layout), its schema and tables."""
+    from ettflow.bench.delta_checkpoints import DeltaBenchPlan, run
+    from ettflow.trainer.data.movielens import movielens_windows
+    from ettflow.trainer.data.schema import movielens_schema
+
+    from helpers.movielens import fake_source
+
+    movielens_windows(tmp_path / "ml", windows=2, cache_dir=fake_source(tmp_path / "src", n=200))
+    m = run(DeltaBenchPlan(embedding_dim=8, batch_size=8, saves=3, steps_between=2, movielens=str(tmp_path / "ml")))
+    assert m.chain_equal and m.table_rows == sum(f.num_embeddings for f in movielens_schema().sparse)
+    assert all(0 < d < f for d, f in zip(m.delta_bytes[1:], m.full_bytes[1:]))
