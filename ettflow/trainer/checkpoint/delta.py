@@ -156,7 +156,7 @@ def _rows_of(key: str, shard: Any, table_rows: int, touched: Mapping[str, torch.
     if offsets[0] != 0 or sizes[0] != table_rows:
         raise DeltaUnsupported(f"{key} is sharded by rows (a shard of rows {offsets[0]}..{offsets[0] + sizes[0]} of "
                                f"{table_rows}): delta checkpoints serve table- and column-wise shards only")
-    return touched.get(_table_of(key), torch.empty(0, dtype=torch.int64))
+    return touched.get(_table_of(key), torch.empty(0, dtype=torch.int64)).to(shard.tensor.device)
 
 
 def capture_delta(model: torch.nn.Module, optimizers: Mapping[str, Any], touched: Mapping[str, torch.Tensor], *,
@@ -235,15 +235,16 @@ def apply_delta(model: torch.nn.Module, optimizers: Mapping[str, Any], tensors: 
             if shards is None:
                 value.copy_(_need(tensors, f"dense/{key}"))
                 continue
-            for i, shard in enumerate(shards):
-                ids = _need(tensors, f"ids/{key}/{i}")
-                shard.tensor.index_copy_(0, ids, _need(tensors, f"rows/{key}/{i}"))
+            for i, shard in enumerate(shards):  # (read on the CPU: onto the shard's device)
+                ids = _need(tensors, f"ids/{key}/{i}").to(shard.tensor.device)
+                shard.tensor.index_copy_(0, ids, _need(tensors, f"rows/{key}/{i}").to(shard.tensor.device))
                 written += int(ids.numel())
         for param, states in optimizers[sparse].state_dict()["state"].items():
             for name, value in states.items():
                 for i, shard in enumerate(_local_shards(value) or []):
-                    ids = _need(tensors, f"ids/{param}/{i}")
-                    shard.tensor.index_copy_(0, ids, _need(tensors, f"optrows/{param}/{name}/{i}"))
+                    ids = _need(tensors, f"ids/{param}/{i}").to(shard.tensor.device)
+                    rows = _need(tensors, f"optrows/{param}/{name}/{i}").to(shard.tensor.device)
+                    shard.tensor.index_copy_(0, ids, rows)
     for name, opt in optimizers.items():
         if name == sparse:
             continue
