@@ -62,7 +62,7 @@ def register(subparsers) -> None:
                    help="set a trainer switch on every job, both modes and every row (repeatable), e.g. "
                    "compile=false for a smoke run of the command; results.md names it")
     p.set_defaults(func=main)
-    parts = p.add_subparsers(dest="part", metavar="{refreshes,intervals}",
+    parts = p.add_subparsers(dest="part", metavar="{refreshes,intervals,checkpoints}",
                              help="a measurement of its own (without one: the paired evaluation above)")
     from . import refreshes
 
@@ -76,6 +76,12 @@ def register(subparsers) -> None:
                          description=intervals.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     intervals.add_arguments(i)
     i.set_defaults(func=intervals.main)
+    from . import delta_checkpoints
+
+    c = parts.add_parser("checkpoints", help="full vs delta checkpoints of the same state: bytes, blocking, restore",
+                         description=delta_checkpoints.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    delta_checkpoints.add_arguments(c)
+    c.set_defaults(func=delta_checkpoints.main)
 
 
 def plan_from(args: argparse.Namespace):

@@ -1,4 +1,4 @@
-"""`python -m ettflow.bench.delta_checkpoints`: full vs delta checkpoints, side by side (issue 28).
+"""`ettflow bench checkpoints`: full vs delta checkpoints, side by side (issue 28).
 
 A component bench, not a deployment run: both arms from the same state in one run (which a
 deployment run cannot give: it takes one or the other, `switches.delta_checkpoint`), on the bench
@@ -251,22 +251,31 @@ def run(plan: DeltaBenchPlan) -> Measured:
         return Measured(**json.loads(Path(out).read_text()))
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ettflow.bench.delta_checkpoints", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     defaults = DeltaBenchPlan()
     for name in ("num_embeddings", "embedding_dim", "batch_size", "saves", "steps_between"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--exponent", type=float, default=defaults.exponent)
     p.add_argument("--movielens", metavar="DIR", help="train on MovieLens-100K windows (`ettflow data movielens "
                    "--out DIR`) instead of synthetic power-law ids")
-    args = p.parse_args(argv)
-    plan = DeltaBenchPlan(**{k: v for k, v in vars(args).items()})
+
+
+def plan_of(args: argparse.Namespace) -> DeltaBenchPlan:
+    """The plan the command's arguments give (the rest: the plan's defaults)."""
+    return DeltaBenchPlan(**{k: getattr(args, k) for k in DeltaBenchPlan.__dataclass_fields__ if hasattr(args, k)})
+
+
+def main(args: argparse.Namespace) -> int:
+    plan = plan_of(args)
     started = time.perf_counter()
     measured = run(plan)
     print(f"delta vs full checkpoints: {plan} ({time.perf_counter() - started:.0f} s)\n")
     print(table(measured))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(prog="python -m ettflow.bench.delta_checkpoints", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

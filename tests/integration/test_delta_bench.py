@@ -17,6 +17,16 @@ def test_the_delta_bench_runs_and_restores_the_chain_bitwise():
     assert "bitwise equal: True" in table(m)
 
 
+def test_ettflow_bench_checkpoints_takes_the_plan_s_sizes():
+    from ettflow.bench.delta_checkpoints import plan_of
+    from ettflow.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "checkpoints", "--steps-between", "10", "--movielens", "/data/ml"])
+    assert args.part == "checkpoints" and args.steps_between == 10 and args.movielens == "/data/ml"
+    plan = plan_of(args)
+    assert (plan.steps_between, plan.movielens, plan.saves, plan.world_size) == (10, "/data/ml", 8, 2)
+
+
 @pytest.mark.timeout(240)
 def test_the_delta_bench_trains_on_movielens_windows(tmp_path):
     """`--movielens DIR`: the same bench on MovieLens windows (made-up source files here, in the
