@@ -247,7 +247,10 @@ def test_hangs_in_compile_and_at_a_step_are_detected_within_their_bounds_and_res
     print(f"\nhang in pt2_compile: detected {took[0]:.2f} s after it began (bound {COMPILE_BOUND_S:g} s); "
           f"at step 12: {took[1]:.2f} s (bound 3 s)")
     assert took[0] <= COMPILE_BOUND_S + SLACK_S and took[1] <= 3.0 + SLACK_S
-    assert m.exposed("hang") >= 3.0 and m.exposed("lost_in_flight") == 0
+    # the watchdog times the bound from the step's start in the rank's heartbeat; the hang's span runs
+    # from the attempt's last finished activity in the spool to the detection: two clocks, a few ms
+    # apart on a loaded host (2.995 s seen)
+    assert m.exposed("hang") >= 3.0 - 0.05 and m.exposed("lost_in_flight") == 0
     # no durable checkpoint before step 20: the restart restored the newest step both ranks copied
     copied = [{e.attrs["step"] for e in by(events, "memory_save_blocking", rank=r, attempt=1)} for r in (0, 1)]
     newest = max(copied[0] & copied[1])
