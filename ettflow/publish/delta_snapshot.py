@@ -115,30 +115,24 @@ def apply_state(state: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.T
                 state[key][off:off + n * width].view(n, width).index_copy_(0, value, tensors[f"rows/{key}/{t}"])
 
 
-def write_delta_snapshot(base_folder: Path, new_model: Path, folder: Path) -> dict[str, Any]:
+def write_delta_snapshot(base_folder: Path, new_model: Path, folder: Path, *, rebuilt: Path) -> dict[str, Any]:
     """Write the delta of `new_model` (a full snapshot's module file) on the snapshot in
-    `base_folder` into `folder`; the manifest's `delta` section."""
-    from ettflow.trainer.checkpoint.delta import write_pack
+    `base_folder` into `folder`, and as `rebuilt` the module that delta, read back from
+    `folder`, makes of the base (what a materialization of it gives: the publish scores it);
+    the manifest's `delta` section. The base's chain is loaded and verified once for both."""
+    from ettflow.trainer.checkpoint.delta import read_pack, write_pack
 
     base_module, chain = _materialized(Path(base_folder))
     base = chain[-1][1]
-    tensors, stats = diff_state(base_module.state_dict(), _state(new_model))
+    base_state = base_module.state_dict()  # the module's own tensors
+    tensors, stats = diff_state(base_state, _state(new_model))
     nbytes = write_pack(folder, 0, tensors, {"format": "ettflow-snapshot-delta/1"}, stem=PACK)
+    written, _meta = read_pack(folder, 0, stem=PACK)
+    apply_state(base_state, written)
+    torch.jit.save(base_module, str(rebuilt))
     return {"base": str(Path(base_folder).resolve()), "base_run_id": base.run_id,
             "base_sha256": _model_sha(base_folder, base), "base_step": base.step, **stats, "bytes": nbytes,
             "full_bytes": new_model.stat().st_size}
-
-
-def rebuild(base_folder: Path, pack_folder: Path, out_file: Path) -> Path:
-    """The module the delta pack in `pack_folder` makes of the snapshot in `base_folder`, saved
-    as `out_file` (what a materialization of the published delta gives: the publish scores it)."""
-    from ettflow.trainer.checkpoint.delta import read_pack
-
-    module, _ = _materialized(Path(base_folder))
-    tensors, _meta = read_pack(pack_folder, 0, stem=PACK)
-    apply_state(module.state_dict(), tensors)
-    torch.jit.save(module, str(out_file))
-    return out_file
 
 
 def materialized_file(folder: Path, out_dir: Path) -> Path:

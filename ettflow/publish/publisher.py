@@ -139,17 +139,16 @@ def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, pro
     module rebuilt from that delta predicts exactly what the full one did (bitwise, so it scores
     the same AUC); the manifest's `delta` section. A snapshot that cannot be a delta stays full
     (said in the log, {} returned)."""
-    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, rebuild, write_delta_snapshot
+    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, write_delta_snapshot
 
     with timer("delta"):
-        pack = tmp / "delta-pack"
+        pack, rebuilt = tmp / "delta-pack", tmp / "rebuilt.pt"
         try:
-            delta = write_delta_snapshot(Path(config.delta_on), model_file, pack)
+            delta = write_delta_snapshot(Path(config.delta_on), model_file, pack, rebuilt=rebuilt)
         except DeltaSnapshotRefused as exc:
             log.warning("published as a full snapshot, not a delta on %s: %s", config.delta_on, exc)
             shutil.rmtree(pack, ignore_errors=True)
             return {}
-        rebuilt = rebuild(Path(config.delta_on), pack, pack / "rebuilt.pt")
         again = score_in_fresh_process(rebuilt, data)["probs"]
         if not torch.equal(again, probs):
             raise SnapshotValidationError(

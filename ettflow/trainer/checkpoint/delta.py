@@ -55,7 +55,6 @@ from ettflow.trainer.checkpoint.state import TrainState, capture_rng, json_tenso
 from ettflow.trainer.checkpoint.verify import sha256_file
 
 DELTA_FORMAT = "ettflow-delta/1"
-DELTA_PREFIX = "delta_"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.int16, torch.int8, torch.uint8, torch.bool)}
 
