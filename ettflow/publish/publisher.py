@@ -102,7 +102,7 @@ def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
         with timer("validate"):
             scored = score_in_fresh_process(model_file, data)
             metrics = compare(reference, scored["probs"], data.labels, config.tolerance)
-        delta = _as_delta(config, tmp, model_file, data, scored["probs"], timer) if config.delta_on else {}
+        delta = _as_delta(config, tmp, model_file, data, timer) if config.delta_on else {}
         timer.timings["total"] = round(time.time() - started, 4)
         draft = SnapshotManifest(
             run_id=run_id, step=anchor.step, path=str(final), created_at=time.time(),
@@ -133,13 +133,12 @@ def publish_snapshot(config: PublishConfig) -> SnapshotManifest:
     return manifest
 
 
-def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, probs: torch.Tensor,
-              timer: _Timer) -> dict[str, Any]:
+def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, timer: _Timer) -> dict[str, Any]:
     """Replace the validated full module in `tmp` by its delta on `config.delta_on`, once the
     module rebuilt from that delta predicts exactly what the full one did (bitwise, so it scores
     the same AUC); the manifest's `delta` section. A snapshot that cannot be a delta stays full
     (said in the log, {} returned)."""
-    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, write_delta_snapshot
+    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, load_module, write_delta_snapshot
 
     with timer("delta"):
         pack, rebuilt = tmp / "delta-pack", tmp / "rebuilt.pt"
@@ -149,11 +148,15 @@ def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, pro
             log.warning("published as a full snapshot, not a delta on %s: %s", config.delta_on, exc)
             shutil.rmtree(pack, ignore_errors=True)
             return {}
-        again = score_in_fresh_process(rebuilt, data)["probs"]
-        if not torch.equal(again, probs):
+        # in this process, both modules on the same threads (bitwise comparable); the full one
+        # was scored in a fresh process above, and the rebuilt one differs from it in state only
+        # if at all, so the same predictions here mean the same there
+        with torch.no_grad():
+            full, again = predict(load_module(model_file), data), predict(load_module(rebuilt), data)
+        if not torch.equal(again, full):
             raise SnapshotValidationError(
                 f"the snapshot rebuilt from its delta on {config.delta_on} predicts differently from the full one "
-                f"(max |dp| {float((again - probs).abs().max()):.3g}): publish it full (no delta_on)")
+                f"(max |dp| {float((again - full).abs().max()):.3g}): publish it full (no delta_on)")
         rebuilt.unlink()
         model_file.unlink()
         for part in pack.iterdir():

@@ -119,6 +119,7 @@ def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(
     import torch
 
     from ettflow.publish import PublishConfig, PublishError, publish_snapshot
+    from ettflow.publish.config import SnapshotValidationError
     from ettflow.publish.delta_snapshot import load_module, materialize
     from ettflow.publish.gate import score_snapshot
 
@@ -149,6 +150,22 @@ def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(
     assert all(torch.equal(want[k], twice[k]) for k in want)
     print(f"\ndelta snapshot: {delta.delta['changed_rows']} of {delta.delta['rows']} rows, {delta.delta['bytes']} "
           f"bytes vs {delta.delta['full_bytes']} for the full module")
+    # the rebuild check: a delta whose rebuilt module predicts otherwise (here: the base's own
+    # module, as if the delta lost its rows) is refused, and nothing is installed
+    import ettflow.publish.delta_snapshot as delta_snapshot
+
+    write = delta_snapshot.write_delta_snapshot
+
+    def lossy(base_folder, new_model, folder, *, rebuilt):
+        out = write(base_folder, new_model, folder, rebuilt=rebuilt)
+        rebuilt.write_bytes((Path(base.path) / "model.pt").read_bytes())
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(delta_snapshot, "write_delta_snapshot", lossy)
+        with pytest.raises(SnapshotValidationError, match="rebuilt from its delta .* predicts differently"):
+            publish_snapshot(config("good", "lossy", delta_on=base.path))
+    assert not (out / "lossy").exists()
     part = Path(delta.path) / "delta-0.bin"
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF
