@@ -218,3 +218,66 @@ def test_the_interval_is_stored_with_the_run_and_reported(warehouse_url, tmp_pat
     shown = {r["metric"]: (r["exposed"], r["raw"]) for r in interval_rows(planned, metrics)}
     assert shown["checkpoint interval s (history; raw: steps)"] == (5.2, 5)
     assert shown["expected wasted s (raw: realized wasted_training)"] == (4.0, 6.0)
+
+
+def saving_run(run_id: str, model: str, t0: float, blocking: list[tuple[str, float]]):
+    """Two ranks; 10 steps of 1 s before each save of `blocking` ((kind, seconds): rank 1 blocks
+    that long, rank 0 half of it), then a failure and a recovery, as a trainer with
+    `delta_checkpoint` records them (`checkpoint_save_blocking` attrs `kind`, `mode`)."""
+    from test_warehouse import with_seqs
+
+    from helpers.timelines import Timeline
+
+    t = Timeline(run_id)
+    t.mark("submitted", t0).ev("scheduling", t0, t0 + 1, rank=-1)
+    s, step = t0 + 1, 0
+    for kind, seconds in blocking:
+        for rank in (0, 1):
+            t.steps(s, step, 10, rank=rank)
+        s, step = s + 10, step + 10
+        for rank, took in ((0, seconds / 2), (1, seconds)):
+            t.ev("checkpoint_save_blocking", s, s + took, rank=rank, step=step, kind=kind,
+                 mode="delta" if kind == "delta" else "sync", bytes=1 << (16 if kind == "delta" else 22))
+        s += seconds
+    t.fail(s, s + 1, failure_class="infrastructure", reason="node lost", failed_rank=1)
+    t.next_attempt()
+    t.ev("scheduling", s + 1, s + 2, rank=-1).ev("checkpoint_restore", s + 2, s + 3).ev(
+        "checkpoint_restore", s + 2, s + 3, rank=1)
+    t.ev("shutdown", s + 3, s + 4)
+    return with_seqs(t.events)
+
+
+def test_cheaper_delta_saves_shorten_the_interval_planned_from_history(warehouse_url):
+    """Issue 28: a delta save is a durable save of its own blocking, so the history's CSBT is
+    the mean over bases and deltas together and the next refresh's interval is shorter where
+    saves got cheaper (same failures, same step time; archived and read back through the
+    warehouse, SQLite and PostgreSQL)."""
+    from ettflow.ett.failure_history_db import estimate_from_warehouse
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.warehouse import RunInfo, Warehouse
+
+    full = [("base", 2.0)] * 4
+    delta = [("base", 2.0), ("delta", 0.2), ("delta", 0.2), ("delta", 0.2)]
+    config = EstimateConfig(window_s=10_000.0, prior_hours=1.0)
+    with Warehouse.open(warehouse_url) as wh:
+        for run_id, model, saves in (("full-1", "full", full), ("delta-1", "delta", delta)):
+            events = saving_run(run_id, model, 1_000.0, saves)
+            wh.archive_run(RunInfo(run_id=run_id, model=model, mode="optimized", flow_run_id=f"flow-{run_id}",
+                                   tags={}), events, compute_run_metrics(events))
+        est = {m: estimate_from_warehouse(wh, model=m, now=5_000.0, config=config) for m in ("full", "delta")}
+    # a save's blocking is its slowest rank's: the full run's 2.0 s each, the delta run's mean (2 + 3 x 0.2) / 4
+    assert est["full"].save_blocking_s == {SaveTier.DURABLE: 2.0}
+    assert est["delta"].save_blocking_s == {SaveTier.DURABLE: pytest.approx(0.65)}
+    assert est["full"].saves == est["delta"].saves == {SaveTier.DURABLE: 4}
+    assert est["full"].step_s == est["delta"].step_s == 1.0
+    planned = {m: plan_interval(e, windows=3, max_steps=None) for m, e in est.items()}
+    for m in ("full", "delta"):
+        model = WasteModel(job_s=planned[m].job_s, save_blocking_s=est[m].save_blocking_s[SaveTier.DURABLE],
+                           failure_rate_per_s=est[m].rate_per_s)
+        assert planned[m].source is IntervalSource.HISTORY
+        assert planned[m].interval_s == optimal_interval(model, min_interval_s=1.0).interval_s
+    # the rates differ a little (the saves' seconds are training hours, and each model is the
+    # other's fleet), but the delta model's is not the higher: the shorter interval is the saves'
+    assert est["delta"].rate_per_h <= est["full"].rate_per_h
+    assert planned["delta"].interval_steps < planned["full"].interval_steps
+    assert planned["delta"].expected_wasted_s < planned["full"].expected_wasted_s
