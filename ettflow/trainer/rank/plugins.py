@@ -40,6 +40,7 @@ from ettflow.trainer.checkpoint import (
 from ettflow.trainer.checkpoint import init_lazy_optimizer_state as init_optimizer_state
 from ettflow.trainer.checkpoint.anchor import AnchorInfo, write_anchor
 from ettflow.trainer.checkpoint.config import CheckpointError
+from ettflow.trainer.checkpoint.delta import apply_chain
 from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
 from ettflow.trainer.checkpoint.latest import checked_scan
 from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
@@ -55,8 +56,8 @@ from ettflow.trainer.rank.numerics import refuse_nonfinite
 if TYPE_CHECKING:
     from torchrec.distributed import DistributedModelParallel
 
-    from ettflow.trainer.checkpoint.catalog import Chain
     from ettflow.trainer.checkpoint.delta import DeltaInfo
+    from ettflow.trainer.checkpoint.results import RestoreResult
     from ettflow.trainer.collectives import Group, Groups
     from ettflow.trainer.rank.delta_saves import DeltaSaves
 
@@ -226,17 +227,8 @@ class TrainerPlugins:
         if path is None:
             raise CheckpointError(f"live recovery: the in-memory copy of step {point.step} failed and the run has "
                                   "no durable checkpoint; every rank restarts")
-        if chain is None or not chain.deltas:
-            restored = self.manager.load(self.train_state, path)
-            chain_attrs = {}
-            if self.deltas is not None:
-                from ettflow.trainer.checkpoint.catalog import Chain
-
-                self.deltas.restored(Chain(base=restored.checkpoint))
-        else:
-            restored, chain_attrs = self._load_chain(chain)
+        restored, chain_attrs = self._load_own(path, chain.deltas if chain is not None else ())
         self.live_point = (self.train_state.step, Cursor.from_dict(self.train_state.cursor))
-        self.restored_path = None if chain_attrs else Path(restored.checkpoint.path)
         return {**attrs, "source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
                 **chain_attrs}
 
@@ -287,37 +279,32 @@ class TrainerPlugins:
             return self._warm_start()
         if self.resharded:
             return self._restore_resharded()
-        if self.resume_deltas:
-            from ettflow.trainer.checkpoint.catalog import Chain
+        restored, chain_attrs = self._load_own(self.resume, self.resume_deltas)
+        return {"source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
+                "cursor": list(self.resume_cursor.as_tuple()), **chain_attrs}
 
-            restored, chain_attrs = self._load_chain(Chain(base=self.resume, deltas=self.resume_deltas))
-            return {"source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
-                    "cursor": list(self.resume_cursor.as_tuple()), **chain_attrs}
-        restored = self.manager.load(self.train_state, self.resume)
-        self.restored_path = Path(restored.checkpoint.path)
+    def _load_own(self, base: CheckpointInfo | Path | str, deltas: tuple[DeltaInfo, ...] = ()
+                  ) -> tuple[RestoreResult, dict[str, Any]]:
+        """Restore one of the run's own chains: its base, then its deltas in order (each verified
+        before it is read), so the state equals a full checkpoint of the chain's last step; the
+        delta saves build on it. (The base's RestoreResult, the spool attrs of the deltas: none
+        for a base alone.) `restored_path` names the base when it is the whole chain (an anchor
+        of that step reuses it), else None: no committed full checkpoint holds this step."""
+        assert self.manager is not None and self.train_state is not None
+        restored = self.manager.load(self.train_state, base)
+        rows = apply_chain(self.train_state, [d.path for d in deltas], self.rank) if deltas else 0
+        self.restored_path = None if deltas else Path(restored.checkpoint.path)
         if self.deltas is not None:
             from ettflow.trainer.checkpoint.catalog import Chain
 
-            self.deltas.restored(Chain(base=self.resume))
-        log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
-        return {"source": "own", "step": restored.checkpoint.step, "path": str(restored.checkpoint.path),
-                "cursor": list(self.resume_cursor.as_tuple()) if self.resume_cursor else None}
-
-    def _load_chain(self, chain: Chain) -> tuple[Any, dict[str, Any]]:
-        """Restore a chain's base, then its deltas in order (each verified before it is read):
-        the state equals a full checkpoint of the chain's step. (RestoreResult of the base,
-        the spool attrs of the deltas.)"""
-        from ettflow.trainer.checkpoint.delta import apply_chain
-
-        assert self.manager is not None and self.train_state is not None and chain.base is not None
-        restored = self.manager.load(self.train_state, chain.base)
-        rows = apply_chain(self.train_state, [d.path for d in chain.deltas], self.rank)
-        self.restored_path = None  # no committed full checkpoint of this step: an anchor here is saved anew
-        if self.deltas is not None:
-            self.deltas.restored(chain)
-        log.info("restored %s (step %d) and %d delta(s) on it, to step %d", chain.base.path, chain.base.step,
-                 len(chain.deltas), self.train_state.step)
-        return restored, {"base_step": chain.base.step, "deltas": [d.step for d in chain.deltas], "delta_rows": rows}
+            self.deltas.restored(Chain(base=restored.checkpoint, deltas=tuple(deltas)))
+        if not deltas:
+            log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
+            return restored, {}
+        log.info("restored %s (step %d) and %d delta(s) on it, to step %d", restored.checkpoint.path,
+                 restored.checkpoint.step, len(deltas), self.train_state.step)
+        return restored, {"base_step": restored.checkpoint.step, "deltas": [d.step for d in deltas],
+                          "delta_rows": rows}
 
     def _restore_resharded(self) -> dict[str, Any]:
         assert self.manager is not None and self.train_state is not None and self.resume is not None
