@@ -18,6 +18,13 @@ Reported per arm: bytes per save (the median, as sealed: every file but the mani
 COMMITTED marker; the delta's first save is the full base, not counted), the blocking of a
 save (the slowest rank: capture + write + seal, all synchronous here), and the restore of the
 last step: the full checkpoint vs the base plus every delta, checked bitwise equal.
+
+Then the publish of the last step, both ways (`publisher.publish_snapshot`, int8, validated on a
+held-out window: the last MovieLens window, or a synthetic Criteo-like window of the same
+schema): a full snapshot, and a delta snapshot on the snapshot of the first save (the snapshot
+the previous refresh would have published: every row the saves' steps changed differs).
+Reported: publish seconds, the snapshot's bytes (every file but its manifest), the rows that
+changed, and whether the delta materialized equals the full snapshot bitwise.
 """
 
 from __future__ import annotations
@@ -61,9 +68,24 @@ class Measured:
     full_restore_s: float
     chain_restore_s: float
     chain_equal: bool
+    first_full: str = ""  # the anchors the publish reads: the first save's and the last one's
+    last_full: str = ""
 
 
-def table(m: Measured) -> str:
+@dataclass(frozen=True, kw_only=True)
+class Published:
+    """The last step published full, and as a delta on the first save's snapshot."""
+
+    full_s: float
+    delta_s: float
+    full_bytes: int
+    delta_bytes: int
+    changed_rows: int
+    rows: int
+    materialized_equal: bool
+
+
+def table(m: Measured, p: Published | None = None) -> str:
     full = statistics.median(m.full_bytes)
     delta = statistics.median(m.delta_bytes[1:])
     fb, db = statistics.median(m.full_blocking_s), statistics.median(m.delta_blocking_s[1:])
@@ -76,6 +98,13 @@ def table(m: Measured) -> str:
             f"{len(m.delta_bytes) - 1} + base | "
             f"{delta:,.0f} | {100 * delta / full:.1f}% (1/{full / delta:.1f}) | {db:.4f} | {100 * db / fb:.1f}% | "
             f"{m.chain_restore_s:.3f} (base + {len(m.delta_bytes) - 1} deltas, bitwise equal: {m.chain_equal}) |"]
+    if p is not None:
+        rows += ["", "| snapshot of the last step | bytes | of full | publish s | of full |", "|---|---|---|---|---|",
+                 f"| full (every row, int8) | {p.full_bytes:,} | 100% | {p.full_s:.1f} | 100% |",
+                 f"| delta on the first save's snapshot ({p.changed_rows:,} of {p.rows:,} rows changed; "
+                 f"materialized bitwise equal: {p.materialized_equal}) | {p.delta_bytes:,} | "
+                 f"{100 * p.delta_bytes / p.full_bytes:.1f}% (1/{p.full_bytes / p.delta_bytes:.1f}) | "
+                 f"{p.delta_s:.1f} | {100 * p.delta_s / p.full_s:.0f}% |"]
     return "\n".join(rows)
 
 
@@ -104,6 +133,7 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
     import torch
 
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState, init_lazy_optimizer_state
+    from ettflow.trainer.checkpoint.anchor import AnchorInfo, write_anchor
     from ettflow.trainer.checkpoint.delta import (
         RowLedger,
         apply_chain,
@@ -162,6 +192,9 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
         full_s.append(time.perf_counter() - t0)
         full_bytes.append(committed.nbytes)
         last_full = committed.path
+        if rank == 0:  # what the publish reads (`publish_snapshot`): an anchor marker on each full save
+            write_anchor(last_full, AnchorInfo(run_id=f"step-{step}", step=step, world_size=plan.world_size,
+                                               model=config, schema=schema))
         touched = ledger.add(touched_rows(tracker))
         groups.control.barrier()
         t0 = time.perf_counter()
@@ -207,7 +240,8 @@ def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
         m = Measured(full_bytes=full_bytes, delta_bytes=delta_bytes, full_blocking_s=values[:n],
                      delta_blocking_s=values[n:2 * n], touched_rows=[int(c) for c in counts],
                      table_rows=sum(f.num_embeddings for f in schema.sparse), full_restore_s=values[2 * n],
-                     chain_restore_s=values[2 * n + 1], chain_equal=values[2 * n + 2] == 0.0)
+                     chain_restore_s=values[2 * n + 1], chain_equal=values[2 * n + 2] == 0.0,
+                     first_full=str(base_path), last_full=str(last_full))
         Path(out).write_text(json.dumps(asdict(m)))
     groups.control.barrier()
     groups.teardown()
@@ -242,13 +276,49 @@ def _same_state(a, b) -> bool:
     return x.keys() == y.keys() and all(len(x[k]) == len(y[k]) and all(map(torch.equal, x[k], y[k])) for k in x)
 
 
-def run(plan: DeltaBenchPlan) -> Measured:
+def publish(plan: DeltaBenchPlan, m: Measured, work: Path) -> Published:
+    """The last step's snapshot, full and as a delta on the first save's (see the docstring)."""
+    import torch
+
+    from ettflow.publish import PublishConfig, publish_snapshot
+    from ettflow.publish.delta_snapshot import load_module, materialize
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+    from ettflow.trainer.data.windows import list_windows
+
+    if plan.movielens:
+        data_root = Path(plan.movielens)
+    else:
+        data_root = work / "held-out"
+        generate_windows(data_root, SyntheticConfig(windows=1, rows_per_window=4 * plan.batch_size, files_per_window=1))
+    out = work / "snapshots"
+
+    def config(anchor: str, run_id: str, **kw) -> PublishConfig:
+        return PublishConfig(anchor=anchor, output_root=out, data_root=data_root, run_id=run_id,
+                             windows=tuple(list_windows(data_root)[-1:]), batch_size=plan.batch_size,
+                             validation_batches=4, **kw)
+
+    base = publish_snapshot(config(m.first_full, "first"))
+    full = publish_snapshot(config(m.last_full, "full"))
+    delta = publish_snapshot(config(m.last_full, "delta", delta_on=base.path))
+    made = materialize(delta.path, work / "materialized")
+    want = load_module(Path(full.path) / "model.pt").state_dict()
+    got = load_module(Path(made.path) / "model.pt").state_dict()
+    return Published(full_s=full.timings_s["total"], delta_s=delta.timings_s["total"],
+                     full_bytes=sum(f["size"] for f in full.files.values()),
+                     delta_bytes=sum(f["size"] for f in delta.files.values()),
+                     changed_rows=delta.delta["changed_rows"], rows=delta.delta["rows"],
+                     materialized_equal=want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want))
+
+
+def run(plan: DeltaBenchPlan, *, snapshots: bool = True) -> tuple[Measured, Published | None]:
+    """Both arms of the checkpoints, then (`snapshots`) of the last step's snapshot."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="ettflow-delta-bench-") as work:
         out = f"{work}/measured.json"
         mp.spawn(_worker, args=(plan, work, out), nprocs=plan.world_size, join=True)
-        return Measured(**json.loads(Path(out).read_text()))
+        measured = Measured(**json.loads(Path(out).read_text()))
+        return measured, publish(plan, measured, Path(work)) if snapshots else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -258,6 +328,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exponent", type=float, default=defaults.exponent)
     p.add_argument("--movielens", metavar="DIR", help="train on MovieLens-100K windows (`ettflow data movielens "
                    "--out DIR`) instead of synthetic power-law ids")
+    p.add_argument("--no-snapshots", action="store_true", help="checkpoints only: skip publishing the last step "
+                   "full and as a delta snapshot")
 
 
 def plan_of(args: argparse.Namespace) -> DeltaBenchPlan:
@@ -268,9 +340,9 @@ def plan_of(args: argparse.Namespace) -> DeltaBenchPlan:
 def main(args: argparse.Namespace) -> int:
     plan = plan_of(args)
     started = time.perf_counter()
-    measured = run(plan)
-    print(f"delta vs full checkpoints: {plan} ({time.perf_counter() - started:.0f} s)\n")
-    print(table(measured))
+    measured, published = run(plan, snapshots=not args.no_snapshots)
+    print(f"delta vs full checkpoints and snapshots: {plan} ({time.perf_counter() - started:.0f} s)\n")
+    print(table(measured, published))
     return 0
 
 

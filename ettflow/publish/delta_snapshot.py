@@ -41,6 +41,8 @@ PACK = "delta"  # delta-0.bin, delta-0.json
 # a quantized TBE's flat row buffers (torchrec's int8 inference tables), by fbgemm's
 # EmbeddingLocation of each table (`weights_placements`): DEVICE, MANAGED, MANAGED_CACHING, HOST
 BUFFER_OF = {0: "weights_dev", 1: "weights_uvm", 2: "weights_uvm", 3: "weights_host"}
+ROW_ALIGNMENT = 16  # fbgemm's int-n-bit rows (torchrec's quantized tables' default), in bytes
+CACHELINE = 128  # fbgemm pads each table's rows to this (`align_to_cacheline`)
 MAX_CHAIN = 32  # deltas on deltas a materialization follows at most
 
 
@@ -52,11 +54,19 @@ class DeltaSnapshotRefused(PublishError):
 
 def _tables(state: Mapping[str, torch.Tensor], key: str) -> list[tuple[int, int, int, int]]:
     """(table, byte offset, rows, row bytes) of each table that lies in the flat buffer `key`
-    (a TBE's `weights_dev`, `weights_host` or `weights_uvm`, as each table's placement says)."""
+    (a TBE's `weights_dev`, `weights_host` or `weights_uvm`, as each table's placement says).
+    A row's bytes are fbgemm's for the table's dim and type (`rounded_row_size_in_bytes`, rows
+    aligned to `ROW_ALIGNMENT`); a table's region is its rows padded to a cache line
+    (`CACHELINE`), so the offsets alone do not give the row size of a small table."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import rounded_row_size_in_bytes
+
     prefix, buffer = key.rsplit(".", 1)
     placements = [int(x) for x in state[f"{prefix}.weights_placements"]]
     offsets = [int(x) for x in state[f"{prefix}.weights_offsets"]]
     rows = [int(x) for x in state[f"{prefix}.rows_per_table"]]
+    dims = [int(b) - int(a) for a, b in zip(state[f"{prefix}.D_offsets"][:-1], state[f"{prefix}.D_offsets"][1:])]
+    types = [int(x) for x in state[f"{prefix}.weights_tys"]]
     mine = [t for t, where in enumerate(placements) if BUFFER_OF.get(where) == buffer]
     total, ends = state[key].numel(), sorted({offsets[t] for t in mine})
     out = []
@@ -64,10 +74,12 @@ def _tables(state: Mapping[str, torch.Tensor], key: str) -> list[tuple[int, int,
         off, n = offsets[t], rows[t]
         later = [e for e in ends if e > off]
         end = later[0] if later else total
-        if n <= 0 or (end - off) % n:
-            raise DeltaSnapshotRefused(f"{key}: table {t} at byte {off} with {n} rows does not fill {end - off} bytes "
-                                       "in whole rows: its rows cannot be diffed")
-        out.append((t, off, n, (end - off) // n))
+        width = rounded_row_size_in_bytes(dims[t], SparseType.from_int(types[t]), ROW_ALIGNMENT)
+        if n <= 0 or not n * width <= end - off < n * width + CACHELINE:
+            raise DeltaSnapshotRefused(f"{key}: table {t} at byte {off} with {n} rows of {width} bytes does not "
+                                       f"fill its {end - off} bytes (rows padded to a {CACHELINE}-byte line): "
+                                       "its rows cannot be diffed")
+        out.append((t, off, n, width))
     return out
 
 
