@@ -33,8 +33,8 @@ SWITCH_HELP: dict[str, str] = {
     "live_recovery": "survivors keep running and a warm spare takes a failed rank",
     "warm_pool": "ranks and spares from trainer processes prewarmed before the run",
     "local_inductor_cache": "without the compile cache, keep PyTorch's own inductor cache across processes",
-    "delta_checkpoint": "periodic checkpoints hold only the embedding rows touched since the one before, on full "
-                        "bases (anchors are always full)",
+    "delta_checkpoint": "periodic checkpoints (and in-memory copies) hold only the embedding rows touched since the "
+                        "one before, on full bases (anchors are always full)",
     "publish_in_trainer": "publish while the trainer holds its devices (the baseline's way)",
     "delta_snapshot": "store the snapshot as the rows that changed since the current one (checked to predict as the "
                       "full one; `ettflow publish --materialize` writes it whole)",

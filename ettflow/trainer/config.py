@@ -54,7 +54,8 @@ class Switches:
     local_inductor_cache: bool = True
     # delta checkpoints: a periodic checkpoint holds only the embedding rows touched since the one
     # before (TorchRec's tracker), on a full base taken as `delta_max_chain_*` say; anchors are
-    # always bases (trainer/checkpoint/delta.py, delta_chain.py). Off by default while it is new
+    # always bases (trainer/checkpoint/delta.py, delta_chain.py); the in-memory tier's copies
+    # likewise, on a whole copy (memory_tier.py). Off by default while it is new
     delta_checkpoint: bool = False
 
     @classmethod

@@ -366,3 +366,35 @@ def test_a_rank_killed_mid_delta_chain_restores_base_and_deltas_and_a_damaged_de
     found = scan(cfg.checkpoint_dir)
     assert [c.step for c in found.committed] == [5, STEPS] and [d.step for d in found.deltas] == [10, 15, 20]
     assert found.damaged_deltas == () and found.chain(2).step == STEPS
+
+
+@pytest.mark.timeout(900)
+def test_live_recovery_restores_in_memory_delta_copies_base_and_deltas(trainer_world, compile_cache, clean_run,
+                                                                       tmp_path):
+    """Issue 28, the in-memory tier: with delta checkpoints on, an in-memory copy every 2 steps
+    is a whole copy, then deltas on it (the rows touched since, handed to the keeper alone).
+    Rank 1 is SIGKILLed at step 9: the spare restores rank 1's chain from the keeper and rank 0
+    its own, whole copy then deltas; the first copy after the recovery is whole again; the anchor
+    equals the uninterrupted run's bitwise."""
+    cfg = config(trainer_world, "live-delta", compile_cache, eval_batches=0, memory_every_steps=2,
+                 delta_max_chain_share=100.0, failures=(FailAt(kind="kill", rank=1, step=9),),
+                 ).with_switches(delta_checkpoint=True)
+    result, events, m = drive(trainer_world, cfg, "live-delta")
+    assert result.attempts == 2 and m.nof == 1
+    for rank in (0, 1):
+        copies = sorted(by(events, "memory_save_blocking", rank=rank, attempt=0), key=lambda e: e.attrs["step"])
+        kinds = [e.attrs["kind"] for e in copies]
+        assert kinds[0] == "base" and "delta" in kinds, kinds
+        sizes = {e.attrs["kind"]: e.attrs["bytes"] for e in by(events, "memory_save_background", rank=rank,
+                                                               attempt=0) if e.attrs["ok"]}
+        assert 0 < sizes["delta"] < sizes["base"], sizes  # the rows that changed, not the tables
+        (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=1)
+        assert restore.attrs["source"] == "memory" and restore.attrs["memory_deltas"] >= 1, restore.attrs
+        after = sorted(by(events, "memory_save_blocking", rank=rank, attempt=1), key=lambda e: e.attrs["step"])
+        assert after and after[0].attrs["kind"] == "base"  # nothing tracked before the restore counts
+    assert [(h.attempt, h.attrs["rank"]) for h in by(events, "spare_handoff")] == [(1, 1)]
+    assert m.effective_steps == 2 * STEPS
+    m.check_partition()
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+    print(f"\nin-memory copies, rank 0: whole {sizes['base']:,} bytes, delta {sizes['delta']:,} bytes; the spare "
+          f"restored a whole copy and {restore.attrs['memory_deltas']} delta(s)")

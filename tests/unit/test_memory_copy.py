@@ -125,3 +125,34 @@ def test_the_keeper_index_keeps_the_newest_two_per_rank_and_finds_the_newest_com
     assert keeper_name("r1") == "ettflow-keeper-r1"
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
         CopyIndex(keep=0)
+
+
+def _delta(rank: int, step: int, parent: int) -> CopyMeta:
+    return CopyMeta(step=step, rank=rank, world_size=2, cursor={}, nbytes=0, layout=(), parent=parent,
+                    delta={"param_groups": {}, "sparse": "sparse"})
+
+
+def test_the_keeper_index_keeps_the_chains_of_delta_copies_and_restores_only_whole_ones():
+    """Issue 28: a delta copy keeps its parent (down to its whole copy) however old; a step
+    counts for `latest_common` only when every rank holds its whole chain."""
+    index = CopyIndex()
+    index.store(_meta(0, 2), "b0")
+    assert index.store(_delta(0, 4, 2), "d4") == [] and index.store(_delta(0, 6, 4), "d6") == []
+    assert index.store(_delta(0, 8, 6), "d8") == []  # 2 is the base 8 needs: nothing goes
+    assert index.inventory() == {0: [2, 4, 6, 8]}
+    assert [p for _, p in index.chain(0, 8)] == ["b0", "d4", "d6", "d8"] and index.chain(0, 3) is None
+    assert index.store(_meta(0, 10), "b10") == []  # 6 and 8 are the newest two with 10
+    assert index.store(_delta(0, 12, 10), "d12") == [2, 4, 6, 8]  # a new base: the old chain goes
+    assert index.inventory() == {0: [10, 12]}
+    # rank 1 holds a delta whose parent it never got (a failed hand-off): not restorable
+    index.store(_meta(1, 10), "r10")
+    index.store(_delta(1, 12, 11), "r12")
+    assert index.chain(1, 12) is None and index.latest_common(2) == 10
+    index.store(_delta(1, 14, 10), "r14")
+    index.store(_delta(0, 14, 12), "d14")
+    assert index.latest_common(2) == 14 and [p for _, p in index.chain(1, 14)] == ["r10", "r14"]
+    with pytest.raises(MemoryCopyError, match="a delta copy names an earlier parent"):
+        CopyMeta(step=4, rank=0, world_size=1, cursor={}, nbytes=0, layout=(), parent=4, delta={})
+    with pytest.raises(MemoryCopyError, match="a delta copy names an earlier parent"):
+        CopyMeta(step=4, rank=0, world_size=1, cursor={}, nbytes=0, layout=(), parent=2)
+    assert CopyMeta.from_json(_delta(0, 4, 2).to_json()) == _delta(0, 4, 2)

@@ -199,6 +199,10 @@ class CopyMeta:
     nbytes: int
     layout: Layout
     checksum: str | None = None
+    # a delta copy: the step of the rank's copy it applies to, and `delta.capture_delta`'s meta
+    # (the dense optimizers' param groups); None: a whole copy
+    parent: int | None = None
+    delta: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("step", "rank", "world_size", "nbytes"):
@@ -207,17 +211,23 @@ class CopyMeta:
                 raise MemoryCopyError(f"CopyMeta.{name} must be an int >= 0, got {value!r}")
         if not 0 <= self.rank < max(self.world_size, 1) or not isinstance(self.cursor, dict):
             raise MemoryCopyError(f"CopyMeta: rank {self.rank} of {self.world_size}, cursor {self.cursor!r}")
+        if (self.parent is None) != (self.delta is None) or (
+                self.parent is not None and not (isinstance(self.parent, int) and 0 <= self.parent < self.step)):
+            raise MemoryCopyError(f"CopyMeta: a delta copy names an earlier parent step and its delta meta, a whole "
+                                  f"copy neither (step {self.step}, parent {self.parent!r})")
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "cursor": self.cursor,
-                "nbytes": self.nbytes, "checksum": self.checksum, "layout": [list(e) for e in self.layout]}
+                "nbytes": self.nbytes, "checksum": self.checksum, "layout": [list(e) for e in self.layout],
+                "parent": self.parent, "delta": self.delta}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CopyMeta:
         try:
             layout = tuple((str(n), str(d), tuple(int(x) for x in s)) for n, d, s in data["layout"])
             return cls(step=data["step"], rank=data["rank"], world_size=data["world_size"], cursor=data["cursor"],
-                       nbytes=data["nbytes"], layout=layout, checksum=data["checksum"])
+                       nbytes=data["nbytes"], layout=layout, checksum=data["checksum"], parent=data.get("parent"),
+                       delta=data.get("delta"))
         except (KeyError, TypeError, ValueError) as e:
             raise MemoryCopyError(f"malformed copy metadata ({type(e).__name__}: {e})") from e
 

@@ -15,6 +15,17 @@ its previous write, and `on_done` gets a `MemorySaveResult` (the `memory_save_ba
 phase). A failed hand-off (the keeper is gone) is reported there with ok=False and logged: the
 memory tier is an optimization, the durable checkpoint stays the guarantee.
 
+With a chain policy (`policy`, the trainer's `delta_policy` with `switches.delta_checkpoint`),
+a copy may be a delta on the rank's previous one (`save(..., touched=rows)`): the rows looked up
+since, with their optimizer state, the dense state whole and the rank's step, cursor and RNG,
+as the durable delta checkpoints take them (`delta.capture_delta`). It is taken into fresh
+host tensors (the whole copy's buffers stay as they are) and handed to the keeper alone, so its
+checksum and hand-off cost the rows that changed, not the tables. A whole copy is taken when
+the rows are not known (after a restore), the keeper missed the previous copy (its hand-off
+failed), or the chain reaches the policy's length or share of the whole copy's bytes
+(`delta_chain.next_kind`). A restore reads the chain: the whole copy, then each delta in order,
+every checksum verified first.
+
 `restore` uses the rank's own host copy when it holds `step`, else the keeper's copy of
 `source_rank`; it verifies the checksum and copies in place (`memory_copy.apply`). A copy that
 is missing, damaged or does not fit raises `MemoryCopyError` (a CheckpointError), and the
@@ -48,7 +59,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,6 +67,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ettflow.trainer.checkpoint.config import CheckpointError
+from ettflow.trainer.checkpoint.delta import DeltaUnsupported, apply_delta, apply_own, capture_delta, own_tensors
+from ettflow.trainer.checkpoint.delta_chain import ChainPolicy, Link, next_kind
 from ettflow.trainer.checkpoint.memory_copy import (
     CopyMeta,
     HostCopy,
@@ -86,6 +100,7 @@ class MemorySaveResult:
     ok: bool
     checksum: str | None = None
     error: str | None = None
+    kind: str = "base"  # "delta": a delta copy on the rank's previous one
 
     @property
     def background_s(self) -> float:
@@ -99,7 +114,7 @@ class MemoryTier:
     on_done: called with each MemorySaveResult, from the background thread."""
 
     def __init__(self, keeper: Any, rank: int, world_size: int, *,
-                 on_done: Callable[[MemorySaveResult], None] | None = None) -> None:
+                 on_done: Callable[[MemorySaveResult], None] | None = None, policy: ChainPolicy | None = None) -> None:
         for name, value in (("rank", rank), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"MemoryTier {name} must be an int >= 0, got {value!r}")
@@ -108,7 +123,11 @@ class MemoryTier:
         self.keeper, self.rank, self.world_size = keeper, rank, world_size
         self._on_done = on_done
         self._host = HostCopy(pin=torch.accelerator.is_available())
-        self._local: tuple[CopyMeta, dict[str, torch.Tensor]] | None = None  # the newest copy, in _host
+        # this rank's newest copy and the copies it applies to: a whole copy (in _host), then
+        # each delta on it, in order (empty: none)
+        self._chain: list[tuple[CopyMeta, dict[str, torch.Tensor]]] = []
+        self.policy = policy  # when a copy may be a delta (`save(..., touched=...)`); None: whole copies only
+        self._keeper_has_head = False  # the keeper holds the newest copy: a delta may build on it
         self._executor = ThreadPoolExecutor(1, "ettflow-memory")
         self._pending: Future[MemorySaveResult] | None = None
         self._closed = False
@@ -117,26 +136,69 @@ class MemoryTier:
     @property
     def local_step(self) -> int | None:
         """The step of this rank's own host copy (None: none yet)."""
-        return self._local[0].step if self._local else None
+        return self._chain[-1][0].step if self._chain else None
 
-    def save(self, step: int, train_state: TrainState) -> float:
+    @property
+    def last_kind(self) -> str | None:
+        """"delta" or "base" (a whole copy): what the newest copy is (None: none yet)."""
+        return None if not self._chain else ("delta" if self._chain[-1][0].parent is not None else "base")
+
+    def save(self, step: int, train_state: TrainState, *, touched: Mapping[str, torch.Tensor] | None = None) -> float:
         """Copy the rank's state at `step` into host memory; returns the seconds the caller was
-        blocked (finishing the previous hand-off, then the copy)."""
+        blocked (finishing the previous hand-off, then the copy). `touched` (table FQN -> the
+        rows looked up since this rank's previous copy, `delta.touched_rows`; None: not known):
+        the copy may be a delta on the previous one (`policy`; see `_kind`)."""
         if self._closed:
             raise MemoryCopyError("MemoryTier.save after close()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         start = time.perf_counter()
         self.wait()
+        cursor = json.loads(train_state.cursor_json())
+        if self._kind(step, touched) == "delta":
+            try:
+                meta, host = self._capture_delta(step, train_state, touched or {}, cursor)
+            except DeltaUnsupported as exc:
+                log.warning("in-memory copies are whole from now on (rank %d): %s", self.rank, exc)
+                self.policy = None
+            else:
+                self._chain.append((meta, host))
+                self._pending = self._executor.submit(self._hand_off, meta, host)
+                return time.perf_counter() - start
         tensors = local_tensors(train_state, step=step, rank=self.rank)
-        self._local = None  # the buffers are being overwritten
+        self._chain = []  # the buffers are being overwritten
         host = self._host.capture(tensors)
-        meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size,
-                        cursor=json.loads(train_state.cursor_json()), nbytes=sum(t.nbytes for t in host.values()),
-                        layout=layout_of(host))
-        self._local = (meta, host)
+        meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size, cursor=cursor,
+                        nbytes=sum(t.nbytes for t in host.values()), layout=layout_of(host))
+        self._chain = [(meta, host)]
         self._pending = self._executor.submit(self._hand_off, meta, host)
         return time.perf_counter() - start
+
+    def _kind(self, step: int, touched: Mapping[str, torch.Tensor] | None) -> str:
+        """A delta when the rows touched since the previous copy are known, that copy is this
+        rank's newest and the keeper holds it (a failed hand-off breaks the keeper's chain), and
+        the chain policy allows another delta (`delta_chain.next_kind`, on the chain's bytes)."""
+        if touched is None or self.policy is None or not self._chain or not self._keeper_has_head \
+                or self._chain[-1][0].step >= step:
+            return "base"
+        links = [Link(step=m.step, kind="base" if m.parent is None else "delta", parent=m.parent, bytes=m.nbytes)
+                 for m, _ in self._chain]
+        last = links[-1].bytes if links[-1].kind == "delta" else 0
+        kind, _ = next_kind(links, links[-1].step, last, anchor=False, policy=self.policy)
+        return kind
+
+    def _capture_delta(self, step: int, train_state: TrainState, touched: Mapping[str, torch.Tensor],
+                       cursor: dict) -> tuple[CopyMeta, dict[str, torch.Tensor]]:
+        """The delta copy of `step` on the chain's newest: the touched rows of every table with
+        their optimizer state, the dense state whole, and the rank's step, cursor and RNG
+        (`delta.capture_delta`, `own_tensors`), in host memory."""
+        tensors, delta_meta = capture_delta(train_state.model, train_state.optimizers, touched)
+        tensors.update(own_tensors(train_state, step))
+        host = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size, cursor=cursor,
+                        nbytes=sum(t.nbytes for t in host.values()), layout=layout_of(host),
+                        parent=self._chain[-1][0].step, delta=delta_meta)
+        return meta, host
 
     def _hand_off(self, meta: CopyMeta, host: dict[str, torch.Tensor]) -> MemorySaveResult:
         """Background: checksum, then the hand-off (the keeper keeps an object of its own)."""
@@ -157,7 +219,8 @@ class MemoryTier:
             log.warning("%sin-memory copy of rank %d at step %d not handed to the keeper: %s",
                         gone, self.rank, meta.step, error)
         result = MemorySaveResult(step=meta.step, rank=self.rank, nbytes=meta.nbytes, start=start, end=time.time(),
-                                  ok=ok, checksum=meta.checksum, error=error)
+                                  ok=ok, checksum=meta.checksum, error=error,
+                                  kind="base" if meta.parent is None else "delta")
         if self._on_done is not None:
             try:
                 self._on_done(result)
@@ -177,8 +240,10 @@ class MemoryTier:
         if pending is None:
             return None
         result = pending.result()
-        if self._local is not None and self._local[0].step == result.step:
-            self._local = (replace(self._local[0], checksum=result.checksum), self._local[1])
+        for i, (meta, host) in enumerate(self._chain):
+            if meta.step == result.step:
+                self._chain[i] = (replace(meta, checksum=result.checksum), host)
+        self._keeper_has_head = result.ok and bool(self._chain) and self._chain[-1][0].step == result.step
         return result
 
     def latest_common(self) -> int | None:
@@ -196,23 +261,35 @@ class MemoryTier:
         source = self.rank if source_rank is None else source_rank
         self.wait()
         start = time.perf_counter()
-        if source == self.rank and self._local is not None and self._local[0].step == step:
-            meta, host = self._local
-            where, arrays = "local", [byte_view(t) for t in host.values()]
+        if source == self.rank and self._chain and self._chain[-1][0].step == step:
+            where = "local"
+            chain = [(meta, [byte_view(t) for t in host.values()]) for meta, host in self._chain]
         else:
-            where, (meta, arrays) = "keeper", self._fetch(source, step)
+            where, chain = "keeper", self._fetch(source, step)
         fetched = time.perf_counter()
-        meta.verify(arrays)
-        if meta.world_size != self.world_size or meta.rank != source or meta.step != step:
+        for meta, arrays in chain:  # every copy checked before anything is applied
+            meta.verify(arrays)
+        (first, _), (meta, _) = chain[0], chain[-1]
+        if meta.world_size != self.world_size or meta.rank != source or meta.step != step or first.parent is not None:
             raise MemoryCopyError(f"the copy asked for (rank {source} of {self.world_size}, step {step}) is "
-                                  f"rank {meta.rank} of {meta.world_size}, step {meta.step}")
+                                  f"rank {meta.rank} of {meta.world_size}, step {meta.step}"
+                                  + (" on a delta, not a whole copy" if first.parent is not None else ""))
         verified = time.perf_counter()
-        restored_step, cursor = apply(train_state, tensors_of(meta.layout, arrays), rank=self.rank)
+        restored_step, cursor = apply(train_state, tensors_of(first.layout, chain[0][1]), rank=self.rank)
+        for meta, arrays in chain[1:]:
+            tensors = tensors_of(meta.layout, arrays)
+            try:
+                apply_delta(train_state.model, train_state.optimizers, tensors, meta.delta or {})
+                apply_own(train_state, tensors)
+            except (CheckpointError, KeyError) as exc:
+                raise MemoryCopyError(f"the delta copy of rank {source} at step {meta.step} does not fit this "
+                                      f"model: {exc}") from exc
+            restored_step, cursor = train_state.step, train_state.cursor
         return {"where": where, "source_rank": source, "step": restored_step, "cursor": cursor,
-                "nbytes": meta.nbytes, "fetch_s": fetched - start, "verify_s": verified - fetched,
-                "apply_s": time.perf_counter() - verified}
+                "nbytes": sum(m.nbytes for m, _ in chain), "deltas": len(chain) - 1, "fetch_s": fetched - start,
+                "verify_s": verified - fetched, "apply_s": time.perf_counter() - verified}
 
-    def _fetch(self, rank: int, step: int) -> tuple[CopyMeta, list[np.ndarray]]:
+    def _fetch(self, rank: int, step: int) -> list[tuple[CopyMeta, list[np.ndarray]]]:
         import ray
         from ray.exceptions import RayError
 
@@ -220,18 +297,20 @@ class MemoryTier:
             found = ray.get(self.keeper.fetch.remote(rank, step))
             if found is None:
                 held = ray.get(self.keeper.steps.remote(rank))
-                raise MemoryCopyError(f"the keeper holds no copy of rank {rank} at step {step} (it holds steps {held})")
-            meta, refs = found
-            arrays = ray.get(refs[0])
+                raise MemoryCopyError(f"the keeper holds no copy of rank {rank} at step {step} (it holds steps "
+                                      f"{held}), or not every copy its chain of deltas needs")
+            chain = [(meta, ray.get(refs[0])) for meta, refs in found]
         except RayError as e:  # the keeper died, or the copy's node did
             raise MemoryCopyError(f"the in-memory copy of rank {rank} at step {step} is unreachable: "
                                   f"{type(e).__name__}: {e}") from e
-        if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 for a in arrays):
-            raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} is not a list of uint8 arrays")
-        if not isinstance(meta, CopyMeta):
-            raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} has no CopyMeta "
-                                  f"({type(meta).__name__})")
-        return meta, arrays
+        for meta, arrays in chain:
+            if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8
+                                                       for a in arrays):
+                raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} is not a list of uint8 arrays")
+            if not isinstance(meta, CopyMeta):
+                raise MemoryCopyError(f"the keeper's copy of rank {rank} at step {step} has no CopyMeta "
+                                      f"({type(meta).__name__})")
+        return chain
 
     def close(self) -> None:
         """Finish the pending hand-off and free the host buffers (the keeper keeps its copies)."""
@@ -242,7 +321,7 @@ class MemoryTier:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            self._local, self._host.buffers = None, {}
+            self._chain, self._host.buffers = [], {}
 
     def __enter__(self) -> MemoryTier:
         return self

@@ -14,7 +14,12 @@ node, so its objects are there: a rank's node may die too; the driver's node may
 durable checkpoint covers that). Ray 2.56 removed `ray.put(_owner=...)`, which would have let
 the rank put an object the keeper owns in one copy.
 
-`CopyIndex` is the pure bookkeeping (newest copies per rank, the newest step every rank has);
+A copy is whole, or (`CopyMeta.parent`) a delta on the rank's copy of an earlier step: the rows
+touched since, as `delta.capture_delta` takes them for the durable delta checkpoints. A restore
+reads the chain (`fetch`), whole copy first; eviction keeps every copy a kept one needs.
+
+`CopyIndex` is the pure bookkeeping (newest copies per rank, their chains, the newest step every
+rank can restore);
 `StateKeeper` is the actor around it. Metadata is a `memory_copy.CopyMeta` (frozen, with the
 copy's checksum), the payload a list of uint8 arrays: nothing else crosses to or from the keeper.
 """
@@ -64,27 +69,54 @@ class CopyIndex:
             raise ValueError(f"CopyIndex.keep must be an int >= 1, got {self.keep!r}")
 
     def store(self, meta: KeptMeta, payload: Any) -> list[int]:
-        """Add (or replace) the copy of meta's (rank, step); returns the steps evicted."""
+        """Add (or replace) the copy of meta's (rank, step); returns the steps evicted: all but
+        the newest `keep` of the rank and the copies their chains need (a delta copy keeps its
+        parent, down to its whole copy: `delta_chain.needed`)."""
+        from ettflow.trainer.checkpoint.delta_chain import needed
+
         rank, step = meta.rank, meta.step
         mine = self.copies.setdefault(rank, {})
         mine[step] = (meta, payload)
-        evicted = sorted(mine)[: max(len(mine) - self.keep, 0)]
+        kept = needed(self._links(rank), sorted(mine)[-self.keep:])
+        evicted = sorted(s for s in mine if s not in kept)
         for old in evicted:
             del mine[old]
         return evicted
 
+    def _links(self, rank: int) -> list[Any]:
+        from ettflow.trainer.checkpoint.delta_chain import Link
+
+        out = []
+        for step, (meta, _) in self.copies.get(rank, {}).items():
+            parent = getattr(meta, "parent", None)
+            out.append(Link(step=step, kind="base" if parent is None else "delta", parent=parent))
+        return out
+
     def get(self, rank: int, step: int) -> tuple[KeptMeta, Any] | None:
         return self.copies.get(rank, {}).get(step)
+
+    def chain(self, rank: int, step: int) -> list[tuple[KeptMeta, Any]] | None:
+        """The copies a restore of rank's `step` reads, whole copy first, then each delta on it
+        in order; None when the keeper lacks any of them."""
+        from ettflow.trainer.checkpoint.delta_chain import chain_of
+
+        mine = self.copies.get(rank, {})
+        try:
+            links = chain_of({link.step: link for link in self._links(rank)}, step)
+        except KeyError:
+            return None
+        return [mine[link.step] for link in links]
 
     def steps(self, rank: int) -> list[int]:
         return sorted(self.copies.get(rank, {}))
 
     def latest_common(self, world_size: int) -> int | None:
-        """The newest step that every rank 0..world_size-1 holds a copy of (written by
-        `world_size` ranks); None when there is none."""
+        """The newest step that every rank 0..world_size-1 can restore (its copy and every copy
+        its chain needs held, written by `world_size` ranks); None when there is none."""
         common: set[int] | None = None
         for rank in range(world_size):
-            held = {s for s, (meta, _) in self.copies.get(rank, {}).items() if meta.world_size == world_size}
+            held = {s for s, (meta, _) in self.copies.get(rank, {}).items()
+                    if meta.world_size == world_size and self.chain(rank, s) is not None}
             common = held if common is None else common & held
         return max(common) if common else None
 
@@ -118,10 +150,11 @@ class StateKeeper:
         with self._lock:
             return self.index.store(meta, [ref])
 
-    def fetch(self, rank: int, step: int) -> tuple[KeptMeta, list[Any]] | None:
-        """(meta, [payload ref]) of rank's copy at step, or None when the keeper has none."""
+    def fetch(self, rank: int, step: int) -> list[tuple[KeptMeta, list[Any]]] | None:
+        """The chain of rank's copy at step: [(meta, [payload ref]), ...], its whole copy first
+        and then each delta on it (one entry: a whole copy); None when the keeper lacks any."""
         with self._lock:
-            return self.index.get(rank, step)
+            return self.index.chain(rank, step)
 
     def steps(self, rank: int) -> list[int]:
         with self._lock:

@@ -7,6 +7,7 @@ the rows touched since the last committed save, and the chain the next delta ext
     saves.base_started(step)                  # a full save began: its rows need no delta
     saves.base_committed(commit)              # ... and committed: it is the head
     commit = saves.save(step, state, group)   # a delta on the head, collective
+    rows = saves.memory_rows()                # the rows an in-memory delta copy holds (None: a whole one)
 
 Invariants: the head is a committed link (a base or delta whose commit every rank saw) or
 None, and then the next save is a base; the rows of a delta are every row touched since the
@@ -50,11 +51,16 @@ class DeltaSaves:
         self.head: Link | None = None
         self.off: str | None = None  # why deltas are off for this run (None: on)
         self._pending_base: int | None = None
+        # the in-memory tier's own ledger, fed by the same tracker: the rows touched since the
+        # rank's last in-memory copy (None: not known since a restore, so the next copy is whole)
+        self._memory: RowLedger | None = None
 
     def restored(self, chain: Chain | None) -> None:
         """The state was just restored from `chain` (None: from anything else: a warm start, the
-        in-memory tier, a resharded base): the next save builds on it, or is a base."""
+        in-memory tier, a resharded base): the next save builds on it, or is a base; the next
+        in-memory copy is whole."""
         self._drop_tracked()
+        self._memory = None
         self.links, self.head = [], None
         if chain is None or chain.base is None:
             return
@@ -88,7 +94,7 @@ class DeltaSaves:
     def save(self, step: int, state: TrainState, group: Any) -> DeltaCommit:
         """The delta of `step` on the head, every rank together (`group`: the checkpoint group)."""
         assert self.head is not None, "a delta needs a committed head: choose() says when"
-        touched = self.ledger.add(touched_rows(self.tracker))
+        touched = self.ledger.add(self._drain())
         commit = write_delta(self.root, step=step, parent=self.head.step, parent_digest=self.head.digest,
                              state=state, touched=touched, group=group)
         if commit.committed:
@@ -103,8 +109,27 @@ class DeltaSaves:
                 log.warning("%s; every checkpoint is a full save", self.off)
         return commit
 
+    def memory_rows(self) -> dict | None:
+        """The rows touched since the rank's last in-memory copy, for the copy taken now (then
+        the ledger starts again: a copy whose hand-off fails makes the tier take a whole one);
+        None when they are not known (the first copy, after a restore, deltas off)."""
+        rows = self._drain()
+        if self.off is not None or self._memory is None:
+            self._memory = RowLedger()
+            return None
+        out = self._memory.add(rows)
+        self._memory.committed()
+        return out
+
+    def _drain(self) -> dict:
+        """The tracker's rows since it was last read; the in-memory ledger gets them too."""
+        rows = touched_rows(self.tracker)
+        if self._memory is not None:
+            self._memory.add(rows)
+        return rows
+
     def _drop_tracked(self) -> None:
-        touched_rows(self.tracker)
+        self._drain()
         self.ledger.committed()
 
 

@@ -88,7 +88,8 @@ class TrainerPlugins:
         self.train_state: TrainState | None = None
         self.dense_named: list[tuple[str, torch.Tensor]] = []  # checked before every save
         # the in-memory tier (a copy of every save in host memory that outlives the rank)
-        self.memory = (MemoryTier(keeper, rank, config.world_size, on_done=self._on_memory_done)
+        self.memory = (MemoryTier(keeper, rank, config.world_size, on_done=self._on_memory_done,
+                                  policy=config.delta_policy if config.switches.delta_checkpoint else None)
                        if keeper is not None and config.switches.memory_checkpoint else None)
         self.live_point: tuple[int, Cursor] | None = None  # where a live recovery resumed
         self.restored_path: Path | None = None  # the committed checkpoint the last restore read (None: memory, parent)
@@ -206,7 +207,8 @@ class TrainerPlugins:
                 problem = "this rank has no in-memory tier"
             else:
                 try:
-                    self.memory.restore(self.train_state, point.step)
+                    read = self.memory.restore(self.train_state, point.step)
+                    attrs["memory_deltas"] = read["deltas"]
                 except MemoryCopyError as exc:
                     problem = str(exc)
             if self.control.all_ok(problem is None):
@@ -218,6 +220,7 @@ class TrainerPlugins:
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
             attrs["memory_problem"] = problem or "a peer's copy failed its check"
+            attrs.pop("memory_deltas", None)
         # the run's newest restorable chain (a base, or a base and its deltas), or the one named
         chain = checked_scan(self.config).chain(self.config.world_size) \
             if point.source is MEMORY or point.path is None or not is_base(point.path) else None
@@ -240,9 +243,11 @@ class TrainerPlugins:
             return 0.0
         t0 = time.time() if since is None else min(since, time.time())
         self.train_state.step, self.train_state.cursor = step, (cursor or Cursor()).to_dict()
-        self.memory.save(step, self.train_state)
+        touched = self.deltas.memory_rows() if self.deltas is not None else None
+        self.memory.save(step, self.train_state, touched=touched)
         t1 = time.time()
-        self.rec.record("memory_save_blocking", t0, t1, sync=False, step=step)
+        self.rec.record("memory_save_blocking", t0, t1, sync=False, step=step,
+                        **({"kind": self.memory.last_kind} if self.memory.policy is not None else {}))
         return t1 - t0
 
     def corrupt_memory(self) -> None:
@@ -265,7 +270,8 @@ class TrainerPlugins:
     def _on_memory_done(self, result: Any) -> None:
         self._memory_background.append(result.end - result.start)
         self.rec.record("memory_save_background", result.start, result.end, step=result.step,
-                        bytes=result.nbytes, ok=result.ok, **({"error": result.error[:300]} if result.error else {}))
+                        bytes=result.nbytes, ok=result.ok, kind=result.kind,
+                        **({"error": result.error[:300]} if result.error else {}))
 
     def check_finite(self, step: int, *, loss: float | None, action: str) -> None:
         """Raise (and record) a numerics failure unless the last loss and the dense parameters
