@@ -374,13 +374,17 @@ def test_live_recovery_restores_in_memory_delta_copies_base_and_deltas(trainer_w
     """Issue 28, the in-memory tier: with delta checkpoints on, an in-memory copy every 2 steps
     is a whole copy, then deltas on it (the rows touched since, handed to the keeper alone).
     Rank 1 is SIGKILLed at step 9: the spare restores rank 1's chain from the keeper and rank 0
-    its own, whole copy then deltas; the first copy after the recovery is whole again; the anchor
-    equals the uninterrupted run's bitwise."""
+    its own, whole copy then deltas; the first copy after the recovery is whole again. Then rank
+    1's copies are damaged from step 12 and it is killed at 17: every rank restores the durable
+    chain, base 10 + delta 15, whose delta holds every row touched since 10 although the memory
+    copies at 12 and 14 read the same tracker. The anchor equals the uninterrupted run's bitwise."""
     cfg = config(trainer_world, "live-delta", compile_cache, eval_batches=0, memory_every_steps=2,
-                 delta_max_chain_share=100.0, failures=(FailAt(kind="kill", rank=1, step=9),),
+                 delta_max_chain_share=100.0, failures=(FailAt(kind="kill", rank=1, step=9),
+                                                        FailAt(kind="corrupt", rank=1, step=12),
+                                                        FailAt(kind="kill", rank=1, step=17)),
                  ).with_switches(delta_checkpoint=True)
     result, events, m = drive(trainer_world, cfg, "live-delta")
-    assert result.attempts == 2 and m.nof == 1
+    assert result.attempts == 3 and m.nof == 2
     for rank in (0, 1):
         copies = sorted(by(events, "memory_save_blocking", rank=rank, attempt=0), key=lambda e: e.attrs["step"])
         kinds = [e.attrs["kind"] for e in copies]
@@ -392,9 +396,13 @@ def test_live_recovery_restores_in_memory_delta_copies_base_and_deltas(trainer_w
         assert restore.attrs["source"] == "memory" and restore.attrs["memory_deltas"] >= 1, restore.attrs
         after = sorted(by(events, "memory_save_blocking", rank=rank, attempt=1), key=lambda e: e.attrs["step"])
         assert after and after[0].attrs["kind"] == "base"  # nothing tracked before the restore counts
-    assert [(h.attempt, h.attrs["rank"]) for h in by(events, "spare_handoff")] == [(1, 1)]
+        (durable,) = by(events, "checkpoint_restore", rank=rank, attempt=2)
+        assert durable.attrs["source"] == "own" and durable.attrs["memory_problem"], durable.attrs
+        assert (durable.attrs["step"], durable.attrs["base_step"], durable.attrs["deltas"]) == (15, 10, [15])
+    assert [(h.attempt, h.attrs["rank"]) for h in by(events, "spare_handoff")] == [(1, 1), (2, 1)]
     assert m.effective_steps == 2 * STEPS
     m.check_partition()
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
-    print(f"\nin-memory copies, rank 0: whole {sizes['base']:,} bytes, delta {sizes['delta']:,} bytes; the spare "
-          f"restored a whole copy and {restore.attrs['memory_deltas']} delta(s)")
+    first = by(events, "checkpoint_restore", rank=1, attempt=1)[0]
+    print(f"\nin-memory copies, rank 1: whole {sizes['base']:,} bytes, delta {sizes['delta']:,} bytes; the spare "
+          f"restored a whole copy and {first.attrs['memory_deltas']} delta(s)")

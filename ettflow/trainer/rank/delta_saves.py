@@ -42,8 +42,9 @@ log = logging.getLogger("ettflow.trainer")
 
 
 class DeltaSaves:
-    def __init__(self, dmp: Any, config: TrainerConfig) -> None:
-        self.tracker = enable_tracker(dmp)
+    def __init__(self, dmp: Any, config: TrainerConfig, *, tracker: Any = None) -> None:
+        """`tracker`: TorchRec's delta tracker to read (None: enabled on `dmp` here)."""
+        self.tracker = tracker if tracker is not None else enable_tracker(dmp)
         self.ledger = RowLedger()
         self.policy = config.delta_policy
         self.root = Path(config.checkpoint_dir)
@@ -94,7 +95,7 @@ class DeltaSaves:
     def save(self, step: int, state: TrainState, group: Any) -> DeltaCommit:
         """The delta of `step` on the head, every rank together (`group`: the checkpoint group)."""
         assert self.head is not None, "a delta needs a committed head: choose() says when"
-        touched = self.ledger.add(self._drain())
+        touched = self.durable_rows()
         commit = write_delta(self.root, step=step, parent=self.head.step, parent_digest=self.head.digest,
                              state=state, touched=touched, group=group)
         if commit.committed:
@@ -113,20 +114,27 @@ class DeltaSaves:
         """The rows touched since the rank's last in-memory copy, for the copy taken now (then
         the ledger starts again: a copy whose hand-off fails makes the tier take a whole one);
         None when they are not known (the first copy, after a restore, deltas off)."""
-        rows = self._drain()
+        self._drain()
         if self.off is not None or self._memory is None:
             self._memory = RowLedger()
             return None
-        out = self._memory.add(rows)
+        out = self._memory.add({})
         self._memory.committed()
         return out
 
-    def _drain(self) -> dict:
-        """The tracker's rows since it was last read; the in-memory ledger gets them too."""
+    def durable_rows(self) -> dict:
+        """The rows touched since the last committed durable save (kept until a delta of them
+        commits)."""
+        self._drain()
+        return self.ledger.add({})
+
+    def _drain(self) -> None:
+        """Read the tracker (which forgets what it gave) into BOTH ledgers: the durable saves'
+        and the in-memory tier's each keep every row since their own last save, whoever read."""
         rows = touched_rows(self.tracker)
+        self.ledger.add(rows)
         if self._memory is not None:
             self._memory.add(rows)
-        return rows
 
     def _drop_tracked(self) -> None:
         self._drain()
