@@ -156,3 +156,20 @@ def test_the_keeper_index_keeps_the_chains_of_delta_copies_and_restores_only_who
     with pytest.raises(MemoryCopyError, match="a delta copy names an earlier parent"):
         CopyMeta(step=4, rank=0, world_size=1, cursor={}, nbytes=0, layout=(), parent=2)
     assert CopyMeta.from_json(_delta(0, 4, 2).to_json()) == _delta(0, 4, 2)
+
+
+def test_a_copy_of_an_earlier_step_is_a_new_timeline_and_the_later_copies_go():
+    """After a durable fallback the ranks copy an earlier step again: that copy is kept (not
+    evicted as older than the abandoned timeline's newest two), the later copies go, and the
+    deltas on it chain to it."""
+    index = CopyIndex()
+    index.store(_meta(0, 10), "b10")
+    for step in (12, 14, 16, 18):
+        index.store(_delta(0, step, step - 2), f"d{step}")
+    assert index.store(_meta(0, 15), "b15") == [16, 18]  # (14's chain: the newest two are 14 and 15)
+    assert index.inventory() == {0: [10, 12, 14, 15]}
+    assert index.store(_delta(0, 16, 15), "n16") == [10, 12, 14]
+    assert [p for _, p in index.chain(0, 16)] == ["b15", "n16"]
+    index.store(_meta(1, 15), "r15")
+    index.store(_delta(1, 16, 15), "r16")
+    assert index.latest_common(2) == 16

@@ -67,7 +67,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ettflow.trainer.checkpoint.config import CheckpointError
 from ettflow.trainer.checkpoint.delta import DeltaUnsupported, apply_delta, apply_own, capture_delta, own_tensors
 from ettflow.trainer.checkpoint.delta_chain import ChainPolicy, Link, next_kind
 from ettflow.trainer.checkpoint.memory_copy import (
@@ -208,8 +207,9 @@ class MemoryTier:
         arrays = [byte_view(t) for t in host.values()]
         meta = meta.with_checksum(arrays)
         try:
-            ray.get(self.keeper.store.remote(meta, arrays, corrupt=self.corrupt_copies))
-            ok, error = True, None
+            evicted = ray.get(self.keeper.store.remote(meta, arrays, corrupt=self.corrupt_copies))
+            ok = meta.step not in evicted  # (a keeper that dropped it at once holds no head to build on)
+            error = None if ok else f"the keeper evicted the copy of step {meta.step} as it stored it"
         except Exception as e:  # noqa: BLE001 - the keeper is gone or refused: reported, not raised
             ok, error = False, f"{type(e).__name__}: {e}"
             from ray.exceptions import RayActorError
@@ -277,13 +277,15 @@ class MemoryTier:
         verified = time.perf_counter()
         restored_step, cursor = apply(train_state, tensors_of(first.layout, chain[0][1]), rank=self.rank)
         for meta, arrays in chain[1:]:
-            tensors = tensors_of(meta.layout, arrays)
+            # copies: a dense optimizer's load_state_dict keeps the tensors it is given, and these
+            # are the copy's own bytes (the keeper's read-only objects, this rank's chain)
+            tensors = {k: v.clone() for k, v in tensors_of(meta.layout, arrays).items()}
             try:
                 apply_delta(train_state.model, train_state.optimizers, tensors, meta.delta or {})
                 apply_own(train_state, tensors)
-            except (CheckpointError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any misfit: every rank restores the durable checkpoint
                 raise MemoryCopyError(f"the delta copy of rank {source} at step {meta.step} does not fit this "
-                                      f"model: {exc}") from exc
+                                      f"model: {type(exc).__name__}: {exc}") from exc
             restored_step, cursor = train_state.step, train_state.cursor
         return {"where": where, "source_rank": source, "step": restored_step, "cursor": cursor,
                 "nbytes": sum(m.nbytes for m, _ in chain), "deltas": len(chain) - 1, "fetch_s": fetched - start,

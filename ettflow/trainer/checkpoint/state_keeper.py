@@ -69,19 +69,26 @@ class CopyIndex:
             raise ValueError(f"CopyIndex.keep must be an int >= 1, got {self.keep!r}")
 
     def store(self, meta: KeptMeta, payload: Any) -> list[int]:
-        """Add (or replace) the copy of meta's (rank, step); returns the steps evicted: all but
-        the newest `keep` of the rank and the copies their chains need (a delta copy keeps its
-        parent, down to its whole copy: `delta_chain.needed`)."""
+        """Add (or replace) the copy of meta's (rank, step); returns the steps evicted: the rank's
+        copies of later steps (another timeline), and all but the newest `keep` and the copies
+        their chains need (a delta copy keeps its parent, down to its whole copy:
+        `delta_chain.needed`)."""
         from ettflow.trainer.checkpoint.delta_chain import needed
 
         rank, step = meta.rank, meta.step
         mine = self.copies.setdefault(rank, {})
+        # a rank's copies come in step order within a timeline; a lower step means it was
+        # restored to an earlier one (a durable fallback): its copies past that step belong to
+        # the abandoned timeline, and keeping them as "the newest" would evict this one
+        stale = [s for s in mine if s > step]
+        for old in stale:
+            del mine[old]
         mine[step] = (meta, payload)
         kept = needed(self._links(rank), sorted(mine)[-self.keep:])
-        evicted = sorted(s for s in mine if s not in kept)
-        for old in evicted:
+        older = [s for s in mine if s not in kept]
+        for old in older:
             del mine[old]
-        return evicted
+        return sorted([*stale, *older])
 
     def _links(self, rank: int) -> list[Any]:
         from ettflow.trainer.checkpoint.delta_chain import Link
