@@ -151,8 +151,7 @@ def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, tim
         # in this process, both modules on the same threads (bitwise comparable); the full one
         # was scored in a fresh process above, and the rebuilt one differs from it in state only
         # if at all, so the same predictions here mean the same there
-        with torch.no_grad():
-            full, again = predict(load_module(model_file), data), predict(load_module(rebuilt), data)
+        full, again = predict(load_module(model_file), data), predict(load_module(rebuilt), data)  # (no_grad)
         if not torch.equal(again, full):
             raise SnapshotValidationError(
                 f"the snapshot rebuilt from its delta on {config.delta_on} predicts differently from the full one "

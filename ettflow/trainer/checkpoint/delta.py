@@ -131,6 +131,10 @@ class RowLedger:
         for fqn, ids in rows.items():
             had = self._rows.get(fqn)
             self._rows[fqn] = ids if had is None else torch.unique(torch.cat([had, ids]))
+        return self.rows()
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Every row held now, by table."""
         return dict(self._rows)
 
     def committed(self) -> None:

@@ -84,35 +84,36 @@ class CopyIndex:
         for old in stale:
             del mine[old]
         mine[step] = (meta, payload)
-        kept = needed(self._links(rank), sorted(mine)[-self.keep:])
+        kept = needed(self._links(rank).values(), sorted(mine)[-self.keep:])
         older = [s for s in mine if s not in kept]
         for old in older:
             del mine[old]
         return sorted([*stale, *older])
 
-    def _links(self, rank: int) -> list[Any]:
+    def _links(self, rank: int) -> dict[int, Any]:
+        """The rank's copies as `delta_chain.Link`s, by step."""
         from ettflow.trainer.checkpoint.delta_chain import Link
 
-        out = []
+        out = {}
         for step, (meta, _) in self.copies.get(rank, {}).items():
             parent = getattr(meta, "parent", None)
-            out.append(Link(step=step, kind="base" if parent is None else "delta", parent=parent))
+            out[step] = Link(step=step, kind="base" if parent is None else "delta", parent=parent)
         return out
 
     def get(self, rank: int, step: int) -> tuple[KeptMeta, Any] | None:
         return self.copies.get(rank, {}).get(step)
 
-    def chain(self, rank: int, step: int) -> list[tuple[KeptMeta, Any]] | None:
+    def chain(self, rank: int, step: int, links: dict[int, Any] | None = None) -> list[tuple[KeptMeta, Any]] | None:
         """The copies a restore of rank's `step` reads, whole copy first, then each delta on it
-        in order; None when the keeper lacks any of them."""
+        in order; None when the keeper lacks any of them (`links`: `_links(rank)`, if at hand)."""
         from ettflow.trainer.checkpoint.delta_chain import chain_of
 
         mine = self.copies.get(rank, {})
         try:
-            links = chain_of({link.step: link for link in self._links(rank)}, step)
+            found = chain_of(self._links(rank) if links is None else links, step)
         except KeyError:
             return None
-        return [mine[link.step] for link in links]
+        return [mine[link.step] for link in found]
 
     def steps(self, rank: int) -> list[int]:
         return sorted(self.copies.get(rank, {}))
@@ -122,8 +123,9 @@ class CopyIndex:
         its chain needs held, written by `world_size` ranks); None when there is none."""
         common: set[int] | None = None
         for rank in range(world_size):
+            links = self._links(rank)
             held = {s for s, (meta, _) in self.copies.get(rank, {}).items()
-                    if meta.world_size == world_size and self.chain(rank, s) is not None}
+                    if meta.world_size == world_size and self.chain(rank, s, links) is not None}
             common = held if common is None else common & held
         return max(common) if common else None
 

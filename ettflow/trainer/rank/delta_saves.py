@@ -118,7 +118,7 @@ class DeltaSaves:
         if self.off is not None or self._memory is None:
             self._memory = RowLedger()
             return None
-        out = self._memory.add({})
+        out = self._memory.rows()
         self._memory.committed()
         return out
 
@@ -126,7 +126,7 @@ class DeltaSaves:
         """The rows touched since the last committed durable save (kept until a delta of them
         commits)."""
         self._drain()
-        return self.ledger.add({})
+        return self.ledger.rows()
 
     def _drain(self) -> None:
         """Read the tracker (which forgets what it gave) into BOTH ledgers: the durable saves'
