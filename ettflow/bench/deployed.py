@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ettflow.ett.events import PhaseEvent
+from ettflow.tasks.parameters import RefreshParameters
 
 DEPLOYMENT = "refresh-model/refresh-adhoc"
 PATHS = ("deployed", "in-process")
@@ -67,16 +68,17 @@ class InProcessRunner:
     path = "in-process"
     deployment = "-"
 
-    def run(self, params: dict[str, Any]) -> tuple[dict[str, Any], list[PhaseEvent]]:
+    def run(self, params: RefreshParameters) -> tuple[dict[str, Any], list[PhaseEvent]]:
         from ettflow.ett.spool import read_spool
         from ettflow.flows.refresh import refresh_model
 
-        state = refresh_model(**params, return_state=True)
+        state = refresh_model(**params.flow_kwargs(), return_state=True)
         run_id = str(state.state_details.flow_run_id)
+        spool = Path(params.storage.spool_root)
         if not state.is_completed():
-            raise RunFailed(f"refresh {run_id} of {params['model']} ended {state.name}: {state.message}; "
-                            f"its spool is {Path(params['spool_root']) / run_id}")
-        return state.result(), read_spool(params["spool_root"], run_id).events
+            raise RunFailed(f"refresh {run_id} of {params.model} ended {state.name}: {state.message}; "
+                            f"its spool is {spool / run_id}")
+        return state.result(), read_spool(spool, run_id).events
 
     def wait_pool(self, timeout_s: float) -> int:
         from ettflow.trainer.group.warm_pool import POOL
@@ -120,19 +122,19 @@ class DeployedRunner:
             raise RunFailed(f"no stack recorded under {self.cfg.stack_dir} after `ettflow up`")
         self.api_url, self.ui_url = record.api_url, record.ui_url
 
-    def run(self, params: dict[str, Any]) -> tuple[dict[str, Any], list[PhaseEvent]]:
+    def run(self, params: RefreshParameters) -> tuple[dict[str, Any], list[PhaseEvent]]:
         from ettflow.ett.redact import has_password
         from ettflow.stack.deployed_runs import run_and_wait
 
-        url = params.get("warehouse_url")
+        url = params.warehouse.warehouse_url
         if not isinstance(url, str) or has_password(url):  # Prefect keeps parameters in clear
             raise RunFailed("a deployed bench job needs its own warehouse_url without a password (a SQLite file)")
         run = run_and_wait(self.api_url, self.ui_url, self.deployment, params, timeout_s=RUN_TIMEOUT_S,
                            say=lambda line: None, log_hint=str(self.cfg.log_dir / "worker.log"))
         if not run.completed:
-            raise RunFailed(f"deployment run {run.run_id} of {params.get('model')} ended {run.state}: {run.message} "
+            raise RunFailed(f"deployment run {run.run_id} of {params.model} ended {run.state}: {run.message} "
                             f"({run.url}; the worker's log: {self.cfg.log_dir / 'worker.log'})")
-        return read_back(Path(params["spool_root"]), url, run.run_id)
+        return read_back(Path(params.storage.spool_root), url, run.run_id)
 
     def wait_pool(self, timeout_s: float) -> int:
         from ettflow.stack.pool import wait_for_pool

@@ -31,7 +31,9 @@ from typing import Any
 
 from ettflow.ett.events import PhaseEvent
 from ettflow.ett.run_metrics import RunMetrics, compute_run_metrics
-from ettflow.trainer.config import FailAt, Switches, TrainerConfig
+from ettflow.tasks.parameters import ArchitectureParams, RefreshParameters, SwitchParams
+from ettflow.tasks.plan import trainer_config as plan_trainer_config
+from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.model_config import ModelConfig
 from ettflow.trainer.protocol import RankResult
@@ -55,7 +57,7 @@ class Row:
             raise ValueError(f"Row.mode must be one of {MODES}, got {self.mode!r}")
         if self.interval_steps is not None and (isinstance(self.interval_steps, bool) or self.interval_steps < 1):
             raise ValueError(f"Row.interval_steps must be an int >= 1 or None, got {self.interval_steps!r}")
-        known = set(Switches.__dataclass_fields__) | {"publish_in_trainer", "delta_snapshot"}
+        known = set(SwitchParams.model_fields)
         unknown = sorted(set(self.switches) - known)
         if unknown:
             raise ValueError(f"Row.switches has unknown switches {unknown}; known: {sorted(known)}")
@@ -112,9 +114,10 @@ class JobSpec:
         return [f"kill:rank={f.rank}:step={f.step}:attempt={f.attempt}" for f in self.failures()]
 
     def architecture(self) -> dict[str, Any]:
-        """The model as the flow's `architecture` parameter."""
+        """The model as the flow's `architecture` parameter (`ArchitectureParams`)."""
         arch = asdict(self.model)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in arch.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in arch.items()
+                if k in ArchitectureParams.model_fields}
 
 
 @dataclass
@@ -216,17 +219,13 @@ def warm_compile_cache(spec: JobSpec, state: Path, runner: Any = None) -> JobRes
 
 
 def trainer_config(spec: JobSpec, mode: str, run_id: str, *, cache_root: Path | None) -> TrainerConfig:
-    return TrainerConfig(
-        data_root=str(spec.data_root), schema=criteo_schema(spec.num_embeddings), windows=spec.train_windows,
-        eval_windows=spec.held_out, work_dir=str(spec.work_root / run_id),
-        compile_cache_root=str(cache_root) if cache_root else None, model=spec.model,
-        switches=replace(Switches.preset(mode), **{k: v for k, v in spec.switches.items()
-                                                   if k not in ("publish_in_trainer", "delta_snapshot")}),
-        world_size=spec.world_size, batch_size=spec.batch_size,
-        checkpoint_every_steps=spec.checkpoint_every_steps, failures=spec.failures(),
-        max_failures=len(spec.kill_steps) + 1, record_steps=spec.record_steps, max_steps=spec.max_steps,
-        eval_batches=spec.eval_batches, log_every=10_000,
-    )
+    """The job's trainer config for a run of the trainer alone: the flow's parameters of the
+    job (`flow_params`), made into a config by the flow's own function."""
+    params = RefreshParameters.parse(flow_params(spec, Row(label=mode, mode=mode)))
+    return plan_trainer_config(params, data_root=spec.data_root, work_dir=spec.work_root / run_id,
+                               compile_cache_root=cache_root, schema=criteo_schema(spec.num_embeddings),
+                               max_failures=len(spec.kill_steps) + 1, record_steps=spec.record_steps,
+                               log_every=10_000)
 
 
 def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path | None) -> RankResult:

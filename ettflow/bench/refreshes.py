@@ -41,6 +41,7 @@ import pandas as pd
 from ettflow.ett.events import PhaseEvent
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.timeline import faults, intervals_of, sweep
+from ettflow.tasks.parameters import RefreshParameters
 
 TTS_PARTS: tuple[str, ...] = ("scheduling", "init", "restore", "compile", "other")
 MODES: tuple[str, ...] = ("optimized", "baseline")
@@ -193,18 +194,19 @@ class Refresher:
         self.url = f"sqlite:///{state / 'warehouse.db'}"
         self.runner = runner if runner is not None else InProcessRunner()  # bench/deployed.py
 
-    def params(self, model: str, data_root: Path, **over: Any) -> dict[str, Any]:
-        return {"model": model, "data_root": str(data_root), "world_size": self.plan.world_size,
+    def params(self, model: str, data_root: Path, **over: Any) -> RefreshParameters:
+        """The refresh's parameters: this bench's roots and sizes, `over` (any spelling) on top."""
+        return RefreshParameters.parse({"model": model, "data_root": str(data_root), "world_size": self.plan.world_size,
                 "batch_size": self.plan.batch_size, "max_embeddings": self.plan.max_embeddings, "fail_at": [],
                 "work_root": str(self.state / "work"), "snapshot_root": str(self.state / "snapshots" / model),
                 "spool_root": str(self.spool), "warehouse_url": self.url,
-                "tags": {"benchmark": True, "bench": "refreshes"}, "bootstrap_windows": 1, **over}
+                "tags": {"benchmark": True, "bench": "refreshes"}, "bootstrap_windows": 1}, **over)
 
-    def run(self, params: dict[str, Any]) -> tuple[dict[str, Any], list[PhaseEvent]]:
+    def run(self, params: RefreshParameters) -> tuple[dict[str, Any], list[PhaseEvent]]:
         """One refresh on the runner's path (a deployment run, or the flow in this process)."""
         result, events = self.runner.run(params)
         if result.get("outcome") not in ("published", "gated"):
-            raise RuntimeError(f"refresh {result.get('run_id')} of {params['model']} trained nothing: "
+            raise RuntimeError(f"refresh {result.get('run_id')} of {params.model} trained nothing: "
                                f"{result.get('outcome')}")
         return result, events
 
@@ -271,7 +273,7 @@ def run_movielens(refresher: Refresher, source_cache: Path, *, bar: Any = None,
         held = names[k + 1]
         common = {"batch_size": plan.movielens_batch_size, "max_embeddings": None}
         params = refresher.params("ml-refresh", live, **common)
-        before = read_current(params["snapshot_root"])
+        before = read_current(params.storage.snapshot_root)
         ref, _ = refresher.run(params)
         chain[ref["run_id"]] = chain[ref["parent"]] + tuple(ref["windows"])
         seen = list(chain[ref["run_id"]])

@@ -23,11 +23,17 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettflow.flows.env_defaults import set_env_defaults
+from ettflow.tasks.parameters import RefreshParameters, SwitchParams, parameter_names_help
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 DEMO_FAILURE = "kill:rank=1:step=16"  # the default data gives 32 steps per rank
+PARAM_HELP = ("any flow parameter, by its name or SECTION.NAME (repeatable; values are JSON): "
+              + parameter_names_help())
 
 
 def parse_value(text: str) -> Any:
@@ -72,19 +78,13 @@ def parameters(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-def check_parameter_names(params: dict[str, Any]) -> None:
-    """Refuse a `--param` the refresh flow does not take, naming the ones it does (before
-    anything starts: Prefect's own refusal is a signature dump)."""
-    import inspect
+def refresh_parameters(params: Mapping[str, Any]) -> RefreshParameters:
+    """The refresh's parameters from the CLI's (flat names, `section.name`, whole sections):
+    a refused value or an unknown name is a `ParameterError` that names it, before anything
+    starts (Prefect's own refusal is a signature dump)."""
+    from ettflow.tasks.parameters import RefreshParameters
 
-    from ettflow.flows.refresh import refresh_model
-    from ettflow.tasks.errors import ParameterError
-
-    known = list(inspect.signature(refresh_model.fn).parameters)
-    for name in params:
-        if name not in known:
-            raise ParameterError(name, f"is not a parameter of the refresh flow (--param NAME=VALUE); its parameters "
-                                       f"are: {', '.join(known)}")
+    return RefreshParameters.parse(params)
 
 
 def print_report(run_id: str, url: str | None, *, phases: bool = False) -> bool:
@@ -122,13 +122,11 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from ettflow.ett.warehouse_db import ENV_URL
     from ettflow.tasks.arrivals import ensure_new_window
 
-    params, private = parameters(args), private_warehouse_url(args)
-    check_parameter_names(params)
+    params, private = refresh_parameters(parameters(args)), private_warehouse_url(args)
     if private is not None:
         os.environ[ENV_URL] = private  # for this process and its hooks only
-    shown_params = {**params, **({"warehouse_url": redact_url(params["warehouse_url"])}
-                                 if isinstance(params.get("warehouse_url"), str) else {})}
-    print(f"ettflow refresh: {json.dumps(shown_params)}", flush=True)
+    print(f"ettflow refresh: {json.dumps({'model': params.model, 'mode': params.mode, **params.to_json()})}",
+          flush=True)
     if private is not None:
         print(f"ettflow refresh: warehouse {redact_url(private)} (holds a password: passed in {ENV_URL}, "
               "not as a flow parameter)", flush=True)
@@ -147,7 +145,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     code = 0
     try:
         for i in range(count):
-            these = params if i == fail_on else {**params, "fail_at": []}  # injected failures: one refresh only
+            these = params if i == fail_on else RefreshParameters.parse(params, fail_at=[])  # failures: one refresh
             arrived = ensure_new_window(these)
             if count > 1:
                 print(f"\nettflow refresh {i + 1} of {count}" + (f": new data arrived ({arrived})" if arrived else ""),
@@ -179,7 +177,7 @@ def wait_for_warm_pool(pool, timeout_s: float = 120.0) -> None:
           f"(waited {time.monotonic() - t0:.1f} s between refreshes)", flush=True)
 
 
-def _refresh_once(params: dict[str, Any], args: argparse.Namespace) -> tuple[int, str | None]:
+def _refresh_once(params: RefreshParameters, args: argparse.Namespace) -> tuple[int, str | None]:
     """One refresh and its report: (exit status, its run id; None when refused before it ran)."""
     from ettflow.ett.archive import read_pending
     from ettflow.flows.refresh import refresh_model
@@ -187,7 +185,7 @@ def _refresh_once(params: dict[str, Any], args: argparse.Namespace) -> tuple[int
     from ettflow.tasks.errors import ParameterError
     from ettflow.tasks.warehouse_url import WarehouseUnavailable, resolve_warehouse_url
 
-    state = refresh_model(**params, return_state=True)
+    state = refresh_model(**params.flow_kwargs(), return_state=True)
     run_id = str(state.state_details.flow_run_id)
     print()
     if not state.is_completed():
@@ -204,11 +202,11 @@ def _refresh_once(params: dict[str, Any], args: argparse.Namespace) -> tuple[int
     if pending is not None:  # the run's row waits (a warehouse outage): no report; published is success
         print(f"ettflow refresh: warning: {pending.message}", file=sys.stderr)
         return (0 if state.is_completed() else 1), run_id
-    shown = print_report(run_id, resolve_warehouse_url(params), phases=getattr(args, "verbose", False))
+    shown = print_report(run_id, resolve_warehouse_url(params.warehouse), phases=getattr(args, "verbose", False))
     return (0 if state.is_completed() and shown else 1), run_id
 
 
-def print_comparison(run_ids: list[str], params: dict[str, Any]) -> None:
+def print_comparison(run_ids: list[str], params: RefreshParameters) -> None:
     """The refreshes side by side: how each started, its windows, TTS, ETT% and each
     component's share of its wall time."""
     from ettflow.ett import report
@@ -216,9 +214,9 @@ def print_comparison(run_ids: list[str], params: dict[str, Any]) -> None:
     from ettflow.ett.warehouse import Warehouse
     from ettflow.tasks.warehouse_url import resolve_warehouse_url
 
-    with Warehouse.open(resolve_warehouse_url(params)) as wh:
-        runs = wh.runs_frame(model=params.get("model") or "dlrm")
-        records = {r.run_id: r for r in wh.lineage(params.get("model") or "dlrm")}
+    with Warehouse.open(resolve_warehouse_url(params.warehouse)) as wh:
+        runs = wh.runs_frame(model=params.model)
+        records = {r.run_id: r for r in wh.lineage(params.model)}
     runs = runs[runs["run_id"].isin(run_ids)]
     runs = runs.set_index("run_id").loc[[r for r in run_ids if r in set(runs["run_id"])]].reset_index()
     if runs.empty:
@@ -235,8 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="dlrm", help="model name (warehouse, checkpoints, snapshots)")
     p.add_argument("--mode", choices=("baseline", "optimized"), default="optimized")
     p.add_argument("--switch", action="append", metavar="NAME=BOOL",
-                   help="one switch over the mode: parallel_init, fast_batch, compile, compile_cache, "
-                        "async_checkpoint, publish_in_trainer (repeatable)")
+                   help=f"one switch over the mode (repeatable): {', '.join(SwitchParams.model_fields)}")
     p.add_argument("--data-root", help="folder of data windows (default: tiny synthetic windows, made once)")
     p.add_argument("--window", action="append", help="a training window (repeatable; default: all but the last)")
     p.add_argument("--world-size", type=int)
@@ -249,7 +246,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-failure", action="store_true", help="no injected failure")
     p.add_argument("--warehouse-url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the SQLite file); one "
                    "with a password is passed to the run in ETTFLOW_WAREHOUSE_URL, never as a flow parameter")
-    p.add_argument("--param", action="append", metavar="KEY=JSON", help="any other flow parameter")
+    p.add_argument("--param", action="append", metavar="KEY=JSON", help=PARAM_HELP)
     p.add_argument("--refreshes", type=int, default=1, metavar="N",
                    help="N refreshes back to back, each continuing from the one before (on the default data a new "
                         "window arrives whenever there is nothing new); injected failures apply to the first; "

@@ -16,14 +16,14 @@ run and returns the final state whose message says the ETT (`ett.run_summary.sta
 The hooks finish the runs the body could not: crashed, cancelled, refused before it ran. Once
 its windows are claimed the run is renamed after them; one progress artifact follows the run
 from the claim to its final state. Every parameter is described in the deployment's run form
-(`parameter_help.py`). The run's id in the spool and the warehouse is the flow run id.
+(`tasks/parameters.py`, through `parameter_help.py`). The run's id in the spool and the warehouse is the flow run id.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Literal
+from typing import Any
 
 import psutil
 from prefect import flow, get_run_logger
@@ -38,7 +38,23 @@ from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.arrivals import arrive_windows
 from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
 from ettflow.tasks.input_check import check_inputs
-from ettflow.tasks.plan import RefreshParams, RefreshPlan, plan_refresh
+from ettflow.tasks.parameters import (
+    ArchitectureParams,
+    CheckpointParams,
+    DataParams,
+    FaultParams,
+    GateParams,
+    ModeField,
+    ModelName,
+    PlacementParams,
+    RefreshParameters,
+    StorageParams,
+    SwitchParams,
+    Tags,
+    TrainingParams,
+    WarehouseParams,
+)
+from ettflow.tasks.plan import RefreshPlan, plan_refresh
 from ettflow.tasks.progress import RunProgress
 from ettflow.tasks.publish import publish
 from ettflow.tasks.reconcile import reconcile_task
@@ -48,9 +64,10 @@ from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_tr
 from ettflow.tasks.warehouse_url import check_warehouse, refusal, resolve_warehouse_url
 
 HOOKS = [archive_on_flow_state]
+DEFAULTS = RefreshParameters()  # the flow's defaults are the model's
 
 
-def _plan(params: RefreshParams) -> RefreshPlan:
+def _plan(params: RefreshParameters) -> RefreshPlan:
     ctx = FlowRunContext.get()
     fr = ctx.flow_run if ctx is not None else None
     from prefect.runtime import deployment
@@ -80,7 +97,7 @@ def _finish(plan: RefreshPlan, state: FinalState, outcome: Outcome, *, reason: s
     ctx = FlowRunContext.get()
     try:
         summary = finish_run(ctx.flow.name, ctx.flow_run, state=state, outcome=outcome.value, reason=reason,
-                             windows=tuple(plan.trainer.windows or ()), params=ctx.parameters, in_body=True)
+                             windows=tuple(plan.trainer.windows or ()), params=plan.params, in_body=True)
         message = state_message(summary)
     except Exception:  # noqa: BLE001 - archiving must not change how the run ended; its hook tries again
         get_run_logger().exception("could not finish run %s (its state hook archives it again)", plan.run_id)
@@ -103,37 +120,19 @@ def _will_retry() -> bool:
       on_crashed=HOOKS, on_cancellation=HOOKS)
 @with_parameter_help
 def refresh_model(
-    model: str = "dlrm",
-    mode: Literal["baseline", "optimized"] = "optimized",
-    switches: dict[str, bool] | None = None,
-    architecture: dict[str, Any] | None = None,
-    data_root: str | None = None,
-    windows: list[str] | None = None,
-    eval_windows: list[str] | None = None,
-    max_embeddings: int | None = 10_000,
-    world_size: int = 2,
-    batch_size: int = 128,
-    max_steps: int | None = None,
-    checkpoint_every_steps: int | None = None,
-    eval_batches: int = 8,
-    device: Literal["auto", "cpu", "cuda"] = "auto",
-    fail_at: list[str] | None = None,
-    work_root: str | None = None,
-    snapshot_root: str | None = None,
-    spool_root: str | None = None,
-    warehouse_url: str | None = None,
-    warehouse_secret: str | None = None,
-    tags: dict[str, Any] | None = None,
-    max_windows: int = 4,
-    bootstrap_windows: int | None = None,
-    warm_start: bool = True,
-    claim_wait_s: float = 60.0,
-    keep_refreshes: int = 3,
-    gate_max_auc_drop: float | None = 0.01,
-    gate_max_logloss_increase: float | None = None,
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK",
-    min_world_size: int | None = None,
-    capacity_wait_s: float = 600.0,
+    model: ModelName = DEFAULTS.model,
+    mode: ModeField = DEFAULTS.mode,
+    data: DataParams = DEFAULTS.data,
+    architecture: ArchitectureParams = DEFAULTS.architecture,
+    training: TrainingParams = DEFAULTS.training,
+    checkpoint: CheckpointParams = DEFAULTS.checkpoint,
+    switches: SwitchParams = DEFAULTS.switches,
+    placement: PlacementParams = DEFAULTS.placement,
+    gate: GateParams = DEFAULTS.gate,
+    storage: StorageParams = DEFAULTS.storage,
+    warehouse: WarehouseParams = DEFAULTS.warehouse,
+    faults: FaultParams = DEFAULTS.faults,
+    tags: Tags = DEFAULTS.tags,
 ) -> dict[str, Any] | State:
     """Refresh `model` on the data windows and publish a validated inference snapshot.
 
@@ -143,23 +142,18 @@ def refresh_model(
     the windows past `claim_wait_s`, it ends Completed, skipped. The final state's message
     says the run's ETT, NoF (with each failure's class and reason) and TTS.
     On several Ray nodes (README "Running at scale"), `work_root` and `spool_root` must be
-    storage every node shares.
+    storage every node shares. The parameters are `tasks.parameters.RefreshParameters`, one
+    argument per section (a test keeps the signature and the model equal).
     """
-    params = RefreshParams(
-        model=model, mode=mode, switches=switches, architecture=architecture, data_root=data_root, windows=windows,
-        eval_windows=eval_windows, max_embeddings=max_embeddings, world_size=world_size, batch_size=batch_size,
-        max_steps=max_steps, checkpoint_every_steps=checkpoint_every_steps, eval_batches=eval_batches,
-        device=device, fail_at=fail_at, work_root=work_root, snapshot_root=snapshot_root, spool_root=spool_root,
-        warehouse_url=warehouse_url, warehouse_secret=warehouse_secret, tags=tags, max_windows=max_windows,
-        bootstrap_windows=bootstrap_windows, warm_start=warm_start, claim_wait_s=claim_wait_s,
-        keep_refreshes=keep_refreshes, gate_max_auc_drop=gate_max_auc_drop,
-        gate_max_logloss_increase=gate_max_logloss_increase,
-        placement_strategy=placement_strategy, min_world_size=min_world_size, capacity_wait_s=capacity_wait_s)
+    params = RefreshParameters.parse(dict(
+        model=model, mode=mode, data=data, architecture=architecture, training=training, checkpoint=checkpoint,
+        switches=switches, placement=placement, gate=gate, storage=storage, warehouse=warehouse, faults=faults,
+        tags=tags))
     plan = _plan(params)
     checked = check_warehouse(plan.warehouse, return_state=True)
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
-    if arrive_windows(plan, params):  # the demo's next window arrived (never on a user's data): plan with it
+    if arrive_windows(plan):  # the demo's next window arrived (never on a user's data): plan with it
         plan = _plan(params)
     reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
     progress = RunProgress(plan.run_id, plan.artifact_slug)

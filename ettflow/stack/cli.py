@@ -13,18 +13,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import StackConfig, StackError, config_from
+
+if TYPE_CHECKING:
+    from ettflow.tasks.parameters import RefreshParameters
 
 DEFAULT_DEPLOYMENT = "refresh-model/refresh-adhoc"
 
 
-def refresh_parameters(args: argparse.Namespace, index: int) -> dict[str, Any]:
-    """The deployment run's parameters: `--param`s, and the induced failure on the run
-    `--fail-on` names (the index-th run is 0-based)."""
+def refresh_parameters(args: argparse.Namespace, index: int) -> RefreshParameters:
+    """The deployment run's parameters: `--param`s (a name, `section.name` or a whole section),
+    and the induced failure on the run `--fail-on` names (the index-th run is 0-based)."""
     from ettflow.ett.redact import has_password
     from ettflow.flows.cli import DEMO_FAILURE, parse_value
+    from ettflow.tasks.parameters import RefreshParameters
 
     params: dict[str, Any] = {}
     for item in args.param or ():
@@ -32,13 +36,17 @@ def refresh_parameters(args: argparse.Namespace, index: int) -> dict[str, Any]:
         if not sep or not key:
             raise StackError(f"--param takes KEY=JSON, got {item!r}")
         params[key] = parse_value(raw)
-    url = params.get("warehouse_url")
+    url = next((v for k, v in params.items() if k.rpartition(".")[2] == "warehouse_url"), None)
     if isinstance(url, str) and has_password(url):
         raise StackError("warehouse_url holds a password, and Prefect stores parameters in clear: give it to the "
                          "worker instead (`ETTFLOW_WAREHOUSE_URL=... ettflow up`: the worker inherits it)")
+    from ettflow.tasks.errors import ParameterError
+
     induced = [] if args.no_failure else (args.fail_at or [DEMO_FAILURE])
-    params["fail_at"] = induced if index == getattr(args, "fail_on", 1) - 1 else []
-    return params
+    try:
+        return RefreshParameters.parse(params, fail_at=induced if index == getattr(args, "fail_on", 1) - 1 else [])
+    except ParameterError as exc:  # refused here, before the stack starts: Prefect would refuse the run
+        raise StackError(str(exc)) from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -82,7 +90,7 @@ def _started_any(cfg: StackConfig | None) -> bool:
     return record is not None and any(s.process() is not None for s in record.services)
 
 
-def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[dict[str, Any]]) -> int:
+def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[RefreshParameters]) -> int:
     from ettflow.flows.cli import print_comparison
 
     from .deployed_runs import run_and_wait
@@ -91,8 +99,8 @@ def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[dict[str
     runs = []
     for i, these in enumerate(params):
         print(f"\nettflow up: refresh {i + 1} of {len(params)} as a run of deployment {args.deployment}, executed by "
-              "the worker in a process of its own" + (f" (induced failure: {', '.join(these['fail_at'])})"
-                                                      if these["fail_at"] else ""), flush=True)
+              "the worker in a process of its own" + (f" (induced failure: {', '.join(these.faults.fail_at)})"
+                                                      if these.faults.fail_at else ""), flush=True)
         if i > 0:  # back to back: what the last release left prewarming in the cluster's pool is ready first
             ready, waited = wait_for_pool(cfg, timeout_s=240.0)
             print(f"  the cluster's warm pool holds {ready} prewarmed trainer process(es) for it (waited "
@@ -151,7 +159,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="then run N refreshes as deployment runs that the worker executes (one with the "
                          "induced failure, --fail-on; each later one on the next window) and compare them")
     up.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="the deployment those runs are runs of")
-    up.add_argument("--param", action="append", metavar="KEY=JSON", help="a parameter of those runs (repeatable)")
+    from ettflow.flows.cli import PARAM_HELP
+
+    up.add_argument("--param", action="append", metavar="KEY=JSON", help=f"a parameter of those runs: {PARAM_HELP}")
     up.add_argument("--fail-at", action="append", metavar="SPEC", help="the induced failure instead of the "
                     "default, on the run --fail-on names (repeatable)")
     up.add_argument("--no-failure", action="store_true", help="no induced failure")

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ettflow.tasks.parameters import RefreshParameters
+
 from .config import StackError
 from .services import prefect_api
 
@@ -35,11 +37,14 @@ class DeployedRun:
         return self.state == "COMPLETED"
 
 
-def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Mapping[str, Any], *,
+def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: RefreshParameters | Mapping[str, Any], *,
                  timeout_s: float, say: Callable[[str], None] = print, poll_s: float = 2.0,
                  log_hint: str = "the worker's log", scheduled_at: float | None = None) -> DeployedRun:
     """Create a run of `deployment` ("flow/deployment") with `parameters`, follow its state
-    until it is final, and return it. `scheduled_at` (epoch s): the run is scheduled for then,
+    until it is final, and return it. A refresh's parameters (`RefreshParameters`) go as
+    their sections, each merged into the deployment's own (Prefect replaces a whole top-level
+    parameter: a run's `training` would drop the deployment's other training fields).
+    `scheduled_at` (epoch s): the run is scheduled for then,
     as a deployment's schedule creates its runs (the worker starts its process ahead of it:
     prefetch); None: it is due now (ad hoc). A run still going after `timeout_s` is an error
     (it keeps running on the worker)."""
@@ -59,7 +64,11 @@ def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Mapping
             from prefect.states import Scheduled
 
             state = Scheduled(scheduled_time=datetime.fromtimestamp(scheduled_at, tz=timezone.utc))
-        flow_run = client.create_flow_run_from_deployment(dep.id, parameters=dict(parameters), state=state)
+        given = parameters.to_json() if isinstance(parameters, RefreshParameters) else dict(parameters)
+        merged = {name: {**dep.parameters[name], **value}
+                  if isinstance(value, dict) and isinstance(dep.parameters.get(name), dict) else value
+                  for name, value in given.items()}
+        flow_run = client.create_flow_run_from_deployment(dep.id, parameters=merged, state=state)
         run_id, url = str(flow_run.id), f"{ui_url}/runs/flow-run/{flow_run.id}"
         say(f"  deployment run {flow_run.name} created" + (
             f", scheduled {scheduled_at - time.time():.0f} s ahead" if scheduled_at is not None else "") + f": {url}")

@@ -59,6 +59,7 @@ from ettflow.ett.spool import SpoolWriteError
 from ettflow.ett.warehouse import RunInfo
 
 from . import run_labels, run_spool
+from .parameters import RefreshParameters
 from .run_event import emit_finished, emit_run_measured
 from .skipped import skip_reason
 from .warehouse_url import resolve_warehouse_url
@@ -66,16 +67,25 @@ from .warehouse_url import resolve_warehouse_url
 log = logging.getLogger("ettflow.tasks")
 
 
-def spool_of(params: Mapping[str, Any]) -> Path:
-    return Path(params["spool_root"]) if params.get("spool_root") else paths.spool_root()
+Params = RefreshParameters | Mapping[str, Any]
 
 
-def run_info(run_id: str, params: Mapping[str, Any], *, status: str, flow_run_id: str | None,
+def run_params(params: Params | None) -> RefreshParameters:
+    """A run's parameters as far as they are valid (a hook's run may have been refused by them)."""
+    return params if isinstance(params, RefreshParameters) else RefreshParameters.lenient(params)
+
+
+def spool_of(params: Params) -> Path:
+    root = run_params(params).storage.spool_root
+    return Path(root) if root else paths.spool_root()
+
+
+def run_info(run_id: str, params: Params, *, status: str, flow_run_id: str | None,
              tags: Mapping[str, Any] | None = None) -> RunInfo:
-    merged = {"world_size": params.get("world_size", 2), "switches": dict(params.get("switches") or {}),
-              **dict(params.get("tags") or {}), **dict(tags or {})}
-    return RunInfo(run_id=run_id, model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
-                   flow_run_id=flow_run_id, status=status, tags=merged)
+    p = run_params(params)
+    chosen = {name: value for name, value in p.switches.model_dump().items() if value is not None}
+    merged = {"world_size": p.training.world_size, "switches": chosen, **dict(p.tags or {}), **dict(tags or {})}
+    return RunInfo(run_id=run_id, model=p.model, mode=p.mode, flow_run_id=flow_run_id, status=status, tags=merged)
 
 
 def log_result(result: ArchiveResult) -> None:
@@ -92,11 +102,12 @@ def log_result(result: ArchiveResult) -> None:
             m.ett_pct, m.nof, result.events, result.warehouse, problems)
 
 
-def archive_run(run_id: str, params: Mapping[str, Any], *, status: str, flow_run_id: str | None = None,
+def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | None = None,
                 tags: Mapping[str, Any] | None = None) -> ArchiveResult | None:
     """Archive the run's spool to the warehouse its parameters name (`resolve_warehouse_url`,
     else the default); None when the run spooled nothing. A warehouse outage leaves the row
     pending (`ArchiveResult.pending`, logged as a warning) instead of raising."""
+    params = run_params(params)
     spool = spool_of(params)
     evs = run_spool.events(spool, run_id)
     if not evs:
@@ -107,7 +118,7 @@ def archive_run(run_id: str, params: Mapping[str, Any], *, status: str, flow_run
         status, tags = "skipped", {**dict(tags or {}), "skip_reason": skipped}
     info = run_info(run_id, params, status=status, flow_run_id=flow_run_id,
                     tags={**run_spool.publish_summary(evs), **run_spool.interval_tags(evs), **dict(tags or {})})
-    result = archive_or_defer(lambda: resolve_warehouse_url(params), spool, info)
+    result = archive_or_defer(lambda: resolve_warehouse_url(params.warehouse), spool, info)
     log_result(result)
     return result
 
@@ -170,7 +181,7 @@ def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, ar
     from .artifacts import create_run_artifacts, create_skipped_artifact, timeline_file
     from .timeline_plot import render_timeline
 
-    params = dict(flow_run.parameters or {})
+    params = run_params(flow_run.parameters)
     run_id = str(flow_run.id)
     evs = run_spool.events(spool_of(params), run_id)
     if archived.status == "skipped":  # nothing trained: no timeline, no ETT table (issue 27)
@@ -214,7 +225,7 @@ def _run_logger(flow_run):
 
 
 def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, reason: str | None = None,
-               windows: tuple[str, ...] = (), params: Mapping[str, Any] | None = None,
+               windows: tuple[str, ...] = (), params: Params | None = None,
                in_body: bool = False) -> RunSummary:
     """Archive the finished run and announce it (see the module docstring); returns its
     summary: the one place where a run's measured result exists after archiving.
@@ -224,7 +235,7 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
     body before it returns `state` (its hooks then skip the run)."""
     from .plan import slug as slug_of
 
-    params = dict(params if params is not None else flow_run.parameters or {})
+    params = run_params(params if params is not None else flow_run.parameters)
     run_id = str(flow_run.id)
     deployment = run_labels.deployment_name(flow_run)
     archived = archive_run(run_id, params, status=state.value, flow_run_id=run_id,
@@ -232,13 +243,13 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
     if archived is not None and archived.status == "skipped":
         outcome = Outcome.SKIPPED.value
     summary = summarize(archived.metrics if archived is not None else None, run_id=run_id,
-                        model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
+                        model=params.model, mode=params.mode,
                         state=state, outcome=outcome, windows=windows, reason=reason)
     name = measured_name(summary)  # the runs list shows the result; the event names the run so
     if run_labels.name_flow_run(run_id, name):
         flow_run = flow_run.model_copy(update={"name": name}) if hasattr(flow_run, "model_copy") else flow_run
     if archived is not None:  # the `ettflow.run.measured` event (tasks.run_event)
-        emit_run_measured(flow_run, archived, outcome=outcome, deployment=deployment)
+        emit_run_measured(flow_run, archived, outcome=outcome, deployment=deployment, params=params)
     logger = _run_logger(flow_run)
     if not (in_body and state is FinalState.COMPLETED):  # a completed body's failures were told at each restart
         for failure in run_spool.failures(spool_of(params), run_id):
@@ -280,7 +291,7 @@ def archive_on_flow_state(flow, flow_run, state) -> None:
 
 
 def _archive_final(flow, flow_run, state, final: FinalState) -> None:
-    params = dict(flow_run.parameters or {})
+    params = run_params(flow_run.parameters)
     run_id = str(flow_run.id)
     if finished_in_body(run_id, final):
         return
@@ -290,7 +301,7 @@ def _archive_final(flow, flow_run, state, final: FinalState) -> None:
         crash_open_task_runs(run_id, getattr(state, "message", None))
     reason = getattr(state, "message", None) or None
     # the body records published, gated or skipped; a hook knows only the state
-    summary = finish_run(flow.name, flow_run, state=final, outcome=final.value, reason=reason)
+    summary = finish_run(flow.name, flow_run, state=final, outcome=final.value, reason=reason, params=params)
     if final is not FinalState.COMPLETED and summary.measured:
         run_labels.restate_with_message(run_id, final.value, state_message(summary))
 
@@ -300,6 +311,6 @@ def archive_on_task_state(task, task_run, state) -> None:
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
-    params = dict(ctx.parameters) if ctx is not None else {}
+    params = run_params(ctx.parameters if ctx is not None else None)
     flow_run_id = str(task_run.flow_run_id)
     archive_run(flow_run_id, params, status=f"{task.name} {state.name.lower()}", flow_run_id=flow_run_id)

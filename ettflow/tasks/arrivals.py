@@ -23,38 +23,37 @@ from prefect import get_run_logger
 
 from ettflow.ett.warehouse import Warehouse
 
-from .plan import RefreshParams, RefreshPlan, default_data_root
+from .parameters import RefreshParameters
+from .plan import RefreshPlan, default_data_root
 from .warehouse_url import resolve_warehouse_url
 from .window_choice import select_windows
 
 
-def ensure_new_window(params: Mapping[str, Any]) -> str | None:
+def ensure_new_window(params: RefreshParameters | Mapping[str, Any]) -> str | None:
     """Append a window to the default data when the model would have nothing new; returns its
     name (None: the user's data, explicit windows, or something new already there)."""
     from ettflow.trainer.data.synthetic import append_window
     from ettflow.trainer.data.windows import list_windows
 
-    if params.get("data_root") or params.get("windows"):
+    p = params if isinstance(params, RefreshParameters) else RefreshParameters.parse(params)
+    if p.data.data_root or p.data.windows:
         return None
     root = default_data_root()
-    with Warehouse.open(resolve_warehouse_url(params)) as wh:
-        mark = wh.watermark(params.get("model") or "dlrm")
+    with Warehouse.open(resolve_warehouse_url(p.warehouse)) as wh:
+        mark = wh.watermark(p.model)
     with open(root / ".append.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        choice = select_windows(list_windows(root), mark, max_windows=int(params.get("max_windows") or 4),
-                                bootstrap=params.get("bootstrap_windows"))
+        choice = select_windows(list_windows(root), mark, max_windows=p.data.max_windows,
+                                bootstrap=p.data.bootstrap_windows)
         if not choice.nothing_new:
             return None
         return append_window(root).name
 
 
-def arrive_windows(plan: RefreshPlan, params: RefreshParams) -> str | None:
+def arrive_windows(plan: RefreshPlan) -> str | None:
     """`ensure_new_window` in the flow, once its warehouse is checked: the demo's next window,
     when it needs one (None: the user's data or windows, or something new already there)."""
-    if params.data_root or params.windows:
-        return None
-    arrived = ensure_new_window({"model": plan.model, "max_windows": params.max_windows,
-                                 "bootstrap_windows": params.bootstrap_windows, **plan.warehouse})
+    arrived = ensure_new_window(plan.params)
     if arrived:
         get_run_logger().info("new data arrived on the default synthetic source: %s (the next hourly window, "
                               "drifting as `ettflow data append` makes it)", arrived)

@@ -54,13 +54,13 @@ class Claim:
 def busy_reason(plan: RefreshPlan, busy: Busy, waited_s: float) -> str:
     span = f"{busy.windows[0]}..{busy.windows[-1]}" if len(busy.windows) > 1 else ", ".join(busy.windows)
     return (f"model {plan.model} is being refreshed by run {busy.holder} (it holds windows {span}); waited "
-            f"{waited_s:.0f} s (claim_wait_s={plan.claim_wait_s:g}) and left those windows to it")
+            f"{waited_s:.0f} s (claim_wait_s={plan.params.data.claim_wait_s:g}) and left those windows to it")
 
 
 def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log: Any = None,
                url: str | None = None) -> Claim:
     """Claim the plan's windows in the warehouse `wh` (at `url`, where a dead holder is
-    archived), waiting up to `plan.claim_wait_s`."""
+    archived), waiting up to `plan.params.data.claim_wait_s`."""
     start = time.monotonic()
     announced = False
     archived: set[str] = set()  # holders archived as dead here: each at most once
@@ -76,13 +76,13 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
             archived.add(got.holder)
             continue  # its claims are released: ask again now
         waited = time.monotonic() - start
-        if waited >= plan.claim_wait_s:
+        if waited >= plan.params.data.claim_wait_s:
             return Claim(plan, busy_reason(plan, got, waited))
         if log is not None and not announced:
             log.info("model %s: run %s holds its windows; waiting up to %g s", plan.model, got.holder,
-                     plan.claim_wait_s)
+                     plan.params.data.claim_wait_s)
             announced = True
-        time.sleep(min(poll_s, max(plan.claim_wait_s - waited, 0.0)))
+        time.sleep(min(poll_s, max(plan.params.data.claim_wait_s - waited, 0.0)))
 
 
 def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) -> bool:

@@ -70,7 +70,8 @@ def _outcome_of(plan: RefreshPlan, manifest, config) -> PublishOutcome:
     """The gate's decision for an installed snapshot (moves `current` when it passes)."""
     from ettflow.publish.gate import GateConfig, gate_snapshot
 
-    gate = GateConfig(max_auc_drop=plan.gate_max_auc_drop, max_logloss_increase=plan.gate_max_logloss_increase)
+    gate = GateConfig(max_auc_drop=plan.params.gate.gate_max_auc_drop,
+                      max_logloss_increase=plan.params.gate.gate_max_logloss_increase)
     return gate_snapshot(manifest, config, gate)
 
 

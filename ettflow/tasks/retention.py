@@ -53,7 +53,7 @@ def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
         refreshes = wh.lineage(plan.model)
     protected = {plan.run_id} | ({plan.parent.run_id} if plan.parent is not None else set())
     folders = run_folders(plan.runs_root)
-    doomed = doomed_runs(folders, refreshes, keep=plan.keep_refreshes, protected=protected)
+    doomed = doomed_runs(folders, refreshes, keep=plan.params.checkpoint.keep_refreshes, protected=protected)
     for run in doomed:
         shutil.rmtree(plan.runs_root / run, ignore_errors=True)
     return doomed, len(folders) - len(doomed)
@@ -72,6 +72,7 @@ def prune_checkpoints(plan: RefreshPlan) -> list[str]:
                                  plan.model, outage_reason(exc))
         return []
     get_run_logger().info("prune-checkpoints: model %s keeps %d run folder(s) (the last %d refreshes, the current "
-                          "and the parent anchor), removed %d%s", plan.model, kept, plan.keep_refreshes, len(doomed),
+                          "and the parent anchor), removed %d%s", plan.model, kept,
+                          plan.params.checkpoint.keep_refreshes, len(doomed),
                           f": {', '.join(doomed)}" if doomed else "")
     return doomed

@@ -26,6 +26,8 @@ from ettflow.ett.archive import ArchiveResult
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED
 from ettflow.ett.thresholds import ett_label, nof_label
 
+from .parameters import RefreshParameters
+
 EVENT = "ettflow.run.measured"
 # emitted by a refresh's final-state hook on its flow run, through the same client queue as the
 # run's heartbeats, so it reaches the server after the last of them. Prefect's own final-state
@@ -81,7 +83,7 @@ def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
 
 
 def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None = None,
-                      deployment: str | None = None):
+                      deployment: str | None = None, params: RefreshParameters | None = None):
     """Emit `ettflow.run.measured` for the archived run of `flow_run`; the event, or None
     when nothing was emitted (no API, or an error: logged). `outcome` (default: the archived
     status) and `deployment` (default: read from Prefect) when the caller knows them."""
@@ -92,11 +94,11 @@ def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None 
 
     if not PREFECT_API_URL.value():
         return None
-    params = dict(flow_run.parameters or {})
+    if params is None:
+        params = RefreshParameters.lenient(flow_run.parameters)
     if deployment is None:
         deployment = deployment_name(flow_run)
-    payload = measured_payload(archived, model=params.get("model") or "dlrm", mode=params.get("mode") or "optimized",
-                               deployment=deployment)
+    payload = measured_payload(archived, model=params.model, mode=params.mode, deployment=deployment)
     if outcome is not None:
         payload["outcome"] = outcome
     related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run",

@@ -24,11 +24,12 @@ from prefect.states import Failed, State
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from ettflow.ett.redact import has_password, redact_url
+from ettflow.ett.redact import redact_url
 from ettflow.ett.warehouse import Warehouse, WarehouseError
 from ettflow.ett.warehouse_db import ENV_URL, default_url
 
 from .errors import ParameterError
+from .parameters import WarehouseParams
 
 
 class WarehouseUnavailable(RuntimeError):
@@ -37,23 +38,16 @@ class WarehouseUnavailable(RuntimeError):
     explained = True  # shown without a traceback (`ettflow.console`)
 
 
-def check_warehouse_params(url: Any, secret: Any) -> None:
-    """Refuse a `warehouse_url` with a password (Prefect stores parameters in clear) and a
-    `warehouse_secret` that is not a block name. Neither message shows the URL."""
-    if url is not None and (not isinstance(url, str) or not url):
-        raise ParameterError("warehouse_url", "must be a SQLAlchemy URL string or null")
-    if url and has_password(url):
-        raise ParameterError("warehouse_url", "holds a password, and flow parameters are stored in clear: put the "
-                             "URL in ETTFLOW_WAREHOUSE_URL, or in a Prefect Secret block named by "
-                             "`warehouse_secret`")
-    if secret is not None and (not isinstance(secret, str) or not secret):
-        raise ParameterError("warehouse_secret", f"must be the name of a Prefect Secret block or null, got {secret!r}")
+def warehouse_params(where: WarehouseParams | Mapping[str, Any]) -> WarehouseParams:
+    """The two warehouse parameters, checked (a password in `warehouse_url` is refused:
+    Prefect stores parameters in clear; no message shows the URL)."""
+    return where if isinstance(where, WarehouseParams) else WarehouseParams.of(where)
 
 
-def resolve_warehouse_url(params: Mapping[str, Any]) -> str | None:
+def resolve_warehouse_url(where: WarehouseParams | Mapping[str, Any]) -> str | None:
     """The warehouse URL named by a run's parameters (see the module docstring); None: the default."""
-    url, secret = params.get("warehouse_url"), params.get("warehouse_secret")
-    check_warehouse_params(url, secret)
+    where = warehouse_params(where)
+    secret = where.warehouse_secret
     if secret:
         from prefect.blocks.system import Secret
 
@@ -65,14 +59,15 @@ def resolve_warehouse_url(params: Mapping[str, Any]) -> str | None:
         if not isinstance(value, str) or not value:
             raise ParameterError("warehouse_secret", f"block {secret!r} must hold the warehouse URL as a string")
         return value
-    return url or None
+    return where.warehouse_url or None
 
 
-def warehouse_source(params: Mapping[str, Any]) -> str:
+def warehouse_source(where: WarehouseParams | Mapping[str, Any]) -> str:
     """Which setting named the warehouse, for messages that say what to fix."""
-    if params.get("warehouse_secret"):
-        return f"the Prefect Secret block {params['warehouse_secret']!r} (parameter warehouse_secret)"
-    if params.get("warehouse_url"):
+    where = warehouse_params(where)
+    if where.warehouse_secret:
+        return f"the Prefect Secret block {where.warehouse_secret!r} (parameter warehouse_secret)"
+    if where.warehouse_url:
         return "the warehouse_url parameter"
     if os.environ.get(ENV_URL):
         return ENV_URL
@@ -87,7 +82,7 @@ def _scrubbed(text: str, url: str) -> str:
     return text.replace(password, "***") if password else text
 
 
-def open_check(params: Mapping[str, Any]) -> str:
+def open_check(params: WarehouseParams | Mapping[str, Any]) -> str:
     """Open and close the warehouse the parameters name; returns its redacted URL, or raises
     `WarehouseUnavailable` with a one-line, redacted message."""
     url = resolve_warehouse_url(params)
@@ -104,7 +99,7 @@ def open_check(params: Mapping[str, Any]) -> str:
 
 
 @task(name="check-warehouse", cache_policy=NO_CACHE)
-def check_warehouse(warehouse: Mapping[str, str | None]) -> str | State:
+def check_warehouse(warehouse: WarehouseParams) -> str | State:
     """Fail fast: the run's warehouse (`RefreshPlan.warehouse`) opens (connect + schema), else a
     Failed state carrying `WarehouseUnavailable` or `ParameterError` (no traceback: the message
     is the whole story)."""

@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from ettflow.ett.spool import read_spool
+from ettflow.tasks.parameters import RefreshParameters
 
 from helpers.flows import PLAIN, TINY, assert_components_sum_to_wall, warehouse_row
 from helpers.prefect_cli import POOL, PREFECT, REPO, prefect
@@ -74,7 +75,8 @@ def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
               "batch_size": 32, "max_steps": 60, "checkpoint_every_steps": 10, "eval_batches": 2,
               "switches": PLAIN, "work_root": str(flow_work_root),
               "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(spool), "warehouse_url": warehouse}
-    out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params", json.dumps(params))
+    nested = RefreshParameters.parse(params).to_json()  # the flow's sections, as the run form sends them
+    out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params", json.dumps(nested))
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
     # the flow process starts (and owns) its own local Ray, as on a worker without RAY_ADDRESS;
     # every process it starts inherits ETTFLOW_HOME, which finds them afterwards

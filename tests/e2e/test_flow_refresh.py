@@ -277,7 +277,7 @@ def test_a_task_failure_hook_archives_the_run(env, tmp_path):
     assert len(runs) == 1 and runs.iloc[0]["status"] == "boom failed" and runs.iloc[0]["model"] == "hooked"
 
 
-def test_the_command_names_a_bad_parameter(env, capsys):
+def test_the_command_names_a_bad_parameter(env):
     import argparse
 
     from ettflow.flows import cli
@@ -286,5 +286,7 @@ def test_the_command_names_a_bad_parameter(env, capsys):
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["refresh", "--world-size", "0", "--param", f"spool_root={env['spool_root']}",
                               "--warehouse-url", env["warehouse_url"]])
-    assert args.func(args) == 1
-    assert "parameter 'world_size' must be an int >= 1" in capsys.readouterr().err
+    from ettflow.tasks.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="parameter 'world_size' must be >= 1, got 0"):  # before any run
+        args.func(args)

@@ -30,12 +30,19 @@ def flow_env(root: Path, data_root: str | Path, work_root: str | Path, **over: A
     return env
 
 
+def flow_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """The flow's arguments (one per section) for parameters in any spelling (`world_size`)."""
+    from ettflow.tasks.parameters import RefreshParameters
+
+    return RefreshParameters.parse(params).flow_kwargs()
+
+
 def run(env: dict[str, Any], flow=None, **over: Any):
     """Run the flow (`refresh_model` unless another is given) on `env` with `over` on top;
     (final state, flow run id)."""
     if flow is None:
         from ettflow.flows.refresh import refresh_model as flow
-    state = flow(**{**env, **over}, return_state=True)
+    state = flow(**flow_kwargs({**env, **over}), return_state=True)
     return state, str(state.state_details.flow_run_id)
 
 

@@ -87,7 +87,7 @@ def test_a_refresh_refused_before_it_starts_says_so_in_one_line(in_process_refre
     what to do, and no traceback (before: Prefect's signature dump, a 120-line chained one)."""
     assert main(["refresh", "--param", "nosuch=1"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("ettflow refresh: parameter 'nosuch' is not a parameter of the refresh flow")
+    assert err.startswith("ettflow refresh: parameter 'nosuch' is not a parameter of refresh-model")
     assert "world_size" in err and "Traceback" not in err and len(err.splitlines()) == 1
     assert main(["refresh", "--warehouse-url", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == 1
     err = capsys.readouterr().err

@@ -15,6 +15,8 @@ from ettflow.ett.warehouse import Warehouse
 from ettflow.flows.refresh import refresh_model
 from ettflow.trainer.data.windows import list_windows
 
+from helpers.flows import flow_kwargs
+
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -26,7 +28,7 @@ def env(tmp_path, flow_data, prefect_harness):
 
 
 def run(env, **over):
-    state = refresh_model(**{**env, **over}, return_state=True)
+    state = refresh_model(**flow_kwargs({**env, **over}), return_state=True)
     return state, str(state.state_details.flow_run_id)
 
 

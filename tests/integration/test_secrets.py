@@ -22,6 +22,8 @@ from ettflow.ett.spool import read_spool
 from ettflow.ett.warehouse import Warehouse
 from ettflow.ett.warehouse_db import ENV_URL
 
+from helpers.flows import flow_kwargs
+
 pytestmark = pytest.mark.timeout(600)
 
 SECRET = "pw-" + uuid.uuid4().hex[:10]
@@ -95,7 +97,8 @@ def test_refresh_with_a_password_url_fails_fast_and_leaks_nothing(prefect_harnes
     for where, text in {"stdout": out, "stderr": err, "logs": logs.text,
                         "parameters": json.dumps(run.parameters), "state": run.state.message or ""}.items():
         assert SECRET not in text, f"the password is in the {where}"
-    assert run.state.is_failed() and run.parameters.get("warehouse_url") is None
+    assert run.state.is_failed() and (run.parameters.get("warehouse") or {}).get("warehouse_url") is None
+    assert "warehouse_url" not in run.parameters  # a section, never the flat name
     # failed in its first task: nothing reserved, trained or spooled
     assert task_runs(run.id) == {"check-warehouse": "FAILED"}
     assert not (tmp_path / "spool" / str(run.id)).exists()
@@ -105,7 +108,8 @@ def test_the_check_fails_the_flow_with_a_typed_failure(prefect_harness, flow_dat
     from ettflow.flows.refresh import refresh_model
     from ettflow.tasks.warehouse_url import WarehouseUnavailable
 
-    state = refresh_model(**run_params(flow_data, tmp_path), warehouse_url="postgresql+psycopg://postgres@127.0.0.1:5999/x",
+    state = refresh_model(**flow_kwargs({**run_params(flow_data, tmp_path),
+                                         "warehouse_url": "postgresql+psycopg://postgres@127.0.0.1:5999/x"}),
                           return_state=True)
     assert state.is_failed() and isinstance(state.result(raise_on_failure=False), WarehouseUnavailable)
     assert state.message.startswith("warehouse postgresql+psycopg://postgres@127.0.0.1:5999/x is unreachable")
@@ -127,8 +131,8 @@ def test_a_secret_block_names_the_warehouse(prefect_harness, postgres_schema_url
     name = f"ettflow-warehouse-{uuid.uuid4().hex[:8]}"
     Secret(value=url).save(name)
     params = {"warehouse_secret": name, "spool_root": str(tmp_path / "spool"), "model": "m", "mode": "optimized"}
-    assert resolve_warehouse_url(params) == url
-    assert open_check(params) == make_url(url).render_as_string(hide_password=True)
+    assert resolve_warehouse_url({"warehouse_secret": name}) == url
+    assert open_check({"warehouse_secret": name}) == make_url(url).render_as_string(hide_password=True)
     write_sample_run(tmp_path / "spool", "run-s", seed=5)
     archived = archive.archive_run("run-s", params, status="completed", flow_run_id="run-s")
     assert archived is not None

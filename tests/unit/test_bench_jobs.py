@@ -63,7 +63,7 @@ def test_rows_are_refresh_parameters_the_flow_s_plan_accepts(flow_data, tmp_path
         assert [(f.rank, f.step, f.attempt) for f in t.failures] == [(1, 20, 0), (0, 40, 1)]
         assert t.model.dense_arch == (64, 16) and t.model.over_arch == (64, 32, 1)  # the bench's model
         assert {f.num_embeddings for f in t.schema.sparse} == {100}
-        assert plan.gate_max_auc_drop is None
+        assert plan.params.gate.gate_max_auc_drop is None
     with pytest.raises(ValueError, match="unknown switches"):
         Row(label="x", mode="optimized", switches={"warp_drive": True})
     assert LIVE_RECOVERY_OFF.slug == "optimized-live-recovery-off"

@@ -14,7 +14,8 @@ from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.ett.warehouse import Warehouse
 from ettflow.tasks import archive, run_spool
 from ettflow.tasks.lease import TrainerLease
-from ettflow.tasks.plan import ParameterError, RefreshParams, parse_failures, plan_refresh, resolve_switches, slug
+from ettflow.tasks.parameters import RefreshParameters
+from ettflow.tasks.plan import ParameterError, parse_failures, plan_refresh, slug
 from ettflow.tasks.timeline_plot import render_timeline
 
 from helpers.plans import params
@@ -31,20 +32,29 @@ def test_plan_builds_the_trainer_config(flow_data, tmp_path):
     assert plan.artifact_slug == "refresh-adhoc" and not plan.publish_in_trainer and plan.mode == "optimized"
 
 
+def resolve_switches(mode, switches):
+    return RefreshParameters.parse(mode=mode, switches=switches).resolved_switches()
+
+
 def test_modes_and_single_switches():
     sw, flow = resolve_switches("baseline", None)
-    assert flow.publish_in_trainer and not flow.delta_snapshot and not sw.parallel_init and not sw.async_checkpoint
+    assert flow["publish_in_trainer"] and not flow["delta_snapshot"] and not sw.parallel_init
+    assert not sw.async_checkpoint
     sw, flow = resolve_switches("optimized", {"publish_in_trainer": True, "fast_batch": False})
-    assert flow.publish_in_trainer and not sw.fast_batch and sw.parallel_init and not sw.delta_checkpoint
+    assert flow["publish_in_trainer"] and not sw.fast_batch and sw.parallel_init and not sw.delta_checkpoint
     sw, flow = resolve_switches("optimized", {"delta_snapshot": True, "delta_checkpoint": True})
-    assert flow.delta_snapshot and not flow.publish_in_trainer and sw.delta_checkpoint
+    assert flow["delta_snapshot"] and not flow["publish_in_trainer"] and sw.delta_checkpoint
+    # a switch set in its section's own spelling, or by its flat name, is the same switch
+    assert resolve_switches("baseline", {"compile_cache": True})[0].compile_cache
+    assert RefreshParameters.parse({"mode": "baseline", "switches.compile_cache": True}).resolved_switches()[0] \
+        == RefreshParameters.parse({"mode": "baseline", "compile_cache": True}).resolved_switches()[0]
 
 
 @pytest.mark.parametrize(
     ("over", "name", "text"),
     [
         ({"world_size": 0}, "world_size", ">= 1"),
-        ({"mode": "fast"}, "mode", "baseline, optimized"),
+        ({"mode": "fast"}, "mode", "baseline or optimized"),
         ({"switches": {"warp": True}}, "switches", "unknown switch 'warp'"),
         ({"switches": {"compile": "yes"}}, "switches", "true or false"),
         ({"fail_at": ["explode:step=3"]}, "fail_at", "explode"),
@@ -55,6 +65,12 @@ def test_modes_and_single_switches():
         ({"batch_size": True}, "batch_size", "int"),
         ({"model": "My Model"}, "model", "lowercase"),
         ({"device": "tpu"}, "device", "auto, cpu or cuda"),
+        ({"min_world_size": 3}, "min_world_size", "<= world_size"),
+        ({"placement_strategy": "RING"}, "placement_strategy", "PACK, SPREAD or STRICT_SPREAD"),
+        ({"capacity_wait_s": 0}, "capacity_wait_s", "> 0"),
+        ({"training.world_size": -1}, "world_size", ">= 1"),
+        ({"training": {"batch_size": 0}}, "batch_size", ">= 1"),
+        ({"windows": []}, "windows", "empty"),
     ],
 )
 def test_a_bad_parameter_is_named(flow_data, tmp_path, over, name, text):
@@ -168,19 +184,84 @@ def test_cli_parameters():
     assert cli.parameters(parser.parse_args(["refresh", "--no-failure"]))["fail_at"] == []
 
 
-def test_the_flow_passes_every_parameter_by_name():
-    """`RefreshParams` lists the flow's parameters with the flow's defaults (the flow builds
-    its plan from them by name); an unknown parameter is refused by name."""
+def test_the_flow_the_form_the_cli_and_the_bench_take_the_same_parameters():
+    """One model (`RefreshParameters`): the flow's signature is its fields with its defaults;
+    the run form's schema has every leaf with its description and limits; the CLI's help names
+    every leaf and every switch; the bench's rows accept every switch; an unknown name is
+    refused by name, in any spelling."""
+    import argparse
     import inspect
-    from dataclasses import fields
 
+    from prefect.utilities.callables import parameter_schema
+
+    from ettflow.bench.jobs import Row
+    from ettflow.flows import cli
     from ettflow.flows.refresh import refresh_model
+    from ettflow.tasks.parameters import SwitchParams
 
-    flow_params = {n: p.default for n, p in inspect.signature(refresh_model.fn).parameters.items()}
-    assert flow_params == {f.name: f.default for f in fields(RefreshParams)}
+    signature = inspect.signature(refresh_model.fn).parameters
+    defaults = RefreshParameters()
+    assert list(signature) == list(RefreshParameters.model_fields)
+    assert {n: p.default for n, p in signature.items()} == {n: getattr(defaults, n) for n in signature}
+
+    schema = parameter_schema(refresh_model).model_dump()
+    for name in RefreshParameters.model_fields:  # each top-level parameter (a section: a group) is described
+        prop = schema["properties"][name]  # a section's own description is its definition's (pydantic drops a copy)
+        ref = prop.get("$ref", "").rpartition("/")[2]
+        assert prop.get("description") or schema["definitions"][ref]["description"], name
+    leaves = {leaf: (section, schema["definitions"][RefreshParameters.sections()[section].__name__])
+              for leaf, section in RefreshParameters.LEAVES.items()}
+    for leaf, (section, definition) in leaves.items():
+        assert definition["properties"][leaf].get("description"), f"{section}.{leaf}"
+    training = schema["definitions"]["TrainingParams"]["properties"]
+    assert training["world_size"]["minimum"] == 1 and training["world_size"]["type"] == "integer"
+    assert all({"type": "boolean"} in p["anyOf"] for p in schema["definitions"]["SwitchParams"]["properties"].values())
+    assert schema["properties"]["model"]["pattern"] and schema["properties"]["mode"]["enum"] == ["baseline",
+                                                                                                 "optimized"]
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    helps = {a.dest: a.help for a in parser._subparsers._group_actions[0].choices["refresh"]._actions}
+    assert all(leaf in helps["param"] for leaf in RefreshParameters.LEAVES)
+    assert all(switch in helps["switch"] for switch in SwitchParams.model_fields)
+    for switch in SwitchParams.model_fields:
+        Row(label=switch, mode="optimized", switches={switch: False})
+
+    for spelling in ({"colour": "red"}, {"training.colour": 1}, {"training": {"colour": 1}}):
+        with pytest.raises(ParameterError, match="colour"):
+            RefreshParameters.parse(spelling)
     with pytest.raises(ParameterError, match="parameter 'colour' is not a parameter") as info:
-        RefreshParams.from_mapping({"colour": "red"})
+        RefreshParameters.parse({"colour": "red"})
     assert info.value.parameter == "colour"
+
+
+def test_every_spelling_of_a_parameter_is_the_same_parameter():
+    """Flat names (earlier releases), dotted names and nested sections build one model;
+    `to_json` (a deployment run's parameters) parses back to it."""
+    flat = RefreshParameters.parse({"world_size": 3, "compile": False, "fail_at": ["kill:rank=2:step=4"],
+                                    "architecture": {"embedding_dim": 8, "dense_arch": [8], "over_arch": [4, 1]}})
+    dotted = RefreshParameters.parse({"training.world_size": 3, "switches.compile": False,
+                                      "faults.fail_at": ["kill:rank=2:step=4"], "architecture.embedding_dim": 8,
+                                      "architecture.dense_arch": [8], "architecture.over_arch": [4, 1]})
+    nested = RefreshParameters.parse({"training": {"world_size": 3}, "switches": {"compile": False},
+                                      "faults": {"fail_at": ["kill:rank=2:step=4"]},
+                                      "architecture": {"embedding_dim": 8, "dense_arch": [8], "over_arch": [4, 1]}})
+    assert flat == dotted == nested == RefreshParameters.parse(flat.to_json()) == RefreshParameters.parse(flat)
+    assert flat.to_json() == {"architecture": {"embedding_dim": 8, "dense_arch": [8], "over_arch": [4, 1]},
+                              "training": {"world_size": 3}, "switches": {"compile": False},
+                              "faults": {"fail_at": ["kill:rank=2:step=4"]}}
+    assert RefreshParameters.parse(flat, world_size=4).training.world_size == 4  # `over` on top
+
+
+def test_a_refused_run_s_parameters_are_read_as_far_as_they_are_valid():
+    """A hook reads the parameters of a run Prefect refused: the spool, the warehouse and the
+    names survive a bad value elsewhere (that section falls back to its defaults)."""
+    raw = {"model": "m", "training": {"world_size": 0, "batch_size": 4}, "storage": {"spool_root": "/s"},
+           "warehouse": {"warehouse_url": "sqlite:////tmp/w.db"}, "nosuch": 1}
+    p = RefreshParameters.lenient(raw)
+    assert (p.model, p.storage.spool_root, p.warehouse.warehouse_url) == ("m", "/s", "sqlite:////tmp/w.db")
+    assert (p.training.world_size, p.training.batch_size) == (2, 4)
+    assert RefreshParameters.lenient(None) == RefreshParameters()
 
 
 SECRET = "s3cret-pw"
@@ -194,8 +275,8 @@ def test_a_warehouse_url_with_a_password_is_refused(flow_data, tmp_path):
     assert SECRET not in str(info.value)
     plan = plan_refresh(params(flow_data, tmp_path, warehouse_url="postgresql+psycopg://postgres@h/x",
                                warehouse_secret="team-warehouse"), run_id="r1")
-    assert plan.warehouse == {"warehouse_url": "postgresql+psycopg://postgres@h/x",
-                              "warehouse_secret": "team-warehouse"}
+    assert plan.warehouse.model_dump() == {"warehouse_url": "postgresql+psycopg://postgres@h/x",
+                                           "warehouse_secret": "team-warehouse"}
 
 
 def test_redact_url():

@@ -164,27 +164,35 @@ def test_every_flow_parameter_is_described_in_the_parameter_schema():
     from prefect.utilities.callables import parameter_schema
 
     from ettflow.flows.refresh import refresh_model
+    from ettflow.tasks.parameters import RefreshParameters
     from ettflow.trainer.config import fail_at_grammar
 
-    props = parameter_schema(refresh_model).model_dump()["properties"]
-    assert len(props) >= 28
-    assert [name for name, p in props.items() if not p.get("description")] == []
-    fail_at = props["fail_at"]["description"]
+    schema = parameter_schema(refresh_model).model_dump()
+    leaves = {leaf: schema["definitions"][RefreshParameters.sections()[section].__name__]["properties"][leaf]
+              for leaf, section in RefreshParameters.LEAVES.items()}
+    assert len(leaves) >= 44  # the flat flow's 26 leaves before it, its 12 switches and 6 architecture fields
+    assert [name for name, p in leaves.items() if not p.get("description")] == []
+    assert [name for name, p in schema["properties"].items() if name not in RefreshParameters.sections()
+            and not p.get("description")] == []
+    fail_at = leaves["fail_at"]["description"]
     assert "kill:rank=1:step=16" in fail_at
     for line in fail_at_grammar(markdown=True).splitlines():  # markdown: the UI keeps one item per line
         assert line.strip() in fail_at, line
     assert "\n- `kill`: SIGKILL" in fail_at and "\n- `rank=R`: the rank" in fail_at
-    assert all(f"- `{name}`:" in props["switches"]["description"] for name in ("warm_pool", "live_recovery"))
+    assert "spare" in leaves["live_recovery"]["description"] and "prewarmed" in leaves["warm_pool"]["description"]
 
 
-def test_a_parameter_without_help_is_refused():
+def test_a_flow_whose_parameters_are_not_the_model_s_is_refused():
     from ettflow.flows.parameter_help import with_parameter_help
+    from ettflow.tasks.parameters import field_help
 
     def f(model: str = "dlrm", surprise: int = 1):
         """Doc."""
 
-    with pytest.raises(TypeError, match=r"parameters without help \['surprise'\]"):
+    with pytest.raises(TypeError, match=r"must be RefreshParameters' fields"):
         with_parameter_help(f)
+    with pytest.raises(KeyError):
+        field_help("surprise")
 
 
 # ---- ettflow report ---------------------------------------------------------------------------

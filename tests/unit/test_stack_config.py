@@ -60,17 +60,20 @@ def _args(**kw):
 
 
 def test_refresh_parameters_fail_the_first_run_only_and_refuse_a_password():
-    first = refresh_parameters(_args(param=["max_steps=24", 'device="cpu"']), 0)
-    assert first == {"max_steps": 24, "device": "cpu", "fail_at": ["kill:rank=1:step=16"]}
-    assert refresh_parameters(_args(param=["max_steps=24"]), 1)["fail_at"] == []
-    assert refresh_parameters(_args(no_failure=True), 0)["fail_at"] == []
-    assert refresh_parameters(_args(fail_on=3), 0)["fail_at"] == []  # the failure goes to the third run
-    assert refresh_parameters(_args(fail_on=3), 2)["fail_at"] == ["kill:rank=1:step=16"]
-    assert refresh_parameters(_args(fail_at=["hang:step=5"]), 0)["fail_at"] == ["hang:step=5"]
+    first = refresh_parameters(_args(param=["max_steps=24", 'training.device="cpu"']), 0)
+    assert first.to_json() == {"training": {"max_steps": 24, "device": "cpu"},
+                               "faults": {"fail_at": ["kill:rank=1:step=16"]}}
+    assert refresh_parameters(_args(param=["max_steps=24"]), 1).faults.fail_at == []
+    assert refresh_parameters(_args(no_failure=True), 0).faults.fail_at == []
+    assert refresh_parameters(_args(fail_on=3), 0).faults.fail_at == []  # the failure goes to the third run
+    assert refresh_parameters(_args(fail_on=3), 2).faults.fail_at == ["kill:rank=1:step=16"]
+    assert refresh_parameters(_args(fail_at=["hang:step=5"]), 0).faults.fail_at == ["hang:step=5"]
     with pytest.raises(StackError, match="ETTFLOW_WAREHOUSE_URL"):
         refresh_parameters(_args(param=['warehouse_url="postgresql+psycopg://u:secret@h/db"']), 0)
     with pytest.raises(StackError, match="KEY=JSON"):
         refresh_parameters(_args(param=["max_steps"]), 0)
+    with pytest.raises(StackError, match="parameter 'world_size' must be >= 1, got 0"):  # before the stack starts
+        refresh_parameters(_args(param=["world_size=0"]), 0)
 
 
 def test_the_ray_token_is_private_and_named_never_given(tmp_path):
