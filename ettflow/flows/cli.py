@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ettflow.flows.env_defaults import set_env_defaults
-from ettflow.tasks.parameters import RefreshParameters, SwitchParams, parameter_names_help
+from ettflow.tasks.parameters import RefreshParameters, SwitchParams, field_help, parameter_names_help
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -234,12 +234,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("baseline", "optimized"), default="optimized")
     p.add_argument("--switch", action="append", metavar="NAME=BOOL",
                    help=f"one switch over the mode (repeatable): {', '.join(SwitchParams.model_fields)}")
-    p.add_argument("--data-root", help="folder of data windows (default: tiny synthetic windows, made once)")
-    p.add_argument("--window", action="append", help="a training window (repeatable; default: all but the last)")
-    p.add_argument("--world-size", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--checkpoint-every-steps", type=int, help="override the computed checkpoint interval")
+    p.add_argument("--data-root", help=field_help("data_root"))
+    p.add_argument("--window", action="append", help=f"{field_help('windows')} (repeatable)")
+    for name in ("world_size", "batch_size", "max_steps", "checkpoint_every_steps"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=field_help(name))
     p.add_argument("--fail-at", action="append", metavar="SPEC",
                    help=f"injected failure, e.g. kill:rank=1:step=16, hang:step=5, publish:times=1 "
                         f"(repeatable; default: {DEMO_FAILURE})")

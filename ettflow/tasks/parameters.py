@@ -22,11 +22,12 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import fields as dataclass_fields
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from ettflow.trainer.config import FailAt, Switches, fail_at_grammar
 from ettflow.trainer.group.placement import PlacementStrategy
@@ -46,11 +47,25 @@ Tags = Annotated[dict[str, Any] | None, Field(description=(
     "Free labels stored with the run's ETT row, e.g. {\"team\": \"ads\"}."))]
 
 
+def _limits_in_descriptions(schema: dict[str, Any]) -> None:
+    """Each field's default and limits at the end of its description: Prefect's run form shows
+    the description, not the schema's `minimum` (which the server enforces all the same)."""
+    words = (("minimum", "at least"), ("exclusiveMinimum", "more than"), ("maximum", "at most"),
+             ("minItems", "items: at least"), ("pattern", "matching"))
+    for prop in schema.get("properties", {}).values():
+        branches = [prop, *prop.get("anyOf", ())]
+        said = [f"{word} {branch[key]}" for branch in branches for key, word in words if key in branch]
+        if prop.get("default") is not None:
+            said.insert(0, f"default {json.dumps(prop['default'])}")
+        if said and prop.get("description"):
+            prop["description"] = f"{prop['description']} [{'; '.join(said)}]"
+
+
 class Section(BaseModel):
     """A group of the run form: frozen, strict (`true` is no count, "yes" no switch), and
     refusing names it does not know."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, json_schema_extra=_limits_in_descriptions)
 
     @classmethod
     def of(cls, values: Mapping[str, Any]):  # noqa: ANN206 - the subclass
@@ -136,29 +151,36 @@ class CheckpointParams(Section):
 FLOW_SWITCHES = ("publish_in_trainer", "delta_snapshot")
 
 
+# A switch is a boolean toggle in the run form; left unset (null) it takes the mode's preset.
+# The form is given the boolean alone (a `bool | None` would show a type picker and "Property
+# is type None" in its place); the flow's own validation still takes null.
+Switch = Annotated[bool | None, WithJsonSchema({"anyOf": [{"type": "null", "title": "preset"},
+                                                           {"type": "boolean", "title": "on/off"}]})]
+
+
 def _switch(text: str) -> Any:
-    return Field(None, description=f"{text} (null: the mode's preset).")
+    return Field(None, description=f"{text} (unset: the mode's preset).")
 
 
 class SwitchParams(Section):
     """Single optimizations over the mode's preset; each left null takes the preset."""
 
-    parallel_init: bool | None = _switch("Independent init stages run concurrently")
-    fast_batch: bool | None = _switch("Compile on a synthetic batch while the data pipeline warms up")
-    compile: bool | None = _switch("torch.compile the dense step (false: eager)")
-    compile_cache: bool | None = _switch("Restore and save the compile-cache archive")
-    async_checkpoint: bool | None = _switch("Asynchronous checkpoints with staging (false: synchronous)")
-    memory_checkpoint: bool | None = _switch(
+    parallel_init: Switch = _switch("Independent init stages run concurrently")
+    fast_batch: Switch = _switch("Compile on a synthetic batch while the data pipeline warms up")
+    compile: Switch = _switch("torch.compile the dense step (false: eager)")
+    compile_cache: Switch = _switch("Restore and save the compile-cache archive")
+    async_checkpoint: Switch = _switch("Asynchronous checkpoints with staging (false: synchronous)")
+    memory_checkpoint: Switch = _switch(
         "The in-memory checkpoint tier: a copy of each save in host memory that outlives the ranks")
-    live_recovery: bool | None = _switch("Survivors keep running and a warm spare takes a failed rank")
-    warm_pool: bool | None = _switch("Ranks and spares from trainer processes prewarmed before the run")
-    local_inductor_cache: bool | None = _switch(
+    live_recovery: Switch = _switch("Survivors keep running and a warm spare takes a failed rank")
+    warm_pool: Switch = _switch("Ranks and spares from trainer processes prewarmed before the run")
+    local_inductor_cache: Switch = _switch(
         "Without the compile cache, keep PyTorch's own inductor cache across processes")
-    delta_checkpoint: bool | None = _switch(
+    delta_checkpoint: Switch = _switch(
         "Periodic checkpoints (and in-memory copies) hold only the embedding rows touched since the one before, "
         "on full bases (anchors are always full)")
-    publish_in_trainer: bool | None = _switch("Publish while the trainer holds its devices (the baseline's way)")
-    delta_snapshot: bool | None = _switch(
+    publish_in_trainer: Switch = _switch("Publish while the trainer holds its devices (the baseline's way)")
+    delta_snapshot: Switch = _switch(
         "Store the snapshot as the rows that changed since the current one (checked to predict as the full one; "
         "`ettflow publish --materialize` writes it whole)")
 

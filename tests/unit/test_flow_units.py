@@ -215,7 +215,9 @@ def test_the_flow_the_form_the_cli_and_the_bench_take_the_same_parameters():
         assert definition["properties"][leaf].get("description"), f"{section}.{leaf}"
     training = schema["definitions"]["TrainingParams"]["properties"]
     assert training["world_size"]["minimum"] == 1 and training["world_size"]["type"] == "integer"
-    assert all({"type": "boolean"} in p["anyOf"] for p in schema["definitions"]["SwitchParams"]["properties"].values())
+    for switch in schema["definitions"]["SwitchParams"]["properties"].values():  # "preset" or an on/off toggle
+        assert switch["anyOf"] == [{"type": "null", "title": "preset"}, {"type": "boolean", "title": "on/off"}]
+        assert switch["default"] is None
     assert schema["properties"]["model"]["pattern"] and schema["properties"]["mode"]["enum"] == ["baseline",
                                                                                                  "optimized"]
 
