@@ -30,8 +30,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from ettflow.trainer.config import FailAt, Switches, fail_at_grammar
-from ettflow.trainer.group.placement import PlacementStrategy
 from ettflow.trainer.model_config import ModelConfig
+from ettflow.trainer.placement import PlacementStrategy
 
 from .errors import ParameterError
 
@@ -186,7 +186,7 @@ class SwitchParams(Section):
 
 
 class PlacementParams(Section):
-    """How the ranks are placed on the Ray cluster (`trainer.group.placement`)."""
+    """How the ranks are placed on the Ray cluster (`trainer.placement`)."""
 
     placement_strategy: PlacementStrategy = Field(PlacementStrategy.PACK, strict=False, description=(
         "How the ranks spread over the Ray nodes: PACK (as few nodes as possible), SPREAD (over nodes where "

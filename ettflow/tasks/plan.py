@@ -41,7 +41,7 @@ from ettflow import paths
 from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_interval
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
-from ettflow.trainer.group.placement import Placement
+from ettflow.trainer.placement import Placement
 
 from .errors import ParameterError
 from .parameters import RefreshParameters, WarehouseParams, parse_failures

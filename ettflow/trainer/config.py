@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ettflow.trainer.checkpoint.delta_chain import ChainPolicy
-from ettflow.trainer.group.placement import Placement
+from ettflow.trainer.placement import Placement
 
 from .data.schema import FeatureSchema
 from .model_config import ModelConfig

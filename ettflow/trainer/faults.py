@@ -13,15 +13,15 @@ The `preempt` fault sends SIGTERM and lets training go on: the rank's preemption
 only says when the hang began: the driver never reads it as a detection (`hides_hang`), it
 must find the hang through the watchdog like a real one.
 
+A rank carries a due fault out with `rank/fault_fire.fire` (the rank's side: a preemption goes
+through its handler); this module is what both sides share.
+
 Once per run: before each attempt, the items that already fired anywhere in the run are
 dropped (`pending_faults`), so a restart that replays a step does not fire its fault again.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -75,28 +75,6 @@ def record_fired(fault: FailAt, recorder: SpoolWriter, *, rank: int, step: int |
     failure = injected_failure(fault, rank=rank, attempt=recorder.attempt, step=step)
     recorder.mark(FAILURE, at, **failure.to_attrs(), fault_index=fault.index)
     return failure
-
-
-def fire(fault: FailAt, recorder: SpoolWriter, *, step: int | None) -> None:
-    """Carry out a fault at `step` (None: in its init stage). `kill` and `hang` never return;
-    `raise` raises; `preempt` sends SIGTERM to this process and returns once it was handled."""
-    if fault.kind in ("nan", "corrupt"):
-        raise ValueError(f"the {fault.kind} fault is carried out by the training loop, not by fire()")
-    if fault.kind == "preempt":
-        from ettflow.trainer.rank.preemption import PREEMPTION
-
-        PREEMPTION.fault_index = fault.index
-        os.kill(os.getpid(), signal.SIGTERM)
-        PREEMPTION.wait(5.0)  # delivered to the main thread asynchronously
-        return
-    failure = record_fired(fault, recorder, rank=recorder.rank, step=step)
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)  # the signal is delivered asynchronously
-    if fault.kind == "raise":
-        raise InjectedFailure(failure)
-    while True:  # hang: stop making progress until the watchdog kills this process
-        time.sleep(1)
 
 
 def fired_faults(failures: Sequence[FailAt], events: Iterable[PhaseEvent]) -> set[int]:

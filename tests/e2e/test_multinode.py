@@ -28,7 +28,7 @@ from ettflow.ett.failures import FailureClass
 from ettflow.ett.spool import read_spool
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
-from ettflow.trainer.group.placement import Placement, PlacementStrategy
+from ettflow.trainer.placement import Placement, PlacementStrategy
 
 from helpers.flows import PLAIN, flow_env, run
 

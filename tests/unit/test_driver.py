@@ -19,8 +19,8 @@ from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.faults import due, pending_faults, record_fired
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import FailureDecision
-from ettflow.trainer.group.placement import SpareBundles
 from ettflow.trainer.group.pooled_worker import PooledWorker, record_start
+from ettflow.trainer.placement import SpareBundles
 from ettflow.trainer.protocol import MEMORY, PrewarmTimings, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 

@@ -14,7 +14,7 @@ from ettflow.trainer.classify import on_lost_node
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.group.driver import TrainingDriver
-from ettflow.trainer.group.placement import (
+from ettflow.trainer.placement import (
     Placement,
     PlacementStrategy,
     SpareBundles,

@@ -11,7 +11,7 @@ A rank's outcome is a typed `Failure`, mapped from the exception's type (`classi
 `info` holds each rank's pid and node (a test or an operator can signal a rank by it).
 The ranks get the run's config less the scripted faults that already fired (`pending_faults`).
 
-Placement (`placement.py`): the bundles use the run's strategy (PACK, SPREAD, STRICT_SPREAD).
+Placement (`trainer/placement.py`): the bundles use the run's strategy (PACK, SPREAD, STRICT_SPREAD).
 A restart asks for fewer ranks when the live nodes cannot hold `world_size` and the run allows
 it (`min_world_size`); while its placement waits, the live nodes are read again every
 `RECHECK_S`, so a node that dies (or comes back) during the wait changes what is asked for.
@@ -43,10 +43,10 @@ from ettflow.trainer.classify import failure_from_exception, is_process_loss, on
 from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
-from ettflow.trainer.group.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.warm_pool import POOL, record_start
+from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.protocol import RankResult, RestorePoint, WorkerInfo
 
 log = logging.getLogger("ettflow.trainer")

@@ -33,9 +33,10 @@ from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.prefetch import found_ready
-from ettflow.trainer.faults import due, fire
+from ettflow.trainer.faults import due
 from ettflow.trainer.model import dense_parameters
 from ettflow.trainer.protocol import CheckpointReport, Evaluation, IntervalChoice, MemoryIntervalChoice, RankResult
+from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.numerics import loss_failure, poison, stop
 from ettflow.trainer.rank.preemption import PREEMPTION, StopDecision
 from ettflow.trainer.rank.rank_state import RankState

@@ -49,8 +49,9 @@ from ettflow.trainer.compile.process_cache import prepare_compile_env
 from ettflow.trainer.config import ANCHOR_COMMIT, TrainerConfig
 from ettflow.trainer.data.batch import Batch
 from ettflow.trainer.data.windows import Cursor, split_windows
-from ettflow.trainer.faults import due_in_phase, fire
+from ettflow.trainer.faults import due_in_phase
 from ettflow.trainer.protocol import MEMORY, CompileReport, RestorePoint
+from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.numerics import refuse_nonfinite
 
 if TYPE_CHECKING:

@@ -49,10 +49,11 @@ from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.batch import synthetic_batch
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
 from ettflow.trainer.data.windows import split_windows
-from ettflow.trainer.faults import due_in_phase, fire
+from ettflow.trainer.faults import due_in_phase
 from ettflow.trainer.model import DenseStep, build_dlrm, dense_optimizer, shard
 from ettflow.trainer.protocol import Evaluation, RankResult, RestorePoint
 from ettflow.trainer.rank.evaluate import evaluate
+from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.init_pipeline import InitPipeline, Stage
 from ettflow.trainer.rank.live_recovery import rebuild_sharded
 from ettflow.trainer.rank.loop import TrainLoop
