@@ -146,6 +146,7 @@ class IntervalBench:
         from ettflow.trainer.group.driver import TrainingDriver
         from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
         from ettflow.trainer.model import ModelConfig
+        from ettflow.trainer.rank.actor import TrainerActor
 
         from .jobs import JobSpec, trainer_config
 
@@ -157,7 +158,8 @@ class IntervalBench:
         cfg = replace(trainer_config(spec, "optimized", run_id, cache_root=self.cache),
                       checkpoint_every_steps=interval_steps, failure_rate_per_s=rate_per_s, eval_batches=0)
         cfg = cfg.with_switches(async_checkpoint=p.async_checkpoint)
-        driver = TrainingDriver(cfg, run_id, self.spool, lambda a: RayWorkerGroup(cfg, run_id, a, self.spool))
+        driver = TrainingDriver(cfg, run_id, self.spool,
+                                lambda a: RayWorkerGroup(cfg, run_id, a, self.spool, actor_cls=TrainerActor))
         try:
             result = driver.run(submitted_at=time.time())
         finally:

@@ -234,9 +234,10 @@ def trainer_rank0(spec: JobSpec, run_id: str, spool: Path, *, cache_root: Path |
     recording overhead compares runs with `record_steps` on and off."""
     from ettflow.trainer.group.driver import TrainingDriver
     from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.rank.actor import TrainerActor
 
     cfg = trainer_config(spec, "optimized", run_id, cache_root=cache_root)
-    driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool))
+    driver = TrainingDriver(cfg, run_id, spool, lambda a: RayWorkerGroup(cfg, run_id, a, spool, actor_cls=TrainerActor))
     try:
         return driver.run(submitted_at=time.time()).rank0
     finally:

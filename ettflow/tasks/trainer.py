@@ -88,9 +88,10 @@ def record_ray_connection(plan: RefreshPlan, attempt: int, conn: RayConnection, 
 
 def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
     from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.rank.actor import TrainerActor
 
     def make_group(attempt: int) -> RayWorkerGroup:
-        return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root)
+        return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root, actor_cls=TrainerActor)
 
     return TrainerLease(run_id=plan.run_id, spool_root=plan.spool_root, world_size=plan.trainer.world_size,
                         make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id))

@@ -186,6 +186,7 @@ def test_a_restart_that_may_not_shrink_waits_for_capacity_within_its_bound(clust
     until a node joins (3 s later) and then places all four ranks over both nodes."""
     from ettflow.ett.failures import FailureError
     from ettflow.trainer.group.ray_group import RayWorkerGroup, ensure_ray, live_nodes
+    from ettflow.trainer.rank.actor import TrainerActor
 
     ensure_ray()  # joins RAY_ADDRESS, the cluster
     for node in list(cluster.worker_nodes):
@@ -196,7 +197,7 @@ def test_a_restart_that_may_not_shrink_waits_for_capacity_within_its_bound(clust
     assert list(live_nodes()) == [cluster.head_node.node_id]
     cfg = TrainerConfig(data_root=str(flow_data), schema=criteo_schema(10), work_dir=str(tmp_path), world_size=4,
                         placement=Placement(strategy=PlacementStrategy.SPREAD, capacity_wait_s=1.5))
-    short = RayWorkerGroup(cfg, "wait", 1, tmp_path)
+    short = RayWorkerGroup(cfg, "wait", 1, tmp_path, actor_cls=TrainerActor)
     with pytest.raises(FailureError) as refused:
         short.reserve()
     assert refused.value.failure.failure_class is FailureClass.INFRASTRUCTURE
@@ -204,7 +205,7 @@ def test_a_restart_that_may_not_shrink_waits_for_capacity_within_its_bound(clust
     assert short.pg is None and short.actors == []  # nothing left waiting
     # the reserve waits in a thread; the node joins from this one (Ray's Node needs the main
     # thread: it installs signal handlers)
-    group = RayWorkerGroup(cfg, "wait", 1, tmp_path, reserve_timeout_s=120)
+    group = RayWorkerGroup(cfg, "wait", 1, tmp_path, actor_cls=TrainerActor, reserve_timeout_s=120)
     waited: list = []
 
     def reserve():

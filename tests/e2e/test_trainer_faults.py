@@ -26,6 +26,7 @@ from ettflow.ett.spool import read_spool
 from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.config import FailAt
 from ettflow.trainer.group.ray_group import RayWorkerGroup
+from ettflow.trainer.rank.actor import TrainerActor
 
 from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive
 
@@ -43,7 +44,7 @@ def kept_groups(cfg, run_id: str, spool: Path):
     groups: list[RayWorkerGroup] = []
 
     def factory(attempt: int) -> RayWorkerGroup:
-        groups.append(RayWorkerGroup(cfg, run_id, attempt, spool))
+        groups.append(RayWorkerGroup(cfg, run_id, attempt, spool, actor_cls=TrainerActor))
         return groups[-1]
 
     return factory, groups

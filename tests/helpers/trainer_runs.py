@@ -42,9 +42,10 @@ def drive(world: Path, cfg, run_id: str, group_factory=None):
     keeper is freed afterwards, as the flow's lease does."""
     from ettflow.trainer.group.driver import TrainingDriver
     from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.rank.actor import TrainerActor
 
     spool = world / "spool"
-    factory = group_factory or (lambda a: RayWorkerGroup(cfg, run_id, a, spool))
+    factory = group_factory or (lambda a: RayWorkerGroup(cfg, run_id, a, spool, actor_cls=TrainerActor))
     try:
         result = TrainingDriver(cfg, run_id, spool, factory).run()
     finally:

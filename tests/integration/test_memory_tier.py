@@ -68,10 +68,11 @@ def test_a_recovery_whose_keeper_is_gone_names_it_and_uses_the_durable_checkpoin
     from ettflow.trainer.config import TrainerConfig
     from ettflow.trainer.data.schema import criteo_schema
     from ettflow.trainer.group.ray_group import RayWorkerGroup
+    from ettflow.trainer.rank.actor import TrainerActor
 
     (tmp_path / "data").mkdir()
     cfg = TrainerConfig(data_root=str(tmp_path / "data"), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
-    group = RayWorkerGroup(cfg, "keeper-gone", 0, tmp_path / "spool")
+    group = RayWorkerGroup(cfg, "keeper-gone", 0, tmp_path / "spool", actor_cls=TrainerActor)
     group.keeper = start_keeper("keeper-gone")
     assert group._memory_step() is None  # alive, holding nothing yet
     ray.kill(group.keeper, no_restart=True)

@@ -107,7 +107,11 @@ def test_the_pool_prewarms_again_ahead_of_the_deployments_next_scheduled_run(tmp
     from ettflow.trainer.group.pooled_worker import PooledWorker, model_name, warm_key
     from ettflow.trainer.protocol import PrewarmTimings
 
-    def start(config, run_id, spool_root):
+    class RankActor:  # what the caller names as the rank's actor class: every start, planned ones too, gets it
+        pass
+
+    def start(config, run_id, spool_root, *, actor_cls):
+        assert actor_cls is RankActor
         worker = PooledWorker(SimpleNamespace(prewarm=SimpleNamespace(remote=lambda: None)), None, clock[0],
                               warm_key(config), model_name(config))
         worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0, ready_at=clock[0])
@@ -119,7 +123,7 @@ def test_the_pool_prewarms_again_ahead_of_the_deployments_next_scheduled_run(tmp
                         compile_cache_root=str(tmp_path / "dlrm" / "compile-cache")).with_switches(
                             memory_checkpoint=False)
     pool = PoolService(PoolPolicy(idle_s=600.0, lead_s=300.0, reap_every_s=3600.0), start=start)
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 + 6 * 3600, now=t0) == 3  # at once
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 + 6 * 3600, now=t0, actor_cls=RankActor) == 3  # at once
     [planned] = [h for h in pool.status() if h.kind == "planned"]
     assert (planned.model, planned.requested_at) == ("dlrm", t0 + 6 * 3600 - 300)
     assert pool.start_planned(now=t0 + 1000) == 0 and pool.reap(now=t0 + 1000) == 3  # idle 1000 s > 600: released
@@ -127,6 +131,7 @@ def test_the_pool_prewarms_again_ahead_of_the_deployments_next_scheduled_run(tmp
     clock[0] = t0 + 6 * 3600 - 300
     assert pool.start_planned(now=clock[0]) == 3 and len(pool.entries) == 3  # warm for the run, 300 s ahead
     assert pool.planned == {}
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=clock[0] + 100, now=clock[0]) == 0  # within lead_s: no plan
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=clock[0] + 100, now=clock[0],  # within lead_s: no plan
+                     actor_cls=RankActor) == 0
     assert pool.planned == {}
     pool.stop()

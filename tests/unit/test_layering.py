@@ -23,10 +23,11 @@ CLI = "ettflow.cli"  # the `ettflow` command: only `python -m ettflow` (ettflow/
 FORBIDDEN = {  # package (or module) -> the ettflow packages it must never import
     "ettflow.ett": ("ettflow.stack", "ettflow.tasks", "ettflow.flows", "ettflow.trainer", "ettflow.publish",
                     "ettflow.bench", CLI),
-    # the rank's side never imports the driver's (what crosses is `trainer/protocol.py`'s), and
-    # what the sides share imports neither. (The driver's side still imports one name of the
-    # rank's, the actor class it starts, in `ray_group` and `pooled_worker`: issue 39 open)
-    "ettflow.trainer.group": ("ettflow.stack", "ettflow.tasks", "ettflow.flows", "ettflow.bench", CLI),
+    # the trainer's two sides never import each other (what crosses is `trainer/protocol.py`'s;
+    # the rank's actor class is passed to the driver's side by who composes them), and what they
+    # share imports neither
+    "ettflow.trainer.group": ("ettflow.trainer.rank", "ettflow.stack", "ettflow.tasks", "ettflow.flows",
+                              "ettflow.bench", CLI),
     "ettflow.trainer.rank": ("ettflow.trainer.group", "ettflow.stack", "ettflow.tasks", "ettflow.flows",
                              "ettflow.bench", CLI),
     "ettflow.trainer": ("ettflow.trainer.group", "ettflow.trainer.rank", "ettflow.stack", "ettflow.tasks",
@@ -186,6 +187,7 @@ def test_every_layer_is_scanned():
         ("trainer/rank/x_layering_probe.py", "from ettflow.trainer.group.driver import TrainingDriver\n"),
         ("trainer/data/x_layering_probe.py", "def f():\n    from ..rank import loop\n"),
         ("trainer/x_layering_probe.py", "from .group import driver\n"),
+        ("trainer/group/x_layering_probe.py", "def f():\n    from ettflow.trainer.rank.actor import TrainerActor\n"),
     ],
 )
 def test_a_wrong_way_import_is_caught(tmp_path, where, source):

@@ -40,9 +40,9 @@ def test_a_worker_prepared_for_another_shape_is_never_taken():
 
 def test_a_pool_that_is_not_kept_starts_nothing_and_a_run_without_the_switch_takes_nothing():
     pool = WarmPool()
-    assert pool.fill(config(), 3, "/spool") == 0 and pool.workers == []  # not kept: nothing starts
+    assert pool.fill(config(), 3, "/spool", object) == 0 and pool.workers == []  # not kept: nothing starts
     pool.keep_warm(True)
-    assert pool.fill(config().with_switches(warm_pool=False), 3, "/spool") == 0
+    assert pool.fill(config().with_switches(warm_pool=False), 3, "/spool", object) == 0
     assert pool.take(config().with_switches(warm_pool=False), [None, None]) == [None, None]
 
 

@@ -132,6 +132,7 @@ class PlannedFill:
     config: TrainerConfig
     count: int
     spool_root: str
+    actor_cls: type
 
 
 def digest(key: str) -> str:
@@ -156,31 +157,32 @@ class PoolService:
 
     # ---- filling -------------------------------------------------------------------------
     def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
-             now: float | None = None) -> int:
+             now: float | None = None, *, actor_cls: type) -> int:
         """Hold `count` workers (at most the policy's bound) of `config`'s shape for the model's
         next run, starting now (an ad hoc or back-to-back run may come at any time; the reaper
         releases them after `idle_s`); the model's workers of another shape are stopped.
         `next_run_at`: when its deployment's next run is scheduled (Prefect knows it): the pool
         also prewarms `lead_s` before it, whatever the reaper released meanwhile. Returns how
-        many started now."""
+        many started now. `actor_cls`: the rank's actor class the workers are (the caller's: the
+        pool, on the driver's side, never imports the rank's)."""
         now = time.time() if now is None else now
         model = model_name(config)
         with self._lock:
             self.planned.pop(model, None)
             if next_run_at is not None and next_run_at - self.policy.lead_s > now:
                 self.planned[model] = PlannedFill(at=next_run_at - self.policy.lead_s, config=config, count=count,
-                                                  spool_root=spool_root)
+                                                  spool_root=spool_root, actor_cls=actor_cls)
                 self._wake.set()
-            return self._fill_now(config, count, spool_root)
+            return self._fill_now(config, count, spool_root, actor_cls)
 
-    def _fill_now(self, config: TrainerConfig, count: int, spool_root: str) -> int:
+    def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type) -> int:
         key, model = warm_key(config), model_name(config)
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key, "reshaped")
             have = len([e for e in self.entries if e.key == key])
             started = max(min(count, self.policy.max_workers) - have, 0)
             for _ in range(started):
-                worker = self._start(config, POOL_RUN_ID, spool_root)
+                worker = self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
                 worker.prewarmed = worker.actor.prewarm.remote()
                 self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
@@ -361,7 +363,7 @@ class PoolService:
             started = 0
             for model in due:
                 plan = self.planned.pop(model)
-                started += self._fill_now(plan.config, plan.count, plan.spool_root)
+                started += self._fill_now(plan.config, plan.count, plan.spool_root, plan.actor_cls)
         if due:
             log.info("cluster pool: prewarming %d worker(s) for the next scheduled run of %s", started, ", ".join(due))
         return started

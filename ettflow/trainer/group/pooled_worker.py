@@ -68,15 +68,15 @@ class PooledWorker:
         return {"gpus": self.gpus, "cpus": self.cpus, **({"rss_bytes": self.rss_bytes} if self.rss_bytes else {})}
 
 
-def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str, *,
+def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str, *, actor_cls: type,
                  bundle: tuple[Any, int] | None = None) -> PooledWorker:
     """A trainer actor with no rank yet (a spare or a pooled worker); its prewarm is not asked
     for. With no `bundle` it asks Ray for no CPU of its own (on a CPU placement it idles until
     it takes the place, and the share, of a rank whose process is gone); with `bundle`
     (placement group, index: a GPU placement's spare) it holds that bundle's GPU and CPUs from
-    its start, and its ledger line says so."""
-    from ettflow.trainer.rank.actor import TrainerActor
-
+    its start, and its ledger line says so. `actor_cls`: the rank's actor class
+    (`trainer.rank.actor.TrainerActor`), given by the code that composes the trainer: this side
+    never imports the rank's."""
     requested_at = time.time()
     if bundle is None:
         options: dict[str, Any] = {"num_cpus": 0}
@@ -84,7 +84,7 @@ def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str, *,
         pg, index = bundle
         options = {"num_cpus": config.threads_per_rank, "num_gpus": 1, "scheduling_strategy":
                    PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
-    actor = ray.remote(TrainerActor).options(max_restarts=0, max_concurrency=2, **options).remote(
+    actor = ray.remote(actor_cls).options(max_restarts=0, max_concurrency=2, **options).remote(
         config, run_id, -1, -1, str(spool_root), requested_at)
     return PooledWorker(actor, None, requested_at, warm_key(config), model_name(config),
                         gpus=float(options.get("num_gpus", 0)), cpus=float(config.threads_per_rank))

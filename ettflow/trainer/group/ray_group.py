@@ -170,10 +170,11 @@ def live_nodes() -> dict[str, dict]:
 
 class RayWorkerGroup:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, spool_root: Path | str,
-                 *, reserve_timeout_s: float | None = None) -> None:
-        """`reserve_timeout_s`: the bound on the placement's wait (default: the run's
-        `placement.capacity_wait_s`)."""
-        self.config, self.run_id, self.attempt = config, run_id, attempt
+                 *, actor_cls: type, reserve_timeout_s: float | None = None) -> None:
+        """`actor_cls`: the rank's actor class (`trainer.rank.actor.TrainerActor`; passed in: the
+        driver's side never imports the rank's); `reserve_timeout_s`: the bound on the
+        placement's wait (default: the run's `placement.capacity_wait_s`)."""
+        self.config, self.run_id, self.attempt, self.actor_cls = config, run_id, attempt, actor_cls
         self.spool_root = str(spool_root)
         self.reserve_timeout_s = config.placement.capacity_wait_s if reserve_timeout_s is None else reserve_timeout_s
         self.world_size = config.world_size  # this attempt's ranks: fewer on an elastic restart
@@ -219,8 +220,6 @@ class RayWorkerGroup:
         return self.config.switches.live_recovery and (not self.gpu or self.bundles.spare is not None)
 
     def reserve(self) -> None:
-        from ettflow.trainer.rank.actor import TrainerActor
-
         gpu = self.gpu = wants_gpu(self.config)
         bundle = {"CPU": self.config.threads_per_rank, **({"GPU": 1} if gpu else {})}
         deadline = time.monotonic() + self.reserve_timeout_s
@@ -258,7 +257,7 @@ class RayWorkerGroup:
                     self.bundles = self._plan_bundles(bundle)
                     self.pg = self._placement_group(bundle)
         config = self.attempt_config()
-        remote = ray.remote(TrainerActor)
+        remote = ray.remote(self.actor_cls)
         requested_at = time.time()
         # the in-memory tier only where something reads it: a live recovery's restore
         if self.config.switches.memory_checkpoint and self.recovers_live:
@@ -278,7 +277,7 @@ class RayWorkerGroup:
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
         if self.recovers_live:
-            self.spares = SparePool(self.config, self.run_id, self.spool_root,
+            self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
                                     bundle=(self.pg, self.bundles.spare) if gpu else None)
             if gpu:  # it holds its device from now: its process starts now (its prewarm later)
                 self.spares.start()
@@ -487,7 +486,7 @@ class RayWorkerGroup:
             end_run(self.run_id)  # trained to the end: nothing will restore from memory
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on
                 POOL.fill(self.config, self.world_size + (SPARES_AHEAD if self.config.switches.live_recovery else 0),
-                          self.spool_root)
+                          self.spool_root, self.actor_cls)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -54,11 +54,13 @@ class SpareUnavailable(RuntimeError):
 
 
 class SparePool:
-    def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str, *,
+    def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str, *, actor_cls: type,
                  bundle: tuple[Any, int] | None = None) -> None:
-        """`bundle`: (placement group, index) the next spare starts in (a GPU placement); None:
-        a spare with no resources of its own (a CPU placement)."""
+        """`actor_cls`: the rank's actor class a spare is (`RayWorkerGroup`'s); `bundle`:
+        (placement group, index) the next spare starts in (a GPU placement); None: a spare with
+        no resources of its own (a CPU placement)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
+        self.actor_cls = actor_cls
         self.bundle = bundle
         self._spare: PooledWorker | None = None
         self._pooled = False  # the spare came prewarmed from the warm pool
@@ -81,7 +83,9 @@ class SparePool:
             if pooled is not None:
                 self._spare, self._pooled = pooled[0], True
                 return
-        self._spare, self._pooled = start_worker(self.config, self.run_id, self.spool_root, bundle=self.bundle), False
+        self._spare = start_worker(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
+                                   bundle=self.bundle)
+        self._pooled = False
 
     def prewarm(self) -> None:
         """Have the spare prepare (spare.py), in the background; starts one if there is none."""

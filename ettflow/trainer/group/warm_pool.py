@@ -86,9 +86,9 @@ class WarmPool:
         self.keeping = on
 
     # ---- filling -------------------------------------------------------------------------
-    def start(self, config: TrainerConfig, spool_root: Path | str) -> PooledWorker:
+    def start(self, config: TrainerConfig, spool_root: Path | str, actor_cls: type) -> PooledWorker:
         """A new worker for `config`, prewarming in the background (not in the pool yet)."""
-        worker = start_worker(config, POOL_RUN_ID, spool_root)
+        worker = start_worker(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
         worker.prewarmed = worker.actor.prewarm.remote()
         return worker
 
@@ -100,18 +100,19 @@ class WarmPool:
         else:
             stop(worker)
 
-    def fill(self, config: TrainerConfig, count: int, spool_root: Path | str) -> int:
-        """Start workers until the pool holds `count` for `config` (workers for another shape
-        are stopped); returns how many started. Nothing when the pool is not kept."""
+    def fill(self, config: TrainerConfig, count: int, spool_root: Path | str, actor_cls: type) -> int:
+        """Start workers (of `actor_cls`, the rank's actor class) until the pool holds `count`
+        for `config` (workers for another shape are stopped); returns how many started.
+        Nothing when the pool is not kept."""
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
             return 0
         if self.service is not None:  # the cluster's pool starts them (the call returns at once)
-            self.service.fill.remote(config, count, str(spool_root), self.next_run_at)
+            self.service.fill.remote(config, count, str(spool_root), self.next_run_at, actor_cls=actor_cls)
             return 0
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
-        self.workers += [self.start(config, spool_root) for _ in range(started)]
+        self.workers += [self.start(config, spool_root, actor_cls) for _ in range(started)]
         if config.switches.memory_checkpoint and self.keeper is None:
             from ettflow.trainer.checkpoint.state_keeper import start_keeper
 
