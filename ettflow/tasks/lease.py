@@ -21,7 +21,7 @@ from typing import Any
 
 from ettflow.ett.failures import Failure
 from ettflow.trainer.group.driver import LiveGroup, PlacedGroup, WorkerGroup
-from ettflow.trainer.protocol import RankResult
+from ettflow.trainer.protocol import PollStatus
 
 from . import run_spool
 
@@ -72,10 +72,10 @@ class HeldGroup:
     def resume(self, point: Any) -> None:
         self.group.resume(point)
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]:
-        done, failed = self.group.poll(timeout_s)
-        self.finished.update(done)
-        return done, failed
+    def poll(self, timeout_s: float) -> PollStatus:
+        status = self.group.poll(timeout_s)
+        self.finished.update(status.finished)
+        return status
 
     def kill(self, rank: int) -> None:
         self.group.kill(rank)

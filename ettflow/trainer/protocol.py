@@ -7,7 +7,8 @@ by string key or parses a message.
 - `WorkerInfo`: where a trainer actor's process runs (its `ready`/`adopt` answer);
 - `PrewarmTimings`: what a spare's or pooled worker's `prewarm` took;
 - `RestorePoint`: where a live recovery resumes (the driver picks it, every rank restores it);
-  its tier is a `RestoreTier`.
+  its tier is a `RestoreTier`;
+- `PollStatus`: what one look at an attempt's ranks found (a worker group's `poll`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
+
+from ettflow.ett.failures import Failure
 
 from .compile.stats import CompileStats
 
@@ -190,3 +193,12 @@ class PrewarmTimings:
         """As a `spare_start` event's attributes."""
         return {"build_s": self.build_s, "compile_s": self.compile_s, "cache_hit": self.cache_hit,
                 "footers_s": self.footers_s, **({"prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {})}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PollStatus:
+    """One look at an attempt's ranks (`WorkerGroup.poll`): the ranks that finished since the
+    last look, with their results, and the failures seen (a rank's process lost, or raised)."""
+
+    finished: Mapping[int, RankResult] = field(default_factory=dict)
+    failed: tuple[Failure, ...] = ()

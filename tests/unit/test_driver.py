@@ -21,7 +21,7 @@ from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import FailureDecision
 from ettflow.trainer.group.pooled_worker import PooledWorker, record_start
 from ettflow.trainer.placement import SpareBundles
-from ettflow.trainer.protocol import MEMORY, PrewarmTimings, RestorePoint
+from ettflow.trainer.protocol import MEMORY, PollStatus, PrewarmTimings, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
 from helpers.group_ops import RecordingOps
@@ -125,7 +125,7 @@ class ScriptedGroup:
                 failed.append(Failure(failure_class=DATA, rank=rank, path="x.parquet",
                                       reason=f"rank {rank}: x.parquet: column 'cat_1' is not integer"))
             # "hang": no step, no outcome
-        return done, failed
+        return PollStatus(finished=done, failed=tuple(failed))
 
     def beat(self, rank: int, *, since: float) -> None:
         started = self.training_since.setdefault(rank, since - 1.0)

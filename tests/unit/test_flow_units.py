@@ -17,6 +17,7 @@ from ettflow.tasks.lease import TrainerLease
 from ettflow.tasks.parameters import RefreshParameters
 from ettflow.tasks.plan import ParameterError, parse_failures, plan_refresh, slug
 from ettflow.tasks.timeline_plot import render_timeline
+from ettflow.trainer.protocol import PollStatus
 
 from helpers.plans import params
 
@@ -101,7 +102,7 @@ class FakeGroup:
         pass
 
     def poll(self, timeout_s):
-        return {0: {}, 1: {}}, []
+        return PollStatus(finished={0: {}, 1: {}})
 
     def kill(self, rank):
         pass

@@ -21,6 +21,7 @@ from ettflow.trainer.placement import (
     attempt_world_size,
     ranks_that_fit,
 )
+from ettflow.trainer.protocol import PollStatus
 
 from helpers.rank_results import finished
 
@@ -101,7 +102,7 @@ class PlacedScriptedGroup:
         pass
 
     def poll(self, timeout_s: float):
-        return {r: finished(r, at=5.0) for r in range(self.world_size)}, []
+        return PollStatus(finished={r: finished(r, at=5.0) for r in range(self.world_size)})
 
     def kill(self, rank: int) -> None:
         raise AssertionError("nothing is killed here")

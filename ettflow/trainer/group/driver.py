@@ -52,7 +52,7 @@ from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fired
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
 from ettflow.trainer.group.progress import SpoolTail
-from ettflow.trainer.protocol import RankResult, RestorePoint
+from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint
 from ettflow.trainer.rank_heartbeat import PhaseBounds, find_hang
 
 log = logging.getLogger("ettflow.trainer")
@@ -69,7 +69,7 @@ class WorkerGroup(Protocol):
 
     def launch(self) -> None: ...  # start training on every rank
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]: ...  # finished, failed
+    def poll(self, timeout_s: float) -> PollStatus: ...
 
     def kill(self, rank: int) -> None: ...  # SIGKILL the rank's process
 
@@ -307,8 +307,8 @@ class TrainingDriver:
             ended: set[int] = set()
             world = self._world(group)
             while len(ended) < world and self.clock() < deadline:
-                done, failed = group.poll(self.poll_s)
-                ended |= set(done) | {f.rank for f in failed}
+                status = group.poll(self.poll_s)
+                ended |= set(status.finished) | {f.rank for f in status.failed}
         except BaseException as exc:  # noqa: BLE001 - a second stop, or the group gone: the failure is still recorded
             log.warning("attempt %d: the ranks' preemption did not finish (%s: %s)", attempt, type(exc).__name__, exc)
         failure = Failure(failure_class=FailureClass.PREEMPTION, rank=-1, attempt=attempt,
@@ -329,9 +329,10 @@ class TrainingDriver:
         finished: dict[int, RankResult] = {}
         spare_asked = False
         while True:
-            done, failed = group.poll(self.poll_s)
+            status = group.poll(self.poll_s)
             self.stop_check()
-            finished.update(done)
+            finished.update(status.finished)
+            failed = list(status.failed)
             tail.poll()
             failed = failed + self._marked_failures(tail, attempt)
             now = self.clock()
@@ -374,8 +375,7 @@ class TrainingDriver:
         detected = self.clock()
         deadline = detected + self.grace_s  # let a dead process's outcome arrive: it is the cause
         while not any(is_process_loss(f) for f in failed) and self.clock() < deadline:
-            _, more = group.poll(self.poll_s)
-            failed = failed + more
+            failed = failed + list(group.poll(self.poll_s).failed)
         failure = primary_failure(failed)
         failure = replace(failure, attempt=attempt,
                           step=failure.step if failure.step is not None else self._step_of(attempt, failure.rank))

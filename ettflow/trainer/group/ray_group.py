@@ -47,7 +47,7 @@ from ettflow.trainer.group.restore_choice import choose_restore_point, newest_co
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.warm_pool import POOL, record_start
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
-from ettflow.trainer.protocol import RankResult, RestorePoint, WorkerInfo
+from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, WorkerInfo
 
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
@@ -420,7 +420,7 @@ class RayWorkerGroup:
             self.refs[call] = r
         self.spares.prewarm()  # the next spare, in the background
 
-    def poll(self, timeout_s: float) -> tuple[dict[int, RankResult], list[Failure]]:
+    def poll(self, timeout_s: float) -> PollStatus:
         if self.spares is not None:
             self.spares.watch(self.attempt)  # a spare that died while it waited is replaced
         done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=timeout_s)
@@ -433,7 +433,7 @@ class RayWorkerGroup:
                 self.finished.add(rank)
             except (RayActorError, RayTaskError) as exc:  # the process died, or the rank raised
                 failed.append(self._on_node(failure_from_exception(exc, rank=rank, attempt=self.attempt)))
-        return finished, failed
+        return PollStatus(finished=finished, failed=tuple(failed))
 
     def _on_node(self, failure: Failure) -> Failure:
         """A lost process whose node the cluster lists as dead is the node's failure."""
