@@ -3,7 +3,8 @@
 `prepare_compile_env` must run before anything imports inductor or compiles (the actor's
 constructor calls it): it points inductor at a fresh per-process folder, keys the archive by
 model, shapes, device and threads, and pins the thread count. Later calls return the same
-handle, so the rank's plugins restore into and save from the folders inductor really uses.
+handle, so the rank's compile plugin (`rank/compile_plugin.py`) restores into and saves from the
+folders inductor really uses.
 """
 
 from __future__ import annotations

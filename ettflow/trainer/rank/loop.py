@@ -56,7 +56,7 @@ class TrainLoop:
         self.beat = beat
         self.saved_step: int | None = None  # the last step this attempt saved a checkpoint at
         self.config, self.rank, self.attempt, self.state, self.rec = config, rank, attempt, state, rec
-        self.plugins = state.plugins
+        self.checkpointing = state.checkpointing
         self.dmp = state.dmp
         self.groups = state.groups
         self.device = state.device
@@ -84,14 +84,14 @@ class TrainLoop:
         failure = loss_failure(loss_value, rank=self.rank, step=step, injected=fault is not None)
         if failure is not None:  # nothing of this step is applied, and it is not recorded
             stop(self.rec, failure, **({"fault_index": fault.index} if fault is not None else {}))
-        self.plugins.wait_staged()  # the sparse tables change in backward: a save's staging ends first
+        self.checkpointing.wait_staged()  # the sparse tables change in backward: a save's staging ends first
         loss.backward()
         self.groups.training.average_grads(self.params)
         opt.step()
         return loss_value
 
     def _steps_total(self, start_step: int) -> int:
-        available = self.state.data.num_batches(self.plugins.resume_cursor)
+        available = self.state.data.num_batches(self.checkpointing.resume_cursor)
         end = start_step + available
         return min(end, self.config.max_steps) if self.config.max_steps else end
 
@@ -131,7 +131,7 @@ class TrainLoop:
         False: a rank's copy is still in flight, so its background time is not known yet (the
         ranks agree to try again after the next step; nothing waits for it)."""
         chosen = self._optimize(end_step, step_times, self.memory_blocking,
-                                background_s=self.plugins.memory_background_s())
+                                background_s=self.checkpointing.memory_background_s())
         if chosen is None:
             return False
         choice, _, csbt, step_s, background, floor_s = chosen
@@ -142,7 +142,7 @@ class TrainLoop:
         return True
 
     def _save_memory(self, step: int, cursor) -> None:
-        self.memory_blocking.append(self.plugins.save_memory(step, cursor, since=self.rec.recorded_until))
+        self.memory_blocking.append(self.checkpointing.save_memory(step, cursor, since=self.rec.recorded_until))
 
     def _phase(self, name: str):
         return self.beat.phase(name) if self.beat is not None else nullcontext()
@@ -153,7 +153,7 @@ class TrainLoop:
             self.beat.leave("train_step")
         try:
             with self._phase(SAVE):
-                blocking = self.plugins.save(step, cursor, loss=loss, since=self.rec.recorded_until)
+                blocking = self.checkpointing.save(step, cursor, loss=loss, since=self.rec.recorded_until)
         finally:
             if self.beat is not None:
                 self.beat.step_ended(step - 1)  # the training clock restarts after the save
@@ -168,8 +168,8 @@ class TrainLoop:
             self.beat.leave("train_step")  # the save has its own bound
         if decision.save and cursor is not None and step != self.saved_step:
             with self._phase(SAVE):
-                self.blocking.append(self.plugins.save(step, cursor, loss=loss))
-                self.plugins.manager.wait()  # durable and committed on every rank
+                self.blocking.append(self.checkpointing.save(step, cursor, loss=loss))
+                self.checkpointing.manager.wait()  # durable and committed on every rank
             saved = step
         self.groups.control.barrier()  # nobody reports before every rank's part of the save is done
         if PREEMPTION.signalled:
@@ -191,7 +191,7 @@ class TrainLoop:
             PREEMPTION.in_loop = False
 
     def _run(self) -> RankResult:
-        step = self.plugins.resume_step
+        step = self.checkpointing.resume_step
         end = self._steps_total(step)
         first = self.state.first_batch
         batches = self.state.batches
@@ -201,9 +201,9 @@ class TrainLoop:
         t_train = time.time()
         last_cursor = None
         loss_value: float | None = None  # None: no step trained in this attempt
-        memory = self.plugins.memory is not None
+        memory = self.checkpointing.memory is not None
         if memory:  # a restore point from the start: a live recovery never lacks one
-            self._save_memory(step, self.plugins.resume_cursor)
+            self._save_memory(step, self.checkpointing.resume_cursor)
         memory_probe_at = step + MEMORY_PROBE_STEPS if memory and self.memory_interval is None else None
         if self.beat is not None:
             self.beat.training(step)
@@ -222,7 +222,7 @@ class TrainLoop:
             if nan_fault is not None:
                 poison(self.params)
             elif fault is not None and fault.kind == "corrupt":
-                self.plugins.corrupt_memory()
+                self.checkpointing.corrupt_memory()
                 self.rec.mark(FAULT_INJECTED, kind="corrupt", step=step, fault_index=fault.index)
             elif fault is not None:
                 fire(fault, self.rec, step=step)
@@ -269,7 +269,7 @@ class TrainLoop:
         if self.beat is not None:
             self.beat.leave("train_step")
         with self.rec.span("anchor_checkpoint", step=step) as attrs, self._phase(SAVE):
-            anchor = self.plugins.save_anchor(step, last_cursor, self.rec.run_id, loss=loss_value)
+            anchor = self.checkpointing.save_anchor(step, last_cursor, self.rec.run_id, loss=loss_value)
             attrs["path"] = str(anchor) if anchor else None
         evaluation = None
         if self.state.eval_data is not None and self.config.eval_batches > 0:
@@ -284,6 +284,6 @@ class TrainLoop:
             record_s=record_s,  # time in the step events' record calls
             checkpoint=CheckpointReport(blocking_s=tuple(self.blocking), memory_blocking_s=tuple(self.memory_blocking),
                                         interval=self.interval_choice, memory_interval=self.memory_interval_choice),
-            compile=self.plugins.compile_report(), anchor=str(anchor) if anchor else None, eval=evaluation,
+            compile=self.state.compiler.report(), anchor=str(anchor) if anchor else None, eval=evaluation,
             eval_start=self.state.eval_start)
 

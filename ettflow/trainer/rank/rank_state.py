@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from ettflow.trainer.data.pipeline import DataPipeline
     from ettflow.trainer.model import DenseStep
     from ettflow.trainer.protocol import Evaluation
-    from ettflow.trainer.rank.plugins import TrainerPlugins
+    from ettflow.trainer.rank.checkpointing import Checkpointing
+    from ettflow.trainer.rank.compile_plugin import CompilePlugin
 
 # The init stage that sets each stage-bound field (see session.py for the stage graph).
 SET_BY: dict[str, str] = {
@@ -35,7 +36,8 @@ SET_BY: dict[str, str] = {
     "dmp": "train_module_creation",
     "dense_step": "train_module_creation",
     "dense_opt": "train_module_creation",
-    "plugins": "init_plugins",
+    "checkpointing": "init_plugins",
+    "compiler": "init_plugins",
     "batches": "get_first_batch_data",
     "first_batch": "get_first_batch_data",
 }
@@ -59,7 +61,8 @@ class RankState:
     control and checkpoint (gloo), and every collective ettflow calls (`trainer/collectives.py`). data / eval_data: the
     training and held-out pipelines (eval_data None: no held-out windows). dmp: the sharded
     DLRM; dense_step: its dense part as one module; dense_opt: the dense optimizer.
-    plugins: the compile cache and checkpoints. batches: the training batch iterator,
+    checkpointing: its checkpoints (durable and in memory) and restores; compiler: the compile
+    cache around PT2's compile. batches: the training batch iterator,
     started at the resume cursor; first_batch: its first batch, already taken (None: no
     data left). compiled_step: the compiled dense step (None: train eagerly). eval_start:
     held-out metrics before training (None: not evaluated at start).
@@ -72,7 +75,8 @@ class RankState:
     dmp: DistributedModelParallel = field(init=False)
     dense_step: DenseStep = field(init=False)
     dense_opt: torch.optim.Optimizer = field(init=False)
-    plugins: TrainerPlugins = field(init=False)
+    checkpointing: Checkpointing = field(init=False)
+    compiler: CompilePlugin = field(init=False)
     batches: Iterator[Batch] = field(init=False)
     first_batch: Batch | None = field(init=False)
     compiled_step: nn.Module | None = None  # set by pt2_compile

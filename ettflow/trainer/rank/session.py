@@ -52,12 +52,13 @@ from ettflow.trainer.data.windows import split_windows
 from ettflow.trainer.faults import due_in_phase
 from ettflow.trainer.model import DenseStep, build_dlrm, dense_optimizer, shard
 from ettflow.trainer.protocol import Evaluation, RankResult, RestorePoint
+from ettflow.trainer.rank.checkpointing import Checkpointing
+from ettflow.trainer.rank.compile_plugin import CompilePlugin
 from ettflow.trainer.rank.evaluate import evaluate
 from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.init_pipeline import InitPipeline, Stage
 from ettflow.trainer.rank.live_recovery import rebuild_sharded
 from ettflow.trainer.rank.loop import TrainLoop
-from ettflow.trainer.rank.plugins import TrainerPlugins
 from ettflow.trainer.rank.preemption import PREEMPTION
 from ettflow.trainer.rank.rank_state import RankState
 from ettflow.trainer.rank.spare import WarmSpare
@@ -169,12 +170,13 @@ class TrainerSession:
         self.state.dense_opt = dense_optimizer(dmp, self.config.model)
 
     def init_plugins(self) -> None:
-        self.state.plugins = TrainerPlugins(self.config, self.rank, self.rec, self.resume, self.parent,
-                                            keeper=self.keeper, warm_cache=self.warm_cache,
-                                            resume_deltas=self.resume_deltas)
+        # the compile cache first: its environment is set before anything imports inductor
+        self.state.compiler = CompilePlugin(self.config, self.rank, self.rec, warm_cache=self.warm_cache)
+        self.state.checkpointing = Checkpointing(self.config, self.rank, self.rec, self.resume, self.parent,
+                                                 keeper=self.keeper, resume_deltas=self.resume_deltas)
 
     def pre_train(self) -> None:
-        self.state.plugins.prepare_state(self.state.dmp, self.state.dense_opt, self.state.groups)
+        self.state.checkpointing.prepare_state(self.state.dmp, self.state.dense_opt, self.state.groups)
         if self.evaluates_at_start:
             self.state.eval_start = self.evaluate()
 
@@ -198,11 +200,11 @@ class TrainerSession:
 
     def checkpoint_restore(self) -> dict[str, Any]:
         if self.restart_point is not None:  # every rank, from the keeper (the durable checkpoint if that fails)
-            return self.state.plugins.restore_point(self.restart_point, fallback=True)
-        return self.state.plugins.restore()
+            return self.state.checkpointing.restore_point(self.restart_point, fallback=True)
+        return self.state.checkpointing.restore()
 
     def get_first_batch_data(self):
-        start = self.state.plugins.resume_cursor
+        start = self.state.checkpointing.resume_cursor
         it = self.state.data.batches(start, prefetch=PREFETCH_BATCHES)
         self.state.batches = it
         try:
@@ -213,9 +215,9 @@ class TrainerSession:
         return first
 
     def pt2_compile(self) -> dict[str, Any]:
-        plugins = self.state.plugins
+        compiler = self.state.compiler
         if self.warm is not None and self.warm.compiled_step is not None:
-            self.state.compiled_step = plugins.compile(self.state.dense_step, self.state.device, None,
+            self.state.compiled_step = compiler.compile(self.state.dense_step, self.state.device, None,
                                                        compiled=self.warm.compiled_step)
             return {"batch": "prewarmed before the run (warm pool)"}
         if self.config.switches.fast_batch:
@@ -224,7 +226,7 @@ class TrainerSession:
             batch, source = self.state.first_batch, "first real batch"
             if batch is None:
                 return {"batch": "none: no data to train"}
-        self.state.compiled_step = plugins.compile(self.state.dense_step, self.state.device, batch)
+        self.state.compiled_step = compiler.compile(self.state.dense_step, self.state.device, batch)
         return {"batch": source}
 
     # ---- the whole rank -----------------------------------------------------------------
@@ -320,14 +322,14 @@ class TrainerSession:
     @property
     def can_park(self) -> bool:
         """Live recovery is on and the rank got far enough to keep something worth keeping."""
-        return self.config.switches.live_recovery and self.state.is_set("plugins") \
+        return self.config.switches.live_recovery and self.state.is_set("checkpointing") \
             and self.state.is_set("dense_step") and self.state.is_set("dense_opt")
 
     def park(self) -> None:
         """Keep the process's state for a rejoin; close what belongs to the failed attempt."""
         if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
             self.state.batches.close()
-        self.state.plugins.abandon_saves()
+        self.state.checkpointing.abandon_saves()
         self.beat.close()
         PREEMPTION.detach(self.rec)
         self.rec.close()
@@ -373,11 +375,12 @@ class TrainerSession:
                 self.process_group_init()
             with self.beat.phase("train_module_creation"), self.rec.span("module_reshard"):
                 rebuild_sharded(self.state, self.config)
-                self.state.plugins.rebind(self.state.dmp, self.state.dense_opt, self.state.groups, self.config,
+                self.state.checkpointing.rebind(self.state.dmp, self.state.dense_opt, self.state.groups, self.config,
                                           self.rec)
             with self.beat.phase("checkpoint_restore"), self.rec.span("checkpoint_restore", live=True) as attrs:
-                attrs.update(self.state.plugins.restore_point(point))
-            self.state.batches = self.state.data.batches(self.state.plugins.resume_cursor, prefetch=PREFETCH_BATCHES)
+                attrs.update(self.state.checkpointing.restore_point(point))
+            self.state.batches = self.state.data.batches(self.state.checkpointing.resume_cursor,
+                                                         prefetch=PREFETCH_BATCHES)
             self.state.first_batch = None
         except BaseException:
             self.close(failed=True)
@@ -394,8 +397,8 @@ class TrainerSession:
     def close(self, *, failed: bool = False) -> None:
         """End the session: `failed` when it ends with an error (NCCL's communicators are then
         aborted before the groups are destroyed: a peer may be gone)."""
-        if self.state.is_set("plugins"):
-            self.state.plugins.close()
+        if self.state.is_set("checkpointing"):
+            self.state.checkpointing.close()
         if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
             self.state.batches.close()
         self._teardown_groups(failed=failed)

@@ -1,7 +1,7 @@
-"""What a rank plugs into its training: the compile cache and the checkpoints.
+"""A rank's checkpointing: its durable checkpoints (DCP, with their delta chain), its in-memory
+tier, its anchor, and every restore (the compile cache is `compile_plugin.py`'s).
 
-Each action is recorded as a phase: `compile_cache_restore` and `compile_cache_save` (PT2
-compile), `checkpoint_save_blocking` (what the loop waits for) and
+Each action is recorded as a phase: `checkpoint_save_blocking` (what the loop waits for) and
 `checkpoint_save_background` (the write that overlaps training), `checkpoint_restore` (attrs
 `source`: "own", the run's latest checkpoint after a restart; "parent", a warm start from the
 parent refresh's anchor, with the restored state's `fingerprint`).
@@ -15,8 +15,7 @@ With `switches.delta_checkpoint`, a periodic save may be a delta on the last com
 (`delta_saves.py`; `checkpoint_save_blocking` attrs `kind`, `bytes`, `parent`), and a restore
 reads the run's newest restorable chain: its base, then each delta in order (attrs `deltas`).
 Anchors and warm starts read and write bases only.
-The anchor marker's format lives in `checkpoint/anchor.py`, the process's compile-cache
-handle in `compile/process_cache.py`.
+The anchor marker's format lives in `checkpoint/anchor.py`.
 """
 
 from __future__ import annotations
@@ -44,13 +43,10 @@ from ettflow.trainer.checkpoint.delta import apply_chain
 from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
 from ettflow.trainer.checkpoint.latest import checked_scan
 from ettflow.trainer.checkpoint.memory_tier import MemoryCopyError, MemoryTier
-from ettflow.trainer.compile.compiled import compile_dense_step
-from ettflow.trainer.compile.process_cache import prepare_compile_env
 from ettflow.trainer.config import ANCHOR_COMMIT, TrainerConfig
-from ettflow.trainer.data.batch import Batch
 from ettflow.trainer.data.windows import Cursor, split_windows
 from ettflow.trainer.faults import due_in_phase
-from ettflow.trainer.protocol import MEMORY, CompileReport, RestorePoint
+from ettflow.trainer.protocol import MEMORY, RestorePoint
 from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.numerics import refuse_nonfinite
 
@@ -66,24 +62,21 @@ log = logging.getLogger("ettflow.trainer")
 DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part of the DLRM
 
 
-class TrainerPlugins:
+class Checkpointing:
     def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None,
-                 parent: Path | None = None, *, keeper: Any = None, warm_cache: bool | None = None,
+                 parent: Path | None = None, *, keeper: Any = None,
                  resume_deltas: tuple[DeltaInfo, ...] = ()) -> None:
         """resume: the run's own latest checkpoint (a restart), else None, and resume_deltas the
         deltas on it a restore applies in order (its chain, `catalog.Chain`); parent: the anchor
         to warm start from when there is no own checkpoint (model and optimizer state only:
         the step counter starts at 0 and the data cursor at the start of the run's windows).
-        keeper: the run's in-memory checkpoint keeper (None: no in-memory tier). warm_cache: a
-        spare's process restored the compile cache already (its hit), so it is not restored again."""
+        keeper: the run's in-memory checkpoint keeper (None: no in-memory tier)."""
         if resume is not None and parent is not None:
             raise ValueError("a rank restores its run's own checkpoint or warm starts from a parent, not both")
         self.config, self.rank, self.rec = config, rank, rec
         self.resume, self.parent = resume, parent
         self.resume_deltas = tuple(resume_deltas) if resume is not None else ()
         self.deltas: DeltaSaves | None = None  # with switches.delta_checkpoint (prepare_state)
-        self.cache = prepare_compile_env(config)
-        self.cache_hit = False
         self.control: Group | None = None  # the control group (prepare_state): restore agreements
         self.manager: CheckpointManager | None = None
         self.train_state: TrainState | None = None
@@ -95,15 +88,6 @@ class TrainerPlugins:
         self.live_point: tuple[int, Cursor] | None = None  # where a live recovery resumed
         self.restored_path: Path | None = None  # the committed checkpoint the last restore read (None: memory, parent)
         self._memory_background: list[float] = []  # seconds, each in-memory copy's background part
-        if config.switches.compile and config.switches.compile_cache and warm_cache is not None:
-            self.cache_hit = warm_cache  # a spare restored the archive before it compiled (spare.py)
-        elif config.switches.compile and config.switches.compile_cache:
-            # (never twice in one process: extracting the archive rewrites the kernels it loaded)
-            with rec.span("compile_cache_restore") as attrs:
-                restored = self.cache.restore()
-                attrs.update(hit=restored.hit, bytes=restored.bytes, reason=restored.reason,
-                             miss=restored.miss.value if restored.miss is not None else None)
-            self.cache_hit = restored.hit
 
     @property
     def resume_step(self) -> int:
@@ -439,29 +423,6 @@ class TrainerPlugins:
 
     def _windows(self) -> tuple[str, ...]:
         return split_windows(self.config)[0]
-
-    # ---- compilation --------------------------------------------------------------------
-    def compile(self, dense_step: torch.nn.Module, device: torch.device, batch: Batch | None, *,
-                compiled: torch.nn.Module | None = None) -> torch.nn.Module:
-        """The dense step compiled with one forward and backward on `batch` (the fast batch
-        or the first real one); nothing is updated: gradients are dropped.
-        `compiled`: the step this process compiled before the run
-        (warm_pool.py), taken as it is; its graphs are stored in the cache all the same when
-        the archive missed."""
-        if compiled is None and batch is None:
-            raise ValueError("compile needs a batch, or the step this process compiled before")
-        compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
-        if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
-            # Saved at once, before training: a rank killed early must still leave a warm
-            # cache for its restart (a background save was seen cut short by such a kill).
-            # Every rank compiled the same graphs with the same key: rank 0 stores them.
-            with self.rec.span("compile_cache_save") as attrs:
-                saved = self.cache.save()
-                attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
-        return compiled
-
-    def compile_report(self) -> CompileReport:
-        return CompileReport(stats=self.cache.stats(), cache_hit=self.cache_hit)
 
     def close(self) -> None:
         if self.manager is not None:

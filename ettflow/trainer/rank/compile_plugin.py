@@ -1,0 +1,56 @@
+"""A rank's compile cache around PT2's compile of the dense step: `compile_cache_restore` when
+the rank starts (PT2 compile; a spare's process restored it already: its hit is taken, never
+restored twice in one process), the compile itself, and `compile_cache_save` by rank 0 when
+the archive missed. The process's cache handle lives in `compile/process_cache.py`."""
+
+from __future__ import annotations
+
+import torch
+
+from ettflow.ett.spool import SpoolWriter
+from ettflow.trainer.compile.compiled import compile_dense_step
+from ettflow.trainer.compile.process_cache import prepare_compile_env
+from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.data.batch import Batch
+from ettflow.trainer.protocol import CompileReport
+
+
+class CompilePlugin:
+    def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, *, warm_cache: bool | None = None) -> None:
+        """warm_cache: a spare's process restored the compile cache already (its hit), so it is
+        not restored again."""
+        self.config, self.rank, self.rec = config, rank, rec
+        self.cache = prepare_compile_env(config)
+        self.cache_hit = False
+        if config.switches.compile and config.switches.compile_cache and warm_cache is not None:
+            self.cache_hit = warm_cache  # a spare restored the archive before it compiled (spare.py)
+        elif config.switches.compile and config.switches.compile_cache:
+            # (never twice in one process: extracting the archive rewrites the kernels it loaded)
+            with rec.span("compile_cache_restore") as attrs:
+                restored = self.cache.restore()
+                attrs.update(hit=restored.hit, bytes=restored.bytes, reason=restored.reason,
+                             miss=restored.miss.value if restored.miss is not None else None)
+            self.cache_hit = restored.hit
+
+    def compile(self, dense_step: torch.nn.Module, device: torch.device, batch: Batch | None, *,
+                compiled: torch.nn.Module | None = None) -> torch.nn.Module:
+        """The dense step compiled with one forward and backward on `batch` (the fast batch
+        or the first real one); nothing is updated: gradients are dropped.
+        `compiled`: the step this process compiled before the run
+        (warm_pool.py), taken as it is; its graphs are stored in the cache all the same when
+        the archive missed."""
+        if compiled is None and batch is None:
+            raise ValueError("compile needs a batch, or the step this process compiled before")
+        compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
+        if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
+            # Saved at once, before training: a rank killed early must still leave a warm
+            # cache for its restart (a background save was seen cut short by such a kill).
+            # Every rank compiled the same graphs with the same key: rank 0 stores them.
+            with self.rec.span("compile_cache_save") as attrs:
+                saved = self.cache.save()
+                attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
+        return compiled
+
+    def report(self) -> CompileReport:
+        return CompileReport(stats=self.cache.stats(), cache_hit=self.cache_hit)
+
