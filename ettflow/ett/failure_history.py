@@ -7,7 +7,7 @@ built by `failure_history_db.read_history`) and returns a `HistoryEstimate`:
   (`FailureClass.replays_training`: every class but publish). Training hours are a run's
   exposed `effective_training` + `wasted_training` seconds (the time its ranks were in the
   training loop, where a failure costs replay).
-- the save-blocking time (CSBT) per checkpoint tier (`SaveTier`): the mean over the model's
+- the save-blocking time (CSBT) per checkpoint tier (`CheckpointTier`): the mean over the model's
   saves, a save's blocking being the longest of its ranks' (the loop waits for all of them).
   The history holds durable saves only (`failure_history_db.TIER_OF_KIND`); the in-memory
   tier's copies are not archived as saves, and a run chooses their interval from the blocking
@@ -34,25 +34,15 @@ hardware got worse reaches its new rate once the window holds only new runs. Ski
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .checkpoint_tier import CheckpointTier
 from .failures import FailureClass
 
 HOUR_S = 3600.0
 REPLAY_CLASSES: tuple[FailureClass, ...] = tuple(c for c in FailureClass if c.replays_training)
-
-
-class SaveTier(str, enum.Enum):
-    """Where a periodic checkpoint goes; each tier has its own save cost (and interval)."""
-
-    DURABLE = "durable"  # DCP on the checkpoint folder
-    MEMORY = "memory"  # an in-memory copy that outlives a rank (trainer/checkpoint/memory_tier.py); not in the history
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +59,7 @@ class RunHistory:
     failures: tuple[FailureClass, ...] = ()  # one per failed attempt
     detection_s: tuple[float, ...] = ()  # failed -> detected, per failure
     restore_s: tuple[float, ...] = ()  # checkpoint_restore of each recovery attempt
-    saves: Mapping[SaveTier, tuple[float, ...]] = field(default_factory=dict)  # blocking s per save
+    saves: Mapping[CheckpointTier, tuple[float, ...]] = field(default_factory=dict)  # blocking s per save
 
     def __post_init__(self) -> None:
         if not (self.training_s >= 0 and math.isfinite(self.training_s)):
@@ -126,8 +116,8 @@ class HistoryEstimate:
     prior_hours: float  # S
     fleet_hours: float  # the other models' training hours in the window (0: the default prior)
     classes: tuple[ClassRate, ...]
-    save_blocking_s: Mapping[SaveTier, float]  # mean CSBT per tier with saves in the window
-    saves: Mapping[SaveTier, int]
+    save_blocking_s: Mapping[CheckpointTier, float]  # mean CSBT per tier with saves in the window
+    saves: Mapping[CheckpointTier, int]
     detection_s: float | None
     restore_s: float | None
     step_s: float | None  # effective training seconds per new step
@@ -154,7 +144,7 @@ class HistoryEstimate:
     @property
     def has_history(self) -> bool:
         """The model's own save cost and step time are known: no probe save is needed."""
-        return SaveTier.DURABLE in self.save_blocking_s and self.step_s is not None
+        return CheckpointTier.DURABLE in self.save_blocking_s and self.step_s is not None
 
     def rate_of(self, failure_class: FailureClass | str) -> float:
         wanted = FailureClass.parse(failure_class)
@@ -197,9 +187,9 @@ def estimate(history: Sequence[RunHistory], *, model: str, now: float,
         r_c = prior.get(c, 0.0)
         if k or r_c:
             classes.append(ClassRate(c, r_c, k, alpha=r_c * s + k, beta_h=s + own_hours))
-    blocking: dict[SaveTier, float] = {}
-    saves: dict[SaveTier, int] = {}
-    for tier in SaveTier:
+    blocking: dict[CheckpointTier, float] = {}
+    saves: dict[CheckpointTier, int] = {}
+    for tier in CheckpointTier:
         samples = [b for r in own for b in r.saves.get(tier, ())]
         if samples:
             blocking[tier], saves[tier] = sum(samples) / len(samples), len(samples)

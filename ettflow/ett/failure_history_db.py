@@ -26,11 +26,12 @@ from collections.abc import Iterable, Sequence
 
 from sqlalchemy import Table, func, select
 
-from .failure_history import EstimateConfig, HistoryEstimate, RunHistory, SaveTier, estimate
+from .checkpoint_tier import CheckpointTier
+from .failure_history import EstimateConfig, HistoryEstimate, RunHistory, estimate
 from .failures import FailureClass
 from .warehouse_models import Attempt, Checkpoint, Event, Failure, RefreshLineage, Run, RunComponent
 
-TIER_OF_KIND: dict[str, SaveTier] = {"blocking": SaveTier.DURABLE}
+TIER_OF_KIND: dict[str, CheckpointTier] = {"blocking": CheckpointTier.DURABLE}
 SKIPPED = "skipped"
 _CHUNK = 500
 _TRAINING = ("effective_training", "wasted_training")
@@ -56,7 +57,7 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
         stmt = stmt.where(runs.c.wall_start <= until)
     training: dict[str, dict[str, float]] = defaultdict(dict)
     failures: dict[str, list[tuple[int, FailureClass, float]]] = defaultdict(list)
-    saves: dict[tuple[str, SaveTier, int, int | None], float] = {}
+    saves: dict[tuple[str, CheckpointTier, int, int | None], float] = {}
     attempts: dict[str, list[tuple[int, dict]]] = defaultdict(list)
     windows: dict[str, int] = {}
     ranks: dict[str, int] = {}
@@ -84,7 +85,7 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
             for r in conn.execute(select(evs.c.run_id, func.count(func.distinct(evs.c.rank)).label("n")).where(
                     evs.c.run_id.in_(chunk), evs.c.phase == "train_step").group_by(evs.c.run_id)):
                 ranks[r.run_id] = int(r.n)
-    per_run_saves: dict[str, dict[SaveTier, list[float]]] = defaultdict(lambda: defaultdict(list))
+    per_run_saves: dict[str, dict[CheckpointTier, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (run_id, tier, _attempt, _step), blocking in sorted(saves.items(), key=lambda kv: str(kv[0])):
         per_run_saves[run_id][tier].append(blocking)
     out = []

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .checkpoint_interval import WasteModel, optimal_interval
-from .failure_history import HistoryEstimate, SaveTier
+from .checkpoint_tier import CheckpointTier
+from .failure_history import HistoryEstimate
 
 TAG = "checkpoint_interval"  # the warehouse tag and the spool marker's phase
 
@@ -111,13 +112,13 @@ def plan_interval(estimate: HistoryEstimate | None, *, windows: int | None, max_
     known = dict(rate_per_h=estimate.rate_per_h if evidence else None, own_weight=estimate.own_weight,
                  own_hours=estimate.own_hours,
                  runs=estimate.runs, detection_s=estimate.detection_s, restore_s=estimate.restore_s,
-                 save_blocking_s=estimate.save_blocking_s.get(SaveTier.DURABLE), step_s=estimate.step_s)
+                 save_blocking_s=estimate.save_blocking_s.get(CheckpointTier.DURABLE), step_s=estimate.step_s)
     steps = expected_steps(estimate, windows=windows, max_steps=max_steps)
     if not estimate.has_history or not steps or not evidence:
         if fixed_steps:
             return PlannedInterval(source=IntervalSource.FIXED, interval_steps=fixed_steps, **known)
         return PlannedInterval(source=IntervalSource.PROBE, **known)
-    step_s, csbt = estimate.step_s, estimate.save_blocking_s[SaveTier.DURABLE]
+    step_s, csbt = estimate.step_s, estimate.save_blocking_s[CheckpointTier.DURABLE]
     model = WasteModel(job_s=steps * step_s, save_blocking_s=csbt, failure_rate_per_s=estimate.rate_per_s)
     if fixed_steps:
         return PlannedInterval(source=IntervalSource.FIXED, job_s=model.job_s, interval_s=fixed_steps * step_s,

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 from uuid import UUID
 
+from ettflow.ett.checkpoint_tier import RestoreSource
 from ettflow.ett.events import CHECKPOINT_FALLBACK, PhaseEvent
 from ettflow.ett.failures import Failure
 from ettflow.ett.run_summary import failure_line
@@ -169,10 +170,10 @@ def restored_text(events: list[PhaseEvent], attempt: int) -> str:
     if not restores:
         return f"attempt {attempt} started from step 0: no copy of this run could be restored{damage}"
     first = restores[0]
-    if first.attrs.get("source") == "parent":
+    if first.attrs.get("source") == RestoreSource.PARENT:
         return (f"attempt {attempt} started from step 0 on the parent refresh's anchor: no copy of this run could "
                 f"be restored{damage}")
-    where = "the in-memory copies" if first.attrs.get("source") == "memory" else "the durable checkpoint"
+    where = "the in-memory copies" if first.attrs.get("source") == RestoreSource.MEMORY else "the durable checkpoint"
     return f"attempt {attempt} restored step {first.attrs.get('step')} from {where}{damage}"
 
 

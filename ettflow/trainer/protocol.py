@@ -7,7 +7,7 @@ by string key or parses a message.
 - `WorkerInfo`: where a trainer actor's process runs (its `ready`/`adopt` answer);
 - `PrewarmTimings`: what a spare's or pooled worker's `prewarm` took;
 - `RestorePoint`: where a live recovery resumes (the driver picks it, every rank restores it);
-  its tier is a `RestoreTier`;
+  its tier is a `CheckpointTier` (`ett.checkpoint_tier`, shared with the metric core);
 - `PollStatus`: what one look at an attempt's ranks found (a worker group's `poll`).
 """
 
@@ -15,25 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any
 
+from ettflow.ett.checkpoint_tier import CheckpointTier
 from ettflow.ett.failures import Failure
 
 from .compile.stats import CompileStats
 
-
-class RestoreTier(str, Enum):
-    """Where a live recovery's restore point is read from (a str, so spool attributes keep it as text)."""
-
-    MEMORY = "memory"  # the in-memory tier (checkpoint/memory_tier.py)
-    DURABLE = "durable"  # a committed checkpoint folder
-
-    def __str__(self) -> str:
-        return self.value
-
-
-MEMORY, DURABLE = RestoreTier.MEMORY, RestoreTier.DURABLE
+MEMORY, DURABLE = CheckpointTier.MEMORY, CheckpointTier.DURABLE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,12 +31,12 @@ class RestorePoint:
     from the durable checkpoint at `path` (`source` DURABLE)."""
 
     step: int
-    source: RestoreTier
+    source: CheckpointTier
     path: str | None = None
 
     def __post_init__(self) -> None:
         try:
-            object.__setattr__(self, "source", RestoreTier(self.source))
+            object.__setattr__(self, "source", CheckpointTier(self.source))
         except ValueError:
             raise ValueError(f"RestorePoint.source must be {MEMORY.value!r} or {DURABLE.value!r}, "
                              f"got {self.source!r}") from None

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.checkpoint_tier import CheckpointTier
 from ettflow.ett.failure_history import (
     HOUR_S,
     EstimateConfig,
     RunHistory,
-    SaveTier,
     estimate,
 )
 from ettflow.ett.failures import FailureClass
@@ -31,7 +31,7 @@ def fleet_and_model() -> list[RunHistory]:
         run("o1", "other", 100.0, 0.5, [INFRA, INFRA, PUBLISH]),
         run("o2", "other", 200.0, 0.5, [INFRA, PREEMPT]),
         run("m1", "m", 300.0, 1.0, [INFRA, PUBLISH], effective_training_s=3000.0, effective_steps=600, windows=3,
-            detection_s=(0.5,), restore_s=(4.0,), saves={SaveTier.DURABLE: (1.0, 2.0, 3.0)}),
+            detection_s=(0.5,), restore_s=(4.0,), saves={CheckpointTier.DURABLE: (1.0, 2.0, 3.0)}),
     ]
 
 
@@ -44,7 +44,7 @@ def test_estimate_value():
     assert est.rate_of(PUBLISH) == 0.0
     assert est.rate_per_h == pytest.approx(2.5) and est.rate_per_s == pytest.approx(2.5 / 3600)
     assert est.own_weight == 0.5 and est.own_failures == 1 and est.fleet_hours == 1.0 and est.runs == 1
-    assert est.save_blocking_s == {SaveTier.DURABLE: 2.0} and est.saves == {SaveTier.DURABLE: 3}
+    assert est.save_blocking_s == {CheckpointTier.DURABLE: 2.0} and est.saves == {CheckpointTier.DURABLE: 3}
     assert (est.detection_s, est.restore_s, est.step_s, est.steps_per_window) == (0.5, 4.0, 5.0, 200.0)
     assert est.has_history
     infra = next(c for c in est.classes if c.failure_class is INFRA)
@@ -139,11 +139,11 @@ def test_history_read_from_the_warehouse(warehouse_url):
     assert (a.model, a.wall_start, a.training_s, a.effective_training_s, a.effective_steps) == (
         "dlrm", 1_000.0, 19.0, 13.0, 13)
     assert (a.failures, a.detection_s, a.restore_s, a.windows) == ((INFRA,), (2.0,), (2.0,), 2)
-    assert a.saves == {SaveTier.DURABLE: (1.0,)}
+    assert a.saves == {CheckpointTier.DURABLE: (1.0,)}
     # 1 failure in 19 s of training; the fleet ("other"): 1 in 19 s; S = 1 h
     fleet_rate = 3600 / 19
     assert est.runs == 1 and est.rate_per_h == pytest.approx((fleet_rate + 1) / (1 + 19 / 3600))
-    assert est.save_blocking_s == {SaveTier.DURABLE: 1.0} and est.step_s == 1.0 and est.steps_per_window == 6.5
+    assert est.save_blocking_s == {CheckpointTier.DURABLE: 1.0} and est.step_s == 1.0 and est.steps_per_window == 6.5
 
 
 def test_the_plan_takes_the_interval_from_history(flow_data, tmp_path):
@@ -266,13 +266,13 @@ def test_cheaper_delta_saves_shorten_the_interval_planned_from_history(warehouse
                                    tags={}), events, compute_run_metrics(events))
         est = {m: estimate_from_warehouse(wh, model=m, now=5_000.0, config=config) for m in ("full", "delta")}
     # a save's blocking is its slowest rank's: the full run's 2.0 s each, the delta run's mean (2 + 3 x 0.2) / 4
-    assert est["full"].save_blocking_s == {SaveTier.DURABLE: 2.0}
-    assert est["delta"].save_blocking_s == {SaveTier.DURABLE: pytest.approx(0.65)}
-    assert est["full"].saves == est["delta"].saves == {SaveTier.DURABLE: 4}
+    assert est["full"].save_blocking_s == {CheckpointTier.DURABLE: 2.0}
+    assert est["delta"].save_blocking_s == {CheckpointTier.DURABLE: pytest.approx(0.65)}
+    assert est["full"].saves == est["delta"].saves == {CheckpointTier.DURABLE: 4}
     assert est["full"].step_s == est["delta"].step_s == 1.0
     planned = {m: plan_interval(e, windows=3, max_steps=None) for m, e in est.items()}
     for m in ("full", "delta"):
-        model = WasteModel(job_s=planned[m].job_s, save_blocking_s=est[m].save_blocking_s[SaveTier.DURABLE],
+        model = WasteModel(job_s=planned[m].job_s, save_blocking_s=est[m].save_blocking_s[CheckpointTier.DURABLE],
                            failure_rate_per_s=est[m].rate_per_s)
         assert planned[m].source is IntervalSource.HISTORY
         assert planned[m].interval_s == optimal_interval(model, min_interval_s=1.0).interval_s

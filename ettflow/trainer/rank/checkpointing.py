@@ -3,8 +3,9 @@ tier, its anchor, and every restore (the compile cache is `compile_plugin.py`'s)
 
 Each action is recorded as a phase: `checkpoint_save_blocking` (what the loop waits for) and
 `checkpoint_save_background` (the write that overlaps training), `checkpoint_restore` (attrs
-`source`: "own", the run's latest checkpoint after a restart; "parent", a warm start from the
-parent refresh's anchor, with the restored state's `fingerprint`).
+`source`, an `ett.checkpoint_tier.RestoreSource`: "own", the run's latest checkpoint after a
+restart; "parent", a warm start from the parent refresh's anchor, with the restored state's
+`fingerprint`; "memory", the in-memory tier's copies).
 An elastic restart (`placement.min_world_size`) restores the run's own checkpoint at another
 world size (`resharded_from`): model and optimizer state resharded by DCP (the same read as a
 warm start), the step, and the data cursor, which is the same on every rank of a checkpoint
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ettflow.ett.checkpoint_tier import RestoreSource
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import (
     CheckpointConfig,
@@ -201,7 +203,7 @@ class Checkpointing:
                 self.restored_path = None
                 if self.deltas is not None:
                     self.deltas.restored(None)  # the next save is a base
-                return {**attrs, "source": "memory", "step": point.step}
+                return {**attrs, "source": RestoreSource.MEMORY, "step": point.step}
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
             attrs["memory_problem"] = problem or "a peer's copy failed its check"
@@ -217,8 +219,8 @@ class Checkpointing:
                                   "no durable checkpoint; every rank restarts")
         restored, chain_attrs = self._load_own(path, chain.deltas if chain is not None else ())
         self.live_point = (self.train_state.step, Cursor.from_dict(self.train_state.cursor))
-        return {**attrs, "source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
-                **chain_attrs}
+        return {**attrs, "source": RestoreSource.OWN, "step": self.train_state.step,
+                "path": str(restored.checkpoint.path), **chain_attrs}
 
     def save_memory(self, step: int, cursor: Cursor | None, *, since: float | None = None) -> float:
         """A copy of the state at `step` into the in-memory tier; returns the seconds the loop was
@@ -271,7 +273,7 @@ class Checkpointing:
         if self.resharded:
             return self._restore_resharded()
         restored, chain_attrs = self._load_own(self.resume, self.resume_deltas)
-        return {"source": "own", "step": self.train_state.step, "path": str(restored.checkpoint.path),
+        return {"source": RestoreSource.OWN, "step": self.train_state.step, "path": str(restored.checkpoint.path),
                 "cursor": list(self.resume_cursor.as_tuple()), **chain_attrs}
 
     def _load_own(self, base: CheckpointInfo | Path | str, deltas: tuple[DeltaInfo, ...] = ()
@@ -308,7 +310,7 @@ class Checkpointing:
         restored = self.manager.load_parent(self.train_state, self.resume)  # weights only, resharded
         log.info("restored %s (step %d of %d ranks) on %d ranks", restored.checkpoint.path, self.resume.step,
                  self.resume.world_size, self.config.world_size)
-        return {"source": "own", "step": self.resume.step, "path": str(restored.checkpoint.path),
+        return {"source": RestoreSource.OWN, "step": self.resume.step, "path": str(restored.checkpoint.path),
                 "cursor": list(cursor.as_tuple()), "resharded_from": self.resume.world_size,
                 "world_size": self.config.world_size}
 
@@ -318,7 +320,7 @@ class Checkpointing:
         parent = restored.checkpoint
         fingerprint = state_fingerprint(self.train_state.model.state_dict())
         log.info("warm start from %s (step %d of %d ranks)", parent.path, parent.step, parent.world_size)
-        return {"source": "parent", "path": str(parent.path), "parent_step": parent.step,
+        return {"source": RestoreSource.PARENT, "path": str(parent.path), "parent_step": parent.step,
                 "parent_world_size": parent.world_size, "world_size": self.config.world_size,
                 "fingerprint": fingerprint}
 
