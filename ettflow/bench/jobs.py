@@ -135,13 +135,13 @@ class JobResult:
     @property
     def pooled_ranks(self) -> int:
         """How many of its first ranks started in processes the warm pool had prewarmed."""
-        return sum(1 for e in self.events if e.phase == "spare_start" and e.attrs.get("pooled")
-                   and e.attrs.get("for_rank") is not None)
+        return sum(1 for e in self.events if e.phase == "spare_start" and e.info.pooled
+                   and e.info.for_rank is not None)
 
     @property
     def spares(self) -> int:
         """Hot spares held for it (used or not)."""
-        return sum(1 for e in self.events if e.phase == "spare_start" and e.attrs.get("for_rank") is None)
+        return sum(1 for e in self.events if e.phase == "spare_start" and e.info.for_rank is None)
 
     @property
     def after_last_step_s(self) -> float:
@@ -172,8 +172,8 @@ class JobResult:
             return float(planned.interval_steps)
         gaps: list[int] = []
         for attempt in {e.attempt for e in self.events}:
-            steps = sorted(e.attrs["step"] for e in self.events if e.phase == "checkpoint_save_blocking"
-                           and e.rank == 0 and e.attempt == attempt and isinstance(e.attrs.get("step"), int))[1:]
+            steps = sorted(e.info.step for e in self.events if e.phase == "checkpoint_save_blocking"
+                           and e.rank == 0 and e.attempt == attempt and e.info.step is not None)[1:]
             gaps += [b - a for a, b in zip(steps, steps[1:])]
         return float(statistics.median(gaps)) if gaps else None
 
@@ -204,7 +204,7 @@ def run_flow_job(spec: JobSpec, row: Row, state: Path, *, runner: Any = None,
     result, events = refresher.run(params)
     metrics = compute_run_metrics(events)
     publish_s = sum(e.duration for e in events if e.phase in ("publish", "publish_standalone")
-                    and e.attrs.get("outcome") != "failed")
+                    and e.info.outcome != "failed")
     return JobResult(run_id=metrics.run_id, row=row.label, mode=row.mode, metrics=metrics, events=events,
                      publish_s=publish_s, snapshot=result.get("snapshot"), path=refresher.runner.path,
                      deployment=refresher.runner.deployment)

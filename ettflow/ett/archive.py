@@ -98,11 +98,11 @@ def fallback_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     because the newer checkpoint could not be used)."""
     found: dict[Any, dict[str, Any]] = {}  # by damaged step: a later attempt skipping it again is not new
     for e in sorted(events, key=lambda e: (e.attempt, e.start)):
-        if e.phase == CHECKPOINT_FALLBACK and e.attrs.get("damaged_step") is not None:
-            found.setdefault(e.attrs["damaged_step"], {
-                "attempt": e.attempt, "damaged_step": e.attrs["damaged_step"],
-                "restored_step": e.attrs.get("restored_step"), "file": e.attrs.get("file"),
-                "steps_lost": int(e.attrs["damaged_step"]) - int(e.attrs.get("restored_step") or 0)})
+        if e.phase == CHECKPOINT_FALLBACK and e.info.damaged_step is not None:
+            a = e.info
+            found.setdefault(a.damaged_step, {
+                "attempt": e.attempt, "damaged_step": a.damaged_step, "restored_step": a.restored_step,
+                "file": a.file, "steps_lost": a.damaged_step - (a.restored_step or 0)})
     return {"checkpoint_fallbacks": list(found.values())} if found else {}
 
 
@@ -115,9 +115,9 @@ def cache_refusal_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     refusal once, with the first attempt and rank that met it; those ranks compiled cold."""
     found: dict[str, dict[str, Any]] = {}
     for e in sorted(events, key=lambda e: (e.attempt, e.rank, e.start)):
-        if e.phase == "compile_cache_restore" and e.attrs.get("miss") in CACHE_DAMAGE:
-            found.setdefault(str(e.attrs.get("reason")), {"attempt": e.attempt, "rank": e.rank,
-                                                          "miss": e.attrs["miss"], "reason": e.attrs.get("reason")})
+        if e.phase == "compile_cache_restore" and e.info.miss in CACHE_DAMAGE:
+            found.setdefault(str(e.info.reason), {"attempt": e.attempt, "rank": e.rank, "miss": e.info.miss,
+                                                  "reason": e.info.reason})
     return {"compile_cache_refused": list(found.values())} if found else {}
 
 

@@ -36,10 +36,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .event_attrs import SpareAttrs
 from .events import PhaseEvent
 
 SPARE_START = "spare_start"
 FLOW_PRESTART = "flow_prestart"
+PLACED = ("scheduling", "spare_handoff")  # the driver's events that say how many ranks an attempt runs
 
 
 @dataclass(frozen=True)
@@ -60,22 +62,22 @@ class HeldCapacity:
 def held_capacity(events: Sequence[PhaseEvent], wall_start: float, wall_end: float) -> HeldCapacity:
     """What the run's `spare_start` events say was held for it (see the module docstring)."""
     ranks = {ev.rank for ev in events if ev.rank >= 0}
-    slots = max(len(ranks), max((int(ev.attrs.get("world_size", 0)) for ev in events if ev.rank < 0
-                                 and isinstance(ev.attrs.get("world_size"), int)), default=0))
+    slots = max(len(ranks), max((ev.info.world_size for ev in events if ev.rank < 0 and ev.phase in PLACED
+                                 and ev.info.world_size is not None), default=0))
     pooled = spare = unused = 0.0
     prestart = sum(max(0.0, ev.end - ev.start) for ev in events if ev.phase == FLOW_PRESTART)
     for ev in events:
         if ev.phase != SPARE_START:
             continue
-        requested = ev.start
-        if ev.attrs.get("for_rank") is not None:
-            taken = _num(ev.attrs.get("taken_at"), ev.end)
+        requested, a = ev.start, ev.info
+        if a.for_rank is not None:
+            taken = _or(a.taken_at, ev.end)
             pooled += max(0.0, min(taken, wall_start) - requested)
             continue
-        if ev.attrs.get("used", True) and ev.attrs.get("taken_at") is not None:
-            spare += max(0.0, _num(ev.attrs["taken_at"], ev.end) - requested)
-        elif not ev.attrs.get("used", True):
-            held = max(0.0, _num(ev.attrs.get("released_at"), wall_end) - requested)
+        if a.used and a.taken_at is not None:
+            spare += max(0.0, a.taken_at - requested)
+        elif not a.used:
+            held = max(0.0, _or(a.released_at, wall_end) - requested)
             spare += held
             unused += held
         else:  # a used spare recorded before `taken_at` existed: its prewarm, at least
@@ -90,8 +92,8 @@ def capacity_ett_pct(effective_s: float, wall_s: float, held: HeldCapacity) -> f
     return 100.0 * effective_s * held.slots / denominator if denominator > 0 else 0.0
 
 
-def _num(value: object, default: float) -> float:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 # what a holding was (`Holding.kind`)
@@ -147,23 +149,22 @@ def holdings_of_run(run_id: str, model: str, events: Sequence[PhaseEvent], wall_
     for ev in events:
         if ev.phase not in (SPARE_START, FLOW_PRESTART):
             continue
+        a = ev.info if ev.phase == SPARE_START else SpareAttrs()
         common = {"holding_id": f"{run_id}:{ev.attempt}:{ev.rank}:{ev.seq}", "model": model, "run_id": run_id,
-                  "requested_at": ev.start, "gpus": _num(ev.attrs.get("gpus"), 0.0),
-                  "cpus": _num(ev.attrs.get("cpus"), 0.0), "memory_bytes": _int(ev.attrs.get("rss_bytes"))}
+                  "requested_at": ev.start, "gpus": _or(a.gpus, 0.0), "cpus": _or(a.cpus, 0.0),
+                  "memory_bytes": _int(a.rss_bytes)}
         if ev.phase == FLOW_PRESTART:
             out.append(Holding(kind=FLOW_PROCESS, used=True, released_at=ev.end, reason="waited", slots=0.0,
                                **{**common, "cpus": 1.0}))
-        elif ev.attrs.get("for_rank") is not None:
-            taken = _num(ev.attrs.get("taken_at"), ev.end)
+        elif a.for_rank is not None:
+            taken = _or(a.taken_at, ev.end)
             out.append(Holding(kind=POOLED_RANK, used=True, released_at=max(ev.start, min(taken, wall_start)),
                                reason="taken", **common))
-        elif not ev.attrs.get("used", True):
-            out.append(Holding(kind=SPARE, used=False, released_at=max(ev.start, _num(ev.attrs.get("released_at"),
-                                                                                        wall_end)),
+        elif not a.used:
+            out.append(Holding(kind=SPARE, used=False, released_at=max(ev.start, _or(a.released_at, wall_end)),
                                reason="released_unused", **common))
         else:
-            out.append(Holding(kind=SPARE, used=True, released_at=max(ev.start, _num(ev.attrs.get("taken_at"),
-                                                                                       ev.end)),
+            out.append(Holding(kind=SPARE, used=True, released_at=max(ev.start, _or(a.taken_at, ev.end)),
                                reason="replaced_rank", **common))
     return out
 

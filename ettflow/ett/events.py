@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+from .event_attrs import EventAttrs, attrs_of
 from .failures import FAILURE_CLASSES  # the classes live with the Failure type
 
 # The six L2 components, in sweep priority (highest first). They partition the wall clock.
@@ -282,6 +284,11 @@ class PhaseEvent:
     @property
     def component(self) -> str | None:
         return PHASE_COMPONENT[self.phase]
+
+    @cached_property
+    def info(self) -> EventAttrs:
+        """The attributes as its phase's typed class (`event_attrs`), parsed once."""
+        return attrs_of(self.phase, self.attrs)
 
     @property
     def cursor_start(self) -> Cursor:

@@ -7,13 +7,12 @@ and who owns the fix; nobody parses a message to find them.
 
 Pure: no I/O. The spool stores a failure as the `failure_class`, `failed_rank`, `step`,
 `reason`, `detail` (and `path`, `node` when known) attributes of a `failure` / `failure_detected` marker
-(`Failure.to_attrs` / `Failure.from_attrs`).
+(`Failure.to_attrs`; read back by `event_attrs.FailureAttrs.failure`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,15 +121,6 @@ class Failure:
         if self.hang:
             out["hang"] = True
         return out
-
-    @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any], *, attempt: int | None = None) -> Failure:
-        return cls(failure_class=FailureClass.parse(attrs.get("failure_class", "infrastructure")),
-                   rank=int(attrs.get("failed_rank", -1)), attempt=attempt,
-                   step=attrs.get("step"), reason=str(attrs.get("reason", "")),
-                   detail=str(attrs.get("detail", "")), path=attrs.get("path"), node=attrs.get("node"),
-                   injected=bool(attrs.get("injected", False)), secondary=bool(attrs.get("secondary", False)),
-                   hang=bool(attrs.get("hang", False)))
 
 
 class FailureError(RuntimeError):

@@ -53,7 +53,7 @@ def last_on_clock_end(events: Sequence[PhaseEvent]) -> float | None:
 
 def has_orchestrator_failure(events: Sequence[PhaseEvent], attempt: int) -> bool:
     return any(e.attempt == attempt and e.phase in (FAILURE, FAILURE_DETECTED)
-               and e.attrs.get("failure_class") == FailureClass.ORCHESTRATOR.value for e in events)
+               and e.info.failure_class == FailureClass.ORCHESTRATOR.value for e in events)
 
 
 def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | None,
@@ -66,8 +66,8 @@ def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | No
     if has_orchestrator_failure(events, last):
         return None
     if any(e.attempt == last and e.phase == FAILURE_DETECTED
-           and (e.attrs.get("process_stopped") or e.attrs.get("task"))
-           and e.attrs.get("failure_class") == FailureClass.PREEMPTION.value for e in events):
+           and (e.info.process_stopped or e.info.task)
+           and e.info.failure_class == FailureClass.PREEMPTION.value for e in events):
         return None  # the process was stopped, and its driver or task said so: the crash is that stop
     failed = any(e.attempt == last and e.phase in (FAILURE, FAILURE_DETECTED) for e in events)
     end = last_on_clock_end(events)

@@ -163,7 +163,7 @@ def _publish_failures(events: Sequence[PhaseEvent], wall_end: float) -> tuple[Fa
     tries = sorted((ev for ev in events if ev.phase in PUBLISH_PHASES), key=lambda e: (e.start, e.end))
     out = []
     for i, ev in enumerate(tries):
-        if ev.attrs.get("outcome") != "failed":
+        if ev.info.outcome != "failed":
             continue
         later = tries[i + 1:]
         retry = later[0] if later else None
@@ -171,9 +171,9 @@ def _publish_failures(events: Sequence[PhaseEvent], wall_end: float) -> tuple[Fa
         ttr = max(0.0, min(retry.start if retry is not None else wall_end, wall_end) - ev.end) if on_clock else 0.0
         out.append(FailureMetrics(
             attempt=ev.attempt, rank=ev.rank, failure_class=FailureClass.PUBLISH.value,
-            reason=str(ev.attrs.get("error") or "publish failed")[:500], failed_at=ev.end, detected_at=ev.end,
-            ttr_s=ttr, recovered=any(t.attrs.get("outcome") != "failed" for t in later),
-            cascaded=retry is not None and retry.attrs.get("outcome") == "failed"))
+            reason=(ev.info.error or "publish failed")[:500], failed_at=ev.end, detected_at=ev.end,
+            ttr_s=ttr, recovered=any(t.info.outcome != "failed" for t in later),
+            cascaded=retry is not None and retry.info.outcome == "failed"))
     return tuple(out)
 
 

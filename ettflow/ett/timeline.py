@@ -207,10 +207,10 @@ def faults(events: Sequence[PhaseEvent]) -> list[Fault]:
                 attempt=attempt,
                 failed_at=min(f.start, d.start),
                 detected_at=max(d.start, f.start),
-                rank=int(first.attrs.get("failed_rank", first.rank)),
-                failure_class=str(first.attrs.get("failure_class", "infrastructure")),
-                reason=str(first.attrs.get("reason", "")),
-                hang=any(bool(ev.attrs.get("hang")) for ev in (*failed.get(attempt, ()), *detected.get(attempt, ()))),
+                rank=first.info.failed_rank if first.info.failed_rank is not None else first.rank,
+                failure_class=first.info.failure_class or "infrastructure",
+                reason=first.info.reason or "",
+                hang=any(ev.info.hang for ev in (*failed.get(attempt, ()), *detected.get(attempt, ()))),
             )
         )
     return out

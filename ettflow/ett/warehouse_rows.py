@@ -127,12 +127,10 @@ def event_row(ev: PhaseEvent) -> dict[str, Any]:
 
 
 def checkpoint_row(ev: PhaseEvent) -> dict[str, Any]:
-    path = ev.attrs.get("path")
+    a = ev.info
     return {"run_id": ev.run_id, "attempt": ev.attempt, "rank": ev.rank, "seq": ev.seq,
             "kind": CHECKPOINT_KINDS[ev.phase], "start": ev.start, "end": ev.end,
-            "duration_s": ev.duration, "step": _int_or_none(ev.attrs.get("step")),
-            "path": None if path is None else str(path),
-            "bytes": _int_or_none(ev.attrs.get("bytes"))}
+            "duration_s": ev.duration, "step": a.step, "path": a.path, "bytes": _int_or_none(a.bytes)}
 
 
 def rows_for_run(

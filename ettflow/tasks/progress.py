@@ -26,7 +26,7 @@ from typing import Any
 from uuid import UUID
 
 from ettflow.ett.checkpoint_tier import RestoreSource
-from ettflow.ett.events import CHECKPOINT_FALLBACK, PhaseEvent
+from ettflow.ett.events import CHECKPOINT_FALLBACK, TRAIN_STEP, PhaseEvent
 from ettflow.ett.failures import Failure
 from ettflow.ett.run_summary import failure_line
 from ettflow.trainer.group.progress import SpoolTail
@@ -109,10 +109,10 @@ class StepTail(SpoolTail):
         super().__init__(*args, **kwargs)
         self.step = 0
 
-    def _take(self, rank: int, rec: dict) -> None:
-        super()._take(rank, rec)
-        if rec.get("phase") == "train_step":
-            self.step = max(self.step, int(rec.get("attrs", {}).get("step", -1)) + 1)
+    def _take(self, rank: int, ev: PhaseEvent) -> None:
+        super()._take(rank, ev)
+        if ev.phase == TRAIN_STEP:
+            self.step = max(self.step, (ev.info.step if ev.info.step is not None else -1) + 1)
 
 
 def planned_steps(config) -> int | None:
@@ -162,19 +162,19 @@ def restored_text(events: list[PhaseEvent], attempt: int) -> str:
     restored and from where (the in-memory tier, the run's durable checkpoint, the parent
     anchor), each damaged checkpoint it skipped, or that no copy could be used (step 0)."""
     own = [e for e in events if e.attempt == attempt]
-    restores = sorted((e for e in own if e.phase == "checkpoint_restore" and not e.attrs.get("error")),
+    restores = sorted((e for e in own if e.phase == "checkpoint_restore" and not e.info.error),
                       key=lambda e: (e.rank, e.start))
-    skipped = sorted({int(e.attrs["damaged_step"]) for e in own
-                      if e.phase == CHECKPOINT_FALLBACK and e.attrs.get("damaged_step") is not None})
+    skipped = sorted({e.info.damaged_step for e in own
+                      if e.phase == CHECKPOINT_FALLBACK and e.info.damaged_step is not None})
     damage = (f"; damaged checkpoint(s) of step {', '.join(map(str, skipped))} skipped" if skipped else "")
     if not restores:
         return f"attempt {attempt} started from step 0: no copy of this run could be restored{damage}"
     first = restores[0]
-    if first.attrs.get("source") == RestoreSource.PARENT:
+    if first.info.source is RestoreSource.PARENT:
         return (f"attempt {attempt} started from step 0 on the parent refresh's anchor: no copy of this run could "
                 f"be restored{damage}")
-    where = "the in-memory copies" if first.attrs.get("source") == RestoreSource.MEMORY else "the durable checkpoint"
-    return f"attempt {attempt} restored step {first.attrs.get('step')} from {where}{damage}"
+    where = "the in-memory copies" if first.info.source is RestoreSource.MEMORY else "the durable checkpoint"
+    return f"attempt {attempt} restored step {first.info.step} from {where}{damage}"
 
 
 class ProgressReporter:

@@ -99,7 +99,7 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     phase = "publish" if on_devices else "publish_standalone"
     attempt = run_spool.last_attempt(plan.spool_root, plan.run_id)
     injected = sum(1 for e in run_spool.publish_records(run_spool.events(plan.spool_root, plan.run_id))
-                   if e.attrs.get("injected"))
+                   if e.info.injected)
     start = time.time()
     logger.info("publishing %s %s", anchor, "while the trainer holds its devices" if on_devices else "on the CPU")
     try:

@@ -70,7 +70,7 @@ def failures(root: Path | str, run_id: str) -> list[Failure]:
     for ev in sorted(events(root, run_id), key=lambda e: (e.attempt, e.phase != FAILURE_DETECTED, e.start)):
         if ev.phase in (FAILURE, FAILURE_DETECTED):
             by_attempt.setdefault(ev.attempt, ev)
-    return [Failure.from_attrs(ev.attrs, attempt=a) for a, ev in sorted(by_attempt.items())]
+    return [ev.info.failure(a) for a, ev in sorted(by_attempt.items())]
 
 
 def record_task_failure(root: Path | str, run_id: str, attempt: int, exc: BaseException, *,
@@ -104,13 +104,13 @@ def publish_records(evs: list[PhaseEvent]) -> list[PhaseEvent]:
 def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
     """Tries, failures and the published snapshot, as warehouse tags."""
     tries = publish_records(evs)
-    failed = [e for e in tries if e.attrs.get("outcome") == "failed"]
-    ok = [e for e in tries if e.attrs.get("outcome") == "published"]
+    failed = [e for e in tries if e.info.outcome == "failed"]
+    ok = [e for e in tries if e.info.outcome == "published"]
     out: dict[str, Any] = {"publish_tries": len(tries), "publish_failures": len(failed)}
     if failed:
-        out["publish_errors"] = [str(e.attrs.get("error", ""))[:200] for e in failed]
+        out["publish_errors"] = [(e.info.error or "")[:200] for e in failed]
     if ok:
-        out["snapshot"] = ok[-1].attrs.get("snapshot")
+        out["snapshot"] = ok[-1].info.snapshot
         out["publish_phase"] = ok[-1].phase
     return out
 

@@ -15,6 +15,6 @@ SKIP_STAGE = "claim_windows"
 def skip_reason(evs: Sequence[PhaseEvent]) -> str | None:
     """Why the run was skipped, from its spool (None: it was not)."""
     for e in evs:
-        if e.attrs.get("stage") == SKIP_STAGE and e.attrs.get("outcome") == Outcome.SKIPPED.value:
-            return str(e.attrs.get("reason") or "skipped")
+        if e.phase == "scheduling" and e.info.stage == SKIP_STAGE and e.info.outcome == Outcome.SKIPPED.value:
+            return e.info.reason or "skipped"
     return None

@@ -40,7 +40,7 @@ def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title:
     if publish:
         row = len(attempts)
         for e in publish:
-            failed = e.attrs.get("outcome") == "failed"
+            failed = e.info.outcome == "failed"
             ax.broken_barh([(e.start - t0, max(e.duration, 1e-3))], (row - 0.35, 0.7),
                            facecolors="none" if failed else PUBLISH_COLOUR, edgecolors=PUBLISH_COLOUR,
                            hatch="//" if failed else None)

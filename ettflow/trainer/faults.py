@@ -56,10 +56,9 @@ def due_in_phase(failures: Sequence[FailAt], *, attempt: int, rank: int, phase: 
     return None
 
 
-def is_scripted_hang(failures: Sequence[FailAt], attrs: dict) -> bool:
-    """A `failure` marker written by a scripted hang (by its item's index)."""
-    index = attrs.get("fault_index")
-    return index is not None and any(f.index == index and f.kind == "hang" for f in failures)
+def is_scripted_hang(failures: Sequence[FailAt], fault_index: int | None) -> bool:
+    """A `failure` marker written by a scripted hang (by its item's index, the marker's `fault_index`)."""
+    return fault_index is not None and any(f.index == fault_index and f.kind == "hang" for f in failures)
 
 
 def injected_failure(fault: FailAt, *, rank: int, attempt: int, step: int | None) -> Failure:
@@ -84,19 +83,19 @@ def fired_faults(failures: Sequence[FailAt], events: Iterable[PhaseEvent]) -> se
     fired: set[int] = set()
     unindexed: list[PhaseEvent] = []
     for ev in events:
-        if ev.phase == FAULT_INJECTED and ev.attrs.get("fault_index") is not None:  # not a failure (corrupt)
-            fired.add(int(ev.attrs["fault_index"]))
+        if ev.phase == FAULT_INJECTED and ev.info.fault_index is not None:  # not a failure (corrupt)
+            fired.add(ev.info.fault_index)
         if ev.phase != FAILURE:
             continue
-        if ev.attrs.get("fault_index") is not None:
-            fired.add(int(ev.attrs["fault_index"]))
-        elif ev.attrs.get("injected"):
+        if ev.info.fault_index is not None:
+            fired.add(ev.info.fault_index)
+        elif ev.info.injected:
             unindexed.append(ev)
     for f in failures:
         for ev in unindexed:
-            if (f.step is not None and ev.attrs.get("step") == f.step
-                    and int(ev.attrs.get("failed_rank", ev.rank)) == f.rank
-                    and f.kind in KIND_CLASS and ev.attrs.get("failure_class") == KIND_CLASS[f.kind].value):
+            rank = ev.info.failed_rank if ev.info.failed_rank is not None else ev.rank
+            if (f.step is not None and ev.info.step == f.step and rank == f.rank
+                    and f.kind in KIND_CLASS and ev.info.failure_class == KIND_CLASS[f.kind].value):
                 fired.add(f.index)
     return fired
 

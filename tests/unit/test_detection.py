@@ -196,7 +196,7 @@ def test_a_scripted_hangs_marker_is_left_to_the_watchdog(tmp_path):
     (failure,) = result.failures
     (marker,) = run.markers("failure")
     (detected,) = run.markers("failure_detected")
-    assert is_scripted_hang(run.config.failures, marker.attrs)
+    assert is_scripted_hang(run.config.failures, marker.info.fault_index)
     assert failure.reason.startswith("rank 1 hung in train_step") and failure.step == 2
     # the hang began when rank 1's step 1 ended (1004): the watchdog fires past 4 s
     assert marker.start == 1004.0 and detected.start == 1009.0

@@ -208,7 +208,7 @@ def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):
     # typed: the class, the rank, the attempt, and the step it was at (two steps done)
     assert (failure.failure_class, failure.rank, failure.attempt, failure.step) == (INFRA, 1, 0, 2)
     (detected,) = run.markers("failure_detected")
-    assert Failure.from_attrs(detected.attrs, attempt=detected.attempt) == failure  # the marker is the failure
+    assert detected.info.failure(detected.attempt) == failure  # the marker is the failure
     m = run.metrics()
     assert m.nof == 1 and m.failures[0].failure_class == "infrastructure"
     # the 3rd poll of attempt 0 runs 1004 -> 1005 and reports the death: detected at 1005;

@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from ettflow.ett.event_attrs import FailureAttrs
 from ettflow.ett.events import marker
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.tasks.trainer import _retry_training
@@ -84,7 +85,7 @@ def test_failures_survive_pickling():
     assert pickle.loads(pickle.dumps(FailureError(typed))).failure == typed
     exc = pickle.loads(pickle.dumps(TrainingFailed("r1", [typed], RAISE, "why")))
     assert (exc.failures, exc.decision, exc.why) == ([typed], RAISE, "why")
-    assert Failure.from_attrs(typed.to_attrs()) == typed
+    assert FailureAttrs.parse(typed.to_attrs()).failure() == typed
 
 
 # ---- the default policy --------------------------------------------------------------------

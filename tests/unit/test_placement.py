@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ettflow.ett.event_attrs import FailureAttrs
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.spool import read_spool
 from ettflow.tasks.errors import ParameterError
@@ -75,7 +76,7 @@ def test_a_lost_process_on_a_dead_node_names_the_node():
     lost = on_lost_node(died, node="abc123", address="10.0.0.7")
     assert lost.failure_class is FailureClass.INFRASTRUCTURE and lost.node == "abc123" and lost.rank == 3
     assert lost.reason == "rank 3: node abc123 (10.0.0.7) lost"
-    assert Failure.from_attrs(lost.to_attrs(), attempt=0) == lost  # the spool keeps the node
+    assert FailureAttrs.parse(lost.to_attrs()).failure(0) == lost  # the spool keeps the node
     with pytest.raises(ValueError, match="only a lost process"):
         on_lost_node(Failure(failure_class=FailureClass.USER, rank=1), node="n", address="a")
 

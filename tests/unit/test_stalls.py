@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ettflow.ett.event_attrs import FailureAttrs
 from ettflow.ett.events import (
     COMPONENTS,
     HANG,
@@ -134,7 +135,7 @@ def test_split_by_cover():
 
 def test_a_hangs_wait_is_the_hang_not_work_lost_in_flight():
     hang = Hang(rank=1, phase="train_step", since=5.0, for_s=61.0, bound_s=60.0, step=5).failure(attempt=0)
-    assert hang.hang and hang.to_attrs()["hang"] is True and Failure.from_attrs(hang.to_attrs()).hang
+    assert hang.hang and hang.to_attrs()["hang"] is True and FailureAttrs.parse(hang.to_attrs()).failure().hang
     assert "hang" not in Failure(failure_class=FailureClass.INFRASTRUCTURE).to_attrs()
     t = timelines.Timeline("hung")
     t.mark("submitted", 0).steps(0, 0, 5)

@@ -363,11 +363,10 @@ class TrainingDriver:
         hang's marker is left out: it only records when the hang began, and the watchdog must
         find the hang as it would a real one."""
         out = []
-        for rank, record in tail.new_failure_markers():
-            attrs = record.get("attrs", {})
-            if is_scripted_hang(self.config.failures, attrs):
+        for rank, marker in tail.new_failure_markers():
+            if is_scripted_hang(self.config.failures, marker.info.fault_index):
                 continue
-            failure = Failure.from_attrs(attrs, attempt=attempt)
+            failure = marker.info.failure(attempt)
             out.append(failure if failure.rank >= 0 else replace(failure, rank=rank))
         return out
 
@@ -405,8 +404,8 @@ class TrainingDriver:
         restored: int | None = None
         path = spool_file(self.spool_root, self.run_id, attempt, rank)
         for ev in read_file(path).events if path.is_file() else ():
-            if ev.phase == TRAIN_STEP and isinstance(ev.attrs.get("step"), int):
-                last = max(last if last is not None else -1, ev.attrs["step"])
-            elif ev.phase == "checkpoint_restore" and isinstance(ev.attrs.get("step"), int):
-                restored = ev.attrs["step"]
+            if ev.phase == TRAIN_STEP and ev.info.step is not None:
+                last = max(last if last is not None else -1, ev.info.step)
+            elif ev.phase == "checkpoint_restore" and ev.info.step is not None:
+                restored = ev.info.step
         return last + 1 if last is not None else restored

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ettflow.ett.events import FAILURE, TRAIN_STEP, PhaseEvent
 from ettflow.ett.spool import spool_file
 from ettflow.trainer.rank_heartbeat import RankBeat, beat_file, read_beat
 
@@ -30,10 +31,10 @@ class SpoolTail:
     def __init__(self, root: Path | str, run_id: str, attempt: int, world_size: int) -> None:
         self.files = {r: spool_file(root, run_id, attempt, r) for r in range(world_size)}
         self.beat_files = {r: beat_file(root, run_id, attempt, r) for r in range(world_size)}
-        self._unread_failures: list[tuple[int, dict]] = []
+        self._unread_failures: list[tuple[int, PhaseEvent]] = []
         self.offsets = dict.fromkeys(self.files, 0)
         self.ranks = {r: RankProgress() for r in self.files}
-        self.failure_markers: list[dict] = []
+        self.failure_markers: list[PhaseEvent] = []
 
     def poll(self) -> dict[int, RankProgress]:
         for rank, path in self.files.items():
@@ -47,28 +48,26 @@ class SpoolTail:
             self.offsets[rank] += len(complete)
             for line in complete.splitlines():
                 try:
-                    self._take(rank, json.loads(line))
-                except ValueError:
+                    self._take(rank, PhaseEvent.from_dict(json.loads(line)))
+                except ValueError:  # EventError too
                     continue  # the metric reader reports corrupt lines; the tail skips them
         return self.ranks
 
-    def _take(self, rank: int, rec: dict) -> None:
+    def _take(self, rank: int, ev: PhaseEvent) -> None:
         p = self.ranks[rank]
-        phase = rec.get("phase")
-        if phase == "train_step":
+        if ev.phase == TRAIN_STEP:
             p.steps += 1
-            p.last_step_end = rec["end"]
+            p.last_step_end = ev.end
             if p.first_step_start is None:
-                p.first_step_start = rec["start"]
-            attrs = rec.get("attrs", {})
-            p.loss = attrs.get("loss", p.loss)
-            p.examples += int(attrs.get("examples", 0))
-        elif phase == "failure":
-            self.failure_markers.append(rec)
-            self._unread_failures.append((rank, rec))
+                p.first_step_start = ev.start
+            p.loss = ev.info.loss if ev.info.loss is not None else p.loss
+            p.examples += ev.info.examples or 0
+        elif ev.phase == FAILURE:
+            self.failure_markers.append(ev)
+            self._unread_failures.append((rank, ev))
 
-    def new_failure_markers(self) -> list[tuple[int, dict]]:
-        """(rank, record) of the `failure` markers read since the last call."""
+    def new_failure_markers(self) -> list[tuple[int, PhaseEvent]]:
+        """(rank, marker) of the `failure` markers read since the last call."""
         out, self._unread_failures = self._unread_failures, []
         return out
 

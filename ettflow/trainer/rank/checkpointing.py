@@ -195,7 +195,7 @@ class Checkpointing:
             else:
                 try:
                     read = self.memory.restore(self.train_state, point.step)
-                    attrs["memory_deltas"] = read["deltas"]
+                    attrs.update(memory_deltas=read["deltas"])
                 except MemoryCopyError as exc:
                     problem = str(exc)
             if self.control.all_ok(problem is None):
@@ -206,7 +206,7 @@ class Checkpointing:
                 return {**attrs, "source": RestoreSource.MEMORY, "step": point.step}
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
-            attrs["memory_problem"] = problem or "a peer's copy failed its check"
+            attrs.update(memory_problem=problem or "a peer's copy failed its check")
             attrs.pop("memory_deltas", None)
         # the run's newest restorable chain (a base, or a base and its deltas), or the one named
         chain = checked_scan(self.config).chain(self.config.world_size) \

@@ -270,7 +270,7 @@ class TrainLoop:
             self.beat.leave("train_step")
         with self.rec.span("anchor_checkpoint", step=step) as attrs, self._phase(SAVE):
             anchor = self.checkpointing.save_anchor(step, last_cursor, self.rec.run_id, loss=loss_value)
-            attrs["path"] = str(anchor) if anchor else None
+            attrs.update(path=str(anchor) if anchor else None)
         evaluation = None
         if self.state.eval_data is not None and self.config.eval_batches > 0:
             with self.rec.span("evaluation") as attrs, self._phase("evaluation"):
