@@ -30,3 +30,24 @@ def test_the_newest_committed_folder_is_found_by_name(tmp_path):
     for folder in (final_dir(tmp_path, 5), final_dir(tmp_path, 10), tmp_dir(tmp_path, 15)):
         folder.mkdir()
     assert newest_committed(tmp_path) == (10, str(final_dir(tmp_path, 10)))  # a .tmp is not committed
+
+
+def test_a_restore_s_report_is_its_checkpoint_restore_attributes():
+    from ettflow.ett.checkpoint_tier import RestoreSource
+    from ettflow.trainer.rank.restore_report import ChainRead, RestoreReport
+
+    memory = RestorePoint(step=12, source=MEMORY)
+    assert RestoreReport(source=RestoreSource.MEMORY, step=12, point=memory, memory_deltas=2).to_attrs() == {
+        "restore_step": 12, "restore_tier": "memory", "source": "memory", "step": 12, "memory_deltas": 2}
+    durable = RestoreReport(source=RestoreSource.OWN, step=15, path="/c/10", chain=ChainRead(
+        base_step=10, deltas=(15,), rows=7)).at(memory, memory_problem="checksum")
+    assert durable.to_attrs() == {"restore_step": 12, "restore_tier": "memory", "source": "own", "step": 15,
+                                  "path": "/c/10", "base_step": 10, "deltas": [15], "delta_rows": 7,
+                                  "memory_problem": "checksum"}
+    own = RestoreReport(source=RestoreSource.OWN, step=10, path="/c/10", cursor=(0, 1, 64))
+    assert own.to_attrs() == {"source": "own", "step": 10, "path": "/c/10", "cursor": [0, 1, 64]}
+    warm = RestoreReport(source=RestoreSource.PARENT, path="/p/20", parent_step=20, parent_world_size=4,
+                         world_size=2, fingerprint="ab12")
+    assert warm.to_attrs() == {"source": "parent", "path": "/p/20", "parent_step": 20, "parent_world_size": 4,
+                               "world_size": 2, "fingerprint": "ab12"}
+    assert warm.to_attrs()["source"] is RestoreSource.PARENT  # the enum, written as its text

@@ -51,6 +51,7 @@ from ettflow.trainer.faults import due_in_phase
 from ettflow.trainer.protocol import MEMORY, RestorePoint
 from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.numerics import refuse_nonfinite
+from ettflow.trainer.rank.restore_report import ChainRead, RestoreReport
 
 if TYPE_CHECKING:
     from torchrec.distributed import DistributedModelParallel
@@ -179,7 +180,7 @@ class Checkpointing:
         if self.memory is not None:
             self.memory.wait()
 
-    def restore_point(self, point: RestorePoint, *, fallback: bool = False) -> dict[str, Any]:
+    def restore_point(self, point: RestorePoint, *, fallback: bool = False) -> RestoreReport:
         """A live recovery's (or a full restart's) restore, collective: the in-memory copy of
         `point.step` on every rank, or, when it is missing or fails its checksum on any rank,
         the durable checkpoint on every rank (with a warning); `point` itself may name the
@@ -187,15 +188,14 @@ class Checkpointing:
         checkpoint either, a full restart's ranks warm start as they would have (a live
         recovery's survivors cannot: they raise)."""
         assert self.manager is not None and self.train_state is not None
-        attrs: dict[str, Any] = point.spool_attrs()
-        problem = None
+        problem = memory_problem = None
         if point.source is MEMORY:
+            read = None
             if self.memory is None:
                 problem = "this rank has no in-memory tier"
             else:
                 try:
                     read = self.memory.restore(self.train_state, point.step)
-                    attrs.update(memory_deltas=read["deltas"])
                 except MemoryCopyError as exc:
                     problem = str(exc)
             if self.control.all_ok(problem is None):
@@ -203,24 +203,25 @@ class Checkpointing:
                 self.restored_path = None
                 if self.deltas is not None:
                     self.deltas.restored(None)  # the next save is a base
-                return {**attrs, "source": RestoreSource.MEMORY, "step": point.step}
+                return RestoreReport(source=RestoreSource.MEMORY, step=point.step, point=point,
+                                     memory_deltas=read["deltas"] if read is not None else None)
             log.warning("in-memory copy of step %d not usable (%s): every rank restores the durable checkpoint",
                         point.step, problem or "a peer's copy failed")
-            attrs.update(memory_problem=problem or "a peer's copy failed its check")
-            attrs.pop("memory_deltas", None)
+            memory_problem = problem or "a peer's copy failed its check"
         # the run's newest restorable chain (a base, or a base and its deltas), or the one named
         chain = checked_scan(self.config).chain(self.config.world_size) \
             if point.source is MEMORY or point.path is None or not is_base(point.path) else None
         path = (chain.base.path if chain.base is not None else None) if chain is not None else point.path
         if path is None and fallback and self.parent is not None:
-            return {**attrs, **self._warm_start()}
+            return self._warm_start().at(point, memory_problem=memory_problem)
         if path is None:
             raise CheckpointError(f"live recovery: the in-memory copy of step {point.step} failed and the run has "
                                   "no durable checkpoint; every rank restarts")
-        restored, chain_attrs = self._load_own(path, chain.deltas if chain is not None else ())
+        restored, read = self._load_own(path, chain.deltas if chain is not None else ())
         self.live_point = (self.train_state.step, Cursor.from_dict(self.train_state.cursor))
-        return {**attrs, "source": RestoreSource.OWN, "step": self.train_state.step,
-                "path": str(restored.checkpoint.path), **chain_attrs}
+        return RestoreReport(source=RestoreSource.OWN, step=self.train_state.step,
+                             path=str(restored.checkpoint.path), chain=read, point=point,
+                             memory_problem=memory_problem)
 
     def save_memory(self, step: int, cursor: Cursor | None, *, since: float | None = None) -> float:
         """A copy of the state at `step` into the in-memory tier; returns the seconds the loop was
@@ -265,23 +266,23 @@ class Checkpointing:
         are finite; `action` names what is refused ("checkpoint at step 10")."""
         refuse_nonfinite(self.rec, self.dense_named, rank=self.rank, step=step, loss=loss, action=action)
 
-    def restore(self) -> dict[str, Any]:
+    def restore(self) -> RestoreReport:
         """The `checkpoint_restore` stage: the run's own latest checkpoint (or chain), or the parent anchor."""
         assert self.manager is not None and self.train_state is not None
         if self.resume is None:
             return self._warm_start()
         if self.resharded:
             return self._restore_resharded()
-        restored, chain_attrs = self._load_own(self.resume, self.resume_deltas)
-        return {"source": RestoreSource.OWN, "step": self.train_state.step, "path": str(restored.checkpoint.path),
-                "cursor": list(self.resume_cursor.as_tuple()), **chain_attrs}
+        restored, read = self._load_own(self.resume, self.resume_deltas)
+        return RestoreReport(source=RestoreSource.OWN, step=self.train_state.step,
+                             path=str(restored.checkpoint.path), cursor=self.resume_cursor.as_tuple(), chain=read)
 
     def _load_own(self, base: CheckpointInfo | Path | str, deltas: tuple[DeltaInfo, ...] = ()
-                  ) -> tuple[RestoreResult, dict[str, Any]]:
+                  ) -> tuple[RestoreResult, ChainRead | None]:
         """Restore one of the run's own chains: its base, then its deltas in order (each verified
         before it is read), so the state equals a full checkpoint of the chain's last step; the
-        delta saves build on it. (The base's RestoreResult, the spool attrs of the deltas: none
-        for a base alone.) `restored_path` names the base when it is the whole chain (an anchor
+        delta saves build on it. (The base's RestoreResult, and what was read past it: None for a
+        base alone.) `restored_path` names the base when it is the whole chain (an anchor
         of that step reuses it), else None: no committed full checkpoint holds this step."""
         assert self.manager is not None and self.train_state is not None
         restored = self.manager.load(self.train_state, base)
@@ -293,13 +294,13 @@ class Checkpointing:
             self.deltas.restored(Chain(base=restored.checkpoint, deltas=tuple(deltas)))
         if not deltas:
             log.info("restored %s (step %d)", restored.checkpoint.path, restored.checkpoint.step)
-            return restored, {}
+            return restored, None
         log.info("restored %s (step %d) and %d delta(s) on it, to step %d", restored.checkpoint.path,
                  restored.checkpoint.step, len(deltas), self.train_state.step)
-        return restored, {"base_step": restored.checkpoint.step, "deltas": [d.step for d in deltas],
-                          "delta_rows": rows}
+        return restored, ChainRead(base_step=restored.checkpoint.step, deltas=tuple(d.step for d in deltas),
+                                   rows=rows)
 
-    def _restore_resharded(self) -> dict[str, Any]:
+    def _restore_resharded(self) -> RestoreReport:
         assert self.manager is not None and self.train_state is not None and self.resume is not None
         if not self.config.placement.elastic:
             raise RuntimeError(
@@ -310,19 +311,19 @@ class Checkpointing:
         restored = self.manager.load_parent(self.train_state, self.resume)  # weights only, resharded
         log.info("restored %s (step %d of %d ranks) on %d ranks", restored.checkpoint.path, self.resume.step,
                  self.resume.world_size, self.config.world_size)
-        return {"source": RestoreSource.OWN, "step": self.resume.step, "path": str(restored.checkpoint.path),
-                "cursor": list(cursor.as_tuple()), "resharded_from": self.resume.world_size,
-                "world_size": self.config.world_size}
+        return RestoreReport(source=RestoreSource.OWN, step=self.resume.step, path=str(restored.checkpoint.path),
+                             cursor=cursor.as_tuple(), resharded_from=self.resume.world_size,
+                             world_size=self.config.world_size)
 
-    def _warm_start(self) -> dict[str, Any]:
+    def _warm_start(self) -> RestoreReport:
         assert self.manager is not None and self.train_state is not None and self.parent is not None
         restored = self.manager.load_parent(self.train_state, self.parent)
         parent = restored.checkpoint
         fingerprint = state_fingerprint(self.train_state.model.state_dict())
         log.info("warm start from %s (step %d of %d ranks)", parent.path, parent.step, parent.world_size)
-        return {"source": RestoreSource.PARENT, "path": str(parent.path), "parent_step": parent.step,
-                "parent_world_size": parent.world_size, "world_size": self.config.world_size,
-                "fingerprint": fingerprint}
+        return RestoreReport(source=RestoreSource.PARENT, path=str(parent.path), parent_step=parent.step,
+                             parent_world_size=parent.world_size, world_size=self.config.world_size,
+                             fingerprint=fingerprint)
 
     def _on_commit(self, result: CommitResult) -> None:
         if self.deltas is not None:

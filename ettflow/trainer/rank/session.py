@@ -200,8 +200,8 @@ class TrainerSession:
 
     def checkpoint_restore(self) -> dict[str, Any]:
         if self.restart_point is not None:  # every rank, from the keeper (the durable checkpoint if that fails)
-            return self.state.checkpointing.restore_point(self.restart_point, fallback=True)
-        return self.state.checkpointing.restore()
+            return self.state.checkpointing.restore_point(self.restart_point, fallback=True).to_attrs()
+        return self.state.checkpointing.restore().to_attrs()
 
     def get_first_batch_data(self):
         start = self.state.checkpointing.resume_cursor
@@ -378,7 +378,7 @@ class TrainerSession:
                 self.state.checkpointing.rebind(self.state.dmp, self.state.dense_opt, self.state.groups, self.config,
                                           self.rec)
             with self.beat.phase("checkpoint_restore"), self.rec.span("checkpoint_restore", live=True) as attrs:
-                attrs.update(self.state.checkpointing.restore_point(point))
+                attrs.update(self.state.checkpointing.restore_point(point).to_attrs())
             self.state.batches = self.state.data.batches(self.state.checkpointing.resume_cursor,
                                                          prefetch=PREFETCH_BATCHES)
             self.state.first_batch = None
