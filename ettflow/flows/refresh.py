@@ -145,10 +145,8 @@ def refresh_model(
     storage every node shares. The parameters are `tasks.parameters.RefreshParameters`, one
     argument per section (a test keeps the signature and the model equal).
     """
-    params = RefreshParameters.parse(dict(
-        model=model, mode=mode, data=data, architecture=architecture, training=training, checkpoint=checkpoint,
-        switches=switches, placement=placement, gate=gate, storage=storage, warehouse=warehouse, faults=faults,
-        tags=tags))
+    # the arguments, before any other local: exactly the model's fields (`with_parameter_help` checks)
+    params = RefreshParameters.parse(locals())
     plan = _plan(params)
     checked = check_warehouse(plan.warehouse, return_state=True)
     if checked.is_failed():
