@@ -57,6 +57,7 @@ from ettflow.ett.run_summary import (
 )
 from ettflow.ett.spool import SpoolWriteError
 from ettflow.ett.warehouse import RunInfo
+from ettflow.tasks.run_spool import RunRecorder
 
 from . import run_labels, run_spool
 from .parameters import RefreshParameters
@@ -78,6 +79,11 @@ def run_params(params: Params | None) -> RefreshParameters:
 def spool_of(params: Params) -> Path:
     root = run_params(params).storage.spool_root
     return Path(root) if root else paths.spool_root()
+
+
+def recorder_of(params: Params, run_id: str) -> RunRecorder:
+    """The run's spool, where its parameters put it."""
+    return RunRecorder(spool_of(params), run_id)
 
 
 def run_info(run_id: str, params: Params, *, status: str, flow_run_id: str | None,
@@ -109,7 +115,7 @@ def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | 
     pending (`ArchiveResult.pending`, logged as a warning) instead of raising."""
     params = run_params(params)
     spool = spool_of(params)
-    evs = run_spool.events(spool, run_id)
+    evs = RunRecorder(spool, run_id).events()
     if not evs:
         log.warning("run %s has no spooled events under %s: nothing to archive", run_id, spool)
         return None
@@ -183,7 +189,7 @@ def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, ar
 
     params = run_params(flow_run.parameters)
     run_id = str(flow_run.id)
-    evs = run_spool.events(spool_of(params), run_id)
+    evs = recorder_of(params, run_id).events()
     if archived.status == "skipped":  # nothing trained: no timeline, no ETT table (issue 27)
         create_skipped_artifact(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id,
                                 reason=skip_reason(evs) or "skipped", head=description_head(summary))
@@ -252,7 +258,7 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
         emit_run_measured(flow_run, archived, outcome=outcome, deployment=deployment, params=params)
     logger = _run_logger(flow_run)
     if not (in_body and state is FinalState.COMPLETED):  # a completed body's failures were told at each restart
-        for failure in run_spool.failures(spool_of(params), run_id):
+        for failure in recorder_of(params, run_id).failures():
             logger.warning("%s", failure_line(failure))
     slug = slug_of(deployment or flow_name)
     if archived is not None:
@@ -295,7 +301,7 @@ def _archive_final(flow, flow_run, state, final: FinalState) -> None:
     run_id = str(flow_run.id)
     if finished_in_body(run_id, final):
         return
-    if final is FinalState.CRASHED and run_spool.events(spool_of(params), run_id):
+    if final is FinalState.CRASHED and recorder_of(params, run_id).events():
         record_crash(spool_of(params), run_id, getattr(state, "message", None))
     if final is FinalState.CRASHED:
         crash_open_task_runs(run_id, getattr(state, "message", None))

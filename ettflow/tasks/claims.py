@@ -34,7 +34,6 @@ from ettflow.ett.lineage import Busy, LineageRecord, Outcome
 from ettflow.ett.lineage_pending import write_pending_lineage
 from ettflow.ett.warehouse import Warehouse
 
-from . import run_spool
 from .plan import RefreshPlan, with_interval, with_lineage
 from .skipped import SKIP_STAGE
 from .warehouse_url import resolve_warehouse_url
@@ -115,7 +114,7 @@ def _bound(plan: RefreshPlan, mark: str | None, parent: LineageRecord | None) ->
 def record_skip(plan: RefreshPlan, reason: str, decided_at: float) -> None:
     """The skipped run's one spool event (its wait, as scheduling)."""
     start = min(plan.submitted_at or decided_at, decided_at)
-    run_spool.record(plan.spool_root, plan.run_id, run_spool.next_attempt(plan.spool_root, plan.run_id),
+    plan.recorder.record(plan.recorder.next_attempt(),
                      "scheduling", start, decided_at, stage=SKIP_STAGE, outcome=Outcome.SKIPPED.value,
                      reason=reason[:500])
 

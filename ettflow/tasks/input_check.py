@@ -20,7 +20,6 @@ from prefect.states import Failed, State
 from ettflow.trainer.data.schema import DataError
 from ettflow.trainer.data.windows import StreamIndex, full_batches, split_windows
 
-from . import run_spool
 from .plan import RefreshPlan
 
 INPUTS_TASK = "check_inputs"
@@ -49,8 +48,8 @@ def check_inputs(plan: RefreshPlan) -> int | State:
     try:
         rows, steps, held = check_windows(plan)
     except DataError as exc:
-        attempt = run_spool.next_attempt(plan.spool_root, plan.run_id)
-        run_spool.record_task_failure(plan.spool_root, plan.run_id, attempt, exc, task=INPUTS_TASK, at=time.time())
+        attempt = plan.recorder.next_attempt()
+        plan.recorder.record_task_failure(attempt, exc, task=INPUTS_TASK, at=time.time())
         return Failed(message=f"the input data cannot be trained on: {exc}; fix or remove it, or choose other "
                               "windows (`windows`, `eval_windows`)", data=exc)
     get_run_logger().info("inputs checked: %d training rows (%d steps of %d ranks), %d held-out rows", rows, steps,

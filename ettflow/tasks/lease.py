@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ettflow.ett.failures import Failure
+from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.group.driver import LiveGroup, PlacedGroup, WorkerGroup
 from ettflow.trainer.protocol import PollStatus
-
-from . import run_spool
 
 log = logging.getLogger("ettflow.tasks")
 
@@ -153,6 +152,6 @@ class TrainerLease:
         if held is None or held.held_since is None:
             return 0.0
         now = time.time()
-        run_spool.record(self.spool_root, self.run_id, held.attempt, "shutdown", held.held_since, now,
+        RunRecorder(self.spool_root, self.run_id).record(held.attempt, "shutdown", held.held_since, now,
                          failed=False, stage="release_trainer")
         return now - held.held_since

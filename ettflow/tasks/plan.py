@@ -45,6 +45,7 @@ from ettflow.trainer.placement import Placement
 
 from .errors import ParameterError
 from .parameters import RefreshParameters, WarehouseParams, parse_failures
+from .run_spool import RunRecorder
 from .window_choice import WindowChoice, explicit_choice, select_windows
 
 if TYPE_CHECKING:
@@ -92,6 +93,11 @@ class RefreshPlan:
     @property
     def tags(self) -> dict[str, Any]:
         return dict(self.params.tags or {})
+
+    @property
+    def recorder(self) -> RunRecorder:
+        """The run's spool, as the tasks read and write it."""
+        return RunRecorder(self.spool_root, self.run_id)
 
     @property
     def warehouse(self) -> WarehouseParams:

@@ -32,8 +32,6 @@ from ettflow.ett.run_summary import failure_line
 from ettflow.trainer.group.progress import SpoolTail
 from ettflow.trainer.rank_heartbeat import RankBeat
 
-from . import run_spool
-
 log = logging.getLogger("ettflow.tasks")
 
 KEY_PREFIX = "training-progress-"
@@ -193,7 +191,7 @@ class ProgressReporter:
         self._said: str | None = None  # the last progress line logged (the final report repeats it)
 
     def __enter__(self) -> ProgressReporter:
-        self._show(f"attempt {run_spool.last_attempt(self.plan.spool_root, self.plan.run_id)} starting", None)
+        self._show(f"attempt {self.plan.recorder.last_attempt()} starting", None)
         ctx = contextvars.copy_context()
         self._thread = threading.Thread(target=ctx.run, args=(self._loop,), name="ettflow-progress", daemon=True)
         self._thread.start()
@@ -220,7 +218,7 @@ class ProgressReporter:
             self.progress.show(text, pct)
 
     def poll(self) -> dict[str, Any]:
-        attempt = run_spool.last_attempt(self.plan.spool_root, self.plan.run_id)
+        attempt = self.plan.recorder.last_attempt()
         if self._tail is None or self._tail_attempt != attempt:
             if attempt > 0:  # a restart (also one that happened before the first look)
                 self._announce_restart(attempt)
@@ -230,7 +228,7 @@ class ProgressReporter:
         return {"attempt": attempt, "step": self._tail.step, **self._tail.summary()}
 
     def _announce_restart(self, new: int) -> None:
-        failures = run_spool.failures(self.plan.spool_root, self.plan.run_id)
+        failures = self.plan.recorder.failures()
         earlier = [f for f in failures if f.attempt is not None and f.attempt < new]
         for f in earlier:  # each attempt's ending failure once: ettflow's words first, Ray's detail after
             if f.attempt not in self._told:
@@ -253,7 +251,7 @@ class ProgressReporter:
                 self.logger.info("%s", text)
             return
         if self._restart is not None and s["step"] > 0:  # the restart trains: say what it really restored
-            self.logger.info("%s", restored_text(run_spool.events(self.plan.spool_root, self.plan.run_id),
+            self.logger.info("%s", restored_text(self.plan.recorder.events(),
                                                  s["attempt"]))
             self._restart = None
         text = step_text(s["step"], self.total, s["attempt"], s["loss"], s["examples_per_s"])

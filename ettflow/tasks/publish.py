@@ -97,8 +97,8 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
         logger.info("run %s already published %s from this anchor", plan.run_id, done)
         return _outcome_of(plan, read_manifest(done), config)
     phase = "publish" if on_devices else "publish_standalone"
-    attempt = run_spool.last_attempt(plan.spool_root, plan.run_id)
-    injected = sum(1 for e in run_spool.publish_records(run_spool.events(plan.spool_root, plan.run_id))
+    attempt = plan.recorder.last_attempt()
+    injected = sum(1 for e in run_spool.publish_records(plan.recorder.events())
                    if e.info.injected)
     start = time.time()
     logger.info("publishing %s %s", anchor, "while the trainer holds its devices" if on_devices else "on the CPU")
@@ -108,12 +108,12 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
         manifest = publish_snapshot(config)
         outcome = _outcome_of(plan, manifest, config)
     except BaseException as exc:
-        run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome="failed",
+        plan.recorder.record(attempt, phase, start, time.time(), outcome="failed",
                          failure_class="publish", error=f"{type(exc).__name__}: {exc}"[:500],
                          retryable=bool(isinstance(exc, Exception) and is_retryable(exc)),
                          injected=isinstance(exc, InjectedPublishFailure))
         raise
-    run_spool.record(plan.spool_root, plan.run_id, attempt, phase, start, time.time(), outcome=outcome.outcome.value,
+    plan.recorder.record(attempt, phase, start, time.time(), outcome=outcome.outcome.value,
                      snapshot=manifest.path, step=manifest.step, max_abs_diff=manifest.metrics.get("max_abs_diff"),
                      reason=outcome.reason, current=outcome.current)
     logger.info("%s %s (step %d) in %.1f s: %s", outcome.outcome.value, manifest.path, manifest.step,

@@ -53,6 +53,7 @@ from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.spool import spool_bytes, spooled_runs
 from ettflow.ett.warehouse import RunInfo, Warehouse
 from ettflow.ett.warehouse_models import Run
+from ettflow.tasks.run_spool import RunRecorder
 
 from . import run_spool
 from .archive import log_result, run_info
@@ -162,7 +163,7 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
-    evs = run_spool.events(spool_root, run_id)
+    evs = RunRecorder(spool_root, run_id).events()
     if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):
         total = int(row.info.tags.get("spooled_events") or 0) + unspooled
         if len(evs) < total:  # archived by its own process with events the disk refused: more than the spool has

@@ -1,4 +1,5 @@
-"""What the tasks read from and add to a run's spool, beside what the driver and ranks write.
+"""What the tasks read from and add to a run's spool, beside what the driver and ranks write:
+a run's `RunRecorder` does all of it; the pure readers of events follow it.
 
 The tasks write on the driver's files (rank -1): the queueing before the first attempt
 (`scheduling`), the release of devices held after training (`shutdown`), failures that the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,68 +26,79 @@ from ettflow.trainer.classify import failure_from_exception, stop_signal
 _ATTEMPT = re.compile(r"attempt-(\d+)\.")
 
 
-def attempts(root: Path | str, run_id: str) -> list[int]:
-    folder = Path(root) / run_id
-    if not folder.is_dir():
-        return []
-    found = {int(m.group(1)) for p in folder.glob("attempt-*.jsonl") if (m := _ATTEMPT.match(p.name))}
-    return sorted(found)
+@dataclass(frozen=True)
+class RunRecorder:
+    """One run's spool as the tasks and hooks read it and write the driver's files (rank -1):
+    every spool I/O of a task goes through the run's recorder (`RefreshPlan.recorder`)."""
 
+    root: Path
+    run_id: str
 
-def next_attempt(root: Path | str, run_id: str) -> int:
-    done = attempts(root, run_id)
-    return done[-1] + 1 if done else 0
+    def attempts(self) -> list[int]:
+        folder = Path(self.root) / self.run_id
+        if not folder.is_dir():
+            return []
+        found = {int(m.group(1)) for p in folder.glob("attempt-*.jsonl") if (m := _ATTEMPT.match(p.name))}
+        return sorted(found)
 
+    def next_attempt(self) -> int:
+        done = self.attempts()
+        return done[-1] + 1 if done else 0
 
-def last_attempt(root: Path | str, run_id: str) -> int:
-    done = attempts(root, run_id)
-    return done[-1] if done else 0
+    def last_attempt(self) -> int:
+        done = self.attempts()
+        return done[-1] if done else 0
 
+    def events(self) -> list[PhaseEvent]:
+        """The run's events: its files', and those this process keeps because the disk refused them."""
+        try:
+            return read_spool(self.root, self.run_id).events
+        except FileNotFoundError:
+            return []
 
-def events(root: Path | str, run_id: str) -> list[PhaseEvent]:
-    """The run's events: its files', and those this process keeps because the disk refused them."""
-    try:
-        return read_spool(root, run_id).events
-    except FileNotFoundError:
-        return []
+    def record(self, attempt: int, phase: str, start: float, end: float, **attrs: Any) -> PhaseEvent:
+        with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
+            return rec.record(phase, start, end, **attrs)
+
+    def failures(self) -> list[Failure]:
+        """The run's failures so far, one per failed attempt, oldest first: the driver's (or a
+        task's) `failure_detected` marker, else the rank's own `failure` marker. What earlier
+        tries of the train task spent of the run's failure budget."""
+        by_attempt: dict[int, PhaseEvent] = {}
+        for ev in sorted(self.events(), key=lambda e: (e.attempt, e.phase != FAILURE_DETECTED, e.start)):
+            if ev.phase in (FAILURE, FAILURE_DETECTED):
+                by_attempt.setdefault(ev.attempt, ev)
+        return [ev.info.failure(a) for a, ev in sorted(by_attempt.items())]
+
+    def record_task_failure(self, attempt: int, exc: BaseException, *, task: str, at: float) -> Failure | None:
+        """Mark `attempt` failed unless the driver already did; the failure recorded (typed from
+        the exception, `failure_from_exception`), or None when the attempt had one already."""
+        evs = [e for e in self.events() if e.attempt == attempt]
+        if any(e.phase in (FAILURE, FAILURE_DETECTED) for e in evs):
+            return None
+        failure = failure_from_exception(exc, rank=-1, attempt=attempt)
+        said = f"{task}: {failure.reason}" if stop_signal(exc) else f"{task} raised {type(exc).__name__}: {exc}"
+        failure = replace(failure, reason=said[:500])
+        with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
+            rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True,
+                     **({"process_stopped": True} if stop_signal(exc) else {}))
+        return failure
+
+    def record_prestart(self, attempt: int, started_at: float, submitted_at: float) -> None:
+        """The run's process, started ahead of its submission (a worker's prefetch of a scheduled
+        run), held for it until then: off the clock, counted as held capacity (`ett.capacity`)."""
+        with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
+            rec.record("flow_prestart", started_at, submitted_at, pid=os.getpid())
+
+    def record_interval(self, attempt: int, planned: PlannedInterval, at: float) -> None:
+        """The checkpoint interval the refresh trains with, and its inputs (a marker of `attempt`)."""
+        with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
+            rec.mark(CHECKPOINT_INTERVAL, at, **planned.to_attrs())
 
 
 def on_clock_end(evs: list[PhaseEvent]) -> float | None:
     ends = [e.end for e in evs if e.phase not in OFF_CLOCK]
     return max(ends) if ends else None
-
-
-def record(root: Path | str, run_id: str, attempt: int, phase: str, start: float, end: float,
-           **attrs: Any) -> PhaseEvent:
-    with SpoolWriter(root, run_id, attempt, -1) as rec:
-        return rec.record(phase, start, end, **attrs)
-
-
-def failures(root: Path | str, run_id: str) -> list[Failure]:
-    """The run's failures so far, one per failed attempt, oldest first: the driver's (or a
-    task's) `failure_detected` marker, else the rank's own `failure` marker. What earlier
-    tries of the train task spent of the run's failure budget."""
-    by_attempt: dict[int, PhaseEvent] = {}
-    for ev in sorted(events(root, run_id), key=lambda e: (e.attempt, e.phase != FAILURE_DETECTED, e.start)):
-        if ev.phase in (FAILURE, FAILURE_DETECTED):
-            by_attempt.setdefault(ev.attempt, ev)
-    return [ev.info.failure(a) for a, ev in sorted(by_attempt.items())]
-
-
-def record_task_failure(root: Path | str, run_id: str, attempt: int, exc: BaseException, *,
-                        task: str, at: float) -> Failure | None:
-    """Mark `attempt` failed unless the driver already did; the failure recorded (typed from
-    the exception, `failure_from_exception`), or None when the attempt had one already."""
-    evs = [e for e in events(root, run_id) if e.attempt == attempt]
-    if any(e.phase in (FAILURE, FAILURE_DETECTED) for e in evs):
-        return None
-    failure = failure_from_exception(exc, rank=-1, attempt=attempt)
-    said = f"{task}: {failure.reason}" if stop_signal(exc) else f"{task} raised {type(exc).__name__}: {exc}"
-    failure = replace(failure, reason=said[:500])
-    with SpoolWriter(root, run_id, attempt, -1) as rec:
-        rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True,
-                 **({"process_stopped": True} if stop_signal(exc) else {}))
-    return failure
 
 
 def training_attempts(evs: list[PhaseEvent]) -> list[int]:
@@ -113,19 +125,6 @@ def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
         out["snapshot"] = ok[-1].info.snapshot
         out["publish_phase"] = ok[-1].phase
     return out
-
-
-def record_prestart(root: Path | str, run_id: str, attempt: int, started_at: float, submitted_at: float) -> None:
-    """The run's process, started ahead of its submission (a worker's prefetch of a scheduled
-    run), held for it until then: off the clock, counted as held capacity (`ett.capacity`)."""
-    with SpoolWriter(root, run_id, attempt, -1) as rec:
-        rec.record("flow_prestart", started_at, submitted_at, pid=os.getpid())
-
-
-def record_interval(root: Path | str, run_id: str, attempt: int, planned: PlannedInterval, at: float) -> None:
-    """The checkpoint interval the refresh trains with, and its inputs (a marker of `attempt`)."""
-    with SpoolWriter(root, run_id, attempt, -1) as rec:
-        rec.mark(CHECKPOINT_INTERVAL, at, **planned.to_attrs())
 
 
 def planned_interval(evs: list[PhaseEvent]) -> PlannedInterval | None:

@@ -62,9 +62,9 @@ def finished_anchor(plan: RefreshPlan) -> Path | None:
 def record_queueing(plan: RefreshPlan, attempt: int, until: float, **attrs: Any) -> None:
     """The wait before an attempt that no driver measured: from submission (attempt 0) or
     from the end of the run's last recorded activity (a retry) to `until`."""
-    last = run_spool.on_clock_end(run_spool.events(plan.spool_root, plan.run_id))  # off-clock events do not count
+    last = run_spool.on_clock_end(plan.recorder.events())  # off-clock events do not count
     start = min(last or plan.submitted_at or until, until)
-    run_spool.record(plan.spool_root, plan.run_id, attempt, "scheduling", start, until, **attrs)
+    plan.recorder.record(attempt, "scheduling", start, until, **attrs)
 
 
 def record_ray_connection(plan: RefreshPlan, attempt: int, conn: RayConnection, t0: float,
@@ -74,7 +74,7 @@ def record_ray_connection(plan: RefreshPlan, attempt: int, conn: RayConnection, 
     if conn.started:
         from prefect.runtime import deployment
 
-        run_spool.record(plan.spool_root, plan.run_id, attempt, "ray_start", t0, t0 + conn.seconds,
+        plan.recorder.record(attempt, "ray_start", t0, t0 + conn.seconds,
                          address=conn.address)
         # a deployment's run should have joined a Ray that outlives it: say so where its user looks
         # (`ettflow refresh` starts one by design: its report's phases show it, the console stays short)
@@ -108,7 +108,7 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
         return None
     from ettflow.trainer.group.ray_group import ensure_ray
 
-    attempt = run_spool.next_attempt(plan.spool_root, plan.run_id)
+    attempt = plan.recorder.next_attempt()
     lease = new_lease(plan, attempt)
     t0 = time.time()
     logger.info("reserving %d trainer slots on Ray for attempt %d", plan.trainer.world_size, attempt)
@@ -128,7 +128,7 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
             if not queued:
                 record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False, **ray_attrs)
         with contextlib.suppress(SpoolWriteError):
-            run_spool.record_task_failure(plan.spool_root, plan.run_id, attempt, exc, task="reserve-trainer",
+            plan.recorder.record_task_failure(attempt, exc, task="reserve-trainer",
                                           at=time.time())
         lease.release()
         raise
@@ -168,17 +168,17 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     if lease is not None and lease.has_reserved:
         first = lease.first_attempt
     else:  # a task retry (or nothing reserved): the driver reserves; the wait so far is queueing
-        first = run_spool.next_attempt(plan.spool_root, plan.run_id)
+        first = plan.recorder.next_attempt()
         record_queueing(plan, first, time.time(), stage="train_retry")
         lease = lease or new_lease(plan, first)
-    evs = run_spool.events(plan.spool_root, plan.run_id)
+    evs = plan.recorder.events()
     submitted_at = plan.submitted_at if first == 0 and not run_spool.submitted(evs) else None
     if submitted_at is not None and plan.prestarted_at is not None:
-        run_spool.record_prestart(plan.spool_root, plan.run_id, first, plan.prestarted_at, submitted_at)
+        plan.recorder.record_prestart(first, plan.prestarted_at, submitted_at)
     if plan.interval is not None:  # stored with the run: its warehouse tag and the ETT artifact show it
-        run_spool.record_interval(plan.spool_root, plan.run_id, first, plan.interval, time.time())
+        plan.recorder.record_interval(first, plan.interval, time.time())
     policy = failure_policy(plan)
-    prior = run_spool.failures(plan.spool_root, plan.run_id)
+    prior = plan.recorder.failures()
     if prior:
         logger.info("run %s had %d failure(s) before this try; they count against its budget of %d",
                     plan.run_id, len(prior), plan.trainer.max_failures)
@@ -192,12 +192,12 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease.release()
         raise  # every failure is in the spool already, with its class
     except BaseException as exc:
-        last = run_spool.last_attempt(plan.spool_root, plan.run_id)
+        last = plan.recorder.last_attempt()
         with contextlib.suppress(SpoolWriteError):  # refused: kept by this process (`ett.spool`)
-            run_spool.record_task_failure(plan.spool_root, plan.run_id, last, exc, task="train", at=time.time())
+            plan.recorder.record_task_failure(last, exc, task="train", at=time.time())
         lease.release()
         if isinstance(exc, Exception):  # an error outside the driver's loop: the policy decides, as for any
-            history = run_spool.failures(plan.spool_root, plan.run_id)
+            history = plan.recorder.failures()
             failure, earlier = history[-1], history[:-1]
             raise TrainingFailed(plan.run_id, history, policy.decide(failure, earlier),
                                  policy.explain(failure, earlier)) from exc
@@ -208,7 +208,7 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         raise
     rank0 = result.rank0
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
-    evs = run_spool.events(plan.spool_root, plan.run_id)
+    evs = plan.recorder.events()
     for refused in cache_refusal_tags(evs).get("compile_cache_refused", []):
         logger.warning("attempt %d, rank %d: the compile cache's archive was refused (%s: %s): compiled cold; the "
                        "run's end saves a new one", refused["attempt"], refused["rank"], refused["miss"],

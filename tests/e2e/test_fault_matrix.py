@@ -28,6 +28,7 @@ import pytest
 from ettflow.ett.spool import read_spool
 from ettflow.ett.warehouse import COMPONENT_COLUMNS, Warehouse
 from ettflow.tasks import run_spool
+from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.checkpoint.catalog import scan
 from ettflow.trainer.checkpoint.layout import parse_name
 from ettflow.trainer.checkpoint.verify import verify
@@ -340,8 +341,8 @@ def test_a_full_disk_fails_checkpoints_as_storage_keeps_the_spool_and_archives_o
     for _ in range(2):
         reconcile(spool_root, env["warehouse_url"], run_ids=[run_id])
     row, _, failed = assert_run(env, state, run_id, Expect(
-        outcome="failed", nof=len(run_spool.failures(spool_root, run_id)),
-        classes=["storage"] * len(run_spool.failures(spool_root, run_id)), cut_lines=True))
+        outcome="failed", nof=len(RunRecorder(spool_root, run_id).failures()),
+        classes=["storage"] * len(RunRecorder(spool_root, run_id).failures()), cut_lines=True))
     assert row["nof"] >= 1
     assert all("ENOSPC" in r or "No space" in r or "space" in r for r in failed["reason"]), list(failed["reason"])
 

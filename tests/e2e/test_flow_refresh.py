@@ -17,6 +17,7 @@ from ettflow.ett.warehouse import COMPONENT_COLUMNS, Warehouse
 from ettflow.flows.refresh import refresh_model
 from ettflow.tasks import run_spool
 from ettflow.tasks.archive import archive_on_flow_state
+from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.data.windows import list_windows
 
 from helpers.flows import PLAIN, flow_env, run
@@ -249,7 +250,7 @@ def test_a_flow_retry_does_not_retrain_and_archives_once(env):
 def test_a_bad_parameter_fails_the_run_at_once(env):
     state, run_id = run(env, fail_at=["kill:rank=5:step=3"])
     assert state.is_failed() and "parameter 'fail_at'" in state.message
-    assert run_spool.events(env["spool_root"], run_id) == []
+    assert RunRecorder(env["spool_root"], run_id).events() == []
     assert task_runs_of(run_id, "") == []
 
 

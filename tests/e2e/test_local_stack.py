@@ -23,7 +23,7 @@ import pytest
 
 from ettflow.ett.warehouse import Warehouse
 from ettflow.stack.records import StackRecord, stack_processes
-from ettflow.tasks import run_spool
+from ettflow.tasks.run_spool import RunRecorder
 
 from helpers.flows import BATCH, MODEL, TINY
 from helpers.stack import ettflow, free_ports, port_flags, stack_env
@@ -75,17 +75,17 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         assert second_row["held_s"] > 0 and second_row["unused_spare_s"] > 0, second_row
         assert second_row["capacity_ett_pct"] < second_row["ett_pct"]
         for run_id in (first, second):  # every reservation joined the stack's Ray: none started on the clock
-            events = run_spool.events(home / "spool", run_id)
+            events = RunRecorder(home / "spool", run_id).events()
             reserved = [e for e in events if e.phase == "scheduling" and e.attrs.get("stage") == "reserve_trainer"]
             assert reserved and all(e.attrs["ray"] == "joined" for e in reserved), [e.attrs for e in reserved]
             assert not [e for e in events if e.phase == "ray_start"]
         # the second run's ranks came prewarmed from the cluster's pool, which the first run's
         # process (gone since) filled at its release: the pool outlives every flow process
-        pooled = [e for e in run_spool.events(home / "spool", second)
+        pooled = [e for e in RunRecorder(home / "spool", second).events()
                   if e.phase == "spare_start" and e.attrs.get("pooled") and e.attrs.get("for_rank") is not None]
         assert sorted(e.attrs["for_rank"] for e in pooled) == [0, 1], [e.attrs for e in pooled]
         # its process was started ahead of its scheduled time and waited: held for it, off its clock
-        prestart = [e for e in run_spool.events(home / "spool", second) if e.phase == "flow_prestart"]
+        prestart = [e for e in RunRecorder(home / "spool", second).events() if e.phase == "flow_prestart"]
         assert len(prestart) == 1 and prestart[0].duration > 0, prestart
         assert runs.loc[second, "wall_start"] >= prestart[0].end
         held = ettflow(env, "pool", "status", timeout=120)

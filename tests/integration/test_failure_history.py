@@ -15,6 +15,7 @@ from ettflow.ett.failure_history import (
 )
 from ettflow.ett.failures import FailureClass
 from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_interval
+from ettflow.tasks.run_spool import RunRecorder
 
 INFRA, PREEMPT, PUBLISH = FailureClass.INFRASTRUCTURE, FailureClass.PREEMPTION, FailureClass.PUBLISH
 DAY = 24 * HOUR_S
@@ -190,7 +191,7 @@ def test_the_interval_is_stored_with_the_run_and_reported(warehouse_url, tmp_pat
 
     planned = PlannedInterval(source=IntervalSource.HISTORY, rate_per_h=2.5, save_blocking_s=1.0, step_s=1.0,
                               job_s=13.0, interval_s=5.2, interval_steps=5, expected_wasted_s=4.0, own_weight=0.5)
-    run_spool.record_interval(tmp_path, "run-a", 0, planned, 1_030.0)
+    RunRecorder(tmp_path, "run-a").record_interval(0, planned, 1_030.0)
     marks = [e for e in read_spool(tmp_path, "run-a").events if e.phase == CHECKPOINT_INTERVAL]
     assert run_spool.planned_interval(marks) == planned
     events = run_events("run-a", t0=1_000.0)

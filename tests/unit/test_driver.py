@@ -11,7 +11,7 @@ from ettflow.ett.capacity import held_by_model, holdings_of_run
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter, read_spool
-from ettflow.tasks import run_spool
+from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.classify import primary_failure
 from ettflow.trainer.collectives import Groups
 from ettflow.trainer.config import FailAt, TrainerConfig
@@ -236,7 +236,7 @@ def test_a_stop_of_the_drivers_process_preempts_every_rank_and_is_one_failure(tm
     assert "stopped (SIGTERM)" in detected.attrs["reason"]
     m = run.metrics()
     assert m.nof == 1 and [f.failure_class for f in m.failures] == ["preemption"]
-    assert run_spool.failures(run.spool, run.run_id)[0].failure_class is FailureClass.PREEMPTION
+    assert RunRecorder(run.spool, run.run_id).failures()[0].failure_class is FailureClass.PREEMPTION
 
 
 def test_user_errors_spend_the_budget_and_the_message_counts_them(tmp_path):
@@ -383,14 +383,14 @@ def test_a_task_retry_shares_the_run_budget(tmp_path):
     driver = TrainingDriver(run.config, run.run_id, run.spool, factory, poll_s=0, grace_s=0, clock=run.clock)
     with pytest.raises(ConnectionError) as crashed:
         driver.run(submitted_at=run.clock.t)
-    recorded = run_spool.record_task_failure(run.spool, run.run_id, 1, crashed.value, task="train", at=run.clock.t)
+    recorded = RunRecorder(run.spool, run.run_id).record_task_failure(1, crashed.value, task="train", at=run.clock.t)
     assert recorded is not None and recorded.failure_class is INFRA  # typed from the exception
-    prior = run_spool.failures(run.spool, run.run_id)
+    prior = RunRecorder(run.spool, run.run_id).failures()
     assert [(f.attempt, f.failure_class) for f in prior] == [(0, INFRA), (1, INFRA)]
 
     retry = run.driver()
     with pytest.raises(TrainingFailed) as caught:
-        retry.run(first_attempt=run_spool.next_attempt(run.spool, run.run_id), prior_failures=prior)
+        retry.run(first_attempt=RunRecorder(run.spool, run.run_id).next_attempt(), prior_failures=prior)
     exc = caught.value
     assert exc.decision is FailureDecision.RAISE and len(exc.failures) == 3 and len(run.groups) == 2
     assert [f.attempt for f in exc.failures] == [0, 1, 2] and "3 failures exceed the budget of 2" in exc.why

@@ -12,10 +12,11 @@ import pytest
 from ettflow.ett.sample import write_sample_run
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.ett.warehouse import Warehouse
-from ettflow.tasks import archive, run_spool
+from ettflow.tasks import archive
 from ettflow.tasks.lease import TrainerLease
 from ettflow.tasks.parameters import RefreshParameters
 from ettflow.tasks.plan import ParameterError, parse_failures, plan_refresh, slug
+from ettflow.tasks.run_spool import RunRecorder
 from ettflow.tasks.timeline_plot import render_timeline
 from ettflow.trainer.protocol import PollStatus
 
@@ -133,14 +134,14 @@ def test_lease_holds_a_trained_group_until_release(tmp_path):
 
 
 def test_task_failures_are_marked_once(tmp_path):
-    assert run_spool.next_attempt(tmp_path, "r1") == 0
+    assert RunRecorder(tmp_path, "r1").next_attempt() == 0
     with SpoolWriter(tmp_path, "r1", 0, -1) as rec:
         rec.mark("failure_detected", 10.0, failure_class="infrastructure", reason="rank 1 died")
-    assert not run_spool.record_task_failure(tmp_path, "r1", 0, RuntimeError("x"), task="train", at=11.0)
-    assert run_spool.record_task_failure(tmp_path, "r1", 1, ValueError("bad"), task="train", at=12.0)
+    assert not RunRecorder(tmp_path, "r1").record_task_failure(0, RuntimeError("x"), task="train", at=11.0)
+    assert RunRecorder(tmp_path, "r1").record_task_failure(1, ValueError("bad"), task="train", at=12.0)
     marks = [e for e in read_spool(tmp_path, "r1").events if e.attempt == 1]
     assert marks[0].attrs["failure_class"] == "user" and marks[0].attrs["task_retry"]
-    assert run_spool.next_attempt(tmp_path, "r1") == 2
+    assert RunRecorder(tmp_path, "r1").next_attempt() == 2
 
 
 def test_hooks_skip_a_run_without_spool(tmp_path, monkeypatch, caplog):
