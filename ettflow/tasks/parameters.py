@@ -163,7 +163,7 @@ def _switch(text: str) -> Any:
 
 
 class SwitchParams(Section):
-    """Single optimizations over the mode's preset; each left null takes the preset."""
+    """Single optimizations over the mode's preset: each switch is "preset" (unset: the mode's) or on/off."""
 
     parallel_init: Switch = _switch("Independent init stages run concurrently")
     fast_batch: Switch = _switch("Compile on a synthetic batch while the data pipeline warms up")
@@ -318,6 +318,15 @@ class RefreshParameters(BaseModel):
         or dotted ones (`training.world_size`), in any mix, `over` on top; `architecture` and
         `switches` may be whole objects as before. A refused value or an unknown name raises a
         `ParameterError` that names it."""
+        try:
+            return cls.model_validate(cls.nest(given, **over))
+        except ValidationError as exc:
+            raise parameter_error(exc) from None
+
+    @classmethod
+    def nest(cls, given: Mapping[str, Any] | RefreshParameters | None = None, **over: Any) -> dict[str, Any]:
+        """`parse`'s spellings as the flow's arguments, one object per section given, not yet
+        validated (the flow validates them); an unknown name is a `ParameterError`."""
         if isinstance(given, RefreshParameters):
             given = given.to_json()
         nested: dict[str, Any] = {}
@@ -341,10 +350,7 @@ class RefreshParameters(BaseModel):
                     if isinstance(value, Mapping) and section in cls.sections() else value
             else:
                 raise ParameterError(name, f"is not a parameter of refresh-model; known: {known_names()}")
-        try:
-            return cls.model_validate(nested)
-        except ValidationError as exc:
-            raise parameter_error(exc) from None
+        return nested
 
     @classmethod
     def lenient(cls, given: Mapping[str, Any] | None) -> RefreshParameters:

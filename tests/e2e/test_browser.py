@@ -82,6 +82,8 @@ def test_the_refresh_run_form_in_chromium(prefect_server, tmp_path):
         cache.get_by_text("on/off", exact=True).click()
         cache.get_by_role("switch").click()  # on
         expect(cache.get_by_role("switch")).to_have_attribute("aria-checked", "true")
+        cache.scroll_into_view_if_needed()
+        save(page, "run-form-switches.png", tmp_path, readme=True)
 
         world.locator("input").fill("0")
         with page.expect_response(re.compile("/create_flow_run$")) as refused:

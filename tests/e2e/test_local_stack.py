@@ -220,9 +220,14 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
         if a["type"] == "progress":  # and keeps what the run went through (issue 27)
             assert "\n- attempt 0, 0.0-" in a["description"] and "completed; " in a["description"], a
     deployment = httpx.get(f"{api}/deployments/name/refresh-model/refresh-scheduled").json()
-    props = deployment["parameter_openapi_schema"]["properties"]  # the run form describes every parameter
-    assert props and all(p.get("description") for p in props.values())
-    assert "KIND[:FIELD=VALUE]" in props["fail_at"]["description"]
+    schema = deployment["parameter_openapi_schema"]  # the run form describes every parameter, section by section
+    props, definitions = schema["properties"], schema["definitions"]
+    assert props and all(p.get("description") or definitions[p["$ref"].rpartition("/")[2]].get("description")
+                         for p in props.values())
+    leaves = [leaf for name, p in props.items() if "$ref" in p
+              for leaf in definitions[p["$ref"].rpartition("/")[2]]["properties"].values()]
+    assert len(leaves) >= 44 and all(leaf.get("description") for leaf in leaves)
+    assert "KIND[:FIELD=VALUE]" in definitions["FaultParams"]["properties"]["fail_at"]["description"]
     env = {**os.environ, "ETTFLOW_HOME": str(home), "PREFECT_API_URL": api,
            "PREFECT_UI_URL": f"http://127.0.0.1:{api_port}"}
     shown = ettflow(env, "report", "--run", run_id, "--format", "json", timeout=120)

@@ -31,10 +31,11 @@ def flow_env(root: Path, data_root: str | Path, work_root: str | Path, **over: A
 
 
 def flow_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """The flow's arguments (one per section) for parameters in any spelling (`world_size`)."""
+    """The flow's arguments (one object per section) for parameters in any spelling
+    (`world_size`), not validated here: the flow validates them, as a deployment run's."""
     from ettflow.tasks.parameters import RefreshParameters
 
-    return RefreshParameters.parse(params).flow_kwargs()
+    return RefreshParameters.nest(params)
 
 
 def run(env: dict[str, Any], flow=None, **over: Any):
