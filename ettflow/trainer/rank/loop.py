@@ -26,8 +26,10 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
+from ettflow.ett.checkpoint_tier import CheckpointTier
 from ettflow.ett.events import DATA_STALL, FAULT_INJECTED
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
@@ -48,6 +50,21 @@ MEMORY_PROBE_STEPS = 5  # steps measured before the in-memory tier's interval is
 MEMORY_BACKGROUND_SHARE = 0.1  # the most of the time between two in-memory copies their background work may take
 
 
+@dataclass
+class TierSchedule:
+    """One checkpoint tier's schedule in the loop: its interval in steps (None: not chosen yet),
+    the choice that set it (the optimizer's, after its probe), and each save's blocking seconds."""
+
+    tier: CheckpointTier
+    interval: int | None = None
+    choice: IntervalChoice | MemoryIntervalChoice | None = None
+    blocking: list[float] = field(default_factory=list)
+
+    def due(self, step: int) -> bool:
+        """Whether a save of this tier is due after `step` steps."""
+        return bool(self.interval) and step % self.interval == 0
+
+
 class TrainLoop:
     def __init__(self, config: TrainerConfig, rank: int, attempt: int, state: RankState,
                  rec: SpoolWriter, evaluate: Callable[[], Evaluation | None], *,
@@ -64,13 +81,10 @@ class TrainLoop:
         self.params = dense_parameters(self.dmp)
         compiled = state.compiled_step
         self.step_fn = compiled if compiled is not None else state.dense_step
-        self.interval = config.checkpoint_every_steps
-        self.interval_choice: IntervalChoice | None = None  # chosen after the probe save
-        self.memory_interval_choice: MemoryIntervalChoice | None = None
-        self.blocking: list[float] = []
-        # steps between in-memory copies: configured, else chosen after a few steps
-        self.memory_interval: int | None = config.memory_every_steps
-        self.memory_blocking: list[float] = []
+        # each tier's schedule: durable saves (configured, else chosen after the probe save) and
+        # in-memory copies (configured, else chosen after a few steps)
+        self.durable = TierSchedule(tier=CheckpointTier.DURABLE, interval=config.checkpoint_every_steps)
+        self.memory = TierSchedule(tier=CheckpointTier.MEMORY, interval=config.memory_every_steps)
 
     def train_step(self, batch, step: int, *, fault: FailAt | None = None) -> float:
         """One step; returns its loss. A non-finite loss raises a `numerics` FailureError
@@ -118,31 +132,30 @@ class TrainLoop:
 
     def _choose_interval(self, end_step: int, step_times: list[float]) -> None:
         """After the probe save: the interval that minimizes expected wasted training."""
-        choice, model, csbt, step_s, _, _ = self._optimize(end_step, step_times, self.blocking)
-        self.interval = max(1, round(choice.interval_s / step_s))
-        self.interval_choice = IntervalChoice(interval_steps=self.interval, interval_s=choice.interval_s,
-                                              young_s=choice.young_s, daly_s=choice.daly_s,
-                                              expected_wasted_s=choice.expected_wasted_s, save_blocking_s=csbt,
-                                              step_s=step_s, expected_failures=model.expected_failures)
+        choice, model, csbt, step_s, _, _ = self._optimize(end_step, step_times, self.durable.blocking)
+        self.durable.interval = max(1, round(choice.interval_s / step_s))
+        self.durable.choice = IntervalChoice(interval_steps=self.durable.interval, interval_s=choice.interval_s,
+                                             young_s=choice.young_s, daly_s=choice.daly_s,
+                                             expected_wasted_s=choice.expected_wasted_s, save_blocking_s=csbt,
+                                             step_s=step_s, expected_failures=model.expected_failures)
 
     def _choose_memory_interval(self, end_step: int, step_times: list[float]) -> bool:
         """The in-memory tier's interval: the optimizer's, fed with the measured blocking of a
         memory copy instead of a durable save's, and no shorter than its background work allows.
         False: a rank's copy is still in flight, so its background time is not known yet (the
         ranks agree to try again after the next step; nothing waits for it)."""
-        chosen = self._optimize(end_step, step_times, self.memory_blocking,
+        chosen = self._optimize(end_step, step_times, self.memory.blocking,
                                 background_s=self.checkpointing.memory_background_s())
         if chosen is None:
             return False
         choice, _, csbt, step_s, background, floor_s = chosen
-        self.memory_interval = max(1, round(max(choice.interval_s, floor_s) / step_s))
-        self.memory_interval_choice = MemoryIntervalChoice(interval_steps=self.memory_interval,
-                                                           save_blocking_s=csbt, background_s=background,
-                                                           expected_wasted_s=choice.expected_wasted_s)
+        self.memory.interval = max(1, round(max(choice.interval_s, floor_s) / step_s))
+        self.memory.choice = MemoryIntervalChoice(interval_steps=self.memory.interval, save_blocking_s=csbt,
+                                                  background_s=background, expected_wasted_s=choice.expected_wasted_s)
         return True
 
     def _save_memory(self, step: int, cursor) -> None:
-        self.memory_blocking.append(self.checkpointing.save_memory(step, cursor, since=self.rec.recorded_until))
+        self.memory.blocking.append(self.checkpointing.save_memory(step, cursor, since=self.rec.recorded_until))
 
     def _phase(self, name: str):
         return self.beat.phase(name) if self.beat is not None else nullcontext()
@@ -168,7 +181,7 @@ class TrainLoop:
             self.beat.leave("train_step")  # the save has its own bound
         if decision.save and cursor is not None and step != self.saved_step:
             with self._phase(SAVE):
-                self.blocking.append(self.checkpointing.save(step, cursor, loss=loss))
+                self.durable.blocking.append(self.checkpointing.save(step, cursor, loss=loss))
                 self.checkpointing.manager.wait()  # durable and committed on every rank
             saved = step
         self.groups.control.barrier()  # nobody reports before every rank's part of the save is done
@@ -195,16 +208,16 @@ class TrainLoop:
         end = self._steps_total(step)
         first = self.state.first_batch
         batches = self.state.batches
-        probe_at = None if self.interval else step + max(1, (end - step) // 10)
+        probe_at = None if self.durable.interval else step + max(1, (end - step) // 10)
         step_times: list[float] = []
         examples = 0
         t_train = time.time()
         last_cursor = None
         loss_value: float | None = None  # None: no step trained in this attempt
-        memory = self.checkpointing.memory is not None
+        memory = self.checkpointing.memory is not None  # this rank has the in-memory tier
         if memory:  # a restore point from the start: a live recovery never lacks one
             self._save_memory(step, self.checkpointing.resume_cursor)
-        memory_probe_at = step + MEMORY_PROBE_STEPS if memory and self.memory_interval is None else None
+        memory_probe_at = step + MEMORY_PROBE_STEPS if memory and self.memory.interval is None else None
         if self.beat is not None:
             self.beat.training(step)
         # where the next step's interval starts (`step_clock`: no gap between steps); after the
@@ -253,14 +266,14 @@ class TrainLoop:
                 rate = len(step_times) / max(time.time() - t_train, 1e-9)
                 log.info("step %d/%d loss %.4f %.1f steps/s %.0f examples/s", step, end, loss_value,
                          rate, rate * batch.batch_size * self.config.world_size)
-            due_save = (step == probe_at) or (self.interval and step % self.interval == 0)
+            due_save = step == probe_at or self.durable.due(step)
             if memory and step < end:
-                if due_save or (self.memory_interval and step % self.memory_interval == 0):
+                if due_save or self.memory.due(step):
                     self._save_memory(step, last_cursor)
                 if step == memory_probe_at and not self._choose_memory_interval(end, step_times):
                     memory_probe_at += 1  # (after the save: its all-reduce is the next step's)
             if due_save and step < end:
-                self.blocking.append(self._save(step, last_cursor, loss_value))
+                self.durable.blocking.append(self._save(step, last_cursor, loss_value))
                 if step == probe_at:
                     self._choose_interval(end, step_times)
             since = resume_after(t1, self.rec.recorded_until)  # after a save: at its end, never inside it
@@ -282,8 +295,9 @@ class TrainLoop:
             steps_per_s=len(step_times) / elapsed, examples_per_s=examples * self.config.world_size / elapsed,
             step_s_median=statistics.median(step_times) if step_times else None,  # fetch to end of a step
             record_s=record_s,  # time in the step events' record calls
-            checkpoint=CheckpointReport(blocking_s=tuple(self.blocking), memory_blocking_s=tuple(self.memory_blocking),
-                                        interval=self.interval_choice, memory_interval=self.memory_interval_choice),
+            checkpoint=CheckpointReport(blocking_s=tuple(self.durable.blocking),
+                                        memory_blocking_s=tuple(self.memory.blocking), interval=self.durable.choice,
+                                        memory_interval=self.memory.choice),
             compile=self.state.compiler.report(), anchor=str(anchor) if anchor else None, eval=evaluation,
             eval_start=self.state.eval_start)
 
