@@ -28,7 +28,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ray.actor import ActorHandle
+
+    KeeperHandle: TypeAlias = ActorHandle["StateKeeper"]  # a run's keeper, as start_keeper returns it
 
 KEEP = 2  # copies kept per rank: the newest, and the one before it (the newest may be one rank short)
 NAME_PREFIX = "ettflow-keeper-"
@@ -201,7 +208,7 @@ def _flipped(arrays: list[Any]) -> list[Any]:
     return out
 
 
-def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True) -> Any:
+def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True) -> KeeperHandle:
     """The driver's call: the run's keeper actor, started on this node (this process owns it;
     an existing keeper of the run is reused; run_id None: a keeper with no name, started ahead
     of a run by the warm pool). Returns its ActorHandle once it answers (`wait=False`: at once,
@@ -223,7 +230,7 @@ def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True) -> 
     return handle
 
 
-def find_keeper(run_id: str) -> Any:
+def find_keeper(run_id: str) -> KeeperHandle:
     """A rank's or a spare's call: the handle of the run's keeper (ValueError: none is running)."""
     import ray
 

@@ -145,7 +145,7 @@ class TrainLoop:
         False: a rank's copy is still in flight, so its background time is not known yet (the
         ranks agree to try again after the next step; nothing waits for it)."""
         chosen = self._optimize(end_step, step_times, self.memory.blocking,
-                                background_s=self.checkpointing.memory_background_s())
+                                background_s=self.checkpointing.background_s(CheckpointTier.MEMORY))
         if chosen is None:
             return False
         choice, _, csbt, step_s, background, floor_s = chosen
@@ -155,7 +155,8 @@ class TrainLoop:
         return True
 
     def _save_memory(self, step: int, cursor) -> None:
-        self.memory.blocking.append(self.checkpointing.save_memory(step, cursor, since=self.rec.recorded_until))
+        self.memory.blocking.append(self.checkpointing.save(CheckpointTier.MEMORY, step, cursor,
+                                                            since=self.rec.recorded_until))
 
     def _phase(self, name: str):
         return self.beat.phase(name) if self.beat is not None else nullcontext()
@@ -166,7 +167,8 @@ class TrainLoop:
             self.beat.leave("train_step")
         try:
             with self._phase(SAVE):
-                blocking = self.checkpointing.save(step, cursor, loss=loss, since=self.rec.recorded_until)
+                blocking = self.checkpointing.save(CheckpointTier.DURABLE, step, cursor, loss=loss,
+                                                   since=self.rec.recorded_until)
         finally:
             if self.beat is not None:
                 self.beat.step_ended(step - 1)  # the training clock restarts after the save
@@ -181,8 +183,8 @@ class TrainLoop:
             self.beat.leave("train_step")  # the save has its own bound
         if decision.save and cursor is not None and step != self.saved_step:
             with self._phase(SAVE):
-                self.durable.blocking.append(self.checkpointing.save(step, cursor, loss=loss))
-                self.checkpointing.manager.wait()  # durable and committed on every rank
+                self.durable.blocking.append(self.checkpointing.save(CheckpointTier.DURABLE, step, cursor, loss=loss))
+                self.checkpointing.durable.wait()  # durable and committed on every rank
             saved = step
         self.groups.control.barrier()  # nobody reports before every rank's part of the save is done
         if PREEMPTION.signalled:
@@ -214,7 +216,7 @@ class TrainLoop:
         t_train = time.time()
         last_cursor = None
         loss_value: float | None = None  # None: no step trained in this attempt
-        memory = self.checkpointing.memory is not None  # this rank has the in-memory tier
+        memory = self.checkpointing.tier(CheckpointTier.MEMORY) is not None  # this rank has the in-memory tier
         if memory:  # a restore point from the start: a live recovery never lacks one
             self._save_memory(step, self.checkpointing.resume_cursor)
         memory_probe_at = step + MEMORY_PROBE_STEPS if memory and self.memory.interval is None else None
