@@ -88,13 +88,19 @@ def record_ray_connection(plan: RefreshPlan, attempt: int, conn: RayConnection, 
 
 def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
     from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
+    from ettflow.trainer.group.warm_pool import POOL
     from ettflow.trainer.rank.actor import TrainerActor
 
+    from .schedule import next_scheduled_run
+
     def make_group(attempt: int) -> RayWorkerGroup:
-        return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root, actor_cls=TrainerActor)
+        # the process's pool (the cluster's, once this process joined one: `ensure_ray`); the
+        # deployment's next scheduled run, asked when the run ends, times the pool's prewarm
+        return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root, actor_cls=TrainerActor,
+                              pool=POOL, next_run_at=lambda: next_scheduled_run(plan.run_id))
 
     return TrainerLease(run_id=plan.run_id, spool_root=plan.spool_root, world_size=plan.trainer.world_size,
-                        make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id))
+                        make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id, POOL))
 
 
 @task(name="reserve-trainer", cache_policy=NO_CACHE)
@@ -245,11 +251,6 @@ def release_trainer(plan: RefreshPlan, lease: TrainerLease | None) -> float:
     is recorded as shutdown. Idempotent; nothing to do when nothing was reserved."""
     if lease is None:
         return 0.0
-    from ettflow.trainer.group.warm_pool import POOL
-
-    from .schedule import next_scheduled_run
-
-    POOL.next_run_at = next_scheduled_run(plan.run_id)  # the pool prewarms ahead of it (pool_service.py)
     held = lease.release()
     get_run_logger().info("trainer released (devices held %.2f s after training)", held)
     record_pool_ledger(plan)

@@ -191,3 +191,17 @@ class PollStatus:
 
     finished: Mapping[int, RankResult] = field(default_factory=dict)
     failed: tuple[Failure, ...] = ()
+
+
+@dataclass(frozen=True)
+class PooledInfo:
+    """One thing the cluster's warm pool holds (`group/pool_service.py`), as `ettflow pool status`
+    lists it (it crosses from the pool's actor to the asking process)."""
+
+    kind: str  # "worker", "keeper", "run's worker" / "run's keeper" (taken, watched), "planned"
+    model: str  # the model's name in the config (its shape is the key's digest)
+    key: str  # a short digest of the warm key
+    state: str  # "prewarming" or "ready" (a failed worker is dropped)
+    requested_at: float
+    ready_at: float | None
+    node: str | None

@@ -50,6 +50,7 @@ from ettflow.trainer.group.pooled_worker import (
     take_for_nodes,
     warm_key,
 )
+from ettflow.trainer.protocol import PooledInfo
 
 log = logging.getLogger("ettflow.trainer")
 NAME = "ettflow-pool"
@@ -76,19 +77,6 @@ class PoolPolicy:
         if self.idle_s <= 0 or self.reap_every_s <= 0 or self.lead_s <= 0:
             raise ValueError(f"idle_s, reap_every_s and lead_s must be positive, got {self.idle_s}, "
                              f"{self.reap_every_s}, {self.lead_s}")
-
-
-@dataclass(frozen=True)
-class PooledInfo:
-    """One thing the pool holds, as `ettflow pool status` lists it."""
-
-    kind: str  # "worker", "keeper", "run's worker" / "run's keeper" (taken, watched), "planned"
-    model: str  # the model's name in the config (its shape is the key's digest)
-    key: str  # a short digest of the warm key
-    state: str  # "prewarming" or "ready" (a failed worker is dropped)
-    requested_at: float
-    ready_at: float | None
-    node: str | None
 
 
 class RunOwner:

@@ -27,9 +27,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -45,9 +46,12 @@ from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
-from ettflow.trainer.group.warm_pool import POOL, record_start
+from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, WorkerInfo
+
+if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
 
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
@@ -128,21 +132,21 @@ def _gcs_address() -> str:
 _KEEPERS: dict[str, object] = {}
 
 
-def run_keeper(run_id: str, *, pooled: bool = False):
+def run_keeper(run_id: str, *, pool: WarmPool | None = None) -> KeeperHandle:
     """The run's in-memory checkpoint keeper (started on first use, kept until `end_run`). Its
     process starts beside the ranks' (nothing waits for it here: a rank's first copy does).
-    `pooled`: take the one the warm pool started ahead of the run, when it has one."""
+    `pool`: take the one that warm pool started ahead of the run, when it has one."""
     keeper = _KEEPERS.get(run_id)
     if keeper is None:
-        keeper = _KEEPERS[run_id] = (POOL.take_keeper(run_id) if pooled else None) \
+        keeper = _KEEPERS[run_id] = (pool.take_keeper(run_id) if pool is not None else None) \
             or start_keeper(run_id, wait=False)
     return keeper
 
 
-def end_run(run_id: str) -> None:
+def end_run(run_id: str, pool: WarmPool = POOL) -> None:
     """Free what a run keeps across its attempts (its in-memory checkpoint keeper); what it took
     from the cluster's pool is stopped, so the pool no longer watches it."""
-    POOL.forget(run_id)
+    pool.forget(run_id)
     keeper = _KEEPERS.pop(run_id, None)
     if keeper is None or not ray.is_initialized():
         return
@@ -170,11 +174,15 @@ def live_nodes() -> dict[str, dict]:
 
 class RayWorkerGroup:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, spool_root: Path | str,
-                 *, actor_cls: type, reserve_timeout_s: float | None = None) -> None:
+                 *, actor_cls: type, reserve_timeout_s: float | None = None, pool: WarmPool = POOL,
+                 next_run_at: Callable[[], float | None] | None = None) -> None:
         """`actor_cls`: the rank's actor class (`trainer.rank.actor.TrainerActor`; passed in: the
         driver's side never imports the rank's); `reserve_timeout_s`: the bound on the
-        placement's wait (default: the run's `placement.capacity_wait_s`)."""
+        placement's wait (default: the run's `placement.capacity_wait_s`); `pool`: the warm pool
+        ranks, spares and keeper are taken from and a finished run fills (this process's);
+        `next_run_at`: asked at the end, when the run's deployment runs next (None: unscheduled)."""
         self.config, self.run_id, self.attempt, self.actor_cls = config, run_id, attempt, actor_cls
+        self.pool, self.next_run_at = pool, next_run_at
         self.spool_root = str(spool_root)
         self.reserve_timeout_s = config.placement.capacity_wait_s if reserve_timeout_s is None else reserve_timeout_s
         self.world_size = config.world_size  # this attempt's ranks: fewer on an elastic restart
@@ -261,8 +269,8 @@ class RayWorkerGroup:
         requested_at = time.time()
         # the in-memory tier only where something reads it: a live recovery's restore
         if self.config.switches.memory_checkpoint and self.recovers_live:
-            self.keeper = run_keeper(self.run_id, pooled=self.config.switches.warm_pool)  # starts with the ranks'
-        pooled = POOL.take(config, self._bundle_nodes(), self.run_id) if not gpu else [None] * self.world_size
+            self.keeper = run_keeper(self.run_id, pool=self.pool if self.config.switches.warm_pool else None)
+        pooled = self.pool.take(config, self._bundle_nodes(), self.run_id) if not gpu else [None] * self.world_size
         self.actors = [
             pooled[rank][0].actor if pooled[rank] is not None else remote.options(
                 num_cpus=self.config.threads_per_rank, num_gpus=1 if gpu else 0, max_restarts=0,
@@ -277,7 +285,7 @@ class RayWorkerGroup:
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
         if self.recovers_live:
-            self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
+            self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls, pool=self.pool,
                                     bundle=(self.pg, self.bundles.spare) if gpu else None)
             if gpu:  # it holds its device from now: its process starts now (its prewarm later)
                 self.spares.start()
@@ -483,10 +491,12 @@ class RayWorkerGroup:
         if self.spares is not None:
             self.spares.close(self.attempt)  # to the warm pool when the process keeps one
         if self.world_size and len(self.finished) == self.world_size:
-            end_run(self.run_id)  # trained to the end: nothing will restore from memory
+            end_run(self.run_id, self.pool)  # trained to the end: nothing will restore from memory
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on
-                POOL.fill(self.config, self.world_size + (SPARES_AHEAD if self.config.switches.live_recovery else 0),
-                          self.spool_root, self.actor_cls)
+                self.pool.fill(self.config,
+                               self.world_size + (SPARES_AHEAD if self.config.switches.live_recovery else 0),
+                               self.spool_root, self.actor_cls,
+                               next_run_at=self.next_run_at() if self.next_run_at is not None else None)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -38,7 +38,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.group.warm_pool import POOL, PooledWorker, record_start, start_worker
+from ettflow.trainer.group.warm_pool import PooledWorker, WarmPool, record_start, start_worker
 from ettflow.trainer.protocol import WorkerInfo
 
 log = logging.getLogger("ettflow.trainer")
@@ -55,12 +55,12 @@ class SpareUnavailable(RuntimeError):
 
 class SparePool:
     def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str, *, actor_cls: type,
-                 bundle: tuple[Any, int] | None = None) -> None:
+                 pool: WarmPool, bundle: tuple[Any, int] | None = None) -> None:
         """`actor_cls`: the rank's actor class a spare is (`RayWorkerGroup`'s); `bundle`:
         (placement group, index) the next spare starts in (a GPU placement); None: a spare with
         no resources of its own (a CPU placement)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
-        self.actor_cls = actor_cls
+        self.actor_cls, self.pool = actor_cls, pool
         self.bundle = bundle
         self._spare: PooledWorker | None = None
         self._pooled = False  # the spare came prewarmed from the warm pool
@@ -79,7 +79,7 @@ class SparePool:
         if self._spare is not None:
             return
         if self.bundle is None:  # a pooled worker holds no bundle of this placement
-            (pooled,) = POOL.take(self.config, [None], self.run_id)
+            (pooled,) = self.pool.take(self.config, [None], self.run_id)
             if pooled is not None:
                 self._spare, self._pooled = pooled[0], True
                 return
@@ -180,7 +180,7 @@ class SparePool:
         if attempt is not None:
             self._record_unused(spare, attempt, time.time())
         if spare.prewarmed is not None and self.config.switches.warm_pool and self.bundle is None:
-            POOL.give(spare)
+            self.pool.give(spare)
             return
         with contextlib.suppress(Exception):
             ray.kill(spare.actor, no_restart=True)

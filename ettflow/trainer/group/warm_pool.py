@@ -64,9 +64,6 @@ class WarmPool:
         self.workers: list[PooledWorker] = []
         self.keeper: Any = None  # an in-memory checkpoint keeper started for the next run (state_keeper.py)
         self.service: Any = None  # the cluster's pool (pool_service.py) once attached
-        # when this run's deployment runs next (Prefect's schedule; the flow sets it before its
-        # release): the cluster's pool prewarms ahead of it rather than holding workers till then
-        self.next_run_at: float | None = None
         self._owner: Any = None
 
     def attach_cluster(self) -> None:
@@ -100,14 +97,17 @@ class WarmPool:
         else:
             stop(worker)
 
-    def fill(self, config: TrainerConfig, count: int, spool_root: Path | str, actor_cls: type) -> int:
+    def fill(self, config: TrainerConfig, count: int, spool_root: Path | str, actor_cls: type, *,
+             next_run_at: float | None = None) -> int:
         """Start workers (of `actor_cls`, the rank's actor class) until the pool holds `count`
         for `config` (workers for another shape are stopped); returns how many started.
-        Nothing when the pool is not kept."""
+        Nothing when the pool is not kept. `next_run_at`: when the run's deployment runs next
+        (Prefect's schedule): the cluster's pool prewarms ahead of it rather than holding
+        workers till then."""
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
             return 0
         if self.service is not None:  # the cluster's pool starts them (the call returns at once)
-            self.service.fill.remote(config, count, str(spool_root), self.next_run_at, actor_cls=actor_cls)
+            self.service.fill.remote(config, count, str(spool_root), next_run_at, actor_cls=actor_cls)
             return 0
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
