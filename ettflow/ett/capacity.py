@@ -121,11 +121,13 @@ class Holding:
     used: bool
     requested_at: float
     released_at: float
-    reason: str  # taken, replaced_rank, released_unused, idle, reshaped, stopped, failed, waited, owner_died
+    reason: str  # taken, replaced_rank, released_unused, expired, until_scheduled, reshaped, stopped, failed, waited,
+    # owner_died
     slots: float = 1.0
     gpus: float = 0.0
     cpus: float = 0.0
     memory_bytes: int | None = None
+    rule: str = ""  # why it was held: the pool's hold rule (just-in-time, keep-alive) or a spare's sizing
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -152,7 +154,7 @@ def holdings_of_run(run_id: str, model: str, events: Sequence[PhaseEvent], wall_
         a = ev.info if ev.phase == SPARE_START else SpareAttrs()
         common = {"holding_id": f"{run_id}:{ev.attempt}:{ev.rank}:{ev.seq}", "model": model, "run_id": run_id,
                   "requested_at": ev.start, "gpus": _or(a.gpus, 0.0), "cpus": _or(a.cpus, 0.0),
-                  "memory_bytes": _int(a.rss_bytes)}
+                  "memory_bytes": _int(a.rss_bytes), "rule": a.rule or ""}
         if ev.phase == FLOW_PRESTART:
             out.append(Holding(kind=FLOW_PROCESS, used=True, released_at=ev.end, reason="waited", slots=0.0,
                                **{**common, "cpus": 1.0}))

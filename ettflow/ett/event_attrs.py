@@ -166,7 +166,8 @@ class SaveAttrs(EventAttrs):
 class SpareAttrs(EventAttrs):
     """`spare_start`: a spare or pooled worker held for the run. `for_rank`: the rank a pooled
     worker became (None: a spare); `taken_at` when a run took it; `used` False: released
-    unused at `released_at`; what it held (`gpus`, `cpus`, `rss_bytes`)."""
+    unused at `released_at`; what it held (`gpus`, `cpus`, `rss_bytes`); `rule`: why it was
+    held (the pool's hold rule, or a spare's sizing)."""
 
     for_rank: int | None = None
     pooled: bool = False
@@ -176,6 +177,7 @@ class SpareAttrs(EventAttrs):
     gpus: float | None = None
     cpus: float | None = None
     rss_bytes: float | None = None
+    rule: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

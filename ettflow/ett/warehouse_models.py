@@ -174,6 +174,7 @@ class HeldCapacityRow(Base):
     gpus: Mapped[float]
     cpus: Mapped[float]
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    rule: Mapped[str] = mapped_column(String(32), default="", server_default="")
 
 
 # Child tables in the order an archive writes them (after `runs`).

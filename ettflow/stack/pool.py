@@ -84,7 +84,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
           f"({sum(h.held_s for h in pending):.0f} s held) not yet in the warehouse's ledger")
     for line in pending:
         print(f"  ledger  {line.kind:<16} model {line.model:<10} run {(line.run_id or '-')[:8]:<8} held "
-              f"{line.held_s:.0f} s ({line.reason})")
+              f"{line.held_s:.0f} s ({line.reason}{', ' + line.rule if line.rule else ''})")
     for h in held:
         since = f"ready for {now - h.ready_at:.0f} s" if h.ready_at else f"requested {now - h.requested_at:.0f} s ago"
         if h.kind == "planned":  # nothing held yet: prewarmed ahead of the model's next scheduled run
@@ -92,7 +92,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
         elif h.kind.startswith("run's"):  # taken by a run: the pool stops it if the run's process dies
             since = f"run {h.key}, its process seen alive {now - h.requested_at:.0f} s ago"
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"
-              + (f" on node {h.node[:12]}" if h.node else ""))
+              + (f" on node {h.node[:12]}" if h.node else "") + (f" [{h.rule}]" if h.rule else ""))
+    for model, why in sorted({(h.model, h.why) for h in held if h.why}):
+        print(f"  rule    model {model:<10} {why}")
     return 0
 
 

@@ -205,3 +205,5 @@ class PooledInfo:
     requested_at: float
     ready_at: float | None
     node: str | None
+    rule: str = ""  # the hold rule it is held under (`group/hold_rule.py`)
+    why: str = ""  # the rule's numbers (the model's measured prewarm, the schedule)

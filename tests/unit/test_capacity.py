@@ -78,31 +78,40 @@ def test_the_ledger_lists_each_holding_with_what_it_held_and_whether_it_was_used
 
 def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_acknowledged():
     from ettflow.ett.capacity import UNCLAIMED_WORKER
+    from ettflow.trainer.group.hold_rule import PrewarmEstimate, decide_hold
     from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
     from ettflow.trainer.group.pooled_worker import PooledWorker
     from ettflow.trainer.protocol import PrewarmTimings
 
-    pool = PoolService(PoolPolicy(idle_s=50.0, reap_every_s=3600.0))
+    pool = PoolService(PoolPolicy(reap_every_s=3600.0))
+    # no schedule: each ready worker is kept for the break-even keep-alive (here a 50 s prewarm)
+    pool.holds["dlrm"] = decide_hold(0.0, None, PrewarmEstimate.of([50.0]), margin_s=10.0, max_keep_alive_s=600.0)
     ready = PrewarmTimings(build_s=1.0, compile_s=1.0, cache_hit=True, footers_s=0.0, ready_at=10.0)
-    pool.entries = [PooledWorker(None, None, 2.0, "k", "dlrm", timings=ready, cpus=1.0, rss_bytes=100),
-                    PooledWorker(None, None, 40.0, "k", "dlrm", timings=replace(ready, ready_at=45.0))]
-    assert pool.reap(now=70.0) == 1  # idle since 10 (ready), 60 s > 50: released; the other kept
+    pool.entries = [PooledWorker(None, None, 2.0, "k", "dlrm", timings=ready, cpus=1.0, rss_bytes=100,
+                                 rule="keep-alive"),
+                    PooledWorker(None, None, 40.0, "k", "dlrm", timings=replace(ready, ready_at=45.0),
+                                 rule="keep-alive")]
+    assert pool.reap(now=70.0) == 1  # ready since 10, 60 s > 50: released; the other kept
+    assert pool.prewarm_s == {"dlrm": [8.0, 5.0]}  # each worker's prewarm measured once, for the model's rule
     [line] = pool.drain()
-    assert (line.kind, line.run_id, line.used, line.reason) == (UNCLAIMED_WORKER, None, False, "idle")
+    assert (line.kind, line.run_id, line.used, line.reason, line.rule) == (
+        UNCLAIMED_WORKER, None, False, "expired", "keep-alive")
     assert (line.requested_at, line.released_at, line.held_s, line.memory_bytes) == (2.0, 70.0, 68.0, 100)
     assert pool.drain() == [line]  # not acknowledged: still there for the next writer
     assert pool.ack([line.holding_id]) == 1 and pool.drain() == []
     assert pool.stop() == 1 and [h.reason for h in pool.drain()] == ["stopped"]
 
 
-
-def test_the_pool_prewarms_again_ahead_of_the_deployments_next_scheduled_run(tmp_path):
-    """After a release the pool fills at once; the reaper releases what stays idle; `lead_s`
-    before the deployment's next scheduled run it fills again (a fake start: no Ray)."""
+def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled_run(tmp_path):
+    """A release with the deployment's next run 6 h ahead starts nothing and drops what the
+    model held; the model's measured prewarm (default until measured), twice its spread and
+    the margin before the run it prewarms; an unclaimed worker goes `margin_s` after the
+    scheduled time. With no schedule it fills at once under the keep-alive (a fake start: no Ray)."""
     from types import SimpleNamespace
 
     from ettflow.trainer.config import TrainerConfig
     from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.group.hold_rule import DEFAULT_PREWARM_S
     from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
     from ettflow.trainer.group.pooled_worker import PooledWorker, model_name, warm_key
     from ettflow.trainer.protocol import PrewarmTimings
@@ -114,24 +123,31 @@ def test_the_pool_prewarms_again_ahead_of_the_deployments_next_scheduled_run(tmp
         assert actor_cls is RankActor
         worker = PooledWorker(SimpleNamespace(prewarm=SimpleNamespace(remote=lambda: None)), None, clock[0],
                               warm_key(config), model_name(config))
-        worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0, ready_at=clock[0])
+        worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0,
+                                        ready_at=clock[0] + 12.0)
         return worker
 
     t0 = time.time()  # the pool's reaper thread runs on the real clock: the plan lies hours ahead of it
     clock = [t0]
+    run_at = t0 + 6 * 3600
     cfg = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
                         compile_cache_root=str(tmp_path / "dlrm" / "compile-cache")).with_switches(
                             memory_checkpoint=False)
-    pool = PoolService(PoolPolicy(idle_s=600.0, lead_s=300.0, reap_every_s=3600.0), start=start)
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 + 6 * 3600, now=t0, actor_cls=RankActor) == 3  # at once
+    pool = PoolService(PoolPolicy(margin_s=10.0, reap_every_s=3600.0), start=start)
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 - 1, now=t0, actor_cls=RankActor) == 3  # due: at once
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor) == 0
+    assert pool.entries == [] and [h.reason for h in pool.drain()] == ["until_scheduled"] * 3
     [planned] = [h for h in pool.status() if h.kind == "planned"]
-    assert (planned.model, planned.requested_at) == ("dlrm", t0 + 6 * 3600 - 300)
-    assert pool.start_planned(now=t0 + 1000) == 0 and pool.reap(now=t0 + 1000) == 3  # idle 1000 s > 600: released
-    assert [h.reason for h in pool.drain()] == ["idle"] * 3 and pool.entries == []
-    clock[0] = t0 + 6 * 3600 - 300
-    assert pool.start_planned(now=clock[0]) == 3 and len(pool.entries) == 3  # warm for the run, 300 s ahead
-    assert pool.planned == {}
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=clock[0] + 100, now=clock[0],  # within lead_s: no plan
-                     actor_cls=RankActor) == 0
-    assert pool.planned == {}
+    assert (planned.model, planned.requested_at, planned.rule) == ("dlrm", run_at - DEFAULT_PREWARM_S - 10.0,
+                                                                   "just-in-time")
+    assert "next scheduled run in 21600 s" in planned.why and "default" in planned.why
+    assert pool.start_planned(now=t0 + 1000) == 0 and pool.entries == []
+    clock[0] = run_at - DEFAULT_PREWARM_S - 10.0
+    assert pool.start_planned(now=clock[0]) == 3 and pool.planned == {}
+    assert {e.rule for e in pool.entries} == {"just-in-time"}
+    assert pool.reap(now=run_at + 10.0) == 0 and pool.prewarm_s == {"dlrm": [12.0] * 3}
+    assert pool.reap(now=run_at + 10.5) == 3  # the run did not come: released
+    assert {(h.reason, h.rule) for h in pool.drain()} >= {("expired", "just-in-time")}
+    assert pool.fill(cfg, 3, str(tmp_path), now=clock[0], actor_cls=RankActor) == 3  # no schedule: keep-alive
+    assert {e.rule for e in pool.entries} == {"keep-alive"} and pool.holds["dlrm"].keep_alive_s == 12.0
     pool.stop()

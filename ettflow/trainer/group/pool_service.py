@@ -10,11 +10,15 @@ keepers (their owner is the service, so they outlive the run that asked for them
 `warm_pool.warm_key` keys them; any run connected to the cluster takes them for its placement.
 
 Its policy (`PoolPolicy`): at most `max_workers` per model (a fill for another shape of the
-same model stops the old ones), and a worker nobody took within `idle_s` is released (a
-reaper thread checks every `reap_every_s`). A run's release fills the pool for the model's
-next run at once, and when Prefect has the deployment's next run scheduled (the flow reads it,
-`tasks/schedule.py`), the pool prewarms again `lead_s` before it: a refresh every 6 hours gets
-warm workers without holding them idle for 6 hours. What the pool holds, and since when, and
+same model stops the old ones); what it prewarms for a model's next run, and how long it holds
+it unclaimed, is a `hold_rule.HoldDecision` (a reaper thread applies it every `reap_every_s`):
+when Prefect has the deployment's next run scheduled (the flow reads it, `tasks/schedule.py`)
+the pool holds nothing from the release and prewarms *just in time* (the model's measured
+prewarm duration, its spread and `margin_s` before the run), so a refresh every 6 hours gets
+warm workers without holding them idle for 6 hours; with no schedule it prewarms at once and
+holds each ready worker for the *break-even keep-alive*, the cold start it would save (at most
+`max_keep_alive_s`). The pool measures each model's prewarm (requested -> ready) on its own
+workers. What the pool holds, and since when, and
 what it plans, is what `status()` lists; a run records what it took in its spool (`spare_start`, `pooled`, with the
 time it was taken), off its clock.
 
@@ -40,6 +44,7 @@ from typing import Any
 
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
+from ettflow.trainer.group.hold_rule import SAMPLES_KEPT, HoldDecision, PrewarmEstimate, decide_hold
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
     PooledWorker,
@@ -55,28 +60,29 @@ from ettflow.trainer.protocol import PooledInfo
 log = logging.getLogger("ettflow.trainer")
 NAME = "ettflow-pool"
 NAMESPACE = "ettflow"
+ORPHANS_EVERY_S = 30.0  # how often the reaper asks whether the runs that took workers still live
 
 
 @dataclass(frozen=True, kw_only=True)
 class PoolPolicy:
     """max_workers: prewarmed workers kept per model (ranks and spares of its next run).
-    idle_s: a worker or keeper nobody took in this long is released (back-to-back and ad hoc
-    runs find them; a schedule hours apart does not pay for idle workers in between).
-    reap_every_s: how often that is checked. lead_s: how long before a deployment's next
-    scheduled run its workers are prewarmed again."""
+    margin_s: a just-in-time prewarm's slack before a scheduled run (beyond the measured
+    prewarm and twice its spread), and how long after the scheduled time its unclaimed workers
+    are kept. max_keep_alive_s: the longest an unscheduled run's ready worker is held (the
+    break-even keep-alive is the model's prewarm, bounded by this). reap_every_s: how often the
+    reaper checks (a planned prewarm wakes it on time)."""
 
     max_workers: int = 8
-    idle_s: float = 1800.0
-    reap_every_s: float = 30.0
-    # how long before a deployment's next scheduled run its workers are prewarmed again
-    lead_s: float = 300.0
+    margin_s: float = 30.0
+    max_keep_alive_s: float = 600.0
+    reap_every_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_workers < 0:
             raise ValueError(f"max_workers must be 0 or more, got {self.max_workers}")
-        if self.idle_s <= 0 or self.reap_every_s <= 0 or self.lead_s <= 0:
-            raise ValueError(f"idle_s, reap_every_s and lead_s must be positive, got {self.idle_s}, "
-                             f"{self.reap_every_s}, {self.lead_s}")
+        if self.margin_s < 0 or self.reap_every_s <= 0 or self.max_keep_alive_s < 0:
+            raise ValueError(f"margin_s and max_keep_alive_s must be >= 0 and reap_every_s positive, got "
+                             f"{self.margin_s}, {self.max_keep_alive_s}, {self.reap_every_s}")
 
 
 class RunOwner:
@@ -114,13 +120,17 @@ class _Keeper:
 
 @dataclass(frozen=True)
 class PlannedFill:
-    """Workers to prewarm at `at` (`lead_s` before the model's next scheduled run)."""
+    """Workers to prewarm at `hold.start_at` (just in time for the model's next scheduled run)."""
 
-    at: float
+    hold: HoldDecision
     config: TrainerConfig
     count: int
     spool_root: str
     actor_cls: type
+
+    @property
+    def at(self) -> float:
+        return self.hold.start_at
 
 
 def digest(key: str) -> str:
@@ -136,31 +146,48 @@ class PoolService:
         self.keepers: list[_Keeper] = []
         self.ledger: dict[str, Holding] = {}  # released unclaimed, not yet in a warehouse (by holding_id)
         self.planned: dict[str, PlannedFill] = {}  # by model: a fill ahead of its next scheduled run
+        self.prewarm_s: dict[str, list[float]] = {}  # by model: its workers' measured prewarms (newest last)
+        self.holds: dict[str, HoldDecision] = {}  # by model: the hold its workers are under
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self._start = start
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._orphans_checked = 0.0
         threading.Thread(target=self._reap_loop, name="ettflow-pool-reaper", daemon=True).start()
 
     # ---- filling -------------------------------------------------------------------------
+    def decide(self, model: str, next_run_at: float | None, now: float) -> HoldDecision:
+        """The hold for the model's next run (`hold_rule.decide_hold`, on its measured prewarms)."""
+        with self._lock:
+            estimate = PrewarmEstimate.of(self.prewarm_s.get(model, ()))
+        return decide_hold(now, next_run_at, estimate, margin_s=self.policy.margin_s,
+                           max_keep_alive_s=self.policy.max_keep_alive_s)
+
     def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
              now: float | None = None, *, actor_cls: type) -> int:
         """Hold `count` workers (at most the policy's bound) of `config`'s shape for the model's
-        next run, starting now (an ad hoc or back-to-back run may come at any time; the reaper
-        releases them after `idle_s`); the model's workers of another shape are stopped.
-        `next_run_at`: when its deployment's next run is scheduled (Prefect knows it): the pool
-        also prewarms `lead_s` before it, whatever the reaper released meanwhile. Returns how
-        many started now. `actor_cls`: the rank's actor class the workers are (the caller's: the
-        pool, on the driver's side, never imports the rank's)."""
+        next run, under the hold the rule decides (`decide`): `next_run_at` (when its
+        deployment's next run is scheduled; Prefect knows it) prewarms just in time and holds
+        nothing before; None prewarms now, each ready worker kept for the break-even keep-alive.
+        The model's workers of another shape are stopped. Returns how many started now.
+        `actor_cls`: the rank's actor class the workers are (the caller's: the pool, on the
+        driver's side, never imports the rank's)."""
         now = time.time() if now is None else now
         model = model_name(config)
+        hold = self.decide(model, next_run_at, now)
+        log.info("cluster pool: %s for %s: %s", hold.rule, model, hold.reason)
         with self._lock:
             self.planned.pop(model, None)
-            if next_run_at is not None and next_run_at - self.policy.lead_s > now:
-                self.planned[model] = PlannedFill(at=next_run_at - self.policy.lead_s, config=config, count=count,
-                                                  spool_root=spool_root, actor_cls=actor_cls)
+            self.holds[model] = hold
+            if not hold.starts_now(now):
+                self.planned[model] = PlannedFill(hold=hold, config=config, count=count, spool_root=spool_root,
+                                                  actor_cls=actor_cls)
+                # nothing held from the release to the run: workers of the last fill go now
+                self._drop(lambda e: e.model == model, "until_scheduled", now)
+                self._drop_keepers(lambda k: k.model == model, "until_scheduled", now)
                 self._wake.set()
+                return 0
             return self._fill_now(config, count, spool_root, actor_cls)
 
     def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type) -> int:
@@ -169,9 +196,11 @@ class PoolService:
             self._drop(lambda e: e.model == model and e.key != key, "reshaped")
             have = len([e for e in self.entries if e.key == key])
             started = max(min(count, self.policy.max_workers) - have, 0)
+            hold = self.holds.get(model)
             for _ in range(started):
                 worker = self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
                 worker.prewarmed = worker.actor.prewarm.remote()
+                worker.rule = str(hold.rule) if hold is not None else ""
                 self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
                 from ettflow.trainer.checkpoint.state_keeper import start_keeper
@@ -265,14 +294,20 @@ class PoolService:
     def status(self) -> list[PooledInfo]:
         with self._lock:
             self._ready()
+            def why(model: str) -> str:
+                hold = self.holds.get(model)
+                return hold.reason if hold is not None else ""
+
             workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
-                                  e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node)
+                                  e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node,
+                                  rule=e.rule, why=why(e.model))
                        for e in self.entries]
             return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None)
                               for k in self.keepers] + [
                 PooledInfo(f"run's {g.kind}", g.model, g.run_id[:8] or "-", "taken", g.seen_alive_at, None, None)
                 for g in self.given] + [
-                PooledInfo("planned", m, digest(warm_key(p.config)), f"{p.count} to prewarm", p.at, None, None)
+                PooledInfo("planned", m, digest(warm_key(p.config)), f"{p.count} to prewarm", p.at, None, None,
+                           rule=str(p.hold.rule), why=p.hold.reason)
                 for m, p in self.planned.items()]
 
     def stop(self) -> int:
@@ -300,9 +335,15 @@ class PoolService:
 
     # ---- internals -----------------------------------------------------------------------
     def _ready(self) -> list[PooledWorker]:
-        """The prewarmed workers (timings and node read once); a failed one is dropped."""
+        """The prewarmed workers (timings and node read once; each one's prewarm measured for
+        its model's hold rule); a failed one is dropped."""
         failed = probe(self.entries, "cluster pool")
         self._drop(lambda e: any(e is f for f in failed), "failed")
+        for e in self.entries:
+            if e.timings is not None and not e.measured:
+                e.measured = True
+                self.prewarm_s.setdefault(e.model, []).append(max(e.timings.ready_at - e.requested_at, 0.0))
+                del self.prewarm_s[e.model][:-SAMPLES_KEPT]
         return [e for e in self.entries if e.timings is not None]
 
     def _drop(self, which, reason: str, now: float | None = None) -> None:
@@ -312,7 +353,7 @@ class PoolService:
             stop(e)
             h = Holding(holding_id=e.holding_id, model=e.model, kind=UNCLAIMED_WORKER, run_id=None, used=False,
                         requested_at=e.requested_at, released_at=max(now, e.requested_at), reason=reason,
-                        gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes)
+                        gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes, rule=e.rule)
             self.ledger[h.holding_id] = h
 
     def _drop_keepers(self, which, reason: str, now: float | None = None) -> int:
@@ -341,7 +382,8 @@ class PoolService:
                 return
             self.start_planned(time.time())
             self.reap(time.time())
-            if self.given:
+            if self.given and time.time() - self._orphans_checked > ORPHANS_EVERY_S:
+                self._orphans_checked = time.time()
                 self.reap_orphans()
 
     def start_planned(self, now: float) -> int:
@@ -357,15 +399,19 @@ class PoolService:
         return started
 
     def reap(self, now: float) -> int:
-        """Release what nobody took within the policy's idle time; how many were released."""
+        """Release what nobody took while its model's hold lasted (`HoldDecision.expired`: the
+        keep-alive after it was ready, or the scheduled run's time and margin); a keeper goes
+        with its model's last worker. How many were released."""
         with self._lock:
-            old = [e for e in self.entries if now - (e.timings.ready_at if e.timings else e.requested_at)
-                   > self.policy.idle_s]
-            self._drop(lambda e: any(e is o for o in old), "idle", now)
-            stale = self._drop_keepers(lambda k: now - k.requested_at > self.policy.idle_s, "idle", now)
+            self._ready()
+            old = [e for e in self.entries if (hold := self.holds.get(e.model)) is not None
+                   and hold.expired(now, ready_at=e.timings.ready_at if e.timings is not None else None)]
+            self._drop(lambda e: any(e is o for o in old), "expired", now)
+            models = {e.model for e in self.entries}
+            stale = self._drop_keepers(lambda k: k.model not in models, "expired", now)
         if old or stale:
-            log.info("cluster pool: released %d worker(s) and %d keeper(s) nobody took within %.0f s",
-                     len(old), stale, self.policy.idle_s)
+            log.info("cluster pool: released %d worker(s) and %d keeper(s) nobody took while their hold lasted",
+                     len(old), stale)
         return len(old) + stale
 
 

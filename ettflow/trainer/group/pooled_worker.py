@@ -63,9 +63,12 @@ class PooledWorker:
     cpus: float = 0.0
     rss_bytes: int | None = None
     holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its ledger line, if nobody takes it
+    rule: str = ""  # the pool's hold rule it was prewarmed under (`hold_rule.HoldRule`; "": none, a run's spare)
+    measured: bool = False  # its prewarm duration was counted in its model's estimate (pool_service.py)
 
     def holding_attrs(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "cpus": self.cpus, **({"rss_bytes": self.rss_bytes} if self.rss_bytes else {})}
+        return {"gpus": self.gpus, "cpus": self.cpus, **({"rss_bytes": self.rss_bytes} if self.rss_bytes else {}),
+                **({"rule": self.rule} if self.rule else {})}
 
 
 def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str, *, actor_cls: type,
