@@ -198,6 +198,17 @@ class CompileRestoreAttrs(EventAttrs):
     reason: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class SparePlanAttrs(EventAttrs):
+    """`spare_plan`: the spares the run holds, by their expected saving (`ett.spare_sizing`)."""
+
+    rule: str | None = None
+    spares: int | None = None
+    expected_failures: float | None = None
+    cost_slot_s: float | None = None
+    reason: str | None = None
+
+
 KINDS: dict[str, type[EventAttrs]] = {
     "train_step": StepAttrs,
     "scheduling": SchedulingAttrs,
@@ -215,6 +226,7 @@ KINDS: dict[str, type[EventAttrs]] = {
     "publish": PublishAttrs,
     "publish_standalone": PublishAttrs,
     "compile_cache_restore": CompileRestoreAttrs,
+    "spare_plan": SparePlanAttrs,
 }
 
 

@@ -59,6 +59,7 @@ FAILURE = "failure"  # marker: the fault happened (kill, exception, start of a h
 FAILURE_DETECTED = "failure_detected"  # marker: the driver noticed (TTR starts)
 DATA_STALL = "data_stall"  # a step's fetch that waited on the data pipeline (`trainer.step_clock`)
 CHECKPOINT_INTERVAL = "checkpoint_interval"  # marker: the interval planned and its inputs (ett.interval_plan)
+SPARE_PLAN = "spare_plan"  # marker: the spares the run holds and why (ett.spare_sizing)
 FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a failure fired (its fault_index)
 FAULT_UNFIRED = "fault_unfired"  # marker: a scripted fault the run ended without reaching (its fault_index)
 CHECKPOINT_FALLBACK = "checkpoint_fallback"  # marker: a damaged checkpoint skipped, an older step restored
@@ -108,13 +109,14 @@ PHASE_COMPONENT: dict[str, str | None] = {
     FAILURE: None,
     FAILURE_DETECTED: None,
     CHECKPOINT_INTERVAL: None,
+    SPARE_PLAN: None,
     FAULT_INJECTED: None,
     FAULT_UNFIRED: None,
     CHECKPOINT_FALLBACK: None,
 }
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
-MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, FAULT_INJECTED,
-                                     FAULT_UNFIRED, CHECKPOINT_FALLBACK})
+MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, SPARE_PLAN,
+                                     FAULT_INJECTED, FAULT_UNFIRED, CHECKPOINT_FALLBACK})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
                                        "spare_start", "flow_prestart", PROCESS_PAUSED})

@@ -208,7 +208,7 @@ def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, ar
             f"TTS {m.tts_s:.1f} s, NoF {m.nof}")
     create_run_artifacts(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id, metrics=m, png=png,
                          snapshot=snapshot, summary=text, head=description_head(summary),
-                         interval=run_spool.planned_interval(evs))
+                         interval=run_spool.planned_interval(evs), spares=run_spool.spare_plan(evs))
 
 
 # flow run id -> the final state its flow body finished it with (`finish_run`); the hooks of

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from ettflow.ett.event_attrs import SparePlanAttrs
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED, owner_of
 from ettflow.ett.interval_plan import PlannedInterval
 from ettflow.ett.run_metrics import RunMetrics
@@ -106,6 +107,14 @@ def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any
     return [x for x in rows if x["exposed"] is not None or x["raw"] is not None]  # a probe run plans nothing yet
 
 
+def spare_rows(plan: SparePlanAttrs) -> list[dict[str, Any]]:
+    """The spares the run held and why (`ett.spare_sizing`: expected saving against cost)."""
+    return [{"level": "capacity", "metric": f"spares held ({plan.rule}; raw: expected failures)",
+             "exposed": plan.spares, "raw": plan.expected_failures, "pct_of_wall": None, "owner": "scheduler"},
+            {"level": "capacity", "metric": "one spare's cost, slot-s (the run's expected wall)",
+             "exposed": plan.cost_slot_s, "raw": None, "pct_of_wall": None, "owner": "scheduler"}]
+
+
 def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     lines = [
@@ -186,7 +195,8 @@ def create_skipped_artifact(*, flow_run_id: UUID | str, slug: str, run_id: str, 
 
 def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, metrics: RunMetrics, png: bytes,
                          snapshot: str | None, summary: str, head: str,
-                         interval: PlannedInterval | None = None) -> dict[str, UUID]:
+                         interval: PlannedInterval | None = None,
+                         spares: SparePlanAttrs | None = None) -> dict[str, UUID]:
     """Create the three artifacts on the flow run `flow_run_id`; returns their ids. `head`
     starts every description (ETT%, NoF, state); `summary` follows it on the ETT table, which
     ends with the checkpoint interval's rows (`interval_rows`) when one was planned."""
@@ -199,6 +209,9 @@ def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, met
         rows = table_rows(metrics) + (interval_rows(interval, metrics) if interval is not None else [])
         if interval is not None:
             summary = f"{summary}; " + "; ".join(interval.lines())
+        if spares is not None:
+            rows += spare_rows(spares)
+            summary = f"{summary}; spares: {spares.reason}"
         made["table"] = TableArtifact(key=f"ett-{slug}", table=rows, flow_run_id=fr,
                                       description=f"{head} · {summary}").create(_sync=True).id
         made["timeline"] = MarkdownArtifact(key=f"ett-timeline-{slug}", flow_run_id=fr,

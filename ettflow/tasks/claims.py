@@ -34,7 +34,7 @@ from ettflow.ett.lineage import Busy, LineageRecord, Outcome
 from ettflow.ett.lineage_pending import write_pending_lineage
 from ettflow.ett.warehouse import Warehouse
 
-from .plan import RefreshPlan, with_interval, with_lineage
+from .plan import RefreshPlan, with_interval, with_lineage, with_spares
 from .skipped import SKIP_STAGE
 from .warehouse_url import resolve_warehouse_url
 
@@ -128,7 +128,7 @@ def claim_windows(plan: RefreshPlan) -> Claim:
         claim = take_claim(plan, wh, log=logger, url=url)
         if claim.skipped is None:  # sized for the claimed windows, from the model's history
             history = estimate_from_warehouse(wh, model=plan.model, now=time.time(), exclude_run=plan.run_id)
-            claim = Claim(with_interval(claim.plan, history))
+            claim = Claim(with_spares(with_interval(claim.plan, history), history))
         if claim.skipped is not None:
             now = time.time()
             lineage.finish_refresh(wh, LineageRecord(model=plan.model, run_id=plan.run_id, outcome=Outcome.SKIPPED,

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ettflow import paths
-from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, plan_interval
+from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, expected_steps, plan_interval
+from ettflow.ett.spare_sizing import DEFAULT_RATE_PER_H, DEFAULT_WALL_S, SpareDecision, SpareInputs, size_spares
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.placement import Placement
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from ettflow.ett.lineage import LineageRecord
 
 __all__ = ["ParameterError", "RefreshParameters", "RefreshPlan", "WindowChoice", "plan_refresh", "parse_failures",
-           "select_windows", "slug", "trainer_config", "with_interval", "with_lineage"]
+           "select_windows", "slug", "trainer_config", "with_interval", "with_lineage", "with_spares"]
 
 DEMO_DATA = {"windows": 3, "rows_per_window": 4096, "files_per_window": 2, "seed": 0}
 
@@ -81,6 +82,9 @@ class RefreshPlan:
     # the checkpoint interval planned from the model's history with its inputs (`with_interval`;
     # None: not planned yet); the refresh's own is `params.checkpoint.checkpoint_every_steps`
     interval: PlannedInterval | None = None
+    # the hot spares the run holds, sized by their expected saving (`with_spares`; None: not sized,
+    # the trainer's default of one)
+    spares: SpareDecision | None = None
 
     @property
     def model(self) -> str:
@@ -208,6 +212,36 @@ def with_interval(plan: RefreshPlan, estimate: HistoryEstimate | None) -> Refres
     rate = planned.rate_per_h / 3600.0 if planned.rate_per_h is not None else None
     return replace(plan, interval=planned,
                    trainer=replace(t, checkpoint_every_steps=steps if steps else own, failure_rate_per_s=rate))
+
+
+def with_spares(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshPlan:
+    """The spares the refresh holds (`ett.spare_sizing`): its expected failures (the model's
+    rate over its expected training, from the history the interval reads, plus the kills its
+    parameters script) against one spare's slot-seconds. Nothing to size without live recovery."""
+    t = plan.trainer
+    if not t.switches.live_recovery:
+        return plan
+    sources = []
+    if estimate is not None:  # the model's posterior rate (the fleet's prior until it has hours of its own)
+        rate = estimate.rate_per_s
+        sources = [f"failure rate {estimate.rate_per_h:.2g}/h (own weight {estimate.own_weight:.2f})"]
+    else:
+        rate, sources = DEFAULT_RATE_PER_H / 3600.0, [f"no history: {DEFAULT_RATE_PER_H:g} failure/h assumed"]
+    steps = expected_steps(estimate, windows=len(t.windows) if t.windows else None, max_steps=t.max_steps) \
+        if estimate is not None else None
+    if steps and estimate.step_s:
+        wall = steps * estimate.step_s
+        sources.append(f"expected training {wall:.1f} s")
+    else:
+        wall = DEFAULT_WALL_S
+        sources.append(f"wall {wall:g} s assumed")
+    kills = sum(1 for f in t.failures if f.kind == "kill")
+    if kills:
+        sources.append(f"{kills} scripted kill(s)")
+    sources.append("TTRs: this machine's measured defaults")
+    decision = size_spares(SpareInputs(world_size=t.world_size, wall_s=wall, rate_per_s=rate, scripted_failures=kills,
+                                       sources="; ".join(sources)))
+    return replace(plan, spares=decision, trainer=replace(t, spares=decision.spares))
 
 
 def plan_refresh(params: RefreshParameters | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,

@@ -17,9 +17,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ettflow.ett.events import CHECKPOINT_INTERVAL, FAILURE, FAILURE_DETECTED, OFF_CLOCK, PUBLISH_PHASES, PhaseEvent
+from ettflow.ett.event_attrs import SparePlanAttrs
+from ettflow.ett.events import (
+    CHECKPOINT_INTERVAL,
+    FAILURE,
+    FAILURE_DETECTED,
+    OFF_CLOCK,
+    PUBLISH_PHASES,
+    SPARE_PLAN,
+    PhaseEvent,
+)
 from ettflow.ett.failures import Failure
 from ettflow.ett.interval_plan import TAG, PlannedInterval
+from ettflow.ett.spare_sizing import SpareDecision
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.trainer.classify import failure_from_exception, stop_signal
 
@@ -95,6 +105,11 @@ class RunRecorder:
         with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
             rec.mark(CHECKPOINT_INTERVAL, at, **planned.to_attrs())
 
+    def record_spare_plan(self, attempt: int, decision: SpareDecision, at: float) -> None:
+        """The spares the run holds and the numbers that sized them (a marker of `attempt`)."""
+        with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
+            rec.mark(SPARE_PLAN, at, **decision.to_attrs())
+
 
 def on_clock_end(evs: list[PhaseEvent]) -> float | None:
     ends = [e.end for e in evs if e.phase not in OFF_CLOCK]
@@ -125,6 +140,12 @@ def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
         out["snapshot"] = ok[-1].info.snapshot
         out["publish_phase"] = ok[-1].phase
     return out
+
+
+def spare_plan(evs: list[PhaseEvent]) -> SparePlanAttrs | None:
+    """The run's last recorded spare sizing (None: none was recorded)."""
+    marks = sorted((e for e in evs if e.phase == SPARE_PLAN), key=lambda e: (e.attempt, e.start))
+    return marks[-1].info if marks else None
 
 
 def planned_interval(evs: list[PhaseEvent]) -> PlannedInterval | None:

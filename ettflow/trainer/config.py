@@ -208,6 +208,10 @@ class TrainerConfig:
     # the model's estimated failures per second of training (ett.failure_history), for the interval
     # chosen after the probe save; the plan sets it (and checkpoint_every_steps, when the model has history)
     failure_rate_per_s: float | None = None
+    # hot spares held for live recovery (`ett.spare_sizing`: the plan sizes them by their expected
+    # saving); None: one, as a run with no plan has. 0 on a CPU placement: a spare is started when a
+    # rank is lost (live recovery still, its start in the TTR); on a GPU placement: no spare device
+    spares: int | None = None
     keep_checkpoints: int = 2
     # with switches.delta_checkpoint: a base is taken once a chain's deltas would add up to more than
     # this share of its base's bytes, or after this many deltas (`delta_chain.ChainPolicy`)
@@ -246,6 +250,8 @@ class TrainerConfig:
             raise ValueError("memory_every_steps must be >= 1 (or None for the optimizer)")
         if self.failure_rate_per_s is not None and not (0 <= self.failure_rate_per_s < float("inf")):
             raise ValueError(f"failure_rate_per_s must be >= 0 failures per second, got {self.failure_rate_per_s!r}")
+        if self.spares is not None and not 0 <= self.spares <= 1:
+            raise ValueError(f"spares must be 0 or 1 (one spare per placement), got {self.spares!r}")
         if not (0 <= self.expected_failures < float("inf")):
             raise ValueError(f"expected_failures must be >= 0 per job, got {self.expected_failures!r}")
         if self.keep_checkpoints < 1 or self.max_failures < 0:

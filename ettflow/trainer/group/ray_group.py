@@ -210,7 +210,7 @@ class RayWorkerGroup:
     def _plan_bundles(self, bundle: dict) -> SpareBundles:
         """The ranks' bundles, and a spare's when this GPU placement keeps one in a bundle of
         its own and the live nodes can hold it beside the ranks."""
-        spare = self.gpu and self.config.switches.live_recovery
+        spare = self.gpu and self.config.switches.live_recovery and self.config.spares != 0
         if spare and ranks_that_fit([n["resources"] for n in live_nodes().values()], bundle,
                                     self.config.placement.strategy) <= self.world_size:
             log.warning("attempt %d: no room for a GPU spare beside %d ranks: a failure restarts every rank",
@@ -286,7 +286,8 @@ class RayWorkerGroup:
         self._record_pooled(pooled)
         if self.recovers_live:
             self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls, pool=self.pool,
-                                    bundle=(self.pg, self.bundles.spare) if gpu else None)
+                                    bundle=(self.pg, self.bundles.spare) if gpu else None,
+                                    held=self.config.spares != 0)
             if gpu:  # it holds its device from now: its process starts now (its prewarm later)
                 self.spares.start()
 
@@ -319,7 +320,7 @@ class RayWorkerGroup:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         point = self._restart_point()
         self.refs = {a.train.remote(addr, port, self.keeper, point): rank for rank, a in enumerate(self.actors)}
-        if self.spares is not None and self._spare_compiles_warm():
+        if self.spares is not None and self.spares.held and self._spare_compiles_warm():
             self.spares.prewarm()  # beside the ranks' init: ready for an early failure
         # (else when training starts: a cold compile of its own beside the ranks' would slow theirs)
 
@@ -331,7 +332,7 @@ class RayWorkerGroup:
     # ---- live recovery (live_recovery.py) -----------------------------------------------
     def training_started(self) -> None:
         """The attempt trains: the warm spare prepares now, if it does not already."""
-        if self.spares is not None:
+        if self.spares is not None and self.spares.held:
             self.spares.prewarm()
 
     def prepare_live(self, failure: Failure, timeout_s: float = PARK_TIMEOUT_S) -> RestorePoint | None:
@@ -426,7 +427,8 @@ class RayWorkerGroup:
             call = (actor.join.remote(config, self.attempt, r, addr, port, self.keeper, point) if r == self.joining
                     else actor.rejoin.remote(config, self.attempt, addr, port, point))
             self.refs[call] = r
-        self.spares.prewarm()  # the next spare, in the background
+        if self.spares.held:
+            self.spares.prewarm()  # the next spare, in the background
 
     def poll(self, timeout_s: float) -> PollStatus:
         if self.spares is not None:
@@ -493,8 +495,8 @@ class RayWorkerGroup:
         if self.world_size and len(self.finished) == self.world_size:
             end_run(self.run_id, self.pool)  # trained to the end: nothing will restore from memory
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on
-                self.pool.fill(self.config,
-                               self.world_size + (SPARES_AHEAD if self.config.switches.live_recovery else 0),
+                spares = SPARES_AHEAD if self.config.switches.live_recovery and self.config.spares != 0 else 0
+                self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None)
         if self.pg is not None:

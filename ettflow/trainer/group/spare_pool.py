@@ -55,12 +55,15 @@ class SpareUnavailable(RuntimeError):
 
 class SparePool:
     def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str, *, actor_cls: type,
-                 pool: WarmPool, bundle: tuple[Any, int] | None = None) -> None:
+                 pool: WarmPool, bundle: tuple[Any, int] | None = None, held: bool = True) -> None:
         """`actor_cls`: the rank's actor class a spare is (`RayWorkerGroup`'s); `bundle`:
         (placement group, index) the next spare starts in (a GPU placement); None: a spare with
         no resources of its own (a CPU placement)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.actor_cls, self.pool = actor_cls, pool
+        # a spare is held ahead of a failure (`ett.spare_sizing` found it pays); False: one is
+        # started only when a rank is lost (`take`), its start part of that recovery
+        self.held = held
         self.bundle = bundle
         self._spare: PooledWorker | None = None
         self._pooled = False  # the spare came prewarmed from the warm pool

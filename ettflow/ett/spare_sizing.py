@@ -1,0 +1,96 @@
+"""How many hot spares a run holds: each one only when its expected saving exceeds what it holds.
+
+A spare is a trainer slot held for the whole run so that a lost rank is replaced in seconds
+(live recovery) instead of every rank restarting. For a run of expected wall `W` seconds on
+`world_size` slots, with `N` expected failures (the model's failure rate x its expected
+training, from the same history the checkpoint interval reads, plus the failures the run's
+parameters script), the first spare saves
+
+    N x (TTR without a spare - TTR with one) x world_size   slot-seconds
+
+(every slot waits through a recovery) and costs `W x slots_per_spare` slot-seconds. A spare
+is used again after a hand-off (the next one prepares in `replace_s`), so a k-th spare only
+saves for a failure that comes while the one before it is being replaced: its saving is the
+first's times p^(k-1), p = 1 - exp(-rate x replace_s). Spares are held, one by one, while
+their saving exceeds their cost (at most `max_spares`).
+
+With no spare held a CPU placement still recovers live: a spare is started when a rank is
+lost (TTR adds its start); a GPU placement holds no spare device and restarts every rank.
+
+Defaults, stated where they are used (`SpareInputs`): with no history, `DEFAULT_RATE_PER_H`;
+the TTRs are this machine's measured ones (BENCHMARKS.md, live recovery on against off) until
+the model's own are measured. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+RULE = "spare-by-saving"
+DEFAULT_RATE_PER_H = 1.0  # failures per hour of training, a model with no history (the history's prior)
+DEFAULT_TTR_WITH_S = 2.0  # a lost rank replaced by a ready spare (BENCHMARKS.md: 1.5-2.2 s measured)
+DEFAULT_TTR_WITHOUT_S = 10.0  # every rank restarted (BENCHMARKS.md: 8.4-22 s measured)
+DEFAULT_REPLACE_S = 10.0  # a spare's start and prewarm after a hand-off
+DEFAULT_WALL_S = 60.0  # a run's wall when its history cannot say
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareInputs:
+    """What the decision reads; `sources` says where each number came from (for the reason)."""
+
+    world_size: int
+    wall_s: float
+    rate_per_s: float  # failures per second of the run
+    scripted_failures: int = 0  # failures the run's parameters inject (known ahead)
+    ttr_with_s: float = DEFAULT_TTR_WITH_S
+    ttr_without_s: float = DEFAULT_TTR_WITHOUT_S
+    replace_s: float = DEFAULT_REPLACE_S
+    slots_per_spare: float = 1.0
+    sources: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.wall_s < 0 or self.rate_per_s < 0 or self.scripted_failures < 0:
+            raise ValueError(f"spare sizing inputs out of range: {self}")
+
+    @property
+    def expected_failures(self) -> float:
+        return self.rate_per_s * self.wall_s + self.scripted_failures
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareDecision:
+    """`spares`: how many the run holds; the numbers behind it, in slot-seconds."""
+
+    spares: int
+    expected_failures: float
+    saving_slot_s: tuple[float, ...]  # the k-th spare's expected saving, k = 1..max_spares
+    cost_slot_s: float  # one spare held for the run's wall
+    reason: str
+    rule: str = RULE
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The run's `spare_plan` marker attributes (and its ETT artifact's row)."""
+        return {"rule": self.rule, "spares": self.spares, "expected_failures": round(self.expected_failures, 4),
+                "saving_slot_s": [round(s, 2) for s in self.saving_slot_s], "cost_slot_s": round(self.cost_slot_s, 2),
+                "reason": self.reason}
+
+
+def size_spares(inputs: SpareInputs, *, max_spares: int = 1) -> SpareDecision:
+    """The spares a run holds (see the module docstring)."""
+    n = inputs.expected_failures
+    gain = max(inputs.ttr_without_s - inputs.ttr_with_s, 0.0)
+    first = n * gain * inputs.world_size
+    p = 1.0 - math.exp(-inputs.rate_per_s * inputs.replace_s)
+    savings = tuple(first * p ** k for k in range(max_spares))
+    cost = inputs.wall_s * inputs.slots_per_spare
+    held = 0
+    while held < max_spares and savings[held] > cost:
+        held += 1
+    first_s = savings[0] if savings else 0.0
+    verdict = "pays" if held else "does not pay"
+    reason = (f"{n:.3g} expected failure(s) x {gain:.1f} s saved each x {inputs.world_size} slots = "
+              f"{first_s:.1f} slot-s against {cost:.1f} slot-s held: a spare {verdict}"
+              + (f" ({inputs.sources})" if inputs.sources else ""))
+    return SpareDecision(spares=held, expected_failures=n, saving_slot_s=savings, cost_slot_s=cost, reason=reason)
