@@ -150,4 +150,12 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     assert {(h.reason, h.rule) for h in pool.drain()} >= {("expired", "just-in-time")}
     assert pool.fill(cfg, 3, str(tmp_path), now=clock[0], actor_cls=RankActor) == 3  # no schedule: keep-alive
     assert {e.rule for e in pool.entries} == {"keep-alive"} and pool.holds["dlrm"].keep_alive_s == 12.0
+    # the next run asks for workers: the gap since the release is the model's arrival history
+    pool.released_at["dlrm"] = time.time() - 500.0
+    pool.take(cfg, [None])
+    assert pool.gaps["dlrm"] == [pytest.approx(500.0, abs=5.0)] and "dlrm" not in pool.released_at
+    # its runs come later than a prewarmed worker is kept (12 s + 12 s): the next release prewarms nothing
+    assert pool.fill(cfg, 3, str(tmp_path), now=clock[0], actor_cls=RankActor) == 0
+    assert pool.holds["dlrm"].rule.value == "none" and pool.entries == []
+    assert {h.reason for h in pool.drain()} >= {"not_worth_holding"}
     pool.stop()

@@ -49,3 +49,14 @@ def test_with_no_schedule_a_ready_worker_is_held_for_the_cold_start_it_saves():
     assert not d.expired(1020.0, ready_at=1010.0) and d.expired(1020.1, ready_at=1010.0)
     capped = decide_hold(0.0, None, PrewarmEstimate.of([900.0]), margin_s=5.0, max_keep_alive_s=600.0)
     assert capped.keep_alive_s == 600.0
+
+
+def test_with_no_schedule_a_model_whose_runs_come_later_than_a_hold_lasts_gets_nothing_prewarmed():
+    est = PrewarmEstimate.of([10.0])  # a worker ready 10 s after the release, kept 10 s more: runs within 20 s
+    late = decide_hold(0.0, None, est, margin_s=5.0, max_keep_alive_s=600.0, gaps=[25.0, 40.0, 18.0])
+    assert late.rule is HoldRule.NONE and not late.starts_now(0.0)
+    assert "1 of the model's last 3 runs came within the 20 s" in late.reason and "median gap 25 s" in late.reason
+    soon = decide_hold(0.0, None, est, margin_s=5.0, max_keep_alive_s=600.0, gaps=[25.0, 12.0, 18.0])
+    assert soon.rule is HoldRule.KEEP_ALIVE and soon.starts_now(0.0)  # 2 of 3 came in time
+    scheduled = decide_hold(0.0, 100.0, est, margin_s=5.0, max_keep_alive_s=600.0, gaps=[500.0])
+    assert scheduled.rule is HoldRule.JUST_IN_TIME  # a schedule is known: the gaps do not matter

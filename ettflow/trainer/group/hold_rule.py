@@ -13,7 +13,11 @@ So the pool holds just what can pay:
   once and hold each ready worker for the break-even keep-alive, the cold start it would save
   (ski rental: holding no longer than that never costs more than twice what the best choice in
   hindsight would have, and a run that comes in time saves its whole cold start), bounded by
-  `max_keep_alive_s`.
+  `max_keep_alive_s`;
+- `NONE` (no schedule, and the model's recent gaps from a release to its next run say a worker
+  would mostly expire first: fewer than half of them within the prewarm plus the keep-alive):
+  nothing is prewarmed; the next run starts its own (the gaps are a small histogram of the
+  model's arrivals, as Azure Functions' keep-alive policy keeps one per application).
 
 The model's prewarm duration is measured by the pool on its own workers (requested -> ready);
 with none measured yet, `default_prewarm_s` stands in and the reason says so.
@@ -28,12 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_PREWARM_S = 20.0  # a worker's prewarm before any is measured (imports, dense build, compile cache load)
-SAMPLES_KEPT = 20  # the newest prewarm durations per model the estimate reads
+SAMPLES_KEPT = 20  # the newest prewarm durations (and release -> next run gaps) per model the rules read
+HIT_SHARE = 0.5  # keep-alive prewarms only when at least this share of the model's recent gaps would find it
 
 
 class HoldRule(str, enum.Enum):
     JUST_IN_TIME = "just-in-time"
     KEEP_ALIVE = "keep-alive"
+    NONE = "none"
 
     def __str__(self) -> str:
         return self.value
@@ -79,7 +85,7 @@ class HoldDecision:
     keep_alive_s: float | None = None
 
     def starts_now(self, now: float) -> bool:
-        return self.start_at <= now
+        return self.rule is not HoldRule.NONE and self.start_at <= now
 
     def expired(self, now: float, *, ready_at: float | None) -> bool:
         """Whether an unclaimed worker held under this decision is released at `now`."""
@@ -89,8 +95,9 @@ class HoldDecision:
 
 
 def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate, *, margin_s: float,
-                max_keep_alive_s: float) -> HoldDecision:
-    """The hold for a model's next run (see the module docstring)."""
+                max_keep_alive_s: float, gaps: Sequence[float] = ()) -> HoldDecision:
+    """The hold for a model's next run (see the module docstring); `gaps`: the model's recent
+    seconds from a release to its next run's request for workers."""
     if next_run_at is not None:
         lead = estimate.lead_s(margin_s)
         start = max(now, next_run_at - lead)
@@ -100,6 +107,16 @@ def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate
             reason=(f"next scheduled run in {ahead:.0f} s; {estimate.describe()}: prewarm starts {lead:.0f} s "
                     f"before it, unclaimed workers released {margin_s:.0f} s after it"))
     keep = min(estimate.mean_s, max_keep_alive_s)
+    recent = [g for g in gaps if math.isfinite(g) and g >= 0][-SAMPLES_KEPT:]
+    window = estimate.mean_s + keep  # a run that comes later than this finds the worker released
+    if recent:
+        hits = sum(g <= window for g in recent)
+        if hits < HIT_SHARE * len(recent):
+            return HoldDecision(
+                rule=HoldRule.NONE, start_at=now,
+                reason=(f"no scheduled run; {hits} of the model's last {len(recent)} runs came within the "
+                        f"{window:.0f} s a prewarmed worker is kept (median gap {statistics.median(recent):.0f} s): "
+                        "nothing prewarmed"))
     return HoldDecision(
         rule=HoldRule.KEEP_ALIVE, start_at=now, keep_alive_s=keep,
         reason=(f"no scheduled run; {estimate.describe()}: each ready worker is held {keep:.1f} s, the cold "

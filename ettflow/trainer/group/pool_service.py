@@ -44,7 +44,7 @@ from typing import Any
 
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.group.hold_rule import SAMPLES_KEPT, HoldDecision, PrewarmEstimate, decide_hold
+from ettflow.trainer.group.hold_rule import SAMPLES_KEPT, HoldDecision, HoldRule, PrewarmEstimate, decide_hold
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
     PooledWorker,
@@ -148,6 +148,8 @@ class PoolService:
         self.planned: dict[str, PlannedFill] = {}  # by model: a fill ahead of its next scheduled run
         self.prewarm_s: dict[str, list[float]] = {}  # by model: its workers' measured prewarms (newest last)
         self.holds: dict[str, HoldDecision] = {}  # by model: the hold its workers are under
+        self.gaps: dict[str, list[float]] = {}  # by model: seconds from a release to its next run's take
+        self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self._start = start
         self._lock = threading.RLock()
@@ -161,8 +163,9 @@ class PoolService:
         """The hold for the model's next run (`hold_rule.decide_hold`, on its measured prewarms)."""
         with self._lock:
             estimate = PrewarmEstimate.of(self.prewarm_s.get(model, ()))
+            gaps = list(self.gaps.get(model, ()))
         return decide_hold(now, next_run_at, estimate, margin_s=self.policy.margin_s,
-                           max_keep_alive_s=self.policy.max_keep_alive_s)
+                           max_keep_alive_s=self.policy.max_keep_alive_s, gaps=gaps)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
              now: float | None = None, *, actor_cls: type) -> int:
@@ -180,6 +183,11 @@ class PoolService:
         with self._lock:
             self.planned.pop(model, None)
             self.holds[model] = hold
+            self.released_at[model] = now
+            if hold.rule is HoldRule.NONE:  # nothing for a run that likely comes later than a hold lasts
+                self._drop(lambda e: e.model == model, "not_worth_holding", now)
+                self._drop_keepers(lambda k: k.model == model, "not_worth_holding", now)
+                return 0
             if not hold.starts_now(now):
                 self.planned[model] = PlannedFill(hold=hold, config=config, count=count, spool_root=spool_root,
                                                   actor_cls=actor_cls)
@@ -226,9 +234,13 @@ class PoolService:
         """For each wanted node (None: any), a prewarmed worker of `config`'s shape there (its
         `timings` read), or None. Taken workers are the caller's to stop; `owner` (the run's
         `RunOwner`): if it dies first, the pool stops them (`reap_orphans`)."""
-        key = warm_key(config)
+        key, model = warm_key(config), model_name(config)
         now = time.time()
         with self._lock:
+            released = self.released_at.pop(model, None)
+            if released is not None:  # the gap from the model's last release to this run: its arrivals
+                self.gaps.setdefault(model, []).append(max(now - released, 0.0))
+                del self.gaps[model][:-SAMPLES_KEPT]
             taken = take_for_nodes([e for e in self._ready() if e.key == key], nodes)
             for worker in filter(None, taken):
                 self.entries.remove(worker)
