@@ -60,6 +60,10 @@ class RunHistory:
     detection_s: tuple[float, ...] = ()  # failed -> detected, per failure
     restore_s: tuple[float, ...] = ()  # checkpoint_restore of each recovery attempt
     saves: Mapping[CheckpointTier, tuple[float, ...]] = field(default_factory=dict)  # blocking s per save
+    # TTR of each recovered failure by how it recovered: a spare that was ready when the rank was
+    # lost took its place, or every rank restarted (a spare started only at the loss: in neither)
+    ttr_ready_spare_s: tuple[float, ...] = ()
+    ttr_restart_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.training_s >= 0 and math.isfinite(self.training_s)):
@@ -123,6 +127,9 @@ class HistoryEstimate:
     step_s: float | None  # effective training seconds per new step
     steps_per_window: float | None
     steps_per_run: float | None  # mean new steps of the model's runs that trained
+    ttr_ready_spare_s: float | None = None  # mean TTR of recoveries by a spare ready at the loss
+    ttr_restart_s: float | None = None  # mean TTR of recoveries that restarted every rank
+    recoveries: int = 0  # how many recoveries those means are over
 
     @property
     def rate_per_h(self) -> float:
@@ -204,4 +211,7 @@ def estimate(history: Sequence[RunHistory], *, model: str, now: float,
         steps_per_window=(sum(r.effective_steps for r in sized) / sum(r.windows for r in sized)
                           if sized and sum(r.effective_steps for r in sized) else None),
         steps_per_run=_mean([r.effective_steps for r in own if r.effective_steps]),
+        ttr_ready_spare_s=_mean([t for r in own for t in r.ttr_ready_spare_s]),
+        ttr_restart_s=_mean([t for r in own for t in r.ttr_restart_s]),
+        recoveries=sum(len(r.ttr_ready_spare_s) + len(r.ttr_restart_s) for r in own),
     )

@@ -9,7 +9,9 @@ writes (`warehouse_models`):
 - `runs`: model, wall start, new steps (counted on every rank: divided by the ranks that
   recorded `train_step` events in `events`);
 - `run_components`: exposed `effective_training` and `wasted_training` seconds;
-- `failures`: one class per failed attempt, and detected_at - failed_at;
+- `failures`: one class per failed attempt, and detected_at - failed_at; a recovered one's TTR
+  by how it recovered (`events`: a `spare_handoff` in the next attempt and that attempt's used
+  `spare_start` ready before the failure: a ready spare; no hand-off: every rank restarted);
 - `checkpoints`: blocking saves; a save's blocking is the longest of its ranks' (per attempt
   and step); its tier from its kind (`TIER_OF_KIND`: the durable tier's saves are 'blocking';
   a memory tier archives its saves under a kind of its own, mapped here);
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from sqlalchemy import Table, func, select
 
 from .checkpoint_tier import CheckpointTier
+from .event_attrs import attrs_of
 from .failure_history import EstimateConfig, HistoryEstimate, RunHistory, estimate
 from .failures import FailureClass
 from .warehouse_models import Attempt, Checkpoint, Event, Failure, RefreshLineage, Run, RunComponent
@@ -57,6 +60,9 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
         stmt = stmt.where(runs.c.wall_start <= until)
     training: dict[str, dict[str, float]] = defaultdict(dict)
     failures: dict[str, list[tuple[int, FailureClass, float]]] = defaultdict(list)
+    recovered: dict[str, list[tuple[int, float, float]]] = defaultdict(list)  # (attempt, failed_at, ttr_s)
+    handoffs: set[tuple[str, int]] = set()  # (run, attempt) where a spare took a lost rank's place
+    spares_ready: dict[tuple[str, int], list[float]] = defaultdict(list)  # used spares' ready times
     saves: dict[tuple[str, CheckpointTier, int, int | None], float] = {}
     attempts: dict[str, list[tuple[int, dict]]] = defaultdict(list)
     windows: dict[str, int] = {}
@@ -68,10 +74,19 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
             for r in conn.execute(select(comps.c.run_id, comps.c.name, comps.c.exposed_s).where(
                     comps.c.kind == "component", comps.c.name.in_(_TRAINING), comps.c.run_id.in_(chunk))):
                 training[r.run_id][r.name] = r.exposed_s
-            for r in conn.execute(select(fails.c.run_id, fails.c.attempt, fails.c.failure_class, fails.c.failed_at,
-                                         fails.c.detected_at).where(fails.c.run_id.in_(chunk))):
+            for r in conn.execute(select(fails.c.run_id, fails.c.attempt, fails.c.seq, fails.c.failure_class,
+                                         fails.c.failed_at, fails.c.detected_at, fails.c.ttr_s, fails.c.recovered)
+                                  .where(fails.c.run_id.in_(chunk))):
                 failures[r.run_id].append((r.attempt, FailureClass.parse(r.failure_class),
                                            max(r.detected_at - r.failed_at, 0.0)))
+                if r.recovered and r.seq == 0 and r.ttr_s is not None:
+                    recovered[r.run_id].append((r.attempt, r.failed_at, r.ttr_s))
+            for r in conn.execute(select(evs.c.run_id, evs.c.attempt, evs.c.phase, evs.c.end, evs.c.attrs).where(
+                    evs.c.run_id.in_(chunk), evs.c.phase.in_(("spare_handoff", "spare_start")))):
+                if r.phase == "spare_handoff":
+                    handoffs.add((r.run_id, r.attempt))
+                elif attrs_of("spare_start", r.attrs or {}).used:
+                    spares_ready[(r.run_id, r.attempt)].append(r.end)
             for r in conn.execute(select(ckpts.c.run_id, ckpts.c.kind, ckpts.c.attempt, ckpts.c.step,
                                          ckpts.c.duration_s).where(ckpts.c.run_id.in_(chunk),
                                                                    ckpts.c.kind.in_(list(TIER_OF_KIND)))):
@@ -102,8 +117,24 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
             effective_steps=int(r.effective_steps or 0) // max(ranks.get(r.run_id, 1), 1),
             windows=windows.get(r.run_id) or None, failures=tuple(f[1] for f in fs),
             detection_s=tuple(f[2] for f in fs), restore_s=restores,
-            saves={tier: tuple(v) for tier, v in per_run_saves.get(r.run_id, {}).items()}))
+            saves={tier: tuple(v) for tier, v in per_run_saves.get(r.run_id, {}).items()},
+            **_ttrs(r.run_id, recovered.get(r.run_id, []), handoffs, spares_ready)))
     return out
+
+
+def _ttrs(run_id: str, recovered: list[tuple[int, float, float]], handoffs: set[tuple[str, int]],
+          spares_ready: dict[tuple[str, int], list[float]]) -> dict[str, tuple[float, ...]]:
+    """A run's recovered failures' TTRs: by a spare that was ready when the rank was lost (a
+    hand-off in the next attempt, its used spare prewarmed before the failure), or by a restart
+    of every rank (no hand-off); a spare started only at the loss is in neither."""
+    ready, restart = [], []
+    for attempt, failed_at, ttr in sorted(recovered):
+        nxt = (run_id, attempt + 1)
+        if nxt not in handoffs:
+            restart.append(ttr)
+        elif any(end <= failed_at for end in spares_ready.get(nxt, ())):
+            ready.append(ttr)
+    return {"ttr_ready_spare_s": tuple(ready), "ttr_restart_s": tuple(restart)}
 
 
 def estimate_from_warehouse(wh, *, model: str, now: float, config: EstimateConfig | None = None,

@@ -238,9 +238,15 @@ def with_spares(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshP
     kills = sum(1 for f in t.failures if f.kind == "kill")
     if kills:
         sources.append(f"{kills} scripted kill(s)")
-    sources.append("TTRs: this machine's measured defaults")
+    ttrs: dict[str, float] = {}
+    if estimate is not None and estimate.ttr_ready_spare_s is not None and estimate.ttr_restart_s is not None:
+        ttrs = {"ttr_with_s": estimate.ttr_ready_spare_s, "ttr_without_s": estimate.ttr_restart_s}
+        sources.append(f"TTRs {estimate.ttr_ready_spare_s:.1f} s with a ready spare, {estimate.ttr_restart_s:.1f} s "
+                       f"restarting, measured over {estimate.recoveries} recoveries")
+    else:
+        sources.append("TTRs: this machine's measured defaults (the model has not recovered both ways yet)")
     decision = size_spares(SpareInputs(world_size=t.world_size, wall_s=wall, rate_per_s=rate, scripted_failures=kills,
-                                       sources="; ".join(sources)))
+                                       sources="; ".join(sources), **ttrs))
     return replace(plan, spares=decision, trainer=replace(t, spares=decision.spares))
 
 

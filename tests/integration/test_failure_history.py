@@ -107,6 +107,22 @@ def test_the_interval_is_the_optimizer_s_for_the_estimated_inputs():
     assert planned.to_attrs()["source"] == "history"
 
 
+def test_recoveries_are_told_apart_by_how_they_recovered():
+    """A ready spare (a hand-off in the next attempt, its spare prewarmed before the failure), a
+    spare started at the loss (neither), a restart of every rank (no hand-off); the estimate's
+    means over the model's own runs."""
+    from ettflow.ett.failure_history_db import _ttrs
+
+    recovered = [(0, 100.0, 2.0), (1, 200.0, 9.0), (2, 300.0, 12.0)]
+    handoffs = {("r", 1), ("r", 2)}  # attempts 1 and 2 began with a spare's hand-off
+    ready = {("r", 1): [50.0], ("r", 2): [305.0]}  # attempt 1's spare was ready at 50; attempt 2's at 305
+    assert _ttrs("r", recovered, handoffs, ready) == {"ttr_ready_spare_s": (2.0,), "ttr_restart_s": (12.0,)}
+    runs = [run("m1", "m", 300.0, 1.0, ttr_ready_spare_s=(2.0, 4.0), ttr_restart_s=(12.0,)),
+            run("m2", "m", 400.0, 1.0, ttr_restart_s=(8.0,))]
+    est = estimate(runs, model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
+    assert (est.ttr_ready_spare_s, est.ttr_restart_s, est.recoveries) == (3.0, 10.0, 4)
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="prior_hours"):
         EstimateConfig(prior_hours=0)
@@ -140,6 +156,9 @@ def test_history_read_from_the_warehouse(warehouse_url):
     assert (a.model, a.wall_start, a.training_s, a.effective_training_s, a.effective_steps) == (
         "dlrm", 1_000.0, 19.0, 13.0, 13)
     assert (a.failures, a.detection_s, a.restore_s, a.windows) == ((INFRA,), (2.0,), (2.0,), 2)
+    # its recovery restarted every rank (no spare hand-off): a restart's TTR, none by a spare
+    assert a.ttr_ready_spare_s == () and len(a.ttr_restart_s) == 1 and a.ttr_restart_s[0] > 0
+    assert est.ttr_restart_s == a.ttr_restart_s[0] and est.ttr_ready_spare_s is None and est.recoveries == 1
     assert a.saves == {CheckpointTier.DURABLE: (1.0,)}
     # 1 failure in 19 s of training; the fleet ("other"): 1 in 19 s; S = 1 h
     fleet_rate = 3600 / 19
@@ -191,6 +210,12 @@ def test_the_plan_sizes_spares_by_their_expected_saving(flow_data, tmp_path):
     gain = DEFAULT_TTR_WITHOUT_S - DEFAULT_TTR_WITH_S
     assert sized.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * gain * 2)  # 33 slot-s
     assert sized.spares.spares == 0 and sized.trainer.spares == 0 and "does not pay" in sized.spares.reason
+    from dataclasses import replace as swap
+
+    measured = with_spares(plan, swap(est, ttr_ready_spare_s=1.0, ttr_restart_s=301.0, recoveries=5))
+    # 2.08 expected failures x 300 s saved x 2 slots = 1,250 slot-s < 3,000: still none, with the measured TTRs
+    assert measured.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * 300.0 * 2)
+    assert "measured over 5 recoveries" in measured.spares.reason
     cold = with_spares(plan, None)  # no history: the stated defaults
     assert cold.spares.cost_slot_s == DEFAULT_WALL_S and "no history" in cold.spares.reason
     kills = [f"kill:rank={i % 2}:step={i + 1}" for i in range(4)]
