@@ -142,16 +142,22 @@ def publish_summary(evs: list[PhaseEvent]) -> dict[str, Any]:
     return out
 
 
+def _last_mark(evs: list[PhaseEvent], phase: str) -> PhaseEvent | None:
+    """The run's last marker of `phase` (by attempt, then time); None: none was recorded."""
+    marks = sorted((e for e in evs if e.phase == phase), key=lambda e: (e.attempt, e.start))
+    return marks[-1] if marks else None
+
+
 def spare_plan(evs: list[PhaseEvent]) -> SparePlanAttrs | None:
     """The run's last recorded spare sizing (None: none was recorded)."""
-    marks = sorted((e for e in evs if e.phase == SPARE_PLAN), key=lambda e: (e.attempt, e.start))
-    return marks[-1].info if marks else None
+    mark = _last_mark(evs, SPARE_PLAN)
+    return mark.info if mark is not None else None
 
 
 def planned_interval(evs: list[PhaseEvent]) -> PlannedInterval | None:
     """The run's last recorded checkpoint interval (None: none was recorded)."""
-    marks = sorted((e for e in evs if e.phase == CHECKPOINT_INTERVAL), key=lambda e: (e.attempt, e.start))
-    return PlannedInterval.from_attrs(marks[-1].attrs) if marks else None
+    mark = _last_mark(evs, CHECKPOINT_INTERVAL)
+    return PlannedInterval.from_attrs(mark.attrs) if mark is not None else None
 
 
 def interval_tags(evs: list[PhaseEvent]) -> dict[str, Any]:

@@ -298,6 +298,11 @@ class TrainerConfig:
     def compile_cache_dir(self) -> Path:
         return Path(self.compile_cache_root or Path(self.work_dir) / "compile-cache")
 
+    @property
+    def holds_spare(self) -> bool:
+        """A spare is held ahead of a failure: live recovery is on and `spares` is not 0."""
+        return self.switches.live_recovery and self.spares != 0
+
     def with_switches(self, **changes: bool) -> TrainerConfig:
         return replace(self, switches=replace(self.switches, **changes))
 

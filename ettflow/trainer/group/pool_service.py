@@ -133,6 +133,13 @@ class PlannedFill:
         return self.hold.start_at
 
 
+def _add_newest(series: dict[str, list[float]], model: str, value: float) -> None:
+    """Append a model's newest sample, keeping the last SAMPLES_KEPT (what the hold rule reads)."""
+    kept = series.setdefault(model, [])
+    kept.append(value)
+    del kept[:-SAMPLES_KEPT]
+
+
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
@@ -185,15 +192,12 @@ class PoolService:
             self.holds[model] = hold
             self.released_at[model] = now
             if hold.rule is HoldRule.NONE:  # nothing for a run that likely comes later than a hold lasts
-                self._drop(lambda e: e.model == model, "not_worth_holding", now)
-                self._drop_keepers(lambda k: k.model == model, "not_worth_holding", now)
+                self._drop_model(model, "not_worth_holding", now)
                 return 0
             if not hold.starts_now(now):
                 self.planned[model] = PlannedFill(hold=hold, config=config, count=count, spool_root=spool_root,
                                                   actor_cls=actor_cls)
-                # nothing held from the release to the run: workers of the last fill go now
-                self._drop(lambda e: e.model == model, "until_scheduled", now)
-                self._drop_keepers(lambda k: k.model == model, "until_scheduled", now)
+                self._drop_model(model, "until_scheduled", now)  # nothing held from the release to the run
                 self._wake.set()
                 return 0
             return self._fill_now(config, count, spool_root, actor_cls)
@@ -239,8 +243,7 @@ class PoolService:
         with self._lock:
             released = self.released_at.pop(model, None)
             if released is not None:  # the gap from the model's last release to this run: its arrivals
-                self.gaps.setdefault(model, []).append(max(now - released, 0.0))
-                del self.gaps[model][:-SAMPLES_KEPT]
+                _add_newest(self.gaps, model, max(now - released, 0.0))
             taken = take_for_nodes([e for e in self._ready() if e.key == key], nodes)
             for worker in filter(None, taken):
                 self.entries.remove(worker)
@@ -354,8 +357,7 @@ class PoolService:
         for e in self.entries:
             if e.timings is not None and not e.measured:
                 e.measured = True
-                self.prewarm_s.setdefault(e.model, []).append(max(e.timings.ready_at - e.requested_at, 0.0))
-                del self.prewarm_s[e.model][:-SAMPLES_KEPT]
+                _add_newest(self.prewarm_s, e.model, max(e.timings.ready_at - e.requested_at, 0.0))
         return [e for e in self.entries if e.timings is not None]
 
     def _drop(self, which, reason: str, now: float | None = None) -> None:
@@ -367,6 +369,11 @@ class PoolService:
                         requested_at=e.requested_at, released_at=max(now, e.requested_at), reason=reason,
                         gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes, rule=e.rule)
             self.ledger[h.holding_id] = h
+
+    def _drop_model(self, model: str, reason: str, now: float) -> None:
+        """Release everything held for `model`'s next run (its workers and keepers)."""
+        self._drop(lambda e: e.model == model, reason, now)
+        self._drop_keepers(lambda k: k.model == model, reason, now)
 
     def _drop_keepers(self, which, reason: str, now: float | None = None) -> int:
         import ray

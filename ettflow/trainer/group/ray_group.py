@@ -210,7 +210,7 @@ class RayWorkerGroup:
     def _plan_bundles(self, bundle: dict) -> SpareBundles:
         """The ranks' bundles, and a spare's when this GPU placement keeps one in a bundle of
         its own and the live nodes can hold it beside the ranks."""
-        spare = self.gpu and self.config.switches.live_recovery and self.config.spares != 0
+        spare = self.gpu and self.config.holds_spare
         if spare and ranks_that_fit([n["resources"] for n in live_nodes().values()], bundle,
                                     self.config.placement.strategy) <= self.world_size:
             log.warning("attempt %d: no room for a GPU spare beside %d ranks: a failure restarts every rank",
@@ -286,8 +286,7 @@ class RayWorkerGroup:
         self._record_pooled(pooled)
         if self.recovers_live:
             self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls, pool=self.pool,
-                                    bundle=(self.pg, self.bundles.spare) if gpu else None,
-                                    held=self.config.spares != 0)
+                                    bundle=(self.pg, self.bundles.spare) if gpu else None)
             if gpu:  # it holds its device from now: its process starts now (its prewarm later)
                 self.spares.start()
 
@@ -495,7 +494,7 @@ class RayWorkerGroup:
         if self.world_size and len(self.finished) == self.world_size:
             end_run(self.run_id, self.pool)  # trained to the end: nothing will restore from memory
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on
-                spares = SPARES_AHEAD if self.config.switches.live_recovery and self.config.spares != 0 else 0
+                spares = SPARES_AHEAD if self.config.holds_spare else 0
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None)

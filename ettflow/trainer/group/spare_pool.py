@@ -55,15 +55,12 @@ class SpareUnavailable(RuntimeError):
 
 class SparePool:
     def __init__(self, config: TrainerConfig, run_id: str, spool_root: Path | str, *, actor_cls: type,
-                 pool: WarmPool, bundle: tuple[Any, int] | None = None, held: bool = True) -> None:
+                 pool: WarmPool, bundle: tuple[Any, int] | None = None) -> None:
         """`actor_cls`: the rank's actor class a spare is (`RayWorkerGroup`'s); `bundle`:
         (placement group, index) the next spare starts in (a GPU placement); None: a spare with
         no resources of its own (a CPU placement)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.actor_cls, self.pool = actor_cls, pool
-        # a spare is held ahead of a failure (`ett.spare_sizing` found it pays); False: one is
-        # started only when a rank is lost (`take`), its start part of that recovery
-        self.held = held
         self.bundle = bundle
         self._spare: PooledWorker | None = None
         self._pooled = False  # the spare came prewarmed from the warm pool
@@ -71,6 +68,12 @@ class SparePool:
         self._pinged_at = 0.0
         self._pid: int | None = None  # the waiting spare's process, once a ping answered
         self.replaced = 0  # spares lost or failed and replaced in this run
+
+    @property
+    def held(self) -> bool:
+        """A spare is held ahead of a failure (`ett.spare_sizing` found it pays); False: one is
+        started only when a rank is lost (`take`), its start part of that recovery."""
+        return self.config.holds_spare
 
     @property
     def has_spare(self) -> bool:

@@ -20,6 +20,7 @@ format lives in `checkpoint/anchor.py`.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,7 +185,7 @@ class Checkpointing:
                     "allow an elastic restart, or restart with the same number of ranks")
             return self._restored(self.durable.restore_resharded(self.resume, common_cursor(self.resume)))
         report = self.durable.restore_own(self.resume, self.resume_deltas)
-        return self._restored(report, cursor=self.resume_cursor.as_tuple())
+        return self._restored(replace(report, cursor=self.resume_cursor.as_tuple()))
 
     def restore_point(self, point: RestorePoint, *, fallback: bool = False) -> RestoreReport:
         """A live recovery's (or a full restart's) restore, collective: `point` from the tier it
@@ -201,11 +202,8 @@ class Checkpointing:
         self.live_point = (report.step, Cursor.from_dict(self.ctx.train_state.cursor))
         return self._restored(report)
 
-    def _restored(self, report: RestoreReport, *, cursor: tuple[int, ...] | None = None) -> RestoreReport:
-        if cursor is not None:
-            from dataclasses import replace
-
-            report = replace(report, cursor=cursor)
+    def _restored(self, report: RestoreReport) -> RestoreReport:
+        """Keep what this attempt's restore read (the anchor reuses a checkpoint it restored)."""
         self.last_restore = report
         return report
 
