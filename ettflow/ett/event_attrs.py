@@ -222,6 +222,7 @@ KINDS: dict[str, type[EventAttrs]] = {
     "checkpoint_save_blocking": SaveAttrs,
     "checkpoint_save_background": SaveAttrs,
     "anchor_checkpoint": SaveAttrs,
+    "anchor_seal": SaveAttrs,
     "spare_start": SpareAttrs,
     "publish": PublishAttrs,
     "publish_standalone": PublishAttrs,

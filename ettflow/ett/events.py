@@ -105,6 +105,7 @@ PHASE_COMPONENT: dict[str, str | None] = {
     PROCESS_PAUSED: None,  # evidence for the owner of a stalled step, never time of its own
     "flow_prestart": None,  # the run's flow process, started by the worker ahead of its scheduled time (held for it)
     "publish_standalone": None,  # on CPU after the devices were released
+    "anchor_seal": None,  # the anchor written and sealed from host memory by the driver, after the release
     SUBMITTED: None,
     FAILURE: None,
     FAILURE_DETECTED: None,
@@ -119,7 +120,7 @@ MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECK
                                      FAULT_INJECTED, FAULT_UNFIRED, CHECKPOINT_FALLBACK})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
-                                       "spare_start", "flow_prestart", PROCESS_PAUSED})
+                                       "spare_start", "flow_prestart", "anchor_seal", PROCESS_PAUSED})
 
 # Phases whose owner is not their component's owner (derived phases included).
 PHASE_OWNERS: dict[str, str] = {
@@ -137,6 +138,7 @@ PHASE_OWNERS: dict[str, str] = {
     "spare_start": "scheduler",
     "flow_prestart": "scheduler",
     "anchor_checkpoint": "storage",
+    "anchor_seal": "storage",
     "publish": "publishing",
     "publish_standalone": "publishing",
     "train_step": "trainer",

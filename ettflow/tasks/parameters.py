@@ -179,6 +179,9 @@ class SwitchParams(Section):
     delta_checkpoint: Switch = _switch(
         "Periodic checkpoints (and in-memory copies) hold only the embedding rows touched since the one before, "
         "on full bases (anchors are always full)")
+    release_before_seal: Switch = _switch(
+        "The ranks hand the anchor checkpoint off in host memory and release their devices; the driver writes and "
+        "seals it on the CPU (false: written while the devices are held)")
     publish_in_trainer: Switch = _switch("Publish while the trainer holds its devices (the baseline's way)")
     delta_snapshot: Switch = _switch(
         "Store the snapshot as the rows that changed since the current one (checked to predict as the full one; "

@@ -25,6 +25,8 @@ HANG_PHASES = ("device_init", "process_group_init", "preproc_creation", "train_m
 # the instant a scripted `kill` may take instead of a step: the anchor checkpoint committed, its
 # `anchor.json` not yet written (`kill:rank=0:phase=anchor_commit`; rank 0 writes the marker)
 ANCHOR_COMMIT = "anchor_commit"
+ANCHOR_SEAL = "anchor_seal"  # the devices released, the anchor's files half written by the driver
+KILL_PHASES = (ANCHOR_COMMIT, ANCHOR_SEAL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,11 +59,16 @@ class Switches:
     # always bases (trainer/checkpoint/delta.py, delta_chain.py); the in-memory tier's copies
     # likewise, on a whole copy (memory_tier.py). Off by default while it is new
     delta_checkpoint: bool = False
+    # the anchor leaves the devices in host memory: every rank serializes its part of the final
+    # checkpoint into memory and hands it to the driver, the devices are released, and the driver
+    # writes, seals and marks the anchor on the CPU (trainer/group/anchor_seal.py); False: the
+    # ranks write and commit it to disk while holding their devices
+    release_before_seal: bool = True
 
     @classmethod
     def baseline(cls) -> Switches:
         return cls(parallel_init=False, fast_batch=False, compile_cache=False, async_checkpoint=False,
-                   memory_checkpoint=False, live_recovery=False, warm_pool=False)
+                   memory_checkpoint=False, live_recovery=False, warm_pool=False, release_before_seal=False)
 
     @classmethod
     def optimized(cls) -> Switches:
@@ -89,7 +96,9 @@ FAULT_FIELD_HELP: tuple[tuple[str, str], ...] = (
     ("rank=R", "the rank (default 0)"),
     ("step=S", "at training step S, before it is trained"),
     ("phase=P", "instead of step: a hang in init stage P (e.g. pt2_compile, pre_train), or a kill at anchor_commit "
-                "(the final checkpoint committed, anchor.json not yet written)"),
+                "(the rank's part of the final checkpoint committed, or handed off to the driver, anchor.json not yet "
+                "written) or at anchor_seal (the devices released, the anchor half written: SIGKILL of the driver's "
+                "process, with switch release_before_seal)"),
     ("after_s=T", "kill only: T seconds after an attempt started training (sent by the driver)"),
     ("attempt=A", "only in attempt A (default: whichever attempt reaches it first)"),
     ("times=N", "publish only: the first N publish tries fail (default 1)"),
@@ -136,7 +145,7 @@ class FailAt:
     rank: int = 0
     step: int | None = None
     after_s: float | None = None
-    phase: str | None = None  # a hang's init stage, or a kill's ANCHOR_COMMIT
+    phase: str | None = None  # a hang's init stage, or a kill's ANCHOR_COMMIT / ANCHOR_SEAL
     attempt: int | None = None  # None: any attempt
     index: int | None = None
 
@@ -147,9 +156,9 @@ class FailAt:
             raise ValueError("FailAt needs exactly one of step (a training step), after_s (seconds) or phase "
                              f"(a hang's init stage, or a kill's {ANCHOR_COMMIT})")
         if self.phase is not None and not ((self.kind == "hang" and self.phase in HANG_PHASES)
-                                           or (self.kind == "kill" and self.phase == ANCHOR_COMMIT)):
-            raise ValueError(f"FailAt.phase is for kind='hang' in one of {HANG_PHASES}, or kind='kill' at "
-                             f"{ANCHOR_COMMIT!r}; got {self.kind}:{self.phase}")
+                                           or (self.kind == "kill" and self.phase in KILL_PHASES)):
+            raise ValueError(f"FailAt.phase is for kind='hang' in one of {HANG_PHASES}, or kind='kill' in one of "
+                             f"{KILL_PHASES}; got {self.kind}:{self.phase}")
         if self.after_s is not None and self.kind != "kill":
             raise ValueError("FailAt.after_s is a SIGKILL from the driver: use kind='kill'")
         if any(v is not None and v < 0 for v in (self.rank, self.attempt, self.step, self.index)):

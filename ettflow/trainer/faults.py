@@ -63,9 +63,13 @@ def is_scripted_hang(failures: Sequence[FailAt], fault_index: int | None) -> boo
 
 def injected_failure(fault: FailAt, *, rank: int, attempt: int, step: int | None) -> Failure:
     """The failure a fired item stands for."""
-    at = f"at step {step}" if step is not None else (f"in {fault.phase}" if fault.phase else f"after {fault.after_s} s")
-    return Failure(failure_class=KIND_CLASS[fault.kind], rank=rank, attempt=attempt, step=step,
-                   reason=f"injected {fault.kind} of rank {rank} {at}", injected=True, hang=fault.kind == "hang")
+    at = f"at step {step}" if step is not None else f"after {fault.after_s} s"
+    if fault.phase:
+        at = f"in {fault.phase}" + (f" at step {step}" if step is not None else "")
+    who = "the driver" if rank < 0 else f"rank {rank}"  # the driver's process: a kill while it seals the anchor
+    cls = FailureClass.ORCHESTRATOR if rank < 0 else KIND_CLASS[fault.kind]  # the driver is the run's process
+    return Failure(failure_class=cls, rank=rank, attempt=attempt, step=step,
+                   reason=f"injected {fault.kind} of {who} {at}", injected=True, hang=fault.kind == "hang")
 
 
 def record_fired(fault: FailAt, recorder: SpoolWriter, *, rank: int, step: int | None,

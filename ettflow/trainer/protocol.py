@@ -20,6 +20,7 @@ from typing import Any
 from ettflow.ett.checkpoint_tier import CheckpointTier
 from ettflow.ett.failures import Failure
 
+from .checkpoint.anchor import AnchorInfo
 from .compile.stats import CompileStats
 
 MEMORY, DURABLE = CheckpointTier.MEMORY, CheckpointTier.DURABLE
@@ -126,6 +127,28 @@ class CompileReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AnchorHandOff:
+    """One rank's part of the anchor checkpoint, handed off in host memory so the rank can
+    release its device before the anchor is on disk (`Switches.release_before_seal`): the
+    files DCP wrote for it (`checkpoint/host_writer.py`; rank 0's include `.metadata`), its
+    data cursor (JSON, as a periodic save's manifest keeps it), the folder's root and step, and
+    on rank 0 the anchor marker to write once the folder is sealed. The driver writes, seals
+    and marks it after the release (`trainer/group/anchor_seal.py`)."""
+
+    rank: int
+    step: int
+    world_size: int
+    root: str  # the run's checkpoint folder
+    files: tuple[tuple[str, bytes], ...]  # (name, bytes), written as they are
+    cursor: str  # JSON
+    anchor: AnchorInfo | None = None  # rank 0's
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(data) for _, data in self.files)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankResult:
     """A rank that finished its attempt: the last step it trained (`final_step`) and that
     step's loss, the steps of this attempt and their rates (examples over every rank), the
@@ -145,6 +168,7 @@ class RankResult:
     checkpoint: CheckpointReport
     compile: CompileReport
     anchor: str | None = None
+    anchor_handoff: AnchorHandOff | None = None  # the anchor in host memory, sealed by the driver after the release
     eval: Evaluation | None = None
     eval_start: Evaluation | None = None
     finished_at: float | None = None

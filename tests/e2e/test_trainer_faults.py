@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +26,10 @@ import pytest
 
 from ettflow.ett.spool import read_spool
 from ettflow.trainer.checkpoint.anchor import read_anchor
+from ettflow.trainer.checkpoint.verify import verify
 from ettflow.trainer.config import FailAt
-from ettflow.trainer.group.ray_group import RayWorkerGroup
+from ettflow.trainer.group.driver import TrainingDriver
+from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
 from ettflow.trainer.rank.actor import TrainerActor
 
 from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive
@@ -84,7 +88,7 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     between the anchor checkpoint's commit and its `anchor.json`, and recovered live too."""
     cfg = config(trainer_world, "live", compile_cache, failures=(
         FailAt(kind="kill", rank=1, step=8), FailAt(kind="kill", rank=1, step=9, attempt=1),
-        FailAt.parse("kill:rank=0:phase=anchor_commit")))
+        FailAt.parse("kill:rank=0:phase=anchor_commit"))).with_switches(release_before_seal=False)  # ranks write it
     result, events, m = drive(trainer_world, cfg, "live")
     assert result.attempts == 4 and m.nof == 3
     assert [f.failure_class for f in m.failures] == ["infrastructure"] * 3
@@ -116,6 +120,71 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     # replayed only what each kill lost since the restored copy, trained every batch once
     assert m.replayed_steps == 2 * (8 - restore_step(events, 1)) + 2 * (9 - restore_step(events, 2))
     assert m.effective_steps == 2 * STEPS
+    assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+
+
+# ---- the anchor handed off in host memory, sealed by the driver after the release (group/anchor_seal.py) ----
+
+# the driver in a process of its own, on the session's Ray cluster, so that its scripted SIGKILL ends only it
+SEAL_KILLED = """
+import sys
+import ray
+sys.path.insert(0, sys.argv[1])
+ray.init(address=sys.argv[2])
+from pathlib import Path
+from ettflow.trainer.config import FailAt
+from helpers.trainer_runs import config, drive
+world = Path(sys.argv[3])
+faults = tuple(FailAt.parse(spec) for spec in sys.argv[5:])
+drive(world, config(world, "seal-kill", Path(sys.argv[4]), failures=faults), "seal-kill")
+"""
+SEAL_FAULTS = (FailAt.parse("kill:rank=1:phase=anchor_commit"), FailAt.parse("kill:phase=anchor_seal"))
+
+
+def test_deaths_after_the_anchor_hand_off_leave_no_anchor_and_the_retry_loses_no_window(
+        trainer_world, compile_cache, clean_run, tmp_path):
+    """The ranks hand the anchor off in host memory. Rank 1 dies right after handing off its
+    part: a live recovery (a spare, the in-memory copies) trains what it lost and hands off
+    again. Then the devices are released and the driver's process is SIGKILLed with the
+    anchor half written. Nothing is committed or marked (publishing has nothing to read, the
+    watermark cannot advance); the retry (the flow's next try) restores the last durable
+    checkpoint, trains what the kill lost and seals the anchor: the uninterrupted run's
+    parameters, every batch trained once."""
+    import ray
+
+    tests, spool = Path(__file__).resolve().parents[1], trainer_world / "spool"
+    done = subprocess.run([sys.executable, "-c", SEAL_KILLED, str(tests), ray.get_runtime_context().gcs_address,
+                           str(trainer_world), str(compile_cache), *(f.spec for f in SEAL_FAULTS)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    root = trainer_world / "seal-kill" / "checkpoints"
+    assert not list(root.glob("step_*/anchor.json")) and not (root / f"step_{STEPS:010d}").exists()
+    events = read_spool(spool, "seal-kill").events
+    # attempt 0: rank 1 died with its part handed off; attempt 1 recovered it live and handed off again
+    (lost,) = by(events, "failure", attempt=0)
+    assert lost.rank == 1 and lost.attrs["reason"] == f"injected kill of rank 1 in anchor_commit at step {STEPS}"
+    assert [h.attrs["rank"] for h in by(events, "spare_handoff", attempt=1)] == [1]
+    assert all(e.attrs["handed_off"] for e in by(events, "anchor_checkpoint", attempt=1))
+    # then the devices were released, and the driver killed while it wrote the anchor
+    (shutdown,) = by(events, "shutdown", attempt=1)
+    (killed,) = by(events, "failure", attempt=1)
+    assert killed.rank == -1 and killed.attrs["reason"] == "injected kill of the driver in anchor_seal"
+    assert shutdown.end <= killed.start and by(events, "anchor_seal") == []
+    # the retry: a new driver for the run, as the flow's next try of its train task
+    cfg = config(trainer_world, "seal-kill", compile_cache, failures=SEAL_FAULTS)
+    try:
+        result = TrainingDriver(cfg, "seal-kill", spool, lambda a: RayWorkerGroup(
+            cfg, "seal-kill", a, spool, actor_cls=TrainerActor)).run(first_attempt=2)
+    finally:
+        end_run("seal-kill")
+    events = read_spool(spool, "seal-kill").events
+    (restore,) = by(events, "checkpoint_restore", rank=0, attempt=2)
+    assert restore.attrs["step"] == 20  # the last periodic save (every 5 steps) of the 24
+    (sealed,) = by(events, "anchor_seal", attempt=2)
+    assert sealed.attrs["step"] == STEPS and sealed.attrs["path"] == result.rank0.anchor
+    assert verify(Path(result.rank0.anchor)).step == STEPS and read_anchor(result.rank0.anchor)["step"] == STEPS
+    assert sorted({e.attrs["step"] for e in by(events, "train_step", attempt=2)}) == list(range(20, STEPS))
+    assert result.unfired == ()  # both faults fired, once each
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 

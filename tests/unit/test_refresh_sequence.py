@@ -13,12 +13,14 @@ from ettflow.ett.warehouse import Warehouse
 
 
 def test_a_window_arrives_on_the_default_data_only_when_nothing_is_new(tmp_path, monkeypatch):
+    from ettflow.tasks import plan
     from ettflow.tasks.arrivals import ensure_new_window
     from ettflow.tasks.plan import default_data_root as demo_root
     from ettflow.trainer.data.windows import list_windows
 
     monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path))
     monkeypatch.delenv("ETTFLOW_WAREHOUSE_URL", raising=False)
+    monkeypatch.setitem(plan.DEMO_DATA, "rows_per_window", 512)  # the demo's windows, tiny
     params = {"model": "m"}
     assert ensure_new_window(params) is None  # first refresh: the bootstrap range is there
     known = list_windows(demo_root())

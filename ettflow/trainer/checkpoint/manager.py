@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ettflow.trainer.checkpoint.catalog import CheckpointScan, prune, remove_uncommitted, scan
 from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError, CheckpointStorageError
 from ettflow.trainer.checkpoint.group import CheckpointGroup
+from ettflow.trainer.checkpoint.host_writer import HostWriter
 from ettflow.trainer.checkpoint.layout import final_dir, publish, remove_tree, tmp_dir
 from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, SafeLoadPlanner
 from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult, StagingWait
@@ -74,6 +75,32 @@ def _write(staged: dict[str, Any] | Future[dict[str, Any]], kwargs: dict[str, An
     thread does, without the thread `async_save` starts for every save (about 2 ms of each
     save's blocking here). With async staging it first waits for the copy."""
     dcp.save(staged.result() if isinstance(staged, Future) else staged, **kwargs)
+
+
+def commit_folder(tmp: Path, root: Path, *, step: int, world_size: int, cursors: list[Any],
+                  keep_last: int) -> tuple[Path, int]:
+    """A folder DCP finished writing (every rank's files), committed: hashed and sealed, renamed
+    to `step_<n>`, verified, then checkpoints beyond the newest `keep_last` pruned. Returns the
+    committed folder and its bytes; raises (and removes what it left) when any part fails, so
+    nothing torn looks committed."""
+    final = final_dir(root, step)
+    published = False
+    try:
+        nbytes = seal(tmp, step=step, world_size=world_size, cursors=cursors)
+        publish(tmp, final)
+        published = True
+        verify(final)
+    except BaseException:
+        try:
+            remove_tree(final if published else tmp)
+        except OSError as e:
+            log.warning("could not remove %s after a failed commit (the next start will): %s", tmp, e)
+        raise
+    try:
+        prune(root, keep_last)
+    except OSError as e:
+        log.warning("checkpoint prune under %s failed (will retry next save): %s", root, e)
+    return final, nbytes
 
 
 class CheckpointManager:
@@ -178,6 +205,22 @@ class CheckpointManager:
             self.wait()
         return result
 
+    def save_to_host(self, step: int, state: TrainState) -> tuple[dict[str, bytes], str]:
+        """The state of `step` saved by DCP into this process's memory, not to disk
+        (`host_writer.py`; collective, as `save`): this rank's files by name and its cursor
+        (JSON). The pending save commits first. The files, written into one folder with every
+        other rank's, are the folder `save` would have written; `commit_folder` commits it."""
+        if self._closed:
+            raise CheckpointError("CheckpointManager.save_to_host after close(): build a new manager")
+        self.wait()
+        writer = HostWriter(step)
+        try:
+            dcp.save(state.to_state_dict(step=step, rank=self.group.rank), storage_writer=writer,
+                     process_group=self.group.pg, no_dist=not self.group.distributed)
+        except CheckpointException as e:  # a BaseException: would escape `except Exception`
+            raise CheckpointError(f"checkpoint of step {step} into host memory failed: {describe(e)}") from e
+        return dict(writer.files), state.cursor_json()
+
     def wait_staged(self) -> StagingWait | None:
         """With async staging: wait until the last save's copy into host memory is complete,
         after which the saved tensors may be mutated; returns when and how long it waited
@@ -275,22 +318,12 @@ class CheckpointManager:
             self._discard(tmp)
             errno, path = next(((r[1], r[2]) for r in failed if r[1] is not None), (None, str(tmp)))
             return None, None, "; ".join(r[0] for r in failed), errno, path
-        final = final_dir(self.config.root, step)
-        published = False
         try:
-            cursors = [json.loads(r[3]) for r in reports]
-            nbytes = seal(tmp, step=step, world_size=self.group.world_size, cursors=cursors)
-            publish(tmp, final)
-            published = True
-            verify(final)
+            final, nbytes = commit_folder(tmp, Path(self.config.root), step=step, world_size=self.group.world_size,
+                                          cursors=[json.loads(r[3]) for r in reports], keep_last=self.config.keep_last)
         except Exception as e:  # noqa: BLE001 - becomes the save's error on every rank
             error, errno, path, _ = failure_report(f"commit of {tmp} failed: {describe(e)}", e, tmp, "")
-            self._discard(final if published else tmp)
             return None, None, error, errno, path
-        try:
-            prune(self.config.root, self.config.keep_last)
-        except OSError as e:
-            log.warning("checkpoint prune under %s failed (will retry next save): %s", tmp, e)
         return str(final), nbytes, None, None, None
 
     # -- finding and restoring ----------------------------------------------------------

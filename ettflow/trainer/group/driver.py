@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -47,12 +48,14 @@ from typing import Protocol, runtime_checkable
 from ettflow.ett.events import FAILURE_DETECTED, FAULT_UNFIRED, TRAIN_STEP
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.spool import SpoolWriter, read_file, spool_file
+from ettflow.trainer.checkpoint.config import CheckpointError
 from ettflow.trainer.classify import is_process_loss, primary_failure, stop_signal
-from ettflow.trainer.config import FailAt, TrainerConfig
+from ettflow.trainer.config import ANCHOR_SEAL, FailAt, TrainerConfig
 from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fired
+from ettflow.trainer.group.anchor_seal import SEAL_TRIES, seal_anchor
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
 from ettflow.trainer.group.progress import SpoolTail
-from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint
+from ettflow.trainer.protocol import AnchorHandOff, PollStatus, RankResult, RestorePoint
 from ettflow.trainer.rank_heartbeat import PhaseBounds, find_hang
 
 log = logging.getLogger("ettflow.trainer")
@@ -356,7 +359,48 @@ class TrainingDriver:
                 ended = min(min(r.finished_at or now for r in finished.values()), now)
                 group.teardown()
                 rec.record("shutdown", ended, self.clock(), failed=False)
+                handoffs = [r.anchor_handoff for r in finished.values() if r.anchor_handoff is not None]
+                failure = self._seal(attempt, handoffs, rec) if handoffs else None
+                if failure is not None:
+                    return AttemptFailed(failure, (failure,))
                 return AttemptSucceeded(finished)
+
+    def _seal(self, attempt: int, handoffs: list[AnchorHandOff], rec: SpoolWriter) -> Failure | None:
+        """The anchor the ranks handed off, written and sealed here once their devices are
+        released (`anchor_seal.py`), recorded as `anchor_seal` (off the clock: no device waits);
+        retried from the host copy; None when sealed, else the attempt's failure (`storage`)."""
+        t0 = self.clock()
+        error: BaseException | None = None
+        for tries in range(1, SEAL_TRIES + 1):
+            try:
+                sealed = seal_anchor(handoffs, keep_last=self.config.keep_checkpoints,
+                                     fault=lambda phase: self._seal_fault(attempt, phase, rec))
+            except (OSError, CheckpointError) as exc:
+                error = exc
+                log.warning("attempt %d: sealing the anchor failed (try %d of %d): %s", attempt, tries, SEAL_TRIES, exc)
+                continue
+            rec.record("anchor_seal", t0, self.clock(), step=sealed.step, path=str(sealed.path), bytes=sealed.nbytes,
+                       tries=tries)
+            return None
+        detected = self.clock()
+        failure = Failure(failure_class=FailureClass.STORAGE, rank=-1, attempt=attempt, step=handoffs[0].step,
+                          reason=f"the anchor of step {handoffs[0].step} could not be written from the host copy "
+                                 f"({SEAL_TRIES} tries): {error}; the attempt restarts from the last durable "
+                                 "checkpoint")
+        with contextlib.suppress(OSError):  # the disk that failed the seal may fail this too
+            rec.record("anchor_seal", t0, detected, step=handoffs[0].step, failed=True, tries=SEAL_TRIES)
+            rec.mark(FAILURE_DETECTED, detected, **failure.to_attrs())
+        return failure
+
+    def _seal_fault(self, attempt: int, phase: str, rec: SpoolWriter) -> None:
+        """A scripted kill of this process while it seals the anchor (FAIL_AT_GRAMMAR's phases)."""
+        pending = pending_faults(self.config, self.spool_root, self.run_id).failures
+        fault = next((f for f in pending if f.phase == phase == ANCHOR_SEAL and f.attempt in (None, attempt)), None)
+        if fault is not None:  # the driver's process, whichever rank the item names
+            record_fired(fault, rec, rank=-1, step=None)
+            log.warning("scripted fault %s: SIGKILL of the driver's process (pid %d)", fault.spec, os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # the signal is delivered asynchronously
 
     def _marked_failures(self, tail: SpoolTail, attempt: int) -> list[Failure]:
         """The failures the ranks wrote as `failure` markers since the last poll. A scripted

@@ -32,10 +32,11 @@ from ettflow.trainer.checkpoint import CheckpointInfo, TrainState
 from ettflow.trainer.checkpoint import init_lazy_optimizer_state as init_optimizer_state
 from ettflow.trainer.checkpoint.anchor import AnchorInfo, write_anchor
 from ettflow.trainer.checkpoint.config import CheckpointError
+from ettflow.trainer.checkpoint.layout import final_dir
 from ettflow.trainer.config import ANCHOR_COMMIT, TrainerConfig
 from ettflow.trainer.data.windows import Cursor, split_windows
 from ettflow.trainer.faults import due_in_phase
-from ettflow.trainer.protocol import RestorePoint
+from ettflow.trainer.protocol import AnchorHandOff, RestorePoint
 from ettflow.trainer.rank.durable_tier import DurableTier
 from ettflow.trainer.rank.fault_fire import fire
 from ettflow.trainer.rank.host_memory_tier import HostMemoryTier
@@ -74,6 +75,7 @@ class Checkpointing:
         self.tiers: tuple[RankTier, ...] = tuple(found[k] for k in RESTORE_ORDER if k in found)  # fastest first
         self.live_point: tuple[int, Cursor] | None = None  # where a live recovery resumed
         self.last_restore: RestoreReport | None = None  # what this attempt's restore read
+        self.handoff: AnchorHandOff | None = None  # the anchor in host memory, for the driver to seal
 
     @property
     def config(self) -> TrainerConfig:
@@ -216,7 +218,12 @@ class Checkpointing:
         committed, before its `anchor.json`): the anchor is the state restored, with its cursor,
         on every recovery path: the committed checkpoint of `step` when the restore read one
         (durable restart, live recovery from disk), else a checkpoint saved now (a restore
-        from the in-memory tier, or one resharded to this world size)."""
+        from the in-memory tier, or one resharded to this world size).
+
+        With `switches.release_before_seal` a checkpoint saved now is not written here: each rank
+        serializes its part into host memory (`self.handoff`, returned with its result) and the
+        driver writes, seals and marks it once the devices are released; the path returned is
+        where it will be."""
         self.durable.check_finite(step, loss=loss, action=f"anchor at step {step}")
         path: Path | None = None
         if cursor is None:
@@ -225,18 +232,27 @@ class Checkpointing:
             path = self._restored_checkpoint(step)
             if path is None and cursor is None:  # a warm start that trains nothing: no checkpoint of its own
                 return None
+        anchor = AnchorInfo(run_id=run_id, step=step, cursor=cursor.to_dict(), world_size=self.config.world_size,
+                            model=self.config.model, schema=self.config.schema,
+                            parent=self.config.warm_start_from or None, windows=split_windows(self.config)[0])
+        if path is None and self.config.switches.release_before_seal:
+            files, cursor_json = self.durable.hand_off_base(step, cursor)
+            self.handoff = AnchorHandOff(rank=self.rank, step=step, world_size=self.config.world_size,
+                                         root=str(self.config.checkpoint_dir), files=tuple(sorted(files.items())),
+                                         cursor=cursor_json, anchor=anchor if self.rank == 0 else None)
+            self._anchor_fault(step)  # scripted: killed with its part handed off, before the release
+            return final_dir(self.config.checkpoint_dir, step)  # where the driver seals it
         if path is None:
             path = self.durable.commit_base(step, cursor)
-        fault = due_in_phase(self.config.failures, attempt=self.rec.attempt, rank=self.rank, phase=ANCHOR_COMMIT)
-        if fault is not None:  # scripted: killed between the commit and its marker
-            fire(fault, self.rec, step=step)
+        self._anchor_fault(step)  # scripted: killed between the commit and its marker
         if self.rank == 0:
-            write_anchor(Path(path), AnchorInfo(run_id=run_id, step=step, cursor=cursor.to_dict(),
-                                                world_size=self.config.world_size,
-                                                model=self.config.model, schema=self.config.schema,
-                                                parent=self.config.warm_start_from or None,
-                                                windows=split_windows(self.config)[0]))
+            write_anchor(Path(path), anchor)
         return Path(path)
+
+    def _anchor_fault(self, step: int) -> None:
+        fault = due_in_phase(self.config.failures, attempt=self.rec.attempt, rank=self.rank, phase=ANCHOR_COMMIT)
+        if fault is not None:
+            fire(fault, self.rec, step=step)
 
     def _restored_checkpoint(self, step: int) -> Path | None:
         """The committed full checkpoint of `step` this attempt restored, written at this world

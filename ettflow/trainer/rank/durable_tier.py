@@ -145,6 +145,12 @@ class DurableTier:
             self.ctx.deltas.base_started(step)
         return self.manager.save(step, state)
 
+    def hand_off_base(self, step: int, cursor: Cursor) -> tuple[dict[str, bytes], str]:
+        """A base of `step` saved into host memory (the anchor handed off before the release):
+        this rank's files and its cursor (JSON); the driver writes and commits them."""
+        assert self.manager is not None
+        return self.manager.save_to_host(step, self.ctx.set_position(step, cursor))
+
     def commit_base(self, step: int, cursor: Cursor) -> Path:
         """A base of `step`, committed before this returns (the anchor's checkpoint)."""
         result = self.save_base(step, cursor)

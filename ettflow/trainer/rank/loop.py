@@ -285,7 +285,9 @@ class TrainLoop:
             self.beat.leave("train_step")
         with self.rec.span("anchor_checkpoint", step=step) as attrs, self._phase(SAVE):
             anchor = self.checkpointing.save_anchor(step, last_cursor, self.rec.run_id, loss=loss_value)
-            attrs.update(path=str(anchor) if anchor else None)
+            handoff = self.checkpointing.handoff
+            attrs.update(path=str(anchor) if anchor else None,
+                         **({"handed_off": True, "bytes": handoff.nbytes} if handoff is not None else {}))
         evaluation = None
         if self.state.eval_data is not None and self.config.eval_batches > 0:
             with self.rec.span("evaluation") as attrs, self._phase("evaluation"):
@@ -300,6 +302,6 @@ class TrainLoop:
             checkpoint=CheckpointReport(blocking_s=tuple(self.durable.blocking),
                                         memory_blocking_s=tuple(self.memory.blocking), interval=self.durable.choice,
                                         memory_interval=self.memory.choice),
-            compile=self.state.compiler.report(), anchor=str(anchor) if anchor else None, eval=evaluation,
-            eval_start=self.state.eval_start)
+            compile=self.state.compiler.report(), anchor=str(anchor) if anchor else None,
+            anchor_handoff=self.checkpointing.handoff, eval=evaluation, eval_start=self.state.eval_start)
 
