@@ -152,7 +152,8 @@ class Stopped(BaseException):
 
 
 class Run:
-    def __init__(self, tmp_path, scripts: list[dict], *, restore_step: int | None = None, **cfg) -> None:
+    def __init__(self, tmp_path, scripts: list[dict], *, restore_step: int | None = None,
+                 group_cls: type[ScriptedGroup] = ScriptedGroup, **cfg) -> None:
         data = tmp_path / "data"
         data.mkdir(exist_ok=True)
         self.config = TrainerConfig(data_root=str(data), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
@@ -162,10 +163,11 @@ class Run:
         self.cursor = {0: 0, 1: 0}
         self.restore_step = restore_step
         self.scripts = scripts
+        self.group_cls = group_cls
         self.groups: list[ScriptedGroup] = []
 
     def factory(self, attempt: int) -> ScriptedGroup:
-        group = ScriptedGroup(self, attempt, self.scripts[attempt])
+        group = self.group_cls(self, attempt, self.scripts[attempt])
         self.groups.append(group)
         return group
 
@@ -197,6 +199,26 @@ def test_clean_run_is_one_attempt(tmp_path):
     assert (m.wall_s, m.tts_s, m.nof) == (6.5, 2.0, 0)
     assert m.components["effective_training"] == 3 and m.components["scheduling"] == 2
     assert m.components["shutdown"] == 1.5 and run.groups[0].torn_down
+
+
+class ReleasingScriptedGroup(ScriptedGroup):
+    """A teardown that gives the devices back, then spends 3 s on the pool's work for the next run."""
+
+    released_at: float | None = None
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.released_at = self.run.clock.t
+        self.run.clock.t += 3.0
+
+
+def test_the_shutdown_ends_when_the_devices_are_released_not_after_the_pools_work(tmp_path):
+    run = Run(tmp_path, [finish_at(4)], group_cls=ReleasingScriptedGroup)
+    run.drive()
+    (shutdown,) = run.markers("shutdown")
+    assert (shutdown.start, shutdown.end) == (1005.0, 1006.5)  # released at 1006.5; the fill ran to 1009.5
+    m = run.metrics()
+    assert m.wall_s == 6.5 and m.components["shutdown"] == 1.5
 
 
 def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):

@@ -91,6 +91,15 @@ class PlacedGroup(WorkerGroup, Protocol):
 
 
 @runtime_checkable
+class ReleasingGroup(WorkerGroup, Protocol):
+    """A group whose `teardown` does more after the devices are released (the pool's fill for
+    the next run): when it released them, so `shutdown` ends there (None: not released yet)."""
+
+    @property
+    def released_at(self) -> float | None: ...
+
+
+@runtime_checkable
 class PreemptibleGroup(WorkerGroup, Protocol):
     """A group whose ranks can be preempted (`preemption.py`): when the driver's own process is
     told to stop, each rank gets the chance of an emergency checkpoint."""
@@ -358,7 +367,8 @@ class TrainingDriver:
                 # shutdown runs from the ranks' end of work until the devices are released
                 ended = min(min(r.finished_at or now for r in finished.values()), now)
                 group.teardown()
-                rec.record("shutdown", ended, self.clock(), failed=False)
+                released = group.released_at if isinstance(group, ReleasingGroup) else None
+                rec.record("shutdown", ended, max(ended, released or self.clock()), failed=False)
                 handoffs = [r.anchor_handoff for r in finished.values() if r.anchor_handoff is not None]
                 failure = self._seal(attempt, handoffs, rec) if handoffs else None
                 if failure is not None:

@@ -187,6 +187,7 @@ class RayWorkerGroup:
         self.reserve_timeout_s = config.placement.capacity_wait_s if reserve_timeout_s is None else reserve_timeout_s
         self.world_size = config.world_size  # this attempt's ranks: fewer on an elastic restart
         self.pg = None
+        self.released_at: float | None = None  # when teardown gave the devices back (`driver.ReleasingGroup`)
         self.actors: list = []
         self.info: list[WorkerInfo] = []
         self.refs: dict = {}
@@ -489,6 +490,10 @@ class RayWorkerGroup:
                     os.kill(info.pid, signal.SIGKILL)
             ray.kill(actor, no_restart=True)
         self.actors, self.refs = [], {}
+        if self.pg is not None:  # the devices go back first: what follows needs none of them
+            remove_placement_group(self.pg)
+            self.pg = None
+        self.released_at = time.time()
         if self.spares is not None:
             self.spares.close(self.attempt)  # to the warm pool when the process keeps one
         if self.world_size and len(self.finished) == self.world_size:
@@ -498,7 +503,4 @@ class RayWorkerGroup:
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None)
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
 
