@@ -4,6 +4,8 @@ and the policy's decisions are enums: the tests assert on those, not on messages
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.tasks.run_spool import RunRecorder
+from ettflow.trainer.checkpoint.anchor import AnchorInfo
 from ettflow.trainer.classify import primary_failure
 from ettflow.trainer.collectives import Groups
 from ettflow.trainer.config import FailAt, TrainerConfig
@@ -20,8 +23,9 @@ from ettflow.trainer.faults import due, pending_faults, record_fired
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import FailureDecision
 from ettflow.trainer.group.pooled_worker import PooledWorker, record_start
+from ettflow.trainer.model_config import ModelConfig
 from ettflow.trainer.placement import SpareBundles
-from ettflow.trainer.protocol import MEMORY, PollStatus, PrewarmTimings, RestorePoint
+from ettflow.trainer.protocol import MEMORY, AnchorHandOff, PollStatus, PrewarmTimings, RestorePoint
 from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
 
 from helpers.group_ops import RecordingOps
@@ -115,6 +119,12 @@ class ScriptedGroup:
                 self.beat(rank, since=t0 + 1.0)
             elif action == "finish":
                 done[rank] = finished(rank, at=t0, attempt=self.attempt)
+            elif action == "finish-handing-off":  # its part of the anchor in host memory, for the driver
+                done[rank] = replace(finished(rank, at=t0, attempt=self.attempt), anchor_handoff=AnchorHandOff(
+                    rank=rank, step=self.run.cursor[rank], world_size=self.run.config.world_size,
+                    root=str(self.run.anchor_root), files=((f"__{rank}_0.distcp", b"x"),), cursor="{}",
+                    anchor=AnchorInfo(run_id=self.run.run_id, step=self.run.cursor[rank], model=ModelConfig(),
+                                      schema=criteo_schema(10)) if rank == 0 else None))
             elif action == "die":
                 failed.append(died(rank))
             elif action == "raise":
@@ -164,6 +174,7 @@ class Run:
         self.restore_step = restore_step
         self.scripts = scripts
         self.group_cls = group_cls
+        self.anchor_root = tmp_path / "w" / "checkpoints"  # where a handed-off anchor is sealed
         self.groups: list[ScriptedGroup] = []
 
     def factory(self, attempt: int) -> ScriptedGroup:
@@ -219,6 +230,21 @@ def test_the_shutdown_ends_when_the_devices_are_released_not_after_the_pools_wor
     assert (shutdown.start, shutdown.end) == (1005.0, 1006.5)  # released at 1006.5; the fill ran to 1009.5
     m = run.metrics()
     assert m.wall_s == 6.5 and m.components["shutdown"] == 1.5
+
+
+def test_an_anchor_the_driver_cannot_write_is_retried_from_the_host_copy_then_restarts_the_attempt(tmp_path):
+    run = Run(tmp_path, [{(0, 3): "finish-handing-off", (1, 3): "finish-handing-off"}, finish_at(3)])
+    run.anchor_root.parent.mkdir(parents=True)
+    run.anchor_root.write_text("a file where the checkpoint folder should be")  # every write fails (ENOTDIR)
+    result = run.drive()
+    assert result.attempts == 2 and [f.failure_class for f in result.failures] == [FailureClass.STORAGE]
+    assert "could not be written from the host copy (2 tries)" in result.failures[0].reason
+    (seal,) = run.markers("anchor_seal")
+    assert seal.attempt == 0 and seal.attrs["failed"] and seal.attrs["tries"] == 2
+    # the ranks ended at 1004 (their third step's poll), the devices were released by 1005.5, then the seal
+    (shutdown0, _) = sorted(run.markers("shutdown"), key=lambda e: e.attempt)
+    assert (shutdown0.start, shutdown0.end) == (1004.0, 1005.5) and seal.start >= shutdown0.end
+    assert run.metrics().nof == 1
 
 
 def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):

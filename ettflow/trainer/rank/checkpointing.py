@@ -224,6 +224,7 @@ class Checkpointing:
         serializes its part into host memory (`self.handoff`, returned with its result) and the
         driver writes, seals and marks it once the devices are released; the path returned is
         where it will be."""
+        self.handoff = None  # an earlier attempt's, on a process a live recovery kept, is not this one's
         self.durable.check_finite(step, loss=loss, action=f"anchor at step {step}")
         path: Path | None = None
         if cursor is None:
