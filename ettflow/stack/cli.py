@@ -94,22 +94,18 @@ def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[RefreshP
     from ettflow.flows.cli import print_comparison
 
     from .deployed_runs import run_and_wait
-    from .pool import expect_run, wait_for_pool
+    from .pool import wait_for_pool
 
     runs = []
     for i, these in enumerate(params):
         print(f"\nettflow up: refresh {i + 1} of {len(params)} as a run of deployment {args.deployment}, executed by "
               "the worker in a process of its own" + (f" (induced failure: {', '.join(these.faults.fail_at)})"
                                                       if these.faults.fail_at else ""), flush=True)
-        scheduled_at = time.time() + args.every if i > 0 and args.every > 0 else None
-        if scheduled_at is not None:  # the pool prewarms just in time for the run this schedules
-            hold = expect_run(cfg, these.model, scheduled_at)
-            print(f"  the cluster's warm pool, for this run: {hold.rule} ({hold.reason})" if hold is not None else
-                  "  the cluster's warm pool has nothing of the model to prewarm", flush=True)
-        elif i > 0:  # back to back: what the last release left prewarming in the cluster's pool is ready first
+        if i > 0:  # back to back: what the last release left prewarming in the cluster's pool is ready first
             ready, waited = wait_for_pool(cfg, timeout_s=240.0)
             print(f"  the cluster's warm pool holds {ready} prewarmed trainer process(es) for it (waited "
                   f"{waited:.1f} s between refreshes; `ettflow pool status` lists them)", flush=True)
+        scheduled_at = time.time() + args.every if i > 0 and args.every > 0 else None
         run = run_and_wait(cfg.api_url, cfg.ui_url, args.deployment, these, timeout_s=args.run_timeout_s,
                            say=lambda line: print(line, flush=True), log_hint=f"{cfg.log_dir / 'worker.log'} or the UI",
                            scheduled_at=scheduled_at)

@@ -55,19 +55,6 @@ def wait_for_pool(cfg, timeout_s: float) -> tuple[int, float]:
     return ready, time.monotonic() - t0
 
 
-def expect_run(cfg, model: str, at: float):
-    """Tell the cluster's pool that a run of `model` is scheduled at `at` (epoch s): it prewarms
-    just in time for it what the model's last release asked for (`PoolService.expect`). Its
-    `HoldDecision`, None when the pool has nothing of the model to prewarm from."""
-    join_cluster(cfg)
-    import ray
-
-    from ettflow.trainer.group.pool_service import service
-
-    pool = service(create=False)
-    return ray.get(pool.expect.remote(model, at)) if pool is not None else None
-
-
 def cmd_pool(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
     from ettflow.flows.env_defaults import set_env_defaults

@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
@@ -157,7 +157,6 @@ class PoolService:
         self.holds: dict[str, HoldDecision] = {}  # by model: the hold its workers are under
         self.gaps: dict[str, list[float]] = {}  # by model: seconds from a release to its next run's take
         self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
-        self.last_fill: dict[str, PlannedFill] = {}  # by model: what its last release asked for (`expect`)
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self._start = start
         self._lock = threading.RLock()
@@ -192,8 +191,6 @@ class PoolService:
             self.planned.pop(model, None)
             self.holds[model] = hold
             self.released_at[model] = now
-            self.last_fill[model] = PlannedFill(hold=hold, config=config, count=count, spool_root=spool_root,
-                                                actor_cls=actor_cls)
             if hold.rule is HoldRule.NONE:  # nothing for a run that likely comes later than a hold lasts
                 self._drop_model(model, "not_worth_holding", now)
                 return 0
@@ -204,28 +201,6 @@ class PoolService:
                 self._wake.set()
                 return 0
             return self._fill_now(config, count, spool_root, actor_cls)
-
-    def expect(self, model: str, at: float, now: float | None = None) -> HoldDecision | None:
-        """A run of `model` is scheduled at `at`, said by whoever scheduled it after the model's
-        last release (`ettflow up` for each run it creates; a deployment's cron schedule is read
-        at the release, `fill`): prewarm just in time for it what that release asked for. None:
-        no release of the model filled this pool yet (there is no shape to prewarm)."""
-        now = time.time() if now is None else now
-        with self._lock:
-            last = self.last_fill.get(model)
-        if last is None:
-            return None
-        hold = self.decide(model, at, now)
-        log.info("cluster pool: %s for %s (a run scheduled after its release): %s", hold.rule, model, hold.reason)
-        with self._lock:
-            self.holds[model] = hold
-            if not hold.starts_now(now):
-                self.planned[model] = replace(last, hold=hold)
-                self._wake.set()
-                return hold
-            self.planned.pop(model, None)
-        self._fill_now(last.config, last.count, last.spool_root, last.actor_cls)
-        return hold
 
     def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type) -> int:
         key, model = warm_key(config), model_name(config)
