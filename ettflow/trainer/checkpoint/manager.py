@@ -55,17 +55,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ettflow.trainer.checkpoint.catalog import CheckpointScan, prune, remove_uncommitted, scan
+from ettflow.trainer.checkpoint.catalog import CheckpointScan, remove_uncommitted, scan
+from ettflow.trainer.checkpoint.commit import commit_folder
 from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError, CheckpointStorageError
 from ettflow.trainer.checkpoint.group import CheckpointGroup
 from ettflow.trainer.checkpoint.host_writer import HostWriter
-from ettflow.trainer.checkpoint.layout import final_dir, publish, remove_tree, tmp_dir
+from ettflow.trainer.checkpoint.layout import remove_tree, tmp_dir
 from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, SafeLoadPlanner
 from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult, StagingWait
 from ettflow.trainer.checkpoint.save_errors import Outcome, Report, describe, failure_report, save_error
 from ettflow.trainer.checkpoint.staging import make_stager
 from ettflow.trainer.checkpoint.state import TrainState
-from ettflow.trainer.checkpoint.verify import CheckpointInfo, seal, verify
+from ettflow.trainer.checkpoint.verify import CheckpointInfo, verify
 
 log = logging.getLogger(__name__)
 
@@ -75,32 +76,6 @@ def _write(staged: dict[str, Any] | Future[dict[str, Any]], kwargs: dict[str, An
     thread does, without the thread `async_save` starts for every save (about 2 ms of each
     save's blocking here). With async staging it first waits for the copy."""
     dcp.save(staged.result() if isinstance(staged, Future) else staged, **kwargs)
-
-
-def commit_folder(tmp: Path, root: Path, *, step: int, world_size: int, cursors: list[Any],
-                  keep_last: int) -> tuple[Path, int]:
-    """A folder DCP finished writing (every rank's files), committed: hashed and sealed, renamed
-    to `step_<n>`, verified, then checkpoints beyond the newest `keep_last` pruned. Returns the
-    committed folder and its bytes; raises (and removes what it left) when any part fails, so
-    nothing torn looks committed."""
-    final = final_dir(root, step)
-    published = False
-    try:
-        nbytes = seal(tmp, step=step, world_size=world_size, cursors=cursors)
-        publish(tmp, final)
-        published = True
-        verify(final)
-    except BaseException:
-        try:
-            remove_tree(final if published else tmp)
-        except OSError as e:
-            log.warning("could not remove %s after a failed commit (the next start will): %s", tmp, e)
-        raise
-    try:
-        prune(root, keep_last)
-    except OSError as e:
-        log.warning("checkpoint prune under %s failed (will retry next save): %s", root, e)
-    return final, nbytes
 
 
 class CheckpointManager:

@@ -4,7 +4,7 @@ With `Switches.release_before_seal` every rank ends its run by serializing its p
 final checkpoint into host memory (`checkpoint/host_writer.py`) and returning it with its
 result (`protocol.AnchorHandOff`); the group is torn down, and only then does the driver, a
 CPU process, write the files into `step_<n>.tmp` (each fsynced), commit the folder exactly as a
-rank 0 commits a periodic save (`manager.commit_folder`: sha256 of every file, manifest,
+rank 0 commits a periodic save (`commit.commit_folder`: sha256 of every file, manifest,
 COMMITTED, rename, verify, prune) and write `anchor.json` last. Publishing, the watermark and
 the lineage read the anchor only after that: the driver returns once it is sealed.
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ettflow.trainer.checkpoint.anchor import write_anchor
+from ettflow.trainer.checkpoint.commit import commit_folder
 from ettflow.trainer.checkpoint.layout import fsync_dir, remove_tree, tmp_dir
-from ettflow.trainer.checkpoint.manager import commit_folder
 from ettflow.trainer.config import ANCHOR_SEAL
 from ettflow.trainer.protocol import AnchorHandOff
 
