@@ -29,10 +29,11 @@ def commit_folder(tmp: Path, root: Path, *, step: int, world_size: int, cursors:
         published = True
         verify(final)
     except BaseException:
+        left = final if published else tmp
         try:
-            remove_tree(final if published else tmp)
+            remove_tree(left)
         except OSError as e:
-            log.warning("could not remove %s after a failed commit (the next start will): %s", tmp, e)
+            log.warning("could not remove %s after a failed commit (the next start will): %s", left, e)
         raise
     try:
         prune(root, keep_last)

@@ -380,11 +380,13 @@ class TrainingDriver:
         released (`anchor_seal.py`), recorded as `anchor_seal` (off the clock: no device waits);
         retried from the host copy; None when sealed, else the attempt's failure (`storage`)."""
         t0 = self.clock()
+        pending = pending_faults(self.config, self.spool_root, self.run_id).failures  # read once, not per hook call
+        scripted = next((f for f in pending if f.phase == ANCHOR_SEAL and f.attempt in (None, attempt)), None)
         error: BaseException | None = None
         for tries in range(1, SEAL_TRIES + 1):
             try:
                 sealed = seal_anchor(handoffs, keep_last=self.config.keep_checkpoints,
-                                     fault=lambda phase: self._seal_fault(attempt, phase, rec))
+                                     fault=lambda phase: self._seal_fault(scripted, phase, rec))
             except (OSError, CheckpointError) as exc:
                 error = exc
                 log.warning("attempt %d: sealing the anchor failed (try %d of %d): %s", attempt, tries, SEAL_TRIES, exc)
@@ -402,11 +404,10 @@ class TrainingDriver:
             rec.mark(FAILURE_DETECTED, detected, **failure.to_attrs())
         return failure
 
-    def _seal_fault(self, attempt: int, phase: str, rec: SpoolWriter) -> None:
-        """A scripted kill of this process while it seals the anchor (FAIL_AT_GRAMMAR's phases)."""
-        pending = pending_faults(self.config, self.spool_root, self.run_id).failures
-        fault = next((f for f in pending if f.phase == phase == ANCHOR_SEAL and f.attempt in (None, attempt)), None)
-        if fault is not None:  # the driver's process, whichever rank the item names
+    def _seal_fault(self, fault: FailAt | None, phase: str, rec: SpoolWriter) -> None:
+        """The scripted kill of this process while it seals the anchor (`kill:phase=anchor_seal`,
+        whichever rank the item names), at that point of the seal."""
+        if fault is not None and phase == ANCHOR_SEAL:
             record_fired(fault, rec, rank=-1, step=None)
             log.warning("scripted fault %s: SIGKILL of the driver's process (pid %d)", fault.spec, os.getpid())
             os.kill(os.getpid(), signal.SIGKILL)
