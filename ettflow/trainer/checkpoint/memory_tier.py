@@ -62,7 +62,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -80,6 +80,9 @@ from ettflow.trainer.checkpoint.memory_copy import (
     tensors_of,
 )
 from ettflow.trainer.checkpoint.state import TrainState
+
+if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
 
 __all__ = ["MemoryCopyError", "MemorySaveResult", "MemoryTier", "apply", "local_tensors"]
 log = logging.getLogger(__name__)
@@ -112,7 +115,7 @@ class MemoryTier:
     keeper: the run's StateKeeper handle (`state_keeper.find_keeper(run_id)`).
     on_done: called with each MemorySaveResult, from the background thread."""
 
-    def __init__(self, keeper: Any, rank: int, world_size: int, *,
+    def __init__(self, keeper: KeeperHandle, rank: int, world_size: int, *,
                  on_done: Callable[[MemorySaveResult], None] | None = None, policy: ChainPolicy | None = None) -> None:
         for name, value in (("rank", rank), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

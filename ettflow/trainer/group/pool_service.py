@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
@@ -56,6 +56,16 @@ from ettflow.trainer.group.pooled_worker import (
     warm_key,
 )
 from ettflow.trainer.protocol import PooledInfo
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ray.actor import ActorHandle
+
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
+
+    PoolHandle: TypeAlias = ActorHandle["PoolService"]  # the cluster's pool, as service() returns it
+    OwnerHandle: TypeAlias = ActorHandle["RunOwner"]  # a driving process's liveness probe
 
 log = logging.getLogger("ettflow.trainer")
 NAME = "ettflow-pool"
@@ -99,8 +109,8 @@ class _Given:
     actor's ownership on), so when the run's process dies without stopping them (SIGKILL),
     the pool does, once its `owner` is gone."""
 
-    actor: Any
-    owner: Any
+    actor: ActorHandle  # a pooled trainer worker or a keeper
+    owner: OwnerHandle
     run_id: str
     model: str
     kind: str  # "worker" or "keeper"
@@ -112,7 +122,7 @@ class _Given:
 
 @dataclass
 class _Keeper:
-    actor: Any
+    actor: KeeperHandle
     requested_at: float
     model: str
     holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -233,7 +243,7 @@ class PoolService:
             return len(self._ready())
 
     # ---- taking --------------------------------------------------------------------------
-    def take(self, config: TrainerConfig, nodes: list[str | None], owner: Any = None,
+    def take(self, config: TrainerConfig, nodes: list[str | None], owner: OwnerHandle | None = None,
              run_id: str = "") -> list[PooledWorker | None]:
         """For each wanted node (None: any), a prewarmed worker of `config`'s shape there (its
         `timings` read), or None. Taken workers are the caller's to stop; `owner` (the run's
@@ -252,7 +262,7 @@ class PoolService:
                                              worker.gpus, worker.cpus, worker.rss_bytes))
         return taken
 
-    def take_keeper(self, owner: Any = None, run_id: str = "") -> Any:
+    def take_keeper(self, owner: OwnerHandle | None = None, run_id: str = "") -> KeeperHandle | None:
         with self._lock:
             if not self.keepers:
                 return None
@@ -434,7 +444,7 @@ class PoolService:
         return len(old) + stale
 
 
-def drain_ledger(pool: Any, write: Callable[[list[Holding]], Any], timeout_s: float = 10.0) -> int:
+def drain_ledger(pool: PoolHandle, write: Callable[[list[Holding]], Any], timeout_s: float = 10.0) -> int:
     """Move the pool's unacknowledged ledger lines into a warehouse (`write` them, then `ack`
     them: a writer that fails leaves them in the pool for the next try); how many moved."""
     import ray
@@ -447,7 +457,7 @@ def drain_ledger(pool: Any, write: Callable[[list[Holding]], Any], timeout_s: fl
     return len(lines)
 
 
-def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy()) -> Any:
+def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy()) -> PoolHandle | None:
     """The cluster's pool actor (started when `create` and there is none), or None."""
     import ray
 

@@ -37,7 +37,7 @@ import atexit
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -55,6 +55,10 @@ from ettflow.trainer.group.pooled_worker import (
 )
 from ettflow.trainer.protocol import PrewarmTimings
 
+if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
+    from ettflow.trainer.group.pool_service import OwnerHandle, PoolHandle
+
 __all__ = ["POOL", "POOL_RUN_ID", "PooledWorker", "WarmPool", "record_start", "start_worker", "warm_key"]
 
 log = logging.getLogger("ettflow.trainer")
@@ -62,9 +66,9 @@ class WarmPool:
     def __init__(self) -> None:
         self.keeping = False
         self.workers: list[PooledWorker] = []
-        self.keeper: Any = None  # an in-memory checkpoint keeper started for the next run (state_keeper.py)
-        self.service: Any = None  # the cluster's pool (pool_service.py) once attached
-        self._owner: Any = None
+        self.keeper: KeeperHandle | None = None  # an in-memory checkpoint keeper for the next run
+        self.service: PoolHandle | None = None  # the cluster's pool (pool_service.py) once attached
+        self._owner: OwnerHandle | None = None
 
     def attach_cluster(self) -> None:
         """Use the cluster's pool from now on (this process joined a cluster that outlives it):
@@ -159,7 +163,7 @@ class WarmPool:
             return [None] * len(nodes)
         return [None if w is None else (w, w.timings) for w in found]
 
-    def take_keeper(self, run_id: str = "") -> Any:
+    def take_keeper(self, run_id: str = "") -> KeeperHandle | None:
         """The keeper started for the next run (its process up or starting), or None."""
         if self.service is not None:
             try:
@@ -175,7 +179,7 @@ class WarmPool:
             with contextlib.suppress(Exception):
                 self.service.forget.remote(run_id)
 
-    def _run_owner(self) -> Any:
+    def _run_owner(self) -> OwnerHandle:
         """This process's `RunOwner` (made once): the cluster's pool stops what this process
         took from it if the process dies without doing so."""
         if self._owner is None:

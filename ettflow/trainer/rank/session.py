@@ -36,7 +36,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,6 +63,9 @@ from ettflow.trainer.rank.preemption import PREEMPTION
 from ettflow.trainer.rank.rank_state import RankState
 from ettflow.trainer.rank.spare import WarmSpare
 from ettflow.trainer.rank_heartbeat import Pause, RankHeartbeat, beat_file
+
+if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -96,7 +99,7 @@ def parent_anchor(config: TrainerConfig) -> Path | None:
 class TrainerSession:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
                  spool_root: Path | str, master_addr: str, master_port: int,
-                 *, process_started_at: float | None = None, keeper: Any = None,
+                 *, process_started_at: float | None = None, keeper: KeeperHandle | None = None,
                  warm: WarmSpare | None = None, restart_point: RestorePoint | None = None) -> None:
         """`keeper`: the run's in-memory checkpoint keeper (`checkpoint/memory_tier.py`), or
         None (no in-memory tier). `warm`: what this process prepared before the run (a pooled
