@@ -89,6 +89,8 @@ def cmd_pool(args: argparse.Namespace) -> int:
         since = f"ready for {now - h.ready_at:.0f} s" if h.ready_at else f"requested {now - h.requested_at:.0f} s ago"
         if h.kind == "planned":  # nothing held yet: prewarmed ahead of the model's next scheduled run
             since = f"in {max(h.requested_at - now, 0):.0f} s (before its next scheduled run)"
+        elif h.kind == "decided":  # the last release decided that holding would not pay
+            since = f"since {now - h.requested_at:.0f} s"
         elif h.kind.startswith("run's"):  # taken by a run: the pool stops it if the run's process dies
             since = f"run {h.key}, its process seen alive {now - h.requested_at:.0f} s ago"
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"

@@ -154,7 +154,8 @@ class RankResult:
     step's loss, the steps of this attempt and their rates (examples over every rank), the
     median step time (fetch to end of a step) and the time in the step events' record calls,
     its anchor checkpoint (rank 0 names the folder; None: no anchor written), the held-out
-    evaluation at the end and, on a cold start, before training, and when it finished."""
+    evaluation at the end and, on a cold start, before training, when its training loop began
+    and when it finished."""
 
     rank: int
     attempt: int
@@ -172,6 +173,7 @@ class RankResult:
     eval: Evaluation | None = None
     eval_start: Evaluation | None = None
     finished_at: float | None = None
+    trained_from: float | None = None  # when its training loop began (init, restore, compile done)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,11 +220,23 @@ class PollStatus:
 
 
 @dataclass(frozen=True)
+class StartSample:
+    """One run's start, as its group measured it at its release: seconds from asking for its
+    ranks to the last of them beginning its training loop; `pooled`: every rank came from the
+    pool (False: every rank started its own process)."""
+
+    seconds: float
+    pooled: bool
+
+
+@dataclass(frozen=True)
 class PooledInfo:
     """One thing the cluster's warm pool holds (`group/pool_service.py`), as `ettflow pool status`
     lists it (it crosses from the pool's actor to the asking process)."""
 
-    kind: str  # "worker", "keeper", "run's worker" / "run's keeper" (taken, watched), "planned"
+    # "worker", "keeper", "run's worker" / "run's keeper" (taken, watched), "planned", "decided"
+    # (the model's last release decided to hold nothing: `rule` none, `why` its numbers)
+    kind: str
     model: str  # the model's name in the config (its shape is the key's digest)
     key: str  # a short digest of the warm key
     state: str  # "prewarming" or "ready" (a failed worker is dropped)

@@ -78,20 +78,23 @@ def test_the_ledger_lists_each_holding_with_what_it_held_and_whether_it_was_used
 
 def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_acknowledged():
     from ettflow.ett.capacity import UNCLAIMED_WORKER
-    from ettflow.trainer.group.hold_rule import PrewarmEstimate, decide_hold
+    from ettflow.trainer.group.hold_rule import PrewarmEstimate, StartSaving, decide_hold
     from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
     from ettflow.trainer.group.pooled_worker import PooledWorker
     from ettflow.trainer.protocol import PrewarmTimings
 
     pool = PoolService(PoolPolicy(reap_every_s=3600.0))
-    # no schedule: each ready worker is kept for the break-even keep-alive (here a 50 s prewarm)
-    pool.holds["dlrm"] = decide_hold(0.0, None, PrewarmEstimate.of([50.0]), margin_s=10.0, max_keep_alive_s=600.0)
+    # no schedule: each ready worker is kept for the break-even keep-alive, the start it saves
+    # (a run's rank starts in 100 s cold, 45 s pooled: 55 s), which pays its 50 s prewarm
+    pool.holds["dlrm"] = decide_hold(0.0, None, PrewarmEstimate.of([50.0]), margin_s=10.0, max_keep_alive_s=600.0,
+                                     saving=StartSaving.of([100.0], [45.0]))
+    assert pool.holds["dlrm"].keep_alive_s == 55.0
     ready = PrewarmTimings(build_s=1.0, compile_s=1.0, cache_hit=True, footers_s=0.0, ready_at=10.0)
     pool.entries = [PooledWorker(None, None, 2.0, "k", "dlrm", timings=ready, cpus=1.0, rss_bytes=100,
                                  rule="keep-alive"),
                     PooledWorker(None, None, 40.0, "k", "dlrm", timings=replace(ready, ready_at=45.0),
                                  rule="keep-alive")]
-    assert pool.reap(now=70.0) == 1  # ready since 10, 60 s > 50: released; the other kept
+    assert pool.reap(now=70.0) == 1  # ready since 10, 60 s > 55: released; the other kept
     assert pool.prewarm_s == {"dlrm": [8.0, 5.0]}  # each worker's prewarm measured once, for the model's rule
     [line] = pool.drain()
     assert (line.kind, line.run_id, line.used, line.reason, line.rule) == (
@@ -102,11 +105,13 @@ def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_ackn
     assert pool.stop() == 1 and [h.reason for h in pool.drain()] == ["stopped"]
 
 
-def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled_run(tmp_path):
+def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled_run_and_only_what_pays(tmp_path):
     """A release with the deployment's next run 6 h ahead starts nothing and drops what the
     model held; the model's measured prewarm (default until measured), twice its spread and
     the margin before the run it prewarms; an unclaimed worker goes `margin_s` after the
-    scheduled time. With no schedule it fills at once under the keep-alive (a fake start: no Ray)."""
+    scheduled time. With no schedule it fills at once under the keep-alive (a fake start: no Ray).
+    Each release brings its run's measured start, and nothing is prewarmed until the start it
+    would save (2 ranks) exceeds what the workers would hold (3 x the lead)."""
     from types import SimpleNamespace
 
     from ettflow.trainer.config import TrainerConfig
@@ -114,7 +119,7 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     from ettflow.trainer.group.hold_rule import DEFAULT_PREWARM_S
     from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
     from ettflow.trainer.group.pooled_worker import PooledWorker, model_name, warm_key
-    from ettflow.trainer.protocol import PrewarmTimings
+    from ettflow.trainer.protocol import PrewarmTimings, StartSample
 
     class RankActor:  # what the caller names as the rank's actor class: every start, planned ones too, gets it
         pass
@@ -133,14 +138,27 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     cfg = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
                         compile_cache_root=str(tmp_path / "dlrm" / "compile-cache")).with_switches(
                             memory_checkpoint=False)
+    assert cfg.world_size == 2
     pool = PoolService(PoolPolicy(margin_s=10.0, reap_every_s=3600.0), start=start)
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 - 1, now=t0, actor_cls=RankActor) == 3  # due: at once
+    # a cold run started in 60 s: a pooled one would save at most the (default) 20 s prewarm,
+    # 2 x 20 = 40 slot-s against 3 workers x 30 s of lead: nothing, and status says why
+    cold = StartSample(seconds=60.0, pooled=False)
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor, start=cold) == 0
+    assert pool.planned == {} and pool.holds["dlrm"].rule.value == "none"
+    [decided] = [h for h in pool.status() if h.kind == "decided"]
+    assert (decided.model, decided.rule, decided.state) == ("dlrm", "none", "nothing held")
+    assert "= 90 slot-s to save 2 rank(s) x start saved 20.0 s" in decided.why, decided.why
+    # a pooled run started in 10 s: 2 x 50 = 100 slot-s saved against 90 held: just in time pays
+    warm = StartSample(seconds=10.0, pooled=True)
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=t0 - 1, now=t0, actor_cls=RankActor, start=warm) == 3
+    assert pool.starts == {("dlrm", False): [60.0], ("dlrm", True): [10.0]}
     assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor) == 0
     assert pool.entries == [] and [h.reason for h in pool.drain()] == ["until_scheduled"] * 3
     [planned] = [h for h in pool.status() if h.kind == "planned"]
     assert (planned.model, planned.requested_at, planned.rule) == ("dlrm", run_at - DEFAULT_PREWARM_S - 10.0,
                                                                    "just-in-time")
     assert "next scheduled run in 21600 s" in planned.why and "default" in planned.why
+    assert not [h for h in pool.status() if h.kind == "decided"]
     assert pool.start_planned(now=t0 + 1000) == 0 and pool.entries == []
     clock[0] = run_at - DEFAULT_PREWARM_S - 10.0
     assert pool.start_planned(now=clock[0]) == 3 and pool.planned == {}
@@ -148,13 +166,15 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     assert pool.reap(now=run_at + 10.0) == 0 and pool.prewarm_s == {"dlrm": [12.0] * 3}
     assert pool.reap(now=run_at + 10.5) == 3  # the run did not come: released
     assert {(h.reason, h.rule) for h in pool.drain()} >= {("expired", "just-in-time")}
-    assert pool.fill(cfg, 3, str(tmp_path), now=clock[0], actor_cls=RankActor) == 3  # no schedule: keep-alive
-    assert {e.rule for e in pool.entries} == {"keep-alive"} and pool.holds["dlrm"].keep_alive_s == 12.0
+    # no schedule: keep-alive, each ready worker held for its share of the 100 slot-s saved
+    assert pool.fill(cfg, 3, str(tmp_path), now=clock[0], actor_cls=RankActor) == 3
+    assert {e.rule for e in pool.entries} == {"keep-alive"}
+    assert pool.holds["dlrm"].keep_alive_s == pytest.approx(100 / 3)
     # the next run asks for workers: the gap since the release is the model's arrival history
     pool.released_at["dlrm"] = time.time() - 500.0
     pool.take(cfg, [None])
     assert pool.gaps["dlrm"] == [pytest.approx(500.0, abs=5.0)] and "dlrm" not in pool.released_at
-    # its runs come later than a prewarmed worker is kept (12 s + 12 s): the next release prewarms nothing
+    # its runs come later than a prewarmed worker is kept (12 s + 33.3 s): the next release prewarms nothing
     assert pool.fill(cfg, 3, str(tmp_path), now=clock[0], actor_cls=RankActor) == 0
     assert pool.holds["dlrm"].rule.value == "none" and pool.entries == []
     assert {h.reason for h in pool.drain()} >= {"not_worth_holding"}

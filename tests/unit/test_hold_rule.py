@@ -9,8 +9,12 @@ from ettflow.trainer.group.hold_rule import (
     SAMPLES_KEPT,
     HoldRule,
     PrewarmEstimate,
+    StartSaving,
     decide_hold,
 )
+
+TEN = PrewarmEstimate.of([10.0, 10.0])  # a 10 s prewarm, no spread: with a 5 s margin its lead is 15 s
+SAVES_50 = StartSaving.of([60.0], [10.0])  # cold ranks start in 60 s, pooled ones in 10 s
 
 
 def test_the_estimate_is_the_mean_and_spread_of_the_newest_measured_prewarms():
@@ -27,36 +31,81 @@ def test_with_nothing_measured_the_default_stands_in_and_says_so():
     assert "default" in est.describe()
 
 
-def test_a_scheduled_run_far_ahead_is_prewarmed_just_in_time_and_nothing_held_before():
-    est = PrewarmEstimate.of([10.0, 10.0])
-    d = decide_hold(1000.0, 1000.0 + 6 * 3600, est, margin_s=5.0, max_keep_alive_s=600.0)
+def test_the_start_a_pooled_run_saves_is_cold_less_pooled_and_at_most_the_prewarm_until_measured():
+    est = PrewarmEstimate.of([12.0])
+    nothing = StartSaving.of([], [float("nan")])
+    assert (nothing.per_run_s(est), nothing.cold_samples) == (12.0, 0) and "no cold start" in nothing.describe(est)
+    cold = StartSaving.of([30.0, 40.0], [])
+    assert (cold.cold_s, cold.per_run_s(est)) == (35.0, 12.0) and "no pooled start" in cold.describe(est)
+    both = StartSaving.of([30.0, 40.0], [10.0])
+    assert both.per_run_s(est) == 25.0 and "cold 35.0 s over 2, pooled 10.0 s over 1" in both.describe(est)
+    assert StartSaving.of([5.0], [10.0]).per_run_s(est) == 0.0  # pooled slower: saves nothing
+    assert StartSaving.of([100.0] * 5 + [4.0] * SAMPLES_KEPT, []).cold_s == 4.0  # only the newest count
+
+
+def test_a_scheduled_run_far_ahead_is_prewarmed_just_in_time_when_the_saving_exceeds_the_hold():
+    # 2 ranks x 50 s saved = 100 slot-s against 3 workers x 15 s = 45 slot-s
+    d = decide_hold(1000.0, 1000.0 + 6 * 3600, TEN, margin_s=5.0, max_keep_alive_s=600.0, saving=SAVES_50,
+                    slots=2, workers=3)
     assert d.rule is HoldRule.JUST_IN_TIME and d.rule.value == "just-in-time"
     assert d.start_at == 1000.0 + 6 * 3600 - 15.0 and not d.starts_now(1000.0)
     assert d.release_at == 1000.0 + 6 * 3600 + 5.0
     assert not d.expired(1000.0 + 6 * 3600 + 5.0, ready_at=None) and d.expired(1000.0 + 6 * 3600 + 5.1, ready_at=None)
-    assert "next scheduled run in 21600 s" in d.reason
+    assert "next scheduled run in 21600 s" in d.reason and "3 x 15 = 45 slot-s held to save 2 rank(s)" in d.reason
+    assert "= 100 slot-s" in d.reason
+
+
+def test_a_scheduled_run_whose_start_saves_less_than_the_hold_gets_nothing_prewarmed():
+    small = StartSaving.of([20.0], [10.0])  # 2 ranks x 10 s = 20 slot-s against 45
+    d = decide_hold(1000.0, 1000.0 + 6 * 3600, TEN, margin_s=5.0, max_keep_alive_s=600.0, saving=small,
+                    slots=2, workers=3)
+    assert d.rule is HoldRule.NONE and not d.starts_now(1000.0) and d.release_at is None
+    assert "would hold 3 x 15 s" in d.reason and "= 45 slot-s to save 2 rank(s)" in d.reason
+    assert "= 20 slot-s: nothing prewarmed" in d.reason
+    # nothing measured: the prewarm stands in for the start saved, which never pays the lead
+    unmeasured = decide_hold(0.0, 100.0, TEN, margin_s=5.0, max_keep_alive_s=600.0, slots=2, workers=2)
+    assert unmeasured.rule is HoldRule.NONE and "no cold start measured" in unmeasured.reason
 
 
 def test_a_scheduled_run_closer_than_the_lead_starts_its_prewarm_at_once():
-    d = decide_hold(1000.0, 1010.0, PrewarmEstimate.of([10.0]), margin_s=5.0, max_keep_alive_s=600.0)
+    d = decide_hold(1000.0, 1010.0, TEN, margin_s=5.0, max_keep_alive_s=600.0, saving=SAVES_50)
     assert d.rule is HoldRule.JUST_IN_TIME and d.starts_now(1000.0) and d.release_at == 1015.0
 
 
-def test_with_no_schedule_a_ready_worker_is_held_for_the_cold_start_it_saves():
-    d = decide_hold(1000.0, None, PrewarmEstimate.of([8.0, 12.0]), margin_s=5.0, max_keep_alive_s=600.0)
-    assert d.rule is HoldRule.KEEP_ALIVE and d.starts_now(1000.0) and d.keep_alive_s == 10.0
+def test_with_no_schedule_a_ready_worker_is_held_for_its_share_of_the_start_saved():
+    est = PrewarmEstimate.of([8.0, 12.0])  # ready 10 s after the release
+    # 2 ranks x 50 s = 100 slot-s shared by 3 workers: each is held 33.3 s; expected cost 3 x 10 s
+    d = decide_hold(1000.0, None, est, margin_s=5.0, max_keep_alive_s=600.0, saving=SAVES_50, slots=2, workers=3)
+    assert d.rule is HoldRule.KEEP_ALIVE and d.starts_now(1000.0) and d.keep_alive_s == pytest.approx(100 / 3)
+    assert "no runs seen yet" in d.reason and "expected 30 slot-s held for 100 saved" in d.reason
     assert not d.expired(1500.0, ready_at=None)  # still prewarming: its hold has not begun
-    assert not d.expired(1020.0, ready_at=1010.0) and d.expired(1020.1, ready_at=1010.0)
-    capped = decide_hold(0.0, None, PrewarmEstimate.of([900.0]), margin_s=5.0, max_keep_alive_s=600.0)
-    assert capped.keep_alive_s == 600.0
+    assert not d.expired(1043.3, ready_at=1010.0) and d.expired(1043.4, ready_at=1010.0)
+    capped = decide_hold(0.0, None, est, margin_s=5.0, max_keep_alive_s=20.0, saving=SAVES_50, slots=2, workers=3)
+    assert capped.keep_alive_s == 20.0
 
 
-def test_with_no_schedule_a_model_whose_runs_come_later_than_a_hold_lasts_gets_nothing_prewarmed():
-    est = PrewarmEstimate.of([10.0])  # a worker ready 10 s after the release, kept 10 s more: runs within 20 s
-    late = decide_hold(0.0, None, est, margin_s=5.0, max_keep_alive_s=600.0, gaps=[25.0, 40.0, 18.0])
+def test_with_no_schedule_the_models_gaps_decide_whether_a_keep_alive_pays():
+    est = PrewarmEstimate.of([10.0])  # ready 10 s after the release, then held 33.3 s: runs at 10-43.3 s find it
+    kw = dict(margin_s=5.0, max_keep_alive_s=600.0, saving=SAVES_50, slots=2, workers=3)
+    soon = decide_hold(0.0, None, est, gaps=[25.0, 40.0, 18.0], **kw)  # every run takes: 3 x 27.7 s held for 100
+    assert soon.rule is HoldRule.KEEP_ALIVE and "3 of the model's last 3 runs came while a worker would be ready " \
+        "(10-43 s after the release)" in soon.reason
+    late = decide_hold(0.0, None, est, gaps=[25.0, 60.0, 100.0], **kw)  # 1 of 3: 33 saved for 3 x 37.2 s held
     assert late.rule is HoldRule.NONE and not late.starts_now(0.0)
-    assert "1 of the model's last 3 runs came within the 20 s" in late.reason and "median gap 25 s" in late.reason
-    soon = decide_hold(0.0, None, est, margin_s=5.0, max_keep_alive_s=600.0, gaps=[25.0, 12.0, 18.0])
-    assert soon.rule is HoldRule.KEEP_ALIVE and soon.starts_now(0.0)  # 2 of 3 came in time
-    scheduled = decide_hold(0.0, 100.0, est, margin_s=5.0, max_keep_alive_s=600.0, gaps=[500.0])
+    assert "1 of the model's last 3 runs came" in late.reason and "hold about 112 slot-s to save 33" in late.reason
+    early = decide_hold(0.0, None, est, gaps=[2.0, 3.0, 4.0], **kw)  # before the prewarm is done: nothing to take
+    assert early.rule is HoldRule.NONE and "0 of the model's last 3 runs" in early.reason
+    scheduled = decide_hold(0.0, 100.0, est, gaps=[500.0], **kw)
     assert scheduled.rule is HoldRule.JUST_IN_TIME  # a schedule is known: the gaps do not matter
+
+
+def test_on_this_machines_measured_numbers_no_prewarm_pays():
+    """BENCHMARKS.md, the README's main job: a prewarm 17.4 s, a run's ranks start in about 30 s
+    cold and 11.5 s pooled, 2 ranks and 3 workers (one a spare). 37 slot-s saved cannot pay a
+    just-in-time hold of 3 x 47.4 s, nor a keep-alive's 3 x 17.4 s of prewarm."""
+    est = PrewarmEstimate.of([17.4])
+    saving = StartSaving.of([30.0], [11.5])
+    for next_run_at in (3600.0, None):
+        d = decide_hold(0.0, next_run_at, est, margin_s=30.0, max_keep_alive_s=600.0, saving=saving,
+                        slots=2, workers=3)
+        assert d.rule is HoldRule.NONE, d.reason

@@ -60,3 +60,24 @@ def test_a_spare_prewarms_beside_the_ranks_only_when_its_compile_finds_the_archi
     assert has_archive(cfg)
     assert not has_archive(cfg.with_switches(compile_cache=False))
     assert not has_archive(config(compile_cache_root=str(tmp_path), batch_size=64))  # another key
+
+
+def test_a_group_measures_its_start_for_the_pool_only_when_every_rank_started_the_same_way():
+    """`RayWorkerGroup.start_sample`: from asking for the ranks to the last one's training loop
+    (what the pool's hold rule weighs a prewarm against); none for a mix of pooled and cold
+    ranks, a rank that has not finished, or a group a live recovery re-ran."""
+    from ettflow.trainer.group.ray_group import RayWorkerGroup
+    from ettflow.trainer.protocol import StartSample
+
+    group = RayWorkerGroup(config(), "run", 0, "/spool", actor_cls=object)
+    assert group.start_sample() is None  # nothing reserved
+    group.asked_at, group.trained_from = 100.0, {0: 130.0, 1: 131.5}
+    assert group.start_sample() == StartSample(seconds=31.5, pooled=False)
+    group.pooled_ranks = 2
+    assert group.start_sample() == StartSample(seconds=31.5, pooled=True)
+    group.pooled_ranks = 1
+    assert group.start_sample() is None  # a mix measures neither
+    group.pooled_ranks, group.trained_from = 0, {0: 130.0}
+    assert group.start_sample() is None  # rank 1 has not finished
+    group.trained_from, group.asked_at = {0: 130.0, 1: 131.5}, None
+    assert group.start_sample() is None  # a live recovery re-ran the loop

@@ -2,25 +2,37 @@
 typed decision, pure (no clock, no Ray), that the pool's service applies (`pool_service.py`).
 
 Every slot-second a prewarmed worker waits is capacity held for nobody yet; the run that takes
-it saves at most its prewarm (the worker is ready when the run starts instead of starting then).
-So the pool holds just what can pay:
+it saves what its ranks would have spent starting (`StartSaving`: the model's measured start of
+runs whose ranks started cold, less that of runs whose ranks came from the pool), on each of
+its slots. So the pool prewarms only when that pays, in slot-seconds, as the capacity-inclusive
+ETT counts them (ett/capacity.py: a pooled worker is one slot from its request to its take):
+
+    saving = the run's slots x the start saved   >   cost = workers x the hold each is expected to have
 
 - `JUST_IN_TIME` (the deployment's next run is scheduled): prewarm starts at the scheduled
   time minus the model's measured prewarm (`PrewarmEstimate.lead_s`: its mean, two standard
   deviations, and a margin), nothing is held from the release until then, and an unclaimed
-  worker is released `margin_s` after the scheduled time (the run did not come).
+  worker is released `margin_s` after the scheduled time (the run did not come). Each worker's
+  expected hold is the lead.
 - `KEEP_ALIVE` (no schedule: an ad hoc run, the UI's Run, back-to-back refreshes): prewarm at
-  once and hold each ready worker for the break-even keep-alive, the cold start it would save
-  (ski rental: holding no longer than that never costs more than twice what the best choice in
-  hindsight would have, and a run that comes in time saves its whole cold start), bounded by
-  `max_keep_alive_s`;
-- `NONE` (no schedule, and the model's recent gaps from a release to its next run say a worker
-  would mostly expire first: fewer than half of them within the prewarm plus the keep-alive):
-  nothing is prewarmed; the next run starts its own (the gaps are a small histogram of the
-  model's arrivals, as Azure Functions' keep-alive policy keeps one per application).
+  once and hold each ready worker for the break-even keep-alive, its share of the saving (ski
+  rental: holding no longer than that never costs more than twice what the best choice in
+  hindsight would have), bounded by `max_keep_alive_s`. The expected hold and the share of
+  runs that find a ready worker come from the model's recent gaps from a release to its next
+  run (a small histogram per model, as Azure Functions' keep-alive policy keeps one per
+  application): a run that comes before the prewarm is done finds nothing ready, and one that
+  comes after the keep-alive finds it released; with no gaps yet, the next run is assumed to
+  come as the worker is ready.
+- `NONE`: the saving does not exceed the cost under the rule that applies (or nothing would
+  be held long enough to be taken): nothing is prewarmed; the next run starts its own ranks.
+  The reason gives both numbers.
 
 The model's prewarm duration is measured by the pool on its own workers (requested -> ready);
-with none measured yet, `default_prewarm_s` stands in and the reason says so.
+with none measured yet, `default_prewarm_s` stands in and the reason says so. The start a run
+saves is measured by the group at each release (`StartSample`: from asking for its ranks to
+its training loop starting, all ranks cold or all pooled); with no cold start measured the
+prewarm stands in for it, and with no pooled start measured a pooled run is assumed to save
+at most its prewarm.
 """
 
 from __future__ import annotations
@@ -33,7 +45,6 @@ from dataclasses import dataclass
 
 DEFAULT_PREWARM_S = 20.0  # a worker's prewarm before any is measured (imports, dense build, compile cache load)
 SAMPLES_KEPT = 20  # the newest prewarm durations (and release -> next run gaps) per model the rules read
-HIT_SHARE = 0.5  # keep-alive prewarms only when at least this share of the model's recent gaps would find it
 
 
 class HoldRule(str, enum.Enum):
@@ -73,6 +84,45 @@ class PrewarmEstimate:
 
 
 @dataclass(frozen=True)
+class StartSaving:
+    """What the pool's workers save the run that takes them: the model's mean start with cold
+    ranks less its mean start with pooled ones (see the module docstring for what stands in
+    for either while it is unmeasured)."""
+
+    cold_s: float | None
+    warm_s: float | None
+    cold_samples: int = 0
+    warm_samples: int = 0
+
+    @classmethod
+    def of(cls, cold: Sequence[float], warm: Sequence[float]) -> StartSaving:
+        def mean(xs: Sequence[float]) -> tuple[float | None, int]:
+            got = [float(x) for x in xs if math.isfinite(x) and x >= 0][-SAMPLES_KEPT:]
+            return (statistics.fmean(got) if got else None), len(got)
+
+        (c, nc), (w, nw) = mean(cold), mean(warm)
+        return cls(cold_s=c, warm_s=w, cold_samples=nc, warm_samples=nw)
+
+    def per_run_s(self, prewarm: PrewarmEstimate) -> float:
+        """Wall seconds a run whose ranks are all pooled starts sooner."""
+        if self.cold_s is None:
+            return prewarm.mean_s
+        if self.warm_s is None:
+            return min(self.cold_s, prewarm.mean_s)
+        return max(self.cold_s - self.warm_s, 0.0)
+
+    def describe(self, prewarm: PrewarmEstimate) -> str:
+        saved = self.per_run_s(prewarm)
+        if self.cold_s is None:
+            return f"start saved {saved:.1f} s (the prewarm's: no cold start measured yet)"
+        if self.warm_s is None:
+            return (f"start saved {saved:.1f} s (cold start {self.cold_s:.1f} s over {self.cold_samples}, "
+                    "at most the prewarm: no pooled start measured yet)")
+        return (f"start saved {saved:.1f} s (cold {self.cold_s:.1f} s over {self.cold_samples}, pooled "
+                f"{self.warm_s:.1f} s over {self.warm_samples})")
+
+
+@dataclass(frozen=True)
 class HoldDecision:
     """`rule`; `start_at`: when to start prewarming (<= now: at once); `release_at`: an
     unclaimed worker is released then (just in time), or `keep_alive_s` after it is ready (keep
@@ -95,29 +145,45 @@ class HoldDecision:
 
 
 def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate, *, margin_s: float,
-                max_keep_alive_s: float, gaps: Sequence[float] = ()) -> HoldDecision:
-    """The hold for a model's next run (see the module docstring); `gaps`: the model's recent
-    seconds from a release to its next run's request for workers."""
+                max_keep_alive_s: float, gaps: Sequence[float] = (), saving: StartSaving = StartSaving(None, None),
+                slots: int = 1, workers: int = 1) -> HoldDecision:
+    """The hold for a model's next run (see the module docstring): `gaps`, the model's recent
+    seconds from a release to its next run's request for workers; `saving`, its measured
+    starts; `slots`, the next run's ranks; `workers`, how many the pool would prewarm for it
+    (its ranks and spares)."""
+    slots, workers = max(int(slots), 1), max(int(workers), 1)
+    value = slots * saving.per_run_s(estimate)  # slot-seconds the run's ranks do not spend starting
+    saves = f"{slots} rank(s) x {saving.describe(estimate)} = {value:.0f} slot-s"
     if next_run_at is not None:
         lead = estimate.lead_s(margin_s)
-        start = max(now, next_run_at - lead)
         ahead = next_run_at - now
-        return HoldDecision(
-            rule=HoldRule.JUST_IN_TIME, start_at=start, release_at=next_run_at + margin_s,
-            reason=(f"next scheduled run in {ahead:.0f} s; {estimate.describe()}: prewarm starts {lead:.0f} s "
-                    f"before it, unclaimed workers released {margin_s:.0f} s after it"))
-    keep = min(estimate.mean_s, max_keep_alive_s)
-    recent = [g for g in gaps if math.isfinite(g) and g >= 0][-SAMPLES_KEPT:]
-    window = estimate.mean_s + keep  # a run that comes later than this finds the worker released
-    if recent:
-        hits = sum(g <= window for g in recent)
-        if hits < HIT_SHARE * len(recent):
+        cost = workers * lead
+        if value <= cost:
             return HoldDecision(
                 rule=HoldRule.NONE, start_at=now,
-                reason=(f"no scheduled run; {hits} of the model's last {len(recent)} runs came within the "
-                        f"{window:.0f} s a prewarmed worker is kept (median gap {statistics.median(recent):.0f} s): "
-                        "nothing prewarmed"))
+                reason=(f"next scheduled run in {ahead:.0f} s; a just-in-time prewarm would hold {workers} x "
+                        f"{lead:.0f} s ({estimate.describe()}, margin {margin_s:.0f} s) = {cost:.0f} slot-s to save "
+                        f"{saves}: nothing prewarmed"))
+        return HoldDecision(
+            rule=HoldRule.JUST_IN_TIME, start_at=max(now, next_run_at - lead), release_at=next_run_at + margin_s,
+            reason=(f"next scheduled run in {ahead:.0f} s; {estimate.describe()}: prewarm starts {lead:.0f} s "
+                    f"before it ({workers} x {lead:.0f} = {cost:.0f} slot-s held to save {saves}), unclaimed "
+                    f"workers released {margin_s:.0f} s after it"))
+    keep = min(value / workers, max_keep_alive_s)  # break-even: a worker's wait costs at most its share
+    ready = estimate.mean_s
+    recent = [g for g in gaps if math.isfinite(g) and g >= 0][-SAMPLES_KEPT:] or [ready]
+    hits = sum(ready <= g <= ready + keep for g in recent)
+    held = statistics.fmean(g if ready <= g <= ready + keep else ready + keep for g in recent)  # per worker
+    expected_value, cost = value * hits / len(recent), workers * held
+    seen = (f"{hits} of the model's last {len(recent)} runs came while a worker would be ready "
+            f"({ready:.0f}-{ready + keep:.0f} s after the release)" if gaps else
+            "no runs seen yet: the next assumed to come as the workers are ready")
+    if expected_value <= cost or keep <= 0:
+        return HoldDecision(
+            rule=HoldRule.NONE, start_at=now,
+            reason=(f"no scheduled run; {seen}; prewarming {workers} would hold about {cost:.0f} slot-s to save "
+                    f"{expected_value:.0f} of {saves}: nothing prewarmed"))
     return HoldDecision(
         rule=HoldRule.KEEP_ALIVE, start_at=now, keep_alive_s=keep,
-        reason=(f"no scheduled run; {estimate.describe()}: each ready worker is held {keep:.1f} s, the cold "
-                "start it would save (break-even)"))
+        reason=(f"no scheduled run; {seen}; {estimate.describe()}: each ready worker is held {keep:.1f} s "
+                f"(break-even: its share of {saves}); expected {cost:.0f} slot-s held for {expected_value:.0f} saved"))

@@ -16,11 +16,14 @@ when Prefect has the deployment's next run scheduled (the flow reads it, `tasks/
 the pool holds nothing from the release and prewarms *just in time* (the model's measured
 prewarm duration, its spread and `margin_s` before the run), so a refresh every 6 hours gets
 warm workers without holding them idle for 6 hours; with no schedule it prewarms at once and
-holds each ready worker for the *break-even keep-alive*, the cold start it would save (at most
-`max_keep_alive_s`). The pool measures each model's prewarm (requested -> ready) on its own
-workers. What the pool holds, and since when, and
-what it plans, is what `status()` lists; a run records what it took in its spool (`spare_start`, `pooled`, with the
-time it was taken), off its clock.
+holds each ready worker for the *break-even keep-alive*, its share of the start it would save
+(at most `max_keep_alive_s`). Either only when it pays: the start the next run's ranks would
+save exceeds, in slot-seconds, what the workers are expected to hold (else rule `none`: nothing
+prewarmed). The pool measures each model's prewarm (requested -> ready) on its own workers, and
+each releasing run brings its own start (`protocol.StartSample`: cold or pooled ranks, measured
+by its group). What the pool holds, and since when, what it plans and what it decided to hold
+nothing for, is what `status()` lists; a run records what it took in its spool (`spare_start`,
+`pooled`, with the time it was taken), off its clock.
 
 What the pool releases that no run took (idle, another shape's fill, a failed prewarm,
 `stop`) is held capacity too, for nobody: the pool keeps a ledger line (`ett.capacity.Holding`,
@@ -44,7 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.group.hold_rule import SAMPLES_KEPT, HoldDecision, HoldRule, PrewarmEstimate, decide_hold
+from ettflow.trainer.group.hold_rule import (
+    SAMPLES_KEPT,
+    HoldDecision,
+    HoldRule,
+    PrewarmEstimate,
+    StartSaving,
+    decide_hold,
+)
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
     PooledWorker,
@@ -55,7 +65,7 @@ from ettflow.trainer.group.pooled_worker import (
     take_for_nodes,
     warm_key,
 )
-from ettflow.trainer.protocol import PooledInfo
+from ettflow.trainer.protocol import PooledInfo, StartSample
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -79,7 +89,7 @@ class PoolPolicy:
     margin_s: a just-in-time prewarm's slack before a scheduled run (beyond the measured
     prewarm and twice its spread), and how long after the scheduled time its unclaimed workers
     are kept. max_keep_alive_s: the longest an unscheduled run's ready worker is held (the
-    break-even keep-alive is the model's prewarm, bounded by this). reap_every_s: how often the
+    break-even keep-alive is its share of the start saved, bounded by this). reap_every_s: how often the
     reaper checks (a planned prewarm wakes it on time)."""
 
     max_workers: int = 8
@@ -143,7 +153,7 @@ class PlannedFill:
         return self.hold.start_at
 
 
-def _add_newest(series: dict[str, list[float]], model: str, value: float) -> None:
+def _add_newest(series: dict, model: object, value: float) -> None:
     """Append a model's newest sample, keeping the last SAMPLES_KEPT (what the hold rule reads)."""
     kept = series.setdefault(model, [])
     kept.append(value)
@@ -166,6 +176,7 @@ class PoolService:
         self.prewarm_s: dict[str, list[float]] = {}  # by model: its workers' measured prewarms (newest last)
         self.holds: dict[str, HoldDecision] = {}  # by model: the hold its workers are under
         self.gaps: dict[str, list[float]] = {}  # by model: seconds from a release to its next run's take
+        self.starts: dict[tuple[str, bool], list[float]] = {}  # by (model, pooled): its runs' measured starts
         self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self._start = start
@@ -176,26 +187,35 @@ class PoolService:
         threading.Thread(target=self._reap_loop, name="ettflow-pool-reaper", daemon=True).start()
 
     # ---- filling -------------------------------------------------------------------------
-    def decide(self, model: str, next_run_at: float | None, now: float) -> HoldDecision:
-        """The hold for the model's next run (`hold_rule.decide_hold`, on its measured prewarms)."""
+    def decide(self, model: str, next_run_at: float | None, now: float, *, slots: int = 1,
+               workers: int = 1) -> HoldDecision:
+        """The hold for the model's next run of `slots` ranks, `workers` prewarmed for it
+        (`hold_rule.decide_hold`, on its measured prewarms, starts and gaps)."""
         with self._lock:
             estimate = PrewarmEstimate.of(self.prewarm_s.get(model, ()))
+            saving = StartSaving.of(self.starts.get((model, False), ()), self.starts.get((model, True), ()))
             gaps = list(self.gaps.get(model, ()))
         return decide_hold(now, next_run_at, estimate, margin_s=self.policy.margin_s,
-                           max_keep_alive_s=self.policy.max_keep_alive_s, gaps=gaps)
+                           max_keep_alive_s=self.policy.max_keep_alive_s, gaps=gaps, saving=saving,
+                           slots=slots, workers=workers)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
-             now: float | None = None, *, actor_cls: type) -> int:
+             now: float | None = None, *, actor_cls: type, start: StartSample | None = None) -> int:
         """Hold `count` workers (at most the policy's bound) of `config`'s shape for the model's
         next run, under the hold the rule decides (`decide`): `next_run_at` (when its
         deployment's next run is scheduled; Prefect knows it) prewarms just in time and holds
         nothing before; None prewarms now, each ready worker kept for the break-even keep-alive.
         The model's workers of another shape are stopped. Returns how many started now.
         `actor_cls`: the rank's actor class the workers are (the caller's: the pool, on the
-        driver's side, never imports the rank's)."""
+        driver's side, never imports the rank's). `start`: the releasing run's measured start
+        (its ranks cold or pooled), added to the model's before deciding."""
         now = time.time() if now is None else now
         model = model_name(config)
-        hold = self.decide(model, next_run_at, now)
+        if start is not None:
+            with self._lock:
+                _add_newest(self.starts, (model, start.pooled), start.seconds)
+        hold = self.decide(model, next_run_at, now, slots=config.world_size,
+                           workers=min(count, self.policy.max_workers))
         log.info("cluster pool: %s for %s: %s", hold.rule, model, hold.reason)
         with self._lock:
             self.planned.pop(model, None)
@@ -333,7 +353,9 @@ class PoolService:
                 for g in self.given] + [
                 PooledInfo("planned", m, digest(warm_key(p.config)), f"{p.count} to prewarm", p.at, None, None,
                            rule=str(p.hold.rule), why=p.hold.reason)
-                for m, p in self.planned.items()]
+                for m, p in self.planned.items()] + [
+                PooledInfo("decided", m, "-", "nothing held", h.start_at, None, None, rule=str(h.rule), why=h.reason)
+                for m, h in self.holds.items() if h.rule is HoldRule.NONE]
 
     def stop(self) -> int:
         """Stop everything the pool holds; returns how many actors were stopped (their ledger

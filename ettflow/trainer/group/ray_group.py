@@ -48,7 +48,7 @@ from ettflow.trainer.group.restore_choice import choose_restore_point, newest_co
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
-from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, WorkerInfo
+from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
@@ -197,6 +197,12 @@ class RayWorkerGroup:
         self.finished: set[int] = set()  # ranks whose training returned
         self.gpu = False  # the placement holds GPUs (no warm pool; the spare in a bundle)
         self.bundles = SpareBundles.plan(0, spare=False)  # a GPU placement's ranks' and spare's bundles
+        # the run's start, measured for the pool's hold rule: when its ranks were asked for, how
+        # many came from the pool, when each began its training loop (None: not measured, e.g.
+        # a live recovery re-ran the loop)
+        self.asked_at: float | None = None
+        self.pooled_ranks = 0
+        self.trained_from: dict[int, float] = {}
 
     @property
     def placement(self) -> tuple[str, ...]:
@@ -285,6 +291,7 @@ class RayWorkerGroup:
             a.adopt.remote(config, self.run_id, self.attempt, rank, self.spool_root) if pooled[rank] is not None
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
+        self.asked_at, self.pooled_ranks = requested_at, sum(p is not None for p in pooled)
         if self.recovers_live:
             self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls, pool=self.pool,
                                     bundle=(self.pg, self.bundles.spare) if gpu else None)
@@ -416,6 +423,7 @@ class RayWorkerGroup:
         if self.spares.bundle is not None:  # the next spare starts in the bundle the failed rank left
             self.spares.bundle = (self.pg, self.bundles.hand_off(failure.rank))
         self.attempt, self.joining, self.finished = attempt, failure.rank, set()
+        self.asked_at = None  # the loop starts again on every rank: not a start the pool can save
 
     def resume(self, point: RestorePoint) -> None:
         """The survivors rejoin and the spare joins with a new rendezvous, all from `point`;
@@ -441,6 +449,8 @@ class RayWorkerGroup:
             try:
                 finished[rank] = ray.get(ref)
                 self.finished.add(rank)
+                if finished[rank].trained_from is not None:
+                    self.trained_from[rank] = finished[rank].trained_from
             except (RayActorError, RayTaskError) as exc:  # the process died, or the rank raised
                 failed.append(self._on_node(failure_from_exception(exc, rank=rank, attempt=self.attempt)))
         return PollStatus(finished=finished, failed=tuple(failed))
@@ -502,5 +512,16 @@ class RayWorkerGroup:
                 spares = SPARES_AHEAD if self.config.holds_spare else 0
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
-                               next_run_at=self.next_run_at() if self.next_run_at is not None else None)
+                               next_run_at=self.next_run_at() if self.next_run_at is not None else None,
+                               start=self.start_sample())
+
+    def start_sample(self) -> StartSample | None:
+        """This attempt's start, for the pool's hold rule: from asking for the ranks to the last
+        beginning its training loop, when every rank started cold or every one came from the
+        pool (a mix, or a live recovery, measures neither)."""
+        if self.asked_at is None or len(self.trained_from) != self.world_size \
+                or self.pooled_ranks not in (0, self.world_size):
+            return None
+        return StartSample(seconds=max(max(self.trained_from.values()) - self.asked_at, 0.0),
+                           pooled=self.pooled_ranks == self.world_size)
 

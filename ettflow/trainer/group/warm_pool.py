@@ -53,7 +53,7 @@ from ettflow.trainer.group.pooled_worker import (
     take_for_nodes,
     warm_key,
 )
-from ettflow.trainer.protocol import PrewarmTimings
+from ettflow.trainer.protocol import PrewarmTimings, StartSample
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
@@ -102,16 +102,17 @@ class WarmPool:
             stop(worker)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: Path | str, actor_cls: type, *,
-             next_run_at: float | None = None) -> int:
+             next_run_at: float | None = None, start: StartSample | None = None) -> int:
         """Start workers (of `actor_cls`, the rank's actor class) until the pool holds `count`
         for `config` (workers for another shape are stopped); returns how many started.
         Nothing when the pool is not kept. `next_run_at`: when the run's deployment runs next
         (Prefect's schedule): the cluster's pool prewarms ahead of it rather than holding
-        workers till then."""
+        workers till then. `start`: the releasing run's measured start, which the cluster's
+        pool weighs against what a prewarm holds (`hold_rule.py`)."""
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
             return 0
         if self.service is not None:  # the cluster's pool starts them (the call returns at once)
-            self.service.fill.remote(config, count, str(spool_root), next_run_at, actor_cls=actor_cls)
+            self.service.fill.remote(config, count, str(spool_root), next_run_at, actor_cls=actor_cls, start=start)
             return 0
         key = warm_key(config)
         self._drop(lambda w: w.key != key)

@@ -303,5 +303,6 @@ class TrainLoop:
                                         memory_blocking_s=tuple(self.memory.blocking), interval=self.durable.choice,
                                         memory_interval=self.memory.choice),
             compile=self.state.compiler.report(), anchor=str(anchor) if anchor else None,
-            anchor_handoff=self.checkpointing.handoff, eval=evaluation, eval_start=self.state.eval_start)
+            anchor_handoff=self.checkpointing.handoff, eval=evaluation, eval_start=self.state.eval_start,
+            trained_from=t_train)
 
