@@ -3,10 +3,14 @@
 `TrainerLease` is what `reserve_trainer` returns: the Ray placement for the next attempt,
 already reserved (its wait is the run's scheduling phase). The driver asks it for each
 attempt's group (`group_for`): the first is the reserved one, later ones (restarts after a
-failure) are reserved by the driver itself. A group whose ranks all finished is not torn down
-when the driver says so: the devices stay held through the anchor checkpoint (and, in
-baseline mode, publishing) until `release()`, which tears the group down and records that
-held time as `shutdown`. A failed attempt's group is torn down at once, as the driver asks.
+failure) are reserved by the driver itself. When the run publishes on its devices
+(`publish_in_trainer`, the baseline's), a group whose ranks all finished is not torn down
+when the driver says so: the devices stay held through the anchor checkpoint and publishing
+until `release()`, which tears the group down and records that held time as `shutdown`.
+Otherwise nothing after training needs the devices (the anchor is written by the ranks, or
+sealed by the driver from host memory, and published on the CPU): the group is torn down when
+the driver says so, and the driver's `shutdown` ends at that release. A failed attempt's group
+is torn down at once, as the driver asks.
 A held group passes its group's layout on (`PlacedGroup`: the attempt's world size, which an
 elastic restart may make smaller than the run's, and each rank's node).
 """
@@ -21,7 +25,7 @@ from typing import Any
 
 from ettflow.ett.failures import Failure
 from ettflow.tasks.run_spool import RunRecorder
-from ettflow.trainer.group.driver import LiveGroup, PlacedGroup, WorkerGroup
+from ettflow.trainer.group.driver import LiveGroup, PlacedGroup, ReleasingGroup, WorkerGroup
 from ettflow.trainer.protocol import PollStatus
 
 log = logging.getLogger("ettflow.tasks")
@@ -30,9 +34,11 @@ log = logging.getLogger("ettflow.tasks")
 class HeldGroup:
     """A worker group whose successful teardown waits for the lease's release."""
 
-    def __init__(self, group: WorkerGroup, attempt: int, world_size: int, *, reserved: bool = False) -> None:
+    def __init__(self, group: WorkerGroup, attempt: int, world_size: int, *, reserved: bool = False,
+                 hold: bool = True) -> None:
+        """`hold`: a trained group keeps its devices until `release()` (publishing on them)."""
         self.group, self.attempt, self.requested_world_size = group, attempt, world_size
-        self.reserved = reserved
+        self.reserved, self.hold = reserved, hold
         self.finished: set[int] = set()
         self.held_since: float | None = None  # the driver's teardown, deferred
         self.released = False
@@ -45,6 +51,11 @@ class HeldGroup:
     @property
     def placement(self) -> tuple[str, ...]:
         return self.group.placement if isinstance(self.group, PlacedGroup) else ()
+
+    @property
+    def released_at(self) -> float | None:
+        """When the group gave its devices back (None: not yet, or its group does not say)."""
+        return self.group.released_at if self.released and isinstance(self.group, ReleasingGroup) else None
 
     def reserve(self) -> None:
         if not self.reserved:
@@ -83,7 +94,7 @@ class HeldGroup:
         self.group.preempt()
 
     def teardown(self) -> None:
-        if len(self.finished) == self.world_size and not self.released:
+        if self.hold and len(self.finished) == self.world_size and not self.released:
             self.held_since = time.time()  # trained: hold the devices until release()
             return
         self.release()
@@ -97,19 +108,22 @@ class HeldGroup:
 class TrainerLease:
     def __init__(self, *, run_id: str, spool_root: Path | str, world_size: int,
                  make_group: Callable[[int], WorkerGroup], first_attempt: int,
-                 end_run: Callable[[], None] | None = None) -> None:
-        """`end_run`: frees what the run keeps across attempts (its in-memory checkpoint
-        keeper), called once by `release`."""
+                 end_run: Callable[[], None] | None = None, hold_after_training: bool = True) -> None:
+        """`end_run`: frees what the run keeps across its attempts (its in-memory checkpoint
+        keeper), called once by `release`. `hold_after_training`: a trained group keeps its
+        devices until `release` (the run publishes on them); False: released at its teardown."""
         self.run_id, self.spool_root, self.world_size = run_id, Path(spool_root), world_size
         self.make_group = make_group
         self.end_run = end_run
         self.first_attempt = first_attempt
+        self.hold_after_training = hold_after_training
         self.groups: list[HeldGroup] = []
         self._reserved: HeldGroup | None = None
 
     def reserve(self) -> None:
         """Reserve the first attempt's group now (placement + rank processes up)."""
-        group = HeldGroup(self.make_group(self.first_attempt), self.first_attempt, self.world_size)
+        group = HeldGroup(self.make_group(self.first_attempt), self.first_attempt, self.world_size,
+                          hold=self.hold_after_training)
         self.groups.append(group)
         group.reserve()
         self._reserved = group
@@ -124,7 +138,7 @@ class TrainerLease:
         if self._reserved is not None and attempt == self._reserved.attempt and not self._reserved.released:
             group, self._reserved = self._reserved, None
             return group
-        group = HeldGroup(self.make_group(attempt), attempt, self.world_size)
+        group = HeldGroup(self.make_group(attempt), attempt, self.world_size, hold=self.hold_after_training)
         self.groups.append(group)
         return group
 

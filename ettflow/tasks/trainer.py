@@ -100,7 +100,8 @@ def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
                               pool=POOL, next_run_at=lambda: next_scheduled_run(plan.run_id))
 
     return TrainerLease(run_id=plan.run_id, spool_root=plan.spool_root, world_size=plan.trainer.world_size,
-                        make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id, POOL))
+                        make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id, POOL),
+                        hold_after_training=plan.publish_in_trainer)
 
 
 @task(name="reserve-trainer", cache_policy=NO_CACHE)

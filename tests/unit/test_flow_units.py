@@ -133,6 +133,31 @@ def test_lease_holds_a_trained_group_until_release(tmp_path):
     assert (shutdown.phase, shutdown.attempt, shutdown.rank) == ("shutdown", 4, -1)
 
 
+def test_a_lease_that_publishes_on_the_cpu_releases_a_trained_group_at_the_drivers_teardown(tmp_path):
+    """Nothing after training needs the devices (the anchor sealed from host memory, publishing
+    on the CPU): the trained group is torn down when the driver says so, its release time is
+    the driver's (its `shutdown` ends there), and the lease's release holds nothing more."""
+    log = []
+
+    class Releasing(FakeGroup):
+        released_at = None
+
+        def teardown(self):
+            super().teardown()
+            self.released_at = 123.0
+
+    lease = TrainerLease(run_id="r1", spool_root=tmp_path, world_size=2,
+                         make_group=lambda a: Releasing(log, a), first_attempt=0, hold_after_training=False)
+    lease.reserve()
+    done = lease.group_for(0)
+    done.poll(0)
+    assert done.released_at is None  # not released yet
+    done.teardown()
+    assert log == [("reserve", 0), ("teardown", 0)] and lease.holding is None and done.released_at == 123.0
+    assert lease.release() == 0.0 and log[-1] == ("teardown", 0)
+    assert not (tmp_path / "r1").exists()  # no device-held time recorded after the driver's release
+
+
 def test_task_failures_are_marked_once(tmp_path):
     assert RunRecorder(tmp_path, "r1").next_attempt() == 0
     with SpoolWriter(tmp_path, "r1", 0, -1) as rec:
