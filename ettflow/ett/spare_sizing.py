@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-RULE = "spare-by-saving"
+RULE = "spare-by-saving"  # a spare held ahead of a failure because its expected saving pays
+AT_LOSS = "spare-at-loss"  # none held: a spare started when a rank was lost, its start part of the recovery
 DEFAULT_RATE_PER_H = 1.0  # failures per hour of training, a model with no history (the history's prior)
 DEFAULT_TTR_WITH_S = 2.0  # a lost rank replaced by a ready spare (BENCHMARKS.md: 1.5-2.2 s measured)
 DEFAULT_TTR_WITHOUT_S = 10.0  # every rank restarted (BENCHMARKS.md: 8.4-22 s measured)

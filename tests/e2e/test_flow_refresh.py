@@ -125,10 +125,13 @@ def test_refresh_recovers_from_a_sigkill(env, killed):
     assert abs(sum(row[c] for c in COMPONENT_COLUMNS) - row["wall_s"]) < 1e-3
     assert row["effective_steps"] == 2 * STEPS and row["started_training"]
     assert len(events) == len(events_of(env, run_id))
-    # the queueing before the first attempt and the release after training are on the clock
+    # the queueing before the first attempt and the release after training are on the clock; the
+    # run publishes on the CPU, so its devices go back at the driver's teardown (the shutdown ends
+    # there) and nothing holds them through the anchor and release tasks
     evs = events_of(env, run_id)
     assert any(e.phase == "scheduling" and e.attrs.get("stage") == "reserve_trainer" for e in evs)
-    assert any(e.phase == "shutdown" and e.attrs.get("stage") == "release_trainer" for e in evs)
+    shutdowns = [e for e in evs if e.phase == "shutdown" and e.attempt == 1]
+    assert [e.attrs.get("stage") for e in shutdowns] == [None], [e.attrs for e in shutdowns]
     assert run_spool.training_attempts(evs) == [0, 1]
     # it compiled from the session's compile-cache archive (conftest `compile_cache`): no cold compile
     restores = [e for e in evs if e.phase == "compile_cache_restore" and e.attempt == 0]
@@ -220,6 +223,8 @@ def test_publish_failure_is_retried_without_retraining(env):
     row = runs.iloc[0]
     assert row["nof"] == 1 and row["tags"]["publish_failures"] == 1 and row["tags"]["publish_phase"] == "publish"
     assert row["wall_end"] >= tries[-1].end  # publishing held the devices: inside the wall clock
+    held = [e for e in evs if e.phase == "shutdown" and e.attrs.get("stage") == "release_trainer"]
+    assert len(held) == 1 and held[0].end >= tries[-1].end  # the lease held them until its release task
     with Warehouse.open(env["warehouse_url"]) as wh:
         comp = wh.components_frame(run_id).set_index("name")
         (failure,) = wh.table_frame("failures", run_id).itertuples()

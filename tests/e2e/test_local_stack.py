@@ -78,7 +78,8 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         # the first run (no history, a scripted kill) held none either and still recovered live:
         # a spare was started when rank 1 was lost and took its place
         spares_first = [e for e in RunRecorder(home / "spool", first).events() if e.phase == "spare_start"]
-        assert [(e.attrs.get("used"), e.attrs.get("pooled")) for e in spares_first] == [(True, False)], spares_first
+        assert [(e.attrs.get("used"), e.attrs.get("pooled"), e.attrs.get("rule")) for e in spares_first] == [
+            (True, False, "spare-at-loss")], spares_first
         for run_id in (first, second):  # every reservation joined the stack's Ray: none started on the clock
             events = RunRecorder(home / "spool", run_id).events()
             reserved = [e for e in events if e.phase == "scheduling" and e.attrs.get("stage") == "reserve_trainer"]

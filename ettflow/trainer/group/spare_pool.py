@@ -36,6 +36,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from ettflow.ett.spare_sizing import AT_LOSS as SPARE_AT_LOSS
+from ettflow.ett.spare_sizing import RULE as SPARE_BY_SAVING
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.warm_pool import PooledWorker, WarmPool, record_start, start_worker
@@ -88,10 +90,17 @@ class SparePool:
             (pooled,) = self.pool.take(self.config, [None], self.run_id)
             if pooled is not None:
                 self._spare, self._pooled = pooled[0], True
+                self._spare.rule = self._rule  # held for this run from now: the ledger says why
                 return
         self._spare = start_worker(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
                                    bundle=self.bundle)
         self._pooled = False
+        self._spare.rule = self._rule
+
+    @property
+    def _rule(self) -> str:
+        """Why the run holds its spare, as its ledger line says (`ett.spare_sizing`)."""
+        return SPARE_BY_SAVING if self.held else SPARE_AT_LOSS
 
     def prewarm(self) -> None:
         """Have the spare prepare (spare.py), in the background; starts one if there is none."""
