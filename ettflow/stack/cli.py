@@ -92,6 +92,7 @@ def _started_any(cfg: StackConfig | None) -> bool:
 
 def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[RefreshParameters]) -> int:
     from ettflow.flows.cli import print_comparison
+    from ettflow.tasks.arrivals import ensure_new_window
 
     from .deployed_runs import run_and_wait
     from .pool import wait_for_pool
@@ -105,6 +106,12 @@ def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[RefreshP
             ready, waited = wait_for_pool(cfg, timeout_s=240.0)
             print(f"  the cluster's warm pool holds {ready} prewarmed trainer process(es) for it (waited "
                   f"{waited:.1f} s between refreshes; `ettflow pool status` lists them)", flush=True)
+        # the demo's next window arrives before the run is created, as a real window arrives
+        # before its refresh (the flow appends one itself only when nothing new is there, e.g. a
+        # cron run), so generating it is not on the run's clock; never the user's own data
+        arrived = ensure_new_window(these)
+        if arrived:
+            print(f"  new data arrived on the default synthetic source: {arrived}", flush=True)
         scheduled_at = time.time() + args.every if i > 0 and args.every > 0 else None
         run = run_and_wait(cfg.api_url, cfg.ui_url, args.deployment, these, timeout_s=args.run_timeout_s,
                            say=lambda line: print(line, flush=True), log_hint=f"{cfg.log_dir / 'worker.log'} or the UI",

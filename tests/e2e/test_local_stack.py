@@ -58,6 +58,8 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         links = re.findall(rf"refresh (\d): http://127\.0\.0\.1:{api_port}/runs/flow-run/([0-9a-f-]{{36}})", out)
         assert [n for n, _ in links] == ["1", "2"], out[-3000:]
         first, second = (run_id for _, run_id in links)
+        # the demo's next window arrived before the second run was created (not on its clock)
+        assert len(re.findall(r"new data arrived on the default synthetic source: window=\d+", out)) == 1, out[-3000:]
         api = f"http://127.0.0.1:{api_port}/api"
         for run_id in (first, second):
             run = httpx.get(f"{api}/flow_runs/{run_id}").json()
