@@ -47,6 +47,11 @@ DEFAULT_PREWARM_S = 20.0  # a worker's prewarm before any is measured (imports, 
 SAMPLES_KEPT = 20  # the newest prewarm durations (and release -> next run gaps) per model the rules read
 
 
+def newest(samples: Sequence[float]) -> list[float]:
+    """The newest SAMPLES_KEPT of a model's measured seconds, the unusable (not finite, negative) left out."""
+    return [float(x) for x in samples if math.isfinite(x) and x >= 0][-SAMPLES_KEPT:]
+
+
 class HoldRule(str, enum.Enum):
     JUST_IN_TIME = "just-in-time"
     KEEP_ALIVE = "keep-alive"
@@ -67,7 +72,7 @@ class PrewarmEstimate:
 
     @classmethod
     def of(cls, durations: Sequence[float], *, default_s: float = DEFAULT_PREWARM_S) -> PrewarmEstimate:
-        got = [float(d) for d in durations if math.isfinite(d) and d >= 0][-SAMPLES_KEPT:]
+        got = newest(durations)
         if not got:
             return cls(mean_s=default_s, sd_s=0.0, samples=0)
         return cls(mean_s=statistics.fmean(got), sd_s=statistics.pstdev(got) if len(got) > 1 else 0.0,
@@ -97,7 +102,7 @@ class StartSaving:
     @classmethod
     def of(cls, cold: Sequence[float], warm: Sequence[float]) -> StartSaving:
         def mean(xs: Sequence[float]) -> tuple[float | None, int]:
-            got = [float(x) for x in xs if math.isfinite(x) and x >= 0][-SAMPLES_KEPT:]
+            got = newest(xs)
             return (statistics.fmean(got) if got else None), len(got)
 
         (c, nc), (w, nw) = mean(cold), mean(warm)
@@ -171,9 +176,10 @@ def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate
                     f"workers released {margin_s:.0f} s after it"))
     keep = min(value / workers, max_keep_alive_s)  # break-even: a worker's wait costs at most its share
     ready = estimate.mean_s
-    recent = [g for g in gaps if math.isfinite(g) and g >= 0][-SAMPLES_KEPT:] or [ready]
-    hits = sum(ready <= g <= ready + keep for g in recent)
-    held = statistics.fmean(g if ready <= g <= ready + keep else ready + keep for g in recent)  # per worker
+    recent = newest(gaps) or [ready]
+    taken = [ready <= g <= ready + keep for g in recent]  # the run found a ready worker
+    hits = sum(taken)
+    held = statistics.fmean(g if t else ready + keep for g, t in zip(recent, taken))  # per worker
     expected_value, cost = value * hits / len(recent), workers * held
     seen = (f"{hits} of the model's last {len(recent)} runs came while a worker would be ready "
             f"({ready:.0f}-{ready + keep:.0f} s after the release)" if gaps else

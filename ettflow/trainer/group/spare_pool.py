@@ -86,16 +86,14 @@ class SparePool:
         dense step's compile) waits for `prewarm`, so it does not compete with the ranks' own start."""
         if self._spare is not None:
             return
-        if self.bundle is None:  # a pooled worker holds no bundle of this placement
-            (pooled,) = self.pool.take(self.config, [None], self.run_id)
-            if pooled is not None:
-                self._spare, self._pooled = pooled[0], True
-                self._spare.rule = self._rule  # held for this run from now: the ledger says why
-                return
-        self._spare = start_worker(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
-                                   bundle=self.bundle)
-        self._pooled = False
-        self._spare.rule = self._rule
+        (pooled,) = self.pool.take(self.config, [None], self.run_id) if self.bundle is None else (None,)
+        if pooled is not None:  # a pooled worker holds no bundle of this placement
+            self._spare, self._pooled = pooled[0], True
+        else:
+            self._spare = start_worker(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
+                                       bundle=self.bundle)
+            self._pooled = False
+        self._spare.rule = self._rule  # held for this run from now: the ledger says why
 
     @property
     def _rule(self) -> str:
