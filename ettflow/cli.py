@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 from . import paths
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .ett.capacity import Holding
     from .ett.warehouse import Warehouse
 
 
@@ -62,16 +65,26 @@ def _report(wh: Warehouse, args: argparse.Namespace) -> int:
     print(report.render(report.model_summary(runs), args.format))
     if args.format == "table":
         print(report.SUMMARY_NOTE)
-    from .ett.capacity import held_by_model
-
-    held = held_by_model(wh.holdings(args.model))
-    if held:
-        if args.format == "table":
-            print("\nHeld capacity, the ledger (outside the runs' own slots):")
-        print(report.render(report.held_table(held), args.format))
-        if args.format == "table":
-            print(report.HELD_NOTE)
+    _print_held(wh.holdings(args.model), args.format)
     return 0
+
+
+def _print_held(holdings: Sequence[Holding], fmt: str) -> None:
+    """The ledger per model, then per rule and outcome (nothing when it is empty)."""
+    from .ett import report
+    from .ett.capacity import held_by_model, held_by_rule
+
+    if not holdings:
+        return
+    if fmt == "table":
+        print("\nHeld capacity, the ledger (outside the runs' own slots):")
+    print(report.render(report.held_table(held_by_model(holdings)), fmt))
+    if fmt == "table":
+        print(report.HELD_NOTE)
+        print("\nWhich rule held what, and whether a run used it:")
+    print(report.render(report.held_rule_table(held_by_rule(holdings)), fmt))
+    if fmt == "table":
+        print(report.HELD_RULE_NOTE)
 
 
 def _lineage(wh: Warehouse, args: argparse.Namespace) -> int:
@@ -138,14 +151,7 @@ def _fleet(wh: Warehouse, args: argparse.Namespace) -> int:
     except Exception:  # noqa: BLE001 - without Prefect the rows' own tags name them
         names = {}
     print(fleet.fleet_text(fleet.with_deployment(runs, names)))
-    from .ett import report
-    from .ett.capacity import held_by_model
-
-    held = held_by_model(wh.holdings())
-    if held:
-        print("\nHeld capacity, the ledger (outside the runs' own slots):")
-        print(report.render(report.held_table(held), "table"))
-        print(report.HELD_NOTE)
+    _print_held(wh.holdings(), "table")
     return 0
 
 

@@ -28,6 +28,9 @@ The ledger (`Holding`, the warehouse's `held_capacity` table) lists every such h
 what it held (slots, GPUs, CPUs, memory), for whom, whether it was used, and why it ended:
 a run's own (`holdings_of_run`, from its events) and what the cluster's pool released that
 no run took (prewarmed for a next run that did not come in time: `run_id` None, pure cost).
+Each line names the rule that held it (the pool's just-in-time or keep-alive, a spare's
+spare-by-saving or spare-at-loss, the worker's prefetch) and its outcome, used or released
+unused (`held_by_rule`).
 """
 
 from __future__ import annotations
@@ -197,6 +200,49 @@ def held_by_model(holdings: Sequence[Holding]) -> list[HeldByKind]:
             sum((h.held_s * h.memory_bytes / 2**30 for h in mine if h.memory_bytes), 0.0),
             sum((h.held_s * h.slots for h in mine if not h.used), 0.0)))
     return out
+
+
+# what a holding's outcome was: a run used it (a pooled rank, a spare that replaced a rank, a
+# prefetched flow process that ran its run) or it ended with nobody using it (pure cost)
+USED = "used"
+UNUSED = "released unused"
+# the rule of a holding whose line has none: a flow process is held by the Prefect worker's
+# prefetch (its own setting, not a rule of ettflow's); older lines were written before rules
+KIND_RULE = {FLOW_PROCESS: "worker-prefetch"}
+UNRECORDED = "unrecorded"
+
+
+def rule_of(h: Holding) -> str:
+    """Why `h` was held: its own rule, else its kind's (`KIND_RULE`), else `UNRECORDED`."""
+    return h.rule or KIND_RULE.get(h.kind, UNRECORDED)
+
+
+def outcome_of(h: Holding) -> str:
+    return USED if h.used else UNUSED
+
+
+@dataclass(frozen=True)
+class HeldByRule:
+    """The ledger summed per model, kind, rule and outcome: what each rule held and whether a
+    run used it."""
+
+    model: str
+    kind: str
+    rule: str
+    outcome: str
+    holdings: int
+    held_s: float
+    slot_s: float
+
+
+def held_by_rule(holdings: Sequence[Holding]) -> list[HeldByRule]:
+    """Sum the ledger per (model, kind, rule, outcome), sorted by those."""
+    groups: dict[tuple[str, str, str, str], list[Holding]] = {}
+    for h in holdings:
+        groups.setdefault((h.model, h.kind, rule_of(h), outcome_of(h)), []).append(h)
+    return [HeldByRule(*key, holdings=len(hs), held_s=sum(h.held_s for h in hs),
+                       slot_s=sum(h.held_s * h.slots for h in hs))
+            for key, hs in sorted(groups.items())]
 
 
 def _int(value: object) -> int | None:

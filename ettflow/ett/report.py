@@ -24,7 +24,7 @@ from .events import L2_ORDER, NOT_INTERVAL_WASTE, component_of, owner_of
 from .interval_plan import TAG
 
 if TYPE_CHECKING:
-    from .capacity import HeldByKind
+    from .capacity import HeldByKind, HeldByRule
     from .lineage import LineageRecord
 
 SKIPPED = "skipped"  # the status of a run that trained nothing (ett.lineage.Outcome.SKIPPED)
@@ -137,6 +137,21 @@ def held_table(rows: Sequence[HeldByKind]) -> pd.DataFrame:
                          for r in rows],
                         columns=["model", "holdings", "held_s", "slot_s", "unused_slot_s", "gpu_s", "cpu_s", "GiB_s"])
 
+
+def held_rule_table(rows: Sequence[HeldByRule]) -> pd.DataFrame:
+    """The ledger per model, kind, rule and outcome (`ett.capacity.held_by_rule`): which rule
+    held what, and whether a run used it."""
+    return pd.DataFrame([{"model": r.model, "kind": r.kind, "rule": r.rule, "outcome": r.outcome,
+                          "holdings": r.holdings, "held_s": round(r.held_s, 1), "slot_s": round(r.slot_s)}
+                         for r in rows],
+                        columns=["model", "kind", "rule", "outcome", "holdings", "held_s", "slot_s"])
+
+
+HELD_RULE_NOTE = ("Rules: just-in-time (the pool prewarmed for a scheduled run, its measured prewarm ahead), "
+                  "keep-alive (kept after a release while the model's gaps say a run comes in time), "
+                  "spare-by-saving (held ahead of a failure: its expected saving exceeds its slot-s), "
+                  "spare-at-loss (started when a rank was lost), worker-prefetch (the Prefect worker started "
+                  "the flow process ahead of its scheduled time).")
 
 HELD_NOTE = ("Held capacity: pooled workers and spares (one trainer slot each; a GPU where their bundle has one), "
              "keepers and flow processes a worker started ahead of their scheduled time (no slot), from request to "

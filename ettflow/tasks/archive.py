@@ -184,6 +184,8 @@ def crash_open_task_runs(flow_run_id: str, message: str | None) -> int:
 
 
 def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, artifact_slug: str) -> None:
+    from ettflow.ett.capacity import holdings_of_run
+
     from .artifacts import create_run_artifacts, create_skipped_artifact, timeline_file
     from .timeline_plot import render_timeline
 
@@ -208,7 +210,8 @@ def publish_artifacts(flow_run, archived: ArchiveResult, summary: RunSummary, ar
             f"TTS {m.tts_s:.1f} s, NoF {m.nof}")
     create_run_artifacts(flow_run_id=flow_run.id, slug=artifact_slug, run_id=run_id, metrics=m, png=png,
                          snapshot=snapshot, summary=text, head=description_head(summary),
-                         interval=run_spool.planned_interval(evs), spares=run_spool.spare_plan(evs))
+                         interval=run_spool.planned_interval(evs), spares=run_spool.spare_plan(evs),
+                         holdings=holdings_of_run(run_id, summary.model, evs, m.wall_start, m.wall_end))
 
 
 # flow run id -> the final state its flow body finished it with (`finish_run`); the hooks of

@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from ettflow.ett.capacity import Holding, outcome_of, rule_of
 from ettflow.ett.event_attrs import SparePlanAttrs
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED, owner_of
 from ettflow.ett.interval_plan import PlannedInterval
@@ -115,6 +117,14 @@ def spare_rows(plan: SparePlanAttrs) -> list[dict[str, Any]]:
              "exposed": plan.cost_slot_s, "raw": None, "pct_of_wall": None, "owner": "scheduler"}]
 
 
+def holding_rows(holdings: Sequence[Holding]) -> list[dict[str, Any]]:
+    """Each thing held for the run outside its own slots (`ett.capacity.holdings_of_run`): what
+    it was, the rule that held it and its outcome; exposed its slot-seconds, raw its seconds."""
+    return [{"level": "capacity", "metric": f"held: {h.kind}, rule {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
+             "exposed": round(h.held_s * h.slots, 1), "raw": round(h.held_s, 2), "pct_of_wall": None,
+             "owner": "scheduler"} for h in holdings]
+
+
 def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     lines = [
@@ -196,7 +206,8 @@ def create_skipped_artifact(*, flow_run_id: UUID | str, slug: str, run_id: str, 
 def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, metrics: RunMetrics, png: bytes,
                          snapshot: str | None, summary: str, head: str,
                          interval: PlannedInterval | None = None,
-                         spares: SparePlanAttrs | None = None) -> dict[str, UUID]:
+                         spares: SparePlanAttrs | None = None,
+                         holdings: Sequence[Holding] = ()) -> dict[str, UUID]:
     """Create the three artifacts on the flow run `flow_run_id`; returns their ids. `head`
     starts every description (ETT%, NoF, state); `summary` follows it on the ETT table, which
     ends with the checkpoint interval's rows (`interval_rows`) when one was planned."""
@@ -212,6 +223,7 @@ def create_run_artifacts(*, flow_run_id: UUID | str, slug: str, run_id: str, met
         if spares is not None:
             rows += spare_rows(spares)
             summary = f"{summary}; spares: {spares.reason}"
+        rows += holding_rows(holdings)
         made["table"] = TableArtifact(key=f"ett-{slug}", table=rows, flow_run_id=fr,
                                       description=f"{head} · {summary}").create(_sync=True).id
         made["timeline"] = MarkdownArtifact(key=f"ett-timeline-{slug}", flow_run_id=fr,

@@ -20,6 +20,7 @@ import io
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -248,26 +249,37 @@ def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.Regress
     ])
 
 
-def held_markdown(held: pd.DataFrame | None) -> str:
-    """The held-capacity ledger per model (`ett.report.held_table`), or a line saying none."""
-    if held is None or held.empty:
+@dataclass(frozen=True)
+class HeldTables:
+    """The held-capacity ledger summed per model (`ett.report.held_table`) and per model, kind,
+    rule and outcome (`ett.report.held_rule_table`)."""
+
+    by_model: pd.DataFrame
+    by_rule: pd.DataFrame
+
+
+def held_markdown(held: HeldTables | None) -> str:
+    """The held-capacity ledger per model, then per rule and outcome, or a line saying none."""
+    if held is None or held.by_model.empty:
         return "No capacity was held outside the runs' own slots (no pooled worker, spare or prefetched process)."
-    from ettflow.ett.report import HELD_NOTE
+    from ettflow.ett.report import HELD_NOTE, HELD_RULE_NOTE
 
-    return "\n".join([md_table(held), "", HELD_NOTE])
+    return "\n".join([md_table(held.by_model), "", HELD_NOTE, "", "### Which rule held what, and whether a run "
+                      "used it", "", md_table(held.by_rule), "", HELD_RULE_NOTE])
 
 
-def read_held(warehouse_url: str | None) -> pd.DataFrame:
-    """The warehouse's held-capacity ledger summed per model (`ett.capacity.held_by_model`)."""
-    from ettflow.ett.capacity import held_by_model
-    from ettflow.ett.report import held_table
+def read_held(warehouse_url: str | None) -> HeldTables:
+    """The warehouse's held-capacity ledger summed per model and per rule (`ett.capacity`)."""
+    from ettflow.ett.capacity import held_by_model, held_by_rule
+    from ettflow.ett.report import held_rule_table, held_table
 
     with Warehouse.open(warehouse_url) as wh:
-        return held_table(held_by_model(wh.holdings()))
+        holdings = wh.holdings()
+    return HeldTables(held_table(held_by_model(holdings)), held_rule_table(held_by_rule(holdings)))
 
 
 def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 10,
-                   held: pd.DataFrame | None = None, goal: float | None = None) -> str:
+                   held: HeldTables | None = None, goal: float | None = None) -> str:
     """The fleet's view: every deployment's summary and ETT over time, the components per
     owner over all runs, the worst runs, every regression, and what the pool and spares held
     (the ledger, with what no run used)."""
@@ -287,7 +299,7 @@ def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 
 
 # -- publishing ----------------------------------------------------------------------------
 
-def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule, held: pd.DataFrame | None = None,
+def publish_fleet_artifacts(runs: pd.DataFrame, rule: fleet.RegressionRule, held: HeldTables | None = None,
                             goals: Mapping[str, float] | None = None) -> dict[str, UUID]:
     """Create the fleet artifact and one per deployment on the current flow run; key -> id.
     `goals`: ETT% goal lines by deployment (`*`: every run), as the automations' `ett_below`."""

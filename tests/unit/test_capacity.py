@@ -76,6 +76,41 @@ def test_the_ledger_lists_each_holding_with_what_it_held_and_whether_it_was_used
     assert by_model.slot_s == m.held.held_s and by_model.unused_slot_s == m.held.unused_spare_s
 
 
+def test_the_ledger_sums_what_each_rule_held_and_whether_a_run_used_it():
+    from ettflow.ett.capacity import (
+        FLOW_PROCESS,
+        POOLED_RANK,
+        SPARE,
+        UNCLAIMED_WORKER,
+        HeldByRule,
+        Holding,
+        held_by_rule,
+    )
+    from ettflow.tasks.artifacts import holding_rows
+
+    def line(hid: str, kind: str, used: bool, start: float, end: float, rule: str = "", slots: float = 1.0):
+        return Holding(holding_id=hid, model="dlrm", kind=kind, run_id=None if kind == UNCLAIMED_WORKER else "r",
+                       used=used, requested_at=start, released_at=end, reason="x", rule=rule, slots=slots)
+
+    ledger = [line("a", POOLED_RANK, True, 0, 4, "just-in-time"), line("b", POOLED_RANK, True, 0, 6, "just-in-time"),
+              line("c", UNCLAIMED_WORKER, False, 0, 20, "just-in-time"), line("d", SPARE, True, 5, 8, "spare-at-loss"),
+              line("e", SPARE, False, 5, 30, "spare-by-saving"), line("f", FLOW_PROCESS, True, 0, 3, slots=0.0),
+              line("g", SPARE, False, 1, 2)]  # a line written before rules existed
+    assert held_by_rule(ledger) == [
+        HeldByRule("dlrm", FLOW_PROCESS, "worker-prefetch", "used", holdings=1, held_s=3.0, slot_s=0.0),
+        HeldByRule("dlrm", POOLED_RANK, "just-in-time", "used", holdings=2, held_s=10.0, slot_s=10.0),
+        HeldByRule("dlrm", SPARE, "spare-at-loss", "used", holdings=1, held_s=3.0, slot_s=3.0),
+        HeldByRule("dlrm", SPARE, "spare-by-saving", "released unused", holdings=1, held_s=25.0, slot_s=25.0),
+        HeldByRule("dlrm", SPARE, "unrecorded", "released unused", holdings=1, held_s=1.0, slot_s=1.0),
+        HeldByRule("dlrm", UNCLAIMED_WORKER, "just-in-time", "released unused", holdings=1, held_s=20.0,
+                   slot_s=20.0),
+    ]
+    # the run's ETT artifact: one row per holding, its rule and outcome in the metric's name
+    [row] = holding_rows([ledger[4]])
+    assert (row["metric"], row["exposed"], row["raw"]) == (
+        "held: spare, rule spare-by-saving, released unused (slot-s; raw: s)", 25.0, 25.0)
+
+
 def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_acknowledged():
     from ettflow.ett.capacity import UNCLAIMED_WORKER
     from ettflow.trainer.group.hold_rule import PrewarmEstimate, StartSaving, decide_hold

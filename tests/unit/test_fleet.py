@@ -182,11 +182,21 @@ def test_report_fleet_over_a_warehouse(tmp_path, capsys, monkeypatch):
 
     with Warehouse.open(url) as wh:
         wh.record_holdings([Holding(holding_id="h1", model="nightly", kind=UNCLAIMED_WORKER, run_id=None, used=False,
-                                    requested_at=100.0, released_at=1900.0, reason="idle", gpus=1.0)])
+                                    requested_at=100.0, released_at=1900.0, reason="idle", gpus=1.0,
+                                    rule="keep-alive")])
     assert main(["report", "--fleet", "--url", url]) == 0
     out = capsys.readouterr().out
-    held = [line.split() for line in out.splitlines() if line.strip().startswith("nightly ")][-1]
+    held, by_rule = [line.split() for line in out.splitlines() if line.strip().startswith("nightly ")][-2:]
     assert held == ["nightly", "1", "1800.0", "1800.0", "1800.0", "1800.0", "0.0", "0.0"], out[-1500:]
+    # and which rule held it, with its outcome
+    assert by_rule == ["nightly", "unclaimed_worker", "keep-alive", "released", "unused", "1", "1800.0", "1800"]
+    assert "keep-alive (kept after a release" in out
+    # the fleet artifact's ledger: per model, then per rule and outcome
+    from ettflow.tasks.fleet_report import held_markdown, read_held
+
+    md = held_markdown(read_held(url))
+    assert "Which rule held what" in md and "keep-alive (kept after a release" in md
+    assert md.count("| nightly |") == 2 and "| unclaimed_worker | keep-alive | released unused | 1 |" in md, md
 
 
 # -- realized waste far above the checkpoint plan (issue 14) ----------------------------------
