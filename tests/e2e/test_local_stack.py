@@ -131,6 +131,9 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         assert slots_held == pytest.approx(runs.loc[second, "held_s"])
         report = ettflow(env, "report", "--model", MODEL, timeout=120)
         assert report.returncode == 0 and "Held capacity, the ledger" in report.stdout, report.stdout[-3000:]
+        # which rule held what: the second run's prefetched process, used
+        assert any(line.split()[:4] == [MODEL, "flow_process", "worker-prefetch", "used"]
+                   for line in report.stdout.splitlines()), report.stdout[-3000:]
         _in_the_browser(api, second, tmp_path)
         _the_crash_automation_never_fired_on_them(api, (first, second), runs)
     finally:
