@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
 
+    from . import simulate_cli
     from .bench import cli as bench_cli
     from .flows import cli as flows_cli
     from .publish import cli as publish_cli
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_cli.register(sub)
     publish_cli.register(sub)
     bench_cli.register(sub)
+    simulate_cli.register(sub)
     return parser
 
 

@@ -73,18 +73,19 @@ def held_capacity(events: Sequence[PhaseEvent], wall_start: float, wall_end: flo
         if ev.phase != SPARE_START:
             continue
         requested, a = ev.start, ev.info
+        n = _or(a.slots, 1.0)
         if a.for_rank is not None:
             taken = _or(a.taken_at, ev.end)
-            pooled += max(0.0, min(taken, wall_start) - requested)
+            pooled += n * max(0.0, min(taken, wall_start) - requested)
             continue
         if a.used and a.taken_at is not None:
-            spare += max(0.0, a.taken_at - requested)
+            spare += n * max(0.0, a.taken_at - requested)
         elif not a.used:
-            held = max(0.0, _or(a.released_at, wall_end) - requested)
+            held = n * max(0.0, _or(a.released_at, wall_end) - requested)
             spare += held
             unused += held
         else:  # a used spare recorded before `taken_at` existed: its prewarm, at least
-            spare += max(0.0, ev.end - requested)
+            spare += n * max(0.0, ev.end - requested)
     return HeldCapacity(slots=max(slots, 1), pooled_s=pooled, spare_s=spare, unused_spare_s=unused,
                         prestart_s=prestart)
 
@@ -157,10 +158,10 @@ def holdings_of_run(run_id: str, model: str, events: Sequence[PhaseEvent], wall_
         a = ev.info if ev.phase == SPARE_START else SpareAttrs()
         common = {"holding_id": f"{run_id}:{ev.attempt}:{ev.rank}:{ev.seq}", "model": model, "run_id": run_id,
                   "requested_at": ev.start, "gpus": _or(a.gpus, 0.0), "cpus": _or(a.cpus, 0.0),
-                  "memory_bytes": _int(a.rss_bytes), "rule": a.rule or ""}
+                  "memory_bytes": _int(a.rss_bytes), "rule": a.rule or "", "slots": _or(a.slots, 1.0)}
         if ev.phase == FLOW_PRESTART:
-            out.append(Holding(kind=FLOW_PROCESS, used=True, released_at=ev.end, reason="waited", slots=0.0,
-                               **{**common, "cpus": 1.0}))
+            out.append(Holding(kind=FLOW_PROCESS, used=True, released_at=ev.end, reason="waited",
+                               **{**common, "cpus": 1.0, "slots": 0.0}))
         elif a.for_rank is not None:
             taken = _or(a.taken_at, ev.end)
             out.append(Holding(kind=POOLED_RANK, used=True, released_at=max(ev.start, min(taken, wall_start)),

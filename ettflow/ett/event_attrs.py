@@ -97,6 +97,7 @@ class SchedulingAttrs(EventAttrs):
     stage: str | None = None
     outcome: str | None = None
     reason: str | None = None
+    handed: bool = True  # `spare_handoff`: a spare took the lost rank (False: every rank restarted)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,8 +167,8 @@ class SaveAttrs(EventAttrs):
 class SpareAttrs(EventAttrs):
     """`spare_start`: a spare or pooled worker held for the run. `for_rank`: the rank a pooled
     worker became (None: a spare); `taken_at` when a run took it; `used` False: released
-    unused at `released_at`; what it held (`gpus`, `cpus`, `rss_bytes`); `rule`: why it was
-    held (the pool's hold rule, or a spare's sizing)."""
+    unused at `released_at`; what it held (`gpus`, `cpus`, `rss_bytes`, `slots`); `rule`: why it
+    was held (the pool's hold rule, or a spare's sizing)."""
 
     for_rank: int | None = None
     pooled: bool = False
@@ -178,6 +179,7 @@ class SpareAttrs(EventAttrs):
     cpus: float | None = None
     rss_bytes: float | None = None
     rule: str | None = None
+    slots: float | None = None  # trainer slots it held (None: one, a worker; the simulator's node: several)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,111 @@
+"""The fleet simulator (`ett.simulate`): scripted failures with answers worked out by hand,
+the published failure models, a measured run replayed, and the command."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ettflow.ett.run_metrics import compute_run_metrics
+from ettflow.ett.simulate import HPCA25, LLAMA3, JobCosts, Policy, StartCosts, constant_mttf, simulate_refresh
+from ettflow.ett.simulate_inputs import measure_run
+
+# a start of 2 + 3 + 5 s, 100 s of new data, a checkpoint every 20 s (blocks of 5 s), saves
+# blocking 1 s, detection 2 s, a restart 10 s, a ready spare's hand-off 3 s, a spare's start 30 s
+COSTS = JobCosts(cold=StartCosts(scheduling_s=2, init_s=3, compile_s=5),
+                 warm=StartCosts(scheduling_s=1, init_s=1, compile_s=1), prewarm_s=8, train_s=100,
+                 save_blocking_s=1, detect_s=2, restart_s=10, live_recovery_s=3, spare_start_s=30, shutdown_s=4)
+
+
+def _run(policy: Policy, gpus: int = 2, failures=(55.0,)):
+    return compute_run_metrics(simulate_refresh(COSTS, policy, None, gpus, random.Random(0), failure_times=failures))
+
+
+def test_a_restart_loses_the_work_in_flight_and_pays_its_start_again():
+    # 0-10 start; blocks from 10, saves at 30-31 and 51-52; block 8 (52-57) dies at 55, detected
+    # at 57; the restart 57-67 (its start's parts); blocks 8-19 from 67 with saves at 87 and 108;
+    # shutdown 129-133
+    m = _run(Policy(name="restart", live_recovery=False, interval_s=20))
+    assert (m.wall_s, m.tts_s, m.nof) == (133.0, 10.0, 1)
+    assert m.components == pytest.approx({"effective_training": 100, "wasted_training": 4 + 5, "pt2_compile": 10,
+                                          "trainer_init": 6, "scheduling": 4, "shutdown": 4, "unattributed": 0})
+    assert m.failures[0].ttr_s == pytest.approx(10.0)  # detection to the next new step: nothing replayed
+    assert m.ett_pct == pytest.approx(100 * 100 / 133) and m.capacity_ett_pct == pytest.approx(m.ett_pct)
+
+
+def test_a_ready_spare_recovers_live_and_its_holding_counts_in_the_capacity_ett():
+    # a spare node of one slot held from 0, ready at 30; taken at the detection (57), the hand-off
+    # 57-60, its replacement held 57-126 unused; replay from block 8: none (block 8 never finished)
+    m = _run(Policy(name="live", live_recovery=True, spares=1, interval_s=20, gpus_per_node=1))
+    assert (m.wall_s, m.nof, m.failures[0].ttr_s) == (126.0, 1, pytest.approx(3.0))
+    assert (m.held.spare_s, m.held.unused_spare_s) == (57.0 + 69.0, 69.0)
+    assert m.capacity_ett_pct == pytest.approx(100 * 100 * 2 / (126 * 2 + 126))
+    # with no spare held, one is started at the loss: its 30 s on the critical path, then held
+    at_loss = _run(Policy(name="at-loss", live_recovery=True, spares=0, interval_s=20, gpus_per_node=1))
+    assert (at_loss.wall_s, at_loss.held.spare_s, at_loss.held.unused_spare_s) == (156.0, 30.0, 0.0)
+
+
+def test_a_failure_after_a_save_replays_what_was_trained_since():
+    m = _run(Policy(name="restart", live_recovery=False, interval_s=20), failures=(47.0,))
+    # block 7 (46-51) dies at 47; blocks 4-6 (31-46) trained since the save at 30: replayed after
+    # the restart (49-59), 15 s of replay + 1 s in flight + 4 saves
+    assert m.replayed_steps == 3 and m.components["wasted_training"] == pytest.approx(15 + (49 - 46) + 4)
+
+
+def test_prewarmed_workers_start_warm_and_hold_their_slots_before_the_run():
+    m = _run(Policy(name="warm", live_recovery=False, interval_s=20, prewarm=True), failures=())
+    assert (m.tts_s, m.held.pooled_s) == (3.0, 8.0 * 2)  # the warm start; 2 slots x 8 s of prewarm
+
+
+def test_failure_models_give_their_published_mttfs():
+    assert HPCA25.mttf_h(1024) == pytest.approx(7.9) and HPCA25.mttf_h(16384) == pytest.approx(1.8)
+    assert 1.8 < HPCA25.mttf_h(4096) < 7.9  # a power law between the two
+    assert LLAMA3.mttf_h(16384) == pytest.approx(54 * 24 / 419)  # 3.09 h
+    assert LLAMA3.mttf_h(8192) == pytest.approx(2 * LLAMA3.mttf_h(16384))  # a constant rate per GPU
+    assert constant_mttf(10.0, 100).rate_per_s(200) == pytest.approx(2 / (10 * 3600))
+    with pytest.raises(ValueError):
+        HPCA25.mttf_h(0)
+
+
+def test_drawn_failures_are_seeded_and_grow_with_the_job():
+    policy = Policy(name="restart", live_recovery=False, interval_s=20)
+    costs = COSTS.__class__(**{**COSTS.__dict__, "train_s": 3600.0})
+    one = [compute_run_metrics(simulate_refresh(costs, policy, HPCA25, 16384, random.Random(s))).nof for s in range(30)]
+    again = [compute_run_metrics(simulate_refresh(costs, policy, HPCA25, 16384, random.Random(s))).nof
+             for s in range(30)]
+    small = [compute_run_metrics(simulate_refresh(costs, policy, HPCA25, 8, random.Random(s))).nof for s in range(30)]
+    assert one == again and sum(one) > sum(small)
+
+
+def test_a_measured_run_replayed_gives_its_own_ett():
+    """`measure_run` reads a run's costs, policy and failure times back from its events; the
+    simulator fed them reproduces it (here a simulated run stands for a measured one; the e2e
+    bench test replays real ones)."""
+    for policy in (Policy(name="restart", live_recovery=False, interval_s=20),
+                   Policy(name="live", live_recovery=True, spares=0, interval_s=20, gpus_per_node=1)):
+        events = simulate_refresh(COSTS, policy, None, 2, random.Random(0), failure_times=(55.0,))
+        measured = measure_run(events)
+        assert measured.failure_times == (55.0,) and measured.policy.live_recovery == policy.live_recovery
+        again = compute_run_metrics(simulate_refresh(measured.costs, measured.policy, None, measured.gpus,
+                                                     random.Random(0), failure_times=measured.failure_times))
+        assert again.ett_pct == pytest.approx(measured.metrics.ett_pct, abs=0.5), policy
+        assert again.capacity_ett_pct == pytest.approx(measured.metrics.capacity_ett_pct, abs=0.5), policy
+
+
+def test_the_command_prints_both_policies_per_gpu_count_and_draws_them(tmp_path, capsys):
+    from ettflow.cli import main
+
+    out = tmp_path / "sim.png"
+    assert main(["simulate", "--gpus", "1024,16384", "--replications", "4", "--max-spares", "1",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1024"], ["16384"])]
+    assert [r[:2] for r in rows] == [["1024", "baseline"], ["1024", "optimized"], ["16384", "baseline"],
+                                     ["16384", "optimized"]], text
+    assert "costs: all assumed" in text and "HPCA'25" in text and "capETT peaks at" in text
+    assert out.stat().st_size > 1000
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit, match="--gpus must be positive integers"):
+            main(["simulate", "--gpus", bad])
+    assert main(["simulate", "--validate"]) == 2
