@@ -59,5 +59,14 @@ def test_quick_bench_at_tiny_sizes(tmp_path, prefect_harness, ray_session, capsy
     assert sorted(runs["mode"]) == ["baseline", "optimized"] and list(runs["nof"]) == [2, 2]
     assert all((json.loads(t) if isinstance(t, str) else t)["benchmark"] for t in runs["tags"])
     assert list(runs["pt2_compile_s"]) == [0.0, 0.0]  # every job ran with the switch the command set
+    # the fleet simulator, fed each job's measured costs and its own failure times, reproduces
+    # its ETT and capETT within 3 points (issue 41's validation)
+    from ettflow.ett.simulate_inputs import measure_run
+    from ettflow.simulate_cli import validation_rows
+
+    with Warehouse.open(url) as wh:
+        replayed = validation_rows([measure_run(wh.events_for(r)) for r in runs["run_id"]])
+    assert all(abs(r["d_ETT"]) <= 3 and abs(r["d_capETT"]) <= 3 for r in replayed), replayed
+    assert sorted(r["NoF"] for r in replayed) == [2, 2]
     results_md = (results / "results.md").read_text()
     assert "Command: `ettflow bench --quick" in results_md and "--switch compile=false" in results_md
