@@ -3,7 +3,8 @@
 A service `up` starts runs in a session of its own (so a terminal's Ctrl-C on `up` does not
 reach it), logs to `$ETTFLOW_HOME/stack/logs/<name>.log`, and carries the stack's id in its
 environment (`records.STACK_ENV`). A port that is taken by something that is not the service
-`up` expects there is an error that names the port, who holds it and the flag to change it.
+`up` expects, or by the service of another home's stack, is an error that names the port, who
+holds it and the flag to change it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,39 @@ def listener(port: int) -> str:
     except psutil.Error:
         pass
     return "another program"
+
+
+def _listener_process(port: int) -> psutil.Process | None:
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                return psutil.Process(conn.pid)
+    except psutil.Error:
+        pass
+    return None
+
+
+def other_home(cfg: StackConfig, port: int) -> str | None:
+    """The home of another ettflow stack whose service listens on `port` (its process carries a
+    stack id and a home that is not `cfg.home`), else None. Joining it would start a second
+    worker on the same work pool, with another home's records and another Ray token."""
+    proc = _listener_process(port)
+    try:
+        env = proc.environ() if proc is not None else {}
+    except psutil.Error:
+        return None
+    home = env.get("ETTFLOW_HOME") if env.get(STACK_ENV) else None
+    if home and Path(home).resolve() != Path(cfg.home).resolve():
+        return home
+    return None
+
+
+def refuse_other_home(cfg: StackConfig, port: int, what: str, flag: str) -> None:
+    home = other_home(cfg, port)
+    if home is not None:
+        raise StackError(f"port {port} on {cfg.host} is the {what} of another ettflow stack (home {home}): stop it "
+                         f"(`ETTFLOW_HOME={home} ettflow down`), or give this stack other ports with {flag} "
+                         "(--api-port, --ray-port and --ray-client-port)")
 
 
 def answers(host: str, port: int) -> bool:
@@ -161,6 +195,7 @@ def prefect_server(cfg: StackConfig, record: StackRecord | None, stack_id: str) 
     if found is not None and prefect_healthy(cfg.api_url):
         return found
     if prefect_healthy(cfg.api_url):
+        refuse_other_home(cfg, cfg.api_port, "Prefect server", "--api-port N")
         return Service(name="prefect-server", address=cfg.api_url,
                        detail="found running, not started by `ettflow up` (`down` leaves it)")
     if not port_free(cfg.host, cfg.api_port):
@@ -183,6 +218,7 @@ def ray_head(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Ser
     if not port_free(cfg.host, cfg.ray_port):
         who = listener(cfg.ray_port)
         if "gcs_server" in who:
+            refuse_other_home(cfg, cfg.ray_port, "Ray head", "--ray-port N")
             return Service(name="ray-head", address=cfg.head_address,
                            detail=f"found running ({who}), not started by `ettflow up` (`down` leaves it)")
         raise StackError(f"port {cfg.ray_port} on {cfg.host} is taken by {who}, which is not a Ray head: stop it, "

@@ -33,3 +33,48 @@ def test_up_on_a_taken_port_says_which_and_what_to_do(tmp_path):
 
     rec = StackRecord.read(tmp_path / "home" / "stack" / "stack.json")
     assert rec is None or not any(s.started for s in rec.services)  # nothing was started
+
+
+def test_up_refuses_the_ports_of_another_homes_stack(tmp_path):
+    """A Prefect server that answers on the port but belongs to the stack of another
+    `ETTFLOW_HOME` (its process carries that stack's id and home) is not joined: a second
+    worker on the same work pool, with another home and Ray token, would compete for its runs."""
+    import os
+    import time
+
+    import httpx
+
+    served = tmp_path / "served"
+    (served / "api").mkdir(parents=True)
+    (served / "api" / "health").write_text("true")  # what `prefect_healthy` asks for
+    sock, port = _listening()
+    sock.close()
+    other = tmp_path / "other-home"
+    fake = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=served,
+                            env={**os.environ, "ETTFLOW_STACK_ID": "another-stack", "ETTFLOW_HOME": str(other)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_", "ETTFLOW_STACK"))}
+    env["ETTFLOW_HOME"] = str(tmp_path / "home")
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until the fake server answers as a Prefect server would
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the stand-in server never answered"
+            time.sleep(0.2)
+        out = subprocess.run([sys.executable, "-m", "ettflow", "up", "--api-port", str(port)], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        fake.kill()
+        fake.wait()
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"port {port} on 127.0.0.1 is the Prefect server of another ettflow stack (home {other})" in out.stderr
+    assert f"ETTFLOW_HOME={other} ettflow down" in out.stderr and "--api-port N" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    from ettflow.stack.records import StackRecord
+
+    rec = StackRecord.read(tmp_path / "home" / "stack" / "stack.json")
+    assert rec is None or not any(s.started for s in rec.services)  # nothing was started
