@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mttf-gpus", type=int, default=1024, help="the GPU count --mttf-h is for (default: %(default)s)")
     p.add_argument("--train-h", type=float, default=4.0,
                    help="hours of training on new data per refresh, the window (default: %(default)s)")
-    p.add_argument("--replications", type=int, default=200, help="refreshes per row (default: %(default)s)")
+    p.add_argument("--replications", type=int, default=100, help="refreshes per row (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-spares", type=int, default=4, help="spare nodes tried, 0..N (default: %(default)s)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a failure takes and a spare holds")

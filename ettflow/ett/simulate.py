@@ -46,7 +46,7 @@ from .events import FAILURE, FAILURE_DETECTED, SUBMITTED, PhaseEvent
 from .spare_sizing import AT_LOSS, RULE
 
 BLOCKS_PER_INTERVAL = 4
-MAX_BLOCKS = 2000
+MAX_BLOCKS = 800
 DRIVER = -1
 
 
