@@ -215,11 +215,9 @@ def prefect_server(tmp_path_factory):
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"cannot create the work pool:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     yield env, api
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    from helpers.processes import stop_group
+
+    stop_group(proc)
     log.close()
 
 

@@ -217,6 +217,7 @@ KINDS: dict[str, type[EventAttrs]] = {
     "spare_handoff": SchedulingAttrs,
     "failure": FailureAttrs,
     "failure_detected": FailureAttrs,
+    "operator_stop": FailureAttrs,  # its `reason`: who stopped the run
     "fault_injected": FaultAttrs,
     "fault_unfired": FaultAttrs,
     "checkpoint_restore": RestoreAttrs,

@@ -17,7 +17,8 @@ next one when the last attempt already failed (its failure was detected and the 
 before starting the restart), so NoF counts it. When the last attempt's failure is the stop of
 the run's own process, recorded by its driver or task (a `preemption` with `process_stopped`, or
 `task`: a SIGTERM of `ettflow refresh`), the crash is that stop and nothing is added: one
-failure, with its real class.
+failure, with its real class; when an operator stopped it (an `operator_stop` marker: a
+cancel), nothing is added either: no failure at all.
 Nothing trains after it: its TTR runs to the wall end, which is the detection, and the time
 from the last finished work to the detection is lost in flight (`ett.timeline`). Idempotent: a
 run whose last attempt already holds an orchestrator failure gets none added, and two processes
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .events import FAILURE, FAILURE_DETECTED, OFF_CLOCK, PhaseEvent
+from .events import FAILURE, FAILURE_DETECTED, OFF_CLOCK, OPERATOR_STOP, PhaseEvent
 from .failures import Failure, FailureClass
 from .spool import SpoolWriteError, SpoolWriter, read_spool
 
@@ -69,6 +70,8 @@ def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | No
            and (e.info.process_stopped or e.info.task)
            and e.info.failure_class == FailureClass.PREEMPTION.value for e in events):
         return None  # the process was stopped, and its driver or task said so: the crash is that stop
+    if any(e.attempt == last and e.phase == OPERATOR_STOP for e in events):
+        return None  # an operator stopped it (a cancel): the crash is their stop, no failure
     failed = any(e.attempt == last and e.phase in (FAILURE, FAILURE_DETECTED) for e in events)
     end = last_on_clock_end(events)
     # never before the last spooled work: a rank's steps recorded after the flow's last heartbeat

@@ -41,6 +41,7 @@ from .events import (
     HOST_STALL,
     MARKERS,
     OFF_CLOCK,
+    OPERATOR_STOP,
     PROCESS_PAUSED,
     STEP_STALL,
     TRAIN_STEP,
@@ -188,11 +189,30 @@ def resolve_steps(events: Iterable[PhaseEvent]) -> tuple[list[Interval], int, in
     return out, effective_steps, replayed_steps
 
 
+def operator_stops(events: Sequence[PhaseEvent]) -> dict[int, float]:
+    """When an operator stopped each attempt it stopped (its earliest `operator_stop` marker)."""
+    out: dict[int, float] = {}
+    for ev in events:
+        if ev.phase == OPERATOR_STOP:
+            out[ev.attempt] = min(ev.start, out.get(ev.attempt, ev.start))
+    return out
+
+
+def failure_markers(events: Sequence[PhaseEvent]) -> list[PhaseEvent]:
+    """The `failure` and `failure_detected` markers that are failures: not those an attempt's
+    ranks and tasks wrote from an operator's stop on (a cancel is the operator's, never a
+    failure: not in NoF, the failure budget or the failure history)."""
+    stops = operator_stops(events)
+    return [ev for ev in events if ev.phase in (FAILURE, FAILURE_DETECTED)
+            and not (ev.attempt in stops and ev.start >= stops[ev.attempt])]
+
+
 def faults(events: Sequence[PhaseEvent]) -> list[Fault]:
-    """One fault per failed attempt: the earliest failure marker and the earliest detection."""
+    """One fault per failed attempt: the earliest failure marker and the earliest detection
+    (`failure_markers`: an operator's stop is none)."""
     failed: dict[int, list[PhaseEvent]] = defaultdict(list)
     detected: dict[int, list[PhaseEvent]] = defaultdict(list)
-    for ev in events:
+    for ev in failure_markers(events):
         if ev.phase == FAILURE:
             failed[ev.attempt].append(ev)
         elif ev.phase == FAILURE_DETECTED:

@@ -294,12 +294,12 @@ def archive_on_flow_state(flow, flow_run, state) -> None:
         log.warning("archive hook called for a %s state: nothing to do", state.type.value)
         return
     try:
-        _archive_final(flow, flow_run, state, final)
+        _archive_final(flow, flow_run, state, final, after_runner=value == "cancelling")
     finally:  # last: after every heartbeat this process sent (the crash automation expects it)
         emit_finished(str(flow_run.id))
 
 
-def _archive_final(flow, flow_run, state, final: FinalState) -> None:
+def _archive_final(flow, flow_run, state, final: FinalState, *, after_runner: bool = False) -> None:
     params = run_params(flow_run.parameters)
     run_id = str(flow_run.id)
     if finished_in_body(run_id, final):
@@ -312,7 +312,10 @@ def _archive_final(flow, flow_run, state, final: FinalState) -> None:
     # the body records published, gated or skipped; a hook knows only the state
     summary = finish_run(flow.name, flow_run, state=final, outcome=final.value, reason=reason, params=params)
     if final is not FinalState.COMPLETED and summary.measured:
-        run_labels.restate_with_message(run_id, final.value, state_message(summary))
+        if after_runner:  # the runner sets its own CANCELLED after these hooks: the message goes on that
+            run_labels.restate_when_final(run_id, final.value, state_message(summary))
+        else:
+            run_labels.restate_with_message(run_id, final.value, state_message(summary))
 
 
 def archive_on_task_state(task, task_run, state) -> None:

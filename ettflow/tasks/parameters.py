@@ -224,12 +224,20 @@ class StorageParams(Section):
         "Where the run's phase events are spooled (null: the per-user ettflow folder)."))
 
 
+# 'user:password@' after a URL's '//' (`ett.redact.has_password`'s rule for a URL SQLAlchemy
+# cannot parse): in JSON Schema, what a warehouse_url must `not` match (Prefect's server checks it)
+USERINFO_PATTERN = r"//[^/@:]*:[^/@]*@"
+
+
 class WarehouseParams(Section):
     """Which warehouse the run's ETT row goes to (`tasks.warehouse_url`)."""
 
     warehouse_url: str | None = Field(None, min_length=1, description=(
         "The warehouse's SQLAlchemy URL, without a password (parameters are stored in clear); null: "
-        "warehouse_secret, else the worker's ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file."))
+        "warehouse_secret, else the worker's ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file."),
+        # in the deployment's parameter schema: the Prefect server refuses a run whose URL holds a
+        # password before it stores the parameters (the validator below cannot: it runs after)
+        json_schema_extra={"not": {"type": "string", "pattern": USERINFO_PATTERN}})
     warehouse_secret: str | None = Field(None, min_length=1, description=(
         "The name of a Prefect Secret block that holds the warehouse URL (with its password)."))
 

@@ -14,6 +14,9 @@ logged, never raised over the run.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from uuid import UUID
 
@@ -101,6 +104,41 @@ def restate_with_message(flow_run_id: str, state_type: str, message: str) -> boo
     return True
 
 
+RESTATE_WAIT_S = 60.0  # how long a cancelled run's message waits for the runner's CANCELLED
+
+
+def restate_when_final(flow_run_id: str, state_type: str, message: str) -> subprocess.Popen:
+    """`restate_with_message` once the run's state is `state_type`: a runner that cancels a run
+    runs its hooks while it is CANCELLING, then sets its own CANCELLED ("Flow run was cancelled
+    successfully.") over whatever a hook set, and the process that ran the hooks may end right
+    after. So a process of its own waits for that state (`wait_then_restate`, at most
+    `RESTATE_WAIT_S`) and sets the message again; its argv holds the id and the ETT message,
+    nothing secret, and it inherits the hook's Prefect settings."""
+    return subprocess.Popen([sys.executable, "-m", "ettflow.tasks.run_labels", flow_run_id, state_type, message],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def wait_then_restate(flow_run_id: str, state_type: str, message: str, *, wait_s: float = RESTATE_WAIT_S,
+                      poll_s: float = 0.5) -> bool:
+    """Wait until the run's state is `state_type`, then set `message` on it unless it carries
+    it; whether it was set (False: no API, never that state within `wait_s`, or refused)."""
+    fr = _flow_run_id(flow_run_id)
+    if fr is None or not _api():
+        return False
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            state = client.read_flow_run(fr).state
+            if state is not None and state.type.value.lower() == state_type:
+                return state.message == message or restate_with_message(flow_run_id, state_type, message)
+            time.sleep(poll_s)
+    log.warning("flow run %s was not %s within %.0f s: its message is Prefect's", flow_run_id, state_type, wait_s)
+    return False
+
+
 def deployment_name(flow_run) -> str | None:
     """The name of the deployment that started `flow_run` (None: none, or the API cannot say)."""
     if not getattr(flow_run, "deployment_id", None):
@@ -113,3 +151,7 @@ def deployment_name(flow_run) -> str | None:
     except Exception:  # noqa: BLE001 - the key falls back to the flow name
         log.warning("could not read deployment %s", flow_run.deployment_id, exc_info=True)
         return None
+
+
+if __name__ == "__main__":  # `restate_when_final`'s process: FLOW_RUN_ID STATE_TYPE MESSAGE
+    raise SystemExit(0 if wait_then_restate(*sys.argv[1:4]) else 1)

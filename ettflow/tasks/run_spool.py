@@ -11,8 +11,10 @@ and never as `failure` markers: NoF and TTR are about training (see the flows RE
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from ettflow.ett.events import (
     FAILURE,
     FAILURE_DETECTED,
     OFF_CLOCK,
+    OPERATOR_STOP,
     PUBLISH_PHASES,
     SPARE_PLAN,
     PhaseEvent,
@@ -31,7 +34,10 @@ from ettflow.ett.failures import Failure
 from ettflow.ett.interval_plan import TAG, PlannedInterval
 from ettflow.ett.spare_sizing import SpareDecision
 from ettflow.ett.spool import SpoolWriter, read_spool
+from ettflow.ett.timeline import failure_markers
 from ettflow.trainer.classify import failure_from_exception, stop_signal
+
+log = logging.getLogger("ettflow.tasks")
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\.")
 
@@ -75,23 +81,32 @@ class RunRecorder:
         task's) `failure_detected` marker, else the rank's own `failure` marker. What earlier
         tries of the train task spent of the run's failure budget."""
         by_attempt: dict[int, PhaseEvent] = {}
-        for ev in sorted(self.events(), key=lambda e: (e.attempt, e.phase != FAILURE_DETECTED, e.start)):
-            if ev.phase in (FAILURE, FAILURE_DETECTED):
-                by_attempt.setdefault(ev.attempt, ev)
+        for ev in sorted(failure_markers(self.events()), key=lambda e: (e.attempt, e.phase != FAILURE_DETECTED,
+                                                                        e.start)):
+            by_attempt.setdefault(ev.attempt, ev)
         return [ev.info.failure(a) for a, ev in sorted(by_attempt.items())]
 
-    def record_task_failure(self, attempt: int, exc: BaseException, *, task: str, at: float) -> Failure | None:
+    def record_task_failure(self, attempt: int, exc: BaseException, *, task: str, at: float,
+                            stop_cause: Callable[[], str | None] | None = None) -> Failure | None:
         """Mark `attempt` failed unless the driver already did; the failure recorded (typed from
-        the exception, `failure_from_exception`), or None when the attempt had one already."""
+        the exception, `failure_from_exception`), or None when the attempt had one already.
+        A stop of the process that `stop_cause` says an operator asked for (a cancel) is no
+        failure: an `operator_stop` marker instead, and None."""
         evs = [e for e in self.events() if e.attempt == attempt]
-        if any(e.phase in (FAILURE, FAILURE_DETECTED) for e in evs):
+        if any(e.phase in (FAILURE, FAILURE_DETECTED, OPERATOR_STOP) for e in evs):
+            return None  # marked already, or stopped by an operator (no failure)
+        stopped = stop_signal(exc)
+        operator = _ask(stop_cause) if stopped and stop_cause is not None else None
+        if operator:
+            with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
+                rec.mark(OPERATOR_STOP, at, reason=f"{operator} ({stopped})", task=task, process_stopped=True)
             return None
         failure = failure_from_exception(exc, rank=-1, attempt=attempt)
-        said = f"{task}: {failure.reason}" if stop_signal(exc) else f"{task} raised {type(exc).__name__}: {exc}"
+        said = f"{task}: {failure.reason}" if stopped else f"{task} raised {type(exc).__name__}: {exc}"
         failure = replace(failure, reason=said[:500])
         with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
             rec.mark(FAILURE_DETECTED, at, **failure.to_attrs(), task=task, task_retry=True,
-                     **({"process_stopped": True} if stop_signal(exc) else {}))
+                     **({"process_stopped": True} if stopped else {}))
         return failure
 
     def record_prestart(self, attempt: int, started_at: float, submitted_at: float) -> None:
@@ -164,3 +179,13 @@ def interval_tags(evs: list[PhaseEvent]) -> dict[str, Any]:
     """The planned interval as the warehouse tag `checkpoint_interval` (nothing when none)."""
     planned = planned_interval(evs)
     return {TAG: planned.to_attrs()} if planned is not None else {}
+
+
+def _ask(stop_cause: Callable[[], str | None]) -> str | None:
+    """Who stopped the process, when an operator did; None when the question cannot be answered
+    (no API): the stop is then a preemption, as before."""
+    try:
+        return stop_cause()
+    except Exception:  # noqa: BLE001 - the failure is still recorded, as a preemption
+        log.warning("could not tell who stopped this process", exc_info=True)
+        return None

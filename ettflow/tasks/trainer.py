@@ -26,6 +26,7 @@ from ettflow.ett.spool import SpoolWriteError
 from ettflow.tasks.plan import RefreshPlan
 from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.checkpoint.latest import latest_checkpoint
+from ettflow.trainer.classify import stop_signal
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision
 from ettflow.trainer.group.stop_request import DeferredStop, StopRequested
@@ -49,6 +50,24 @@ class Trained:
     failures: list[Failure] = field(default_factory=list)  # this try's, in order
     rank0: RankResult | None = None  # what rank 0 returned (None: reused)
 
+
+
+def cancelled_by(flow_run_id: str) -> str | None:
+    """Who stopped this flow run's process, when it was an operator: Prefect puts a run it is
+    cancelling (the UI's or CLI's Cancel) in CANCELLING before its worker stops the process, so
+    that state then says so (a sentence); None otherwise (a preemption) or with no API to ask."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        return None
+    with get_client(sync_client=True, httpx_settings={"timeout": 5.0}) as client:
+        state = client.read_flow_run(UUID(flow_run_id)).state
+    if state is not None and (state.is_cancelling() or state.is_cancelled()):
+        return f"cancelled by an operator (Prefect state {state.name})"
+    return None
 
 def finished_anchor(plan: RefreshPlan) -> Path | None:
     """The anchor checkpoint this run already wrote, if training finished."""
@@ -135,8 +154,8 @@ def reserve_trainer(plan: RefreshPlan) -> TrainerLease | None:
             if not queued:
                 record_queueing(plan, attempt, time.time(), stage="reserve_trainer", reserved=False, **ray_attrs)
         with contextlib.suppress(SpoolWriteError):
-            plan.recorder.record_task_failure(attempt, exc, task="reserve-trainer",
-                                          at=time.time())
+            plan.recorder.record_task_failure(attempt, exc, task="reserve-trainer", at=time.time(),
+                                              stop_cause=lambda: cancelled_by(plan.run_id))
         lease.release()
         raise
     logger.info("trainer reserved in %.1f s", ready - t0)
@@ -193,7 +212,7 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
                     plan.run_id, len(prior), plan.trainer.max_failures)
     stop = DeferredStop()  # a SIGTERM is taken at the driver's next poll, never inside Ray's wait
     driver = TrainingDriver(plan.trainer, plan.run_id, plan.spool_root, group_factory=lease.group_for,
-                            failure_policy=policy, stop_check=stop.check)
+                            failure_policy=policy, stop_check=stop.check, stop_cause=lambda: cancelled_by(plan.run_id))
     try:
         with ProgressReporter(plan, logger), stop:
             result = driver.run(first_attempt=first, submitted_at=submitted_at, prior_failures=prior)
@@ -201,9 +220,14 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease.release()
         raise  # every failure is in the spool already, with its class
     except BaseException as exc:
+        if stop_signal(exc):  # imported here: the flow's module imports no Ray
+            from ettflow.trainer.group.ray_group import process_stopping
+
+            process_stopping()
         last = plan.recorder.last_attempt()
         with contextlib.suppress(SpoolWriteError):  # refused: kept by this process (`ett.spool`)
-            plan.recorder.record_task_failure(last, exc, task="train", at=time.time())
+            plan.recorder.record_task_failure(last, exc, task="train", at=time.time(),
+                                              stop_cause=lambda: cancelled_by(plan.run_id))
         lease.release()
         if isinstance(exc, Exception):  # an error outside the driver's loop: the policy decides, as for any
             history = plan.recorder.failures()
@@ -265,7 +289,9 @@ def record_pool_ledger(plan: RefreshPlan) -> int:
     into the run's warehouse ledger; a failure is logged and the lines wait in the pool."""
     import ray
 
-    if not ray.is_initialized():
+    from ettflow.trainer.group.ray_group import local_ray_going
+
+    if not ray.is_initialized() or local_ray_going():  # no pool to ask (a local Ray going with this process)
         return 0
     from ettflow.ett.warehouse import Warehouse
     from ettflow.tasks.warehouse_url import resolve_warehouse_url

@@ -28,7 +28,7 @@ from ettflow.tasks.parameters import RefreshParameters
 
 from helpers.flows import PLAIN, TINY, assert_components_sum_to_wall, warehouse_row
 from helpers.prefect_cli import POOL, PREFECT, REPO, prefect
-from helpers.processes import alive, describe, processes_of, trainer_actors
+from helpers.processes import alive, describe, processes_of, stop_group, trainer_actors
 from helpers.spool import training_started
 from helpers.waiting import wait_for
 
@@ -146,3 +146,65 @@ def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
     # nothing of the run is left: its trainer actors are gone, and so are their placement groups
     assert not alive(actors) and not trainer_actors(home)
     assert not processes_of(home), describe(processes_of(home))
+
+
+# ---- issue 42 #6: a deployed run cancelled by its operator ------------------------------------
+
+
+def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_server, tmp_path, flow_work_root):
+    """Cancel (the UI's or CLI's: the run set CANCELLING) while a deployment run trains: its
+    ranks take their emergency checkpoints as for a preemption, but the stop is the operator's:
+    an `operator_stop` marker, no failure (NoF 0, nothing in the failure history), the run's
+    row archived as cancelled, Prefect's state final."""
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    env, api = prefect_server
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
+    prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(tmp_path / "prefect.yaml"))
+    warehouse, spool = f"sqlite:///{tmp_path / 'warehouse.db'}", tmp_path / "spool"
+    data = tmp_path / "data"  # 2 x 3,000 steps of 2 ranks x 32: still training when the cancel comes
+    generate_windows(data, SyntheticConfig(windows=3, rows_per_window=192_000, files_per_window=2, seed=3))
+    params = {"data_root": str(data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
+              "batch_size": 32, "max_steps": 100_000, "checkpoint_every_steps": 50, "eval_batches": 2,
+              "switches": PLAIN, "work_root": str(flow_work_root),
+              "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(spool), "warehouse_url": warehouse}
+    nested = RefreshParameters.parse(params).to_json()
+    out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params", json.dumps(nested))
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    home = tmp_path / "home"
+    worker_env = {**{k: v for k, v in env.items() if k != "RAY_ADDRESS"}, "ETTFLOW_HOME": str(home)}
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
+                              env=worker_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: training_started(spool, flow_run_id) or worker.poll() is not None, START_S,
+                 "the deployed run to start training")
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
+        asked = time.monotonic()
+        prefect(env, "flow-run", "cancel", flow_run_id)  # what the UI's Cancel does: the run set CANCELLING
+        wait_for(lambda: api_state(api, flow_run_id)["state_type"] == "CANCELLED", BOUND_S + 60,
+                 "the flow run to be CANCELLED", poll_s=0.2)
+        wait_for(lambda: warehouse_row(warehouse, flow_run_id)[0] is not None, BOUND_S, "the run's row")
+        done = time.monotonic()
+        # the final state keeps the run's ETT message (NoF 0), set again over the runner's own
+        wait_for(lambda: re.match(r"ETT \d+\.\d% · NoF 0 · ", api_state(api, flow_run_id)["state"]["message"] or ""),
+                 30, "the cancelled state to carry the run's ETT message", poll_s=0.5)
+    finally:
+        stop_group(worker)
+        log.close()
+    print(f"\ncancel -> CANCELLED and the row: {done - asked:.1f} s")
+    worker_log = (tmp_path / "worker.log").read_text()
+    row, events, failures = warehouse_row(warehouse, flow_run_id)
+    assert row["status"] == "cancelled", row.to_dict()
+    assert row["nof"] == 0 and failures.empty, failures.to_dict("records")  # no failure: the budget, the history
+    stops = events[events["phase"] == "operator_stop"]
+    assert len(stops) == 1 and "cancelled by an operator" in stops["attrs"].iloc[0]["reason"], worker_log[-4000:]
+    # the ranks still took their emergency checkpoint on the way out, each at the step it named
+    marks = events[events["phase"] == "failure"]
+    emergency = {int(a["emergency_checkpoint"]) for a in marks["attrs"] if a.get("emergency_checkpoint")}
+    saved = events[events["phase"] == "checkpoint_save_blocking"]
+    assert len(emergency) == 1 and len(saved[[a.get("step") in emergency for a in saved["attrs"]]]) == 2, marks
+    assert api_state(api, flow_run_id)["state_type"] == "CANCELLED"
+    assert "exited due to a SIGKILL" not in worker_log, worker_log[-3000:]  # it ended on its SIGTERM
+    assert row["effective_steps"] >= 1
+    assert_components_sum_to_wall(row)

@@ -57,3 +57,17 @@ def describe(procs: list[psutil.Process]) -> list[str]:
         except psutil.Error:
             out.append(f"{p.pid} (gone)")
     return out
+
+
+def stop_group(proc, timeout_s: float = 30.0) -> None:
+    """SIGTERM the process group `proc` leads (a `start_new_session` child), SIGKILL it when it
+    is still there after `timeout_s`."""
+    import os
+    import signal
+    import subprocess
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)

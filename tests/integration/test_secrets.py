@@ -143,3 +143,29 @@ def test_a_secret_block_names_the_warehouse(prefect_harness, postgres_schema_url
     assert SECRET not in logs.text
     with pytest.raises(ParameterError, match="parameter 'warehouse_secret' names no readable Prefect Secret block"):
         resolve_warehouse_url({"warehouse_secret": name + "-missing"})
+
+
+def test_a_deployment_run_with_a_password_url_is_refused_before_prefect_stores_it(prefect_harness):
+    """Issue 42 #8: the deployment's parameter schema says a `warehouse_url` holds no password,
+    so the Prefect server refuses such a run when it is created (the UI's Run, `prefect
+    deployment run --param`), before the parameters are stored; the flow's own check ran only
+    after Prefect had stored them. A URL without one is accepted."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+    from prefect.utilities.callables import parameter_schema
+
+    from ettflow.flows.refresh import refresh_model
+
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(refresh_model)
+        deployment = client.create_deployment(flow_id=flow_id, name=f"secrets-{uuid.uuid4().hex[:6]}",
+                                              parameter_openapi_schema=parameter_schema(refresh_model).model_dump(),
+                                              enforce_parameter_schema=True)
+        before = {r.id for r in flow_runs()}
+        with pytest.raises(PrefectHTTPStatusError, match="warehouse.warehouse_url"):
+            client.create_flow_run_from_deployment(deployment, parameters={"warehouse": {"warehouse_url": BAD_URL}})
+        assert {r.id for r in flow_runs()} == before  # nothing stored
+        ok = client.create_flow_run_from_deployment(
+            deployment, parameters={"warehouse": {"warehouse_url": "postgresql+psycopg://postgres@127.0.0.1:5999/x"}})
+        assert ok.parameters["warehouse"]["warehouse_url"].endswith("postgres@127.0.0.1:5999/x")
+        client.delete_flow_run(ok.id)

@@ -609,3 +609,37 @@ def test_a_gpu_placement_recovers_live_with_a_spare_holding_its_own_device(tmp_p
     assert (held.kind, held.used, held.reason, held.gpus, held.held_s) == ("spare", True, "replaced_rank", 1.0, 3.5)
     (by_model,) = held_by_model([held])
     assert (by_model.gpu_s, by_model.cpu_s, by_model.slot_s, by_model.unused_slot_s) == (3.5, 14.0, 3.5, 0.0)
+
+
+def test_a_stop_an_operator_asked_for_is_no_failure(tmp_path):
+    """Issue 42 #6: a cancel (Prefect's worker stops the flow's process after the operator asked)
+    preempts the ranks as a preemption does, but it is the operator's action: an
+    `operator_stop` marker first, the ranks' preemption markers after it are the stop's, no
+    failure in NoF, the failure budget or the history."""
+    run = Run(tmp_path, [{("driver", 4): "stop"}])
+    with pytest.raises(Stopped):
+        run.driver(stop_cause=lambda: "cancelled by an operator (Prefect state Cancelling)").run(
+            submitted_at=run.clock.t)
+    (group,) = run.groups
+    assert group.preempted == {0: 0, 1: 0}  # the ranks still take their emergency checkpoints
+    saves = [(e.rank, e.attrs["step"], e.start) for e in run.markers("checkpoint_save_blocking")]
+    assert saves == [(0, 3, 1006.0), (1, 4, 1007.0)]
+    (stop,) = run.markers("operator_stop")
+    assert (stop.start, stop.attrs["reason"]) == (1006.0, "cancelled by an operator (Prefect state Cancelling) "
+                                                          "(SIGTERM)")
+    assert not run.markers("failure_detected") and len(run.markers("failure")) == 2  # the ranks' own, after it
+    m = run.metrics()
+    assert m.nof == 0 and m.effective_steps == 3 + 4  # rank 0: 3 steps; rank 1: 3 and the one it was in
+    assert RunRecorder(run.spool, run.run_id).failures() == []
+    # a task that sees the stop afterwards records nothing either
+    assert RunRecorder(run.spool, run.run_id).record_task_failure(0, Stopped(), task="train", at=1010.0) is None
+    # and a stop_cause that cannot answer leaves it a preemption, as before
+    (tmp_path / "b").mkdir()
+    other = Run(tmp_path / "b", [{("driver", 4): "stop"}])
+
+    def broken() -> str | None:
+        raise RuntimeError("no Prefect API")
+
+    with pytest.raises(Stopped):
+        other.driver(stop_cause=broken).run(submitted_at=other.clock.t)
+    assert other.metrics().nof == 1 and not other.markers("operator_stop")

@@ -169,6 +169,28 @@ def test_task_failures_are_marked_once(tmp_path):
     assert RunRecorder(tmp_path, "r1").next_attempt() == 2
 
 
+def test_a_stop_an_operator_asked_for_is_marked_as_theirs_not_a_failure(tmp_path):
+    """Issue 42 #6: a task that sees its process stopped asks who stopped it: a cancel is an
+    `operator_stop` marker and no failure; an answer it cannot get leaves it a preemption."""
+    from ettflow.trainer.group.stop_request import StopRequested
+
+    rec = RunRecorder(tmp_path, "r1")
+    cancel = "cancelled by an operator (Prefect state Cancelling)"
+    assert rec.record_task_failure(0, StopRequested(15), task="train", at=5.0, stop_cause=lambda: cancel) is None
+    (stop,) = [e for e in read_spool(tmp_path, "r1").events if e.attempt == 0]
+    assert (stop.phase, stop.start, stop.attrs["reason"]) == ("operator_stop", 5.0, f"{cancel} (SIGTERM)")
+    assert rec.failures() == [] and rec.next_attempt() == 1
+    # an error is a failure whoever is asked; a stop nobody can explain is a preemption
+    assert rec.record_task_failure(1, ValueError("bad"), task="train", at=6.0, stop_cause=lambda: cancel)
+
+    def no_api() -> str | None:
+        raise OSError("no Prefect API")
+
+    failure = rec.record_task_failure(2, StopRequested(15), task="train", at=7.0, stop_cause=no_api)
+    assert failure is not None and failure.failure_class.value == "preemption"
+    assert [f.attempt for f in rec.failures()] == [1, 2]
+
+
 def test_hooks_skip_a_run_without_spool(tmp_path, monkeypatch, caplog):
     """A hook never raises for a run that spooled nothing (a parameter was refused before
     anything ran): it logs that there is nothing to archive and writes nothing: no warehouse

@@ -54,6 +54,17 @@ def test_orphan_failure_goes_on_the_last_attempt_or_the_next_when_that_one_faile
     assert place_orphan_failure(t.events, last_alive=32.0, detected_at=40.0) is None  # already there
 
 
+def test_a_run_an_operator_stopped_gets_no_orchestrator_failure():
+    """Issue 42 #6: a cancelled run's process ends as Prefect's CRASHED (the stop's termination
+    signal) before its worker marks it CANCELLED; the crash hook adds nothing: the operator's
+    stop is no failure."""
+    t = trained_then_silent()
+    t.mark("operator_stop", 30.2, reason="cancelled by an operator (Prefect state Cancelling) (SIGTERM)")
+    t.ev("failure", 30.4, 30.4, rank=1, failure_class="preemption", reason="rank 1 preempted (SIGTERM)")
+    assert place_orphan_failure(t.events, last_alive=31.0, detected_at=38.6) is None
+    assert compute_run_metrics(t.events).nof == 0  # the rank's preemption after the stop is the stop's
+
+
 def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
     with SpoolWriter(tmp_path, "r", 0, -1) as d:
         d.mark("submitted", 0.0)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ettflow.ett.events import FAILURE_DETECTED, FAULT_UNFIRED, TRAIN_STEP
+from ettflow.ett.events import FAILURE_DETECTED, FAULT_UNFIRED, OPERATOR_STOP, TRAIN_STEP
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.spool import SpoolWriter, read_file, spool_file
 from ettflow.trainer.checkpoint.config import CheckpointError
@@ -193,15 +193,18 @@ class TrainingDriver:
         grace_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         stop_check: Callable[[], None] = lambda: None,
+        stop_cause: Callable[[], str | None] = lambda: None,
     ) -> None:
         """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`.
         `stop_check`: raises a stop of this process noted since (`stop_request.DeferredStop.check`),
-        called after each poll."""
+        called after each poll. `stop_cause`: asked when this process is stopped, who stopped it
+        when an operator did (a cancel: a sentence; None: a preemption)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.group_factory = group_factory
         self.policy = failure_policy or DefaultFailurePolicy(max_failures=config.max_failures)
         self.poll_s, self.grace_s, self.clock = poll_s, grace_s, clock
         self.stop_check = stop_check
+        self.stop_cause = stop_cause
 
     def run(self, *, first_attempt: int = 0, submitted_at: float | None = None,
             prior_failures: Sequence[Failure] = ()) -> TrainingResult:
@@ -300,7 +303,9 @@ class TrainingDriver:
 
     def _preempt(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, stopped: str) -> None:
         """The process running the driver was told to stop (SIGTERM of `ettflow refresh`, a
-        worker's cancellation, Ctrl-C): that is a preemption of the run. Every rank gets SIGTERM,
+        worker's cancellation, Ctrl-C): that is a preemption of the run, unless `stop_cause`
+        says an operator stopped it (a cancel): then an `operator_stop` marker, first, and no
+        failure (the ranks' preemption markers after it are the stop's). Every rank gets SIGTERM,
         so each ends as a rank does when its own scheduler takes it back (`preemption.py`: an
         emergency checkpoint at the next step boundary when the grace allows); the driver waits
         for them up to `preemption_grace_s` (at most `STOP_WAIT_S`), then records the run's one failure, class
@@ -309,8 +314,17 @@ class TrainingDriver:
         whoever holds the lease."""
         detected = self.clock()
         wait_s = min(self.config.preemption_grace_s, STOP_WAIT_S)
-        log.warning("attempt %d: this process was stopped (%s): every rank is preempted with it (emergency "
-                    "checkpoint within %.0f s)", attempt, stopped, wait_s)
+        try:
+            operator = self.stop_cause()
+        except Exception:  # noqa: BLE001 - whoever cannot say is a preemption, as before
+            log.warning("attempt %d: could not tell who stopped this process", attempt, exc_info=True)
+            operator = None
+        log.warning("attempt %d: this process was stopped (%s%s): every rank is preempted with it (emergency "
+                    "checkpoint within %.0f s)", attempt, stopped, f", {operator}" if operator else "", wait_s)
+        if operator:  # first: what the ranks mark from now on is the stop (`ett.timeline.failure_markers`)
+            with contextlib.suppress(OSError):
+                rec.mark(OPERATOR_STOP, detected, reason=f"{operator} ({stopped})",
+                         process_stopped=True)
         try:
             if not isinstance(group, PreemptibleGroup):
                 raise TypeError(f"{type(group).__name__} cannot preempt its ranks")
@@ -323,6 +337,10 @@ class TrainingDriver:
                 ended |= set(status.finished) | {f.rank for f in status.failed}
         except BaseException as exc:  # noqa: BLE001 - a second stop, or the group gone: the failure is still recorded
             log.warning("attempt %d: the ranks' preemption did not finish (%s: %s)", attempt, type(exc).__name__, exc)
+        if operator:  # an operator's action, not a failure: no failure marker, nothing spent of the budget
+            with contextlib.suppress(Exception):
+                rec.record("shutdown", detected, self.clock(), failed=False, live=False, operator=True)
+            return
         failure = Failure(failure_class=FailureClass.PREEMPTION, rank=-1, attempt=attempt,
                           reason=f"the process running the refresh was stopped ({stopped}): every rank was preempted "
                                  "with it",

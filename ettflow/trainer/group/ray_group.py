@@ -46,6 +46,7 @@ from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
+from ettflow.trainer.group.stop_request import stop_noted
 from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
@@ -99,7 +100,29 @@ def ensure_ray(num_cpus: int | None = None) -> RayConnection:
         joined = RayConnection("joined", address, time.monotonic() - t0)
         POOL.attach_cluster()  # a cluster that outlives this process: its pool serves every run
         return joined
+    global _OWN_LOCAL_RAY
+    _OWN_LOCAL_RAY = True
     return RayConnection("started", _gcs_address(), time.monotonic() - t0)
+
+
+# this process started the Ray it uses (no RAY_ADDRESS): that Ray's GCS and raylet are its
+# children, in its process group, and a Prefect worker's stop (a signal to the whole group)
+# takes them down with it
+_OWN_LOCAL_RAY = False
+_STOPPING = False  # this process was told to stop (`process_stopping`)
+
+
+def process_stopping() -> None:
+    """This process was told to stop (the driver preempts its ranks, or a task saw the stop)."""
+    global _STOPPING
+    _STOPPING = True
+
+
+def local_ray_going() -> bool:
+    """Whether this process is being stopped together with the local Ray it started: any call
+    that needs that Ray's GCS (a placement group's removal, a named actor, the nodes) would wait
+    for a GCS that is gone, until the worker's SIGKILL. What needs none still runs."""
+    return _OWN_LOCAL_RAY and (_STOPPING or stop_noted())
 
 
 @contextlib.contextmanager
@@ -195,6 +218,7 @@ class RayWorkerGroup:
         self.spares: SparePool | None = None  # live recovery (a spare, on GPU in a bundle of its own)
         self.joining: int | None = None  # the rank a spare took (live recovery)
         self.finished: set[int] = set()  # ranks whose training returned
+        self.preempting = False  # `preempt` was called: the ranks end because they were told to
         self.gpu = False  # the placement holds GPUs (no warm pool; the spare in a bundle)
         self.bundles = SpareBundles.plan(0, spare=False)  # a GPU placement's ranks' and spare's bundles
         # the run's start, measured for the pool's hold rule: when its ranks were asked for, how
@@ -456,8 +480,12 @@ class RayWorkerGroup:
         return PollStatus(finished=finished, failed=tuple(failed))
 
     def _on_node(self, failure: Failure) -> Failure:
-        """A lost process whose node the cluster lists as dead is the node's failure."""
-        if not is_process_loss(failure) or not 0 <= failure.rank < len(self.info):
+        """A lost process whose node the cluster lists as dead is the node's failure. Not asked
+        once the group was preempted: its ranks end because they were told to, and the process's
+        stop may be taking a local Ray's GCS down with it (a worker signals the flow's process
+        group), where `ray.nodes()` would wait for a GCS that is gone."""
+        if self.preempting or local_ray_going() or not is_process_loss(failure) \
+                or not 0 <= failure.rank < len(self.info):
             return failure
         node = self.info[failure.rank].node_id
         if node in live_nodes():
@@ -476,6 +504,8 @@ class RayWorkerGroup:
         (preemption.py: the ranks agree at the next step boundary and take an emergency
         checkpoint when the grace allows). A rank on another node gets none: its peers' stop
         ends its attempt, and the durable checkpoint is what restores it."""
+        self.preempting = True
+        process_stopping()
         here = ray.util.get_node_ip_address()
         remote = []
         for rank, info in enumerate(self.info):
@@ -493,6 +523,17 @@ class RayWorkerGroup:
     def teardown(self) -> None:
         # SIGKILL first where the pid is ours to signal: `ray.kill` may deliver SIGTERM, which
         # a rank takes for a preemption (preemption.py), and the group's end is not one
+        if local_ray_going():
+            # this process is being stopped, and its own local Ray with it (a worker signals the
+            # whole process group): a GCS call would wait for a GCS that is gone (30 s, until the
+            # worker's SIGKILL). What is ours is killed; the placement group ends with that Ray.
+            for info in self.info:
+                if info.node_ip == ray.util.get_node_ip_address():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(info.pid, signal.SIGKILL)
+            self.actors, self.refs, self.pg = [], {}, None
+            self.released_at = time.time()
+            return
         for rank, actor in enumerate(self.actors):
             info = self.info[rank] if rank < len(self.info) else None
             if info is not None and info.node_ip == ray.util.get_node_ip_address():

@@ -16,6 +16,14 @@ import signal
 import threading
 from types import FrameType
 
+_NOTED = False  # a stop of this process was noted (it stays noted: the process is going)
+
+
+def stop_noted() -> bool:
+    """Whether a `DeferredStop` of this process noted a stop (even one not raised yet): what the
+    process asks of a cluster it is taking down with it can wait, and should not."""
+    return _NOTED
+
 
 class StopRequested(BaseException):
     """The process was told to stop by `signal` (a number, as Prefect's `TerminationSignal`
@@ -38,6 +46,8 @@ class DeferredStop:
         self._installed = False
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
+        global _NOTED
+        _NOTED = True
         self.noted = signum
 
     def check(self) -> None:
