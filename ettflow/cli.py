@@ -10,6 +10,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from . import paths
+from .console import user_doc
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -175,7 +176,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ettflow", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ettflow", description=user_doc(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
 
     rep = sub.add_parser("report", help="per-run L1/L2 and a per-model summary from the warehouse")

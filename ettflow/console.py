@@ -161,3 +161,10 @@ def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> 
         logger = logging.getLogger(name)
         if not any(isinstance(f, ExplainedErrorFilter) for f in logger.filters):
             logger.addFilter(ExplainedErrorFilter())
+
+
+def user_doc(doc: str | None) -> str:
+    """A command module's docstring as its `--help` shows it: without the paragraphs written for
+    developers (those naming `register(subparsers)` or `main(argv)`)."""
+    paragraphs = (doc or "").strip("\n").split("\n\n")
+    return "\n\n".join(p for p in paragraphs if "register(" not in p and "main(argv)" not in p)

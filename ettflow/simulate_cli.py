@@ -9,7 +9,9 @@ runs, the optimized settings' from its optimized runs), each cost no run measure
 training per refresh) and the failure model are the job shape's. For each GPU count: the
 untuned baseline and the optimized settings with the number of spare nodes (0..--max-spares)
 that maximizes capETT, each over --replications seeded refreshes (mean and 95% half-width),
-then capETT against the number of spares; a PNG of both. `register(subparsers)` adds it.
+then capETT against the number of spares; a PNG of both.
+
+`register(subparsers)` adds the command to `ettflow`'s sub-parsers.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ettflow.console import user_doc
+
 SPARE_NOTE = "spares: spare nodes held per run (each --gpus-per-node GPUs), used by live recovery"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="a model's ETT and capETT at 1k-16k GPUs from its measured costs and "
                                         "published failure rates (baseline vs optimized, spares that pay)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="read this model's costs from its runs in the warehouse (default: all assumed)")
     p.add_argument("--url", help="warehouse URL (default: ETTFLOW_WAREHOUSE_URL or the per-user SQLite file)")
     p.add_argument("--gpus", default="1024,4096,16384", help="GPU counts, comma-separated (default: %(default)s)")

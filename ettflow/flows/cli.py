@@ -25,6 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from ettflow.console import user_doc
 from ettflow.flows.env_defaults import set_env_defaults
 from ettflow.tasks.parameters import RefreshParameters, SwitchParams, field_help, parameter_names_help
 
@@ -261,7 +262,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("refresh", help="run one refresh end to end in this process and print its ETT report "
                                               "(the in-process convenience; `ettflow up --refreshes N` runs them "
                                               "as deployment runs)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=cmd_refresh)
 

@@ -7,11 +7,12 @@
 `--delta-on` stores the snapshot as a delta on a published one (the rows that changed);
 `--materialize` writes the full snapshot (model.pt) a delta snapshot stands for.
 
-It publishes once. `register(subparsers)` adds the command to `ettflow`'s sub-parsers; its
-`func` returns an exit code: 0 published, 2 refused (torn anchor, validation failed, bad
+It publishes once. Exit status: 0 published, 2 refused (torn anchor, validation failed, bad
 arguments: running it again will not help), 1 failed in a way that may pass when the same
-command runs again (it says so). `main(argv)` runs it alone
-(`python -m ettflow.publish.cli --anchor ...`).
+command runs again (it says so).
+
+`register(subparsers)` adds the command to `ettflow`'s sub-parsers (its `func` returns that
+exit status); `main(argv)` runs it alone (`python -m ettflow.publish.cli --anchor ...`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from ettflow.console import user_doc
 
 
 def default_output_root() -> str:
@@ -96,12 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `publish` to `ettflow`'s sub-parsers."""
     parser = subparsers.add_parser("publish", help="anchor checkpoint -> validated inference snapshot (CPU)",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ettflow publish", description=__doc__,
+    parser = argparse.ArgumentParser(prog="ettflow publish", description=user_doc(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

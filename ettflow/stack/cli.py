@@ -15,6 +15,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from ettflow.console import user_doc
+
 from .config import StackConfig, StackError, config_from
 
 if TYPE_CHECKING:
@@ -158,7 +160,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `up`, `down` and `status` to `ettflow`'s sub-parsers."""
     up = subparsers.add_parser(
         "up", help="start (or find) the deployed path here: Prefect server, Ray head, work pool, deployments, "
-                   "worker, automations", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                   "worker, automations", description=user_doc(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _ports(up)
     up.add_argument("--num-cpus", type=int, help="the Ray head's CPUs (default: this machine's, at least 4)")
     up.add_argument("--webhook-url", help="where the alert automations post (creates the webhook block)")

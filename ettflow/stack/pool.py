@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from ettflow.console import user_doc
+
 from .config import StackError, config_from
 from .records import StackRecord
 
@@ -129,6 +131,6 @@ def stop_pool(pool, say) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pool", help="the cluster's warm pool: what it holds, or stop it",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=("status", "stop"))
     p.set_defaults(func=cmd_pool)

@@ -21,6 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ettflow.console import user_doc
+
 
 def cmd_archive(args: argparse.Namespace) -> int:
     from ettflow import paths
@@ -62,7 +64,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `archive` to `ettflow`'s sub-parsers."""
     p = subparsers.add_parser("archive", help="archive runs from their spool: one run, or every pending one",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", action="append", metavar="ID", help="a run id (the flow run id); repeatable")
     which.add_argument("--pending", action="store_true",

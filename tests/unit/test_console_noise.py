@@ -77,3 +77,22 @@ def test_console_times_carry_their_zone():
         assert out.returncode == 0, out.stderr
         line = out.stdout.strip().splitlines()[-1]
         assert line.startswith(f"{shown} | INFO") and line.endswith("Flow run 'probe-run' - hello"), line
+
+
+def test_no_help_page_shows_a_note_written_for_developers():
+    """Issue 43: `ettflow up --help` printed "`register(subparsers)` adds the three commands...".
+    Every command's and sub-command's help, walked from the parser itself."""
+    import argparse
+
+    from ettflow.cli import build_parser
+
+    def pages(parser: argparse.ArgumentParser):
+        yield parser.prog, parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from pages(sub)
+
+    seen = dict(pages(build_parser()))
+    assert len(seen) > 15 and "ettflow up" in seen and "ettflow publish" in seen
+    assert not [prog for prog, text in seen.items() if "register(" in text or "main(argv)" in text]
