@@ -92,3 +92,58 @@ def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Refresh
                 raise StackError(f"deployment run {run_id} is still {name} after {timeout_s:.0f} s (it goes on on the "
                                  f"worker): {url}")
             time.sleep(poll_s)
+
+
+ACTIVE = ("RUNNING", "PENDING", "CANCELLING")  # runs a worker has taken: their processes run now
+CANCEL_WAIT_S = 90.0  # a cancelled run's end: the ranks' emergency checkpoint, the hooks, the archive
+
+
+def cancel_running(api_url: str, pool: str, *, timeout_s: float = CANCEL_WAIT_S, poll_s: float = 1.0,
+                   say: Callable[[str], None] = print) -> list[DeployedRun]:
+    """Cancel every run of work pool `pool` a worker is executing, as the UI's Cancel does (the
+    run set CANCELLING: its worker stops the process, the ranks take their emergency checkpoint,
+    the stop is the operator's, not a failure, and the hooks archive the run), and wait until
+    each is final, at most `timeout_s`; the runs as they ended (a run still going after the
+    wait is returned with its state then). The worker must still be running: it carries the
+    cancel out. Scheduled runs that have not started are left to the schedule."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    with prefect_api(api_url), get_client(sync_client=True) as client:
+        running = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType(s) for s in ACTIVE]))),
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+        if not running:
+            return []
+        t0 = time.monotonic()
+        for run in running:
+            if run.state is not None and run.state.type != StateType.CANCELLING:
+                client.set_flow_run_state(run.id, Cancelling(message="stopped by `ettflow down`"))
+            say(f"  cancelling the running refresh {run.name} ({run.id}): its ranks save, its row is archived")
+        ended: dict[str, DeployedRun] = {}
+        while True:
+            for run in running:
+                key = str(run.id)
+                if key in ended:
+                    continue
+                now = client.read_flow_run(run.id)
+                kind = str(getattr(now.state.type, "value", now.state.type)) if now.state is not None else "PENDING"
+                if kind in FINAL:
+                    ended[key] = DeployedRun(key, now.name, kind, now.state.message or "", "", time.monotonic() - t0)
+            if len(ended) == len(running) or time.monotonic() - t0 > timeout_s:
+                break
+            time.sleep(poll_s)
+        for run in running:
+            if str(run.id) not in ended:
+                say(f"  the refresh {run.name} ({run.id}) did not end within {timeout_s:.0f} s of its cancel: "
+                    "it is stopped with the worker, and archived as crashed by the next refresh")
+        return list(ended.values())

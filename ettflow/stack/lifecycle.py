@@ -2,8 +2,10 @@
 
 `up` writes its record after each service, so a failure part way leaves a record that `down`
 can stop; a service already running (this stack's, or one found at its port) is used as it
-is. `down` stops the worker first (no new flow run starts), then the Ray head, then the
-server, each by its process group, then every process left that carries the stack's id.
+is. `down` first cancels the refreshes the worker is running (as the UI's Cancel: their
+ranks save, their rows are archived, the stop is no failure) and waits for them, then stops
+the worker (no new flow run starts), the Ray head and the server, each by its process group,
+then every process left that carries the stack's id.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
         say(f"ettflow down: no stack recorded under {cfg.stack_dir}: nothing to stop")
         return Stopped((), 0)
     stopped = []
+    worker = record.service("worker")
+    if worker is not None and worker.process() is not None and services.prefect_healthy(record.api_url):
+        _cancel_running(record, say)  # first, while the worker can still carry the cancels out
     head = record.service("ray-head")
     if head is not None and head.started and head.process() is not None:
         _stop_pool(cfg, say)
@@ -96,6 +101,23 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
     say("ettflow down: the stack is stopped" + (f" (left running, not started by `ettflow up`: {', '.join(kept)})"
                                                   if kept else ""))
     return Stopped(tuple(stopped), len(left))
+
+
+def _cancel_running(record: StackRecord, say: Say) -> None:
+    """The refreshes the worker is running are stopped as an operator's cancel (`deployed_runs.
+    cancel_running`): emergency checkpoints, rows archived as cancelled, no failure counted,
+    Prefect's state final before `down` goes on. A failure is said, and `down` goes on."""
+    from .deployed_runs import cancel_running
+
+    try:
+        ended = cancel_running(record.api_url, record.pool, say=say)
+    except Exception as exc:  # noqa: BLE001 - stopping the stack must not depend on it
+        say(f"  the running refreshes were not cancelled first ({type(exc).__name__}: {exc}): they stop with the "
+            "worker and are archived as crashed by the next refresh")
+        return
+    for run in ended:
+        first = run.message.splitlines()[0][:160] if run.message else ""
+        say(f"  {run.name}: {run.state.lower()} after {run.seconds:.1f} s" + (f" ({first})" if first else ""))
 
 
 def _stop_pool(cfg: StackConfig, say: Say) -> None:

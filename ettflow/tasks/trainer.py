@@ -66,7 +66,8 @@ def cancelled_by(flow_run_id: str) -> str | None:
     with get_client(sync_client=True, httpx_settings={"timeout": 5.0}) as client:
         state = client.read_flow_run(UUID(flow_run_id)).state
     if state is not None and (state.is_cancelling() or state.is_cancelled()):
-        return f"cancelled by an operator (Prefect state {state.name})"
+        said = (state.message or "").splitlines()[0][:120] if state.message else ""
+        return f"cancelled by an operator (Prefect state {state.name}{': ' + said if said else ''})"
     return None
 
 def finished_anchor(plan: RefreshPlan) -> Path | None:
