@@ -151,9 +151,11 @@ def refresh_model(
     checked = check_warehouse(plan.warehouse, return_state=True)
     if checked.is_failed():
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
+    # first: what earlier runs left pending moves the watermark, so "is there new data?" (the
+    # demo's arrival below, the claim) is asked of the watermark as it really is
+    reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
     if arrive_windows(plan):  # the demo's next window arrived (never on a user's data): plan with it
         plan = _plan(params)
-    reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
     progress = RunProgress(plan.run_id, plan.artifact_slug)
     progress.show("claiming the windows past the model's watermark")
     claim = claim_windows(plan)

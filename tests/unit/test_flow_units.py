@@ -409,3 +409,24 @@ def test_prune_task_removes_only_doomed_folders(tmp_path, flow_data, monkeypatch
                                             created_at=t, finished_at=t))
     assert apply_retention(plan) == (["a"], 2)  # c: the last refresh; b: the current anchor
     assert sorted(p.name for p in plan.runs_root.iterdir()) == ["b", "c"]
+
+
+def test_the_refresh_reconciles_before_it_asks_whether_there_is_new_data():
+    """Issue 42 #8: after a warehouse outage the refresh that reconciles asked "is there new
+    data?" (the demo's arrival) of the watermark before reconciliation moved it, and skipped
+    with "nothing new". The flow's body now reconciles first: checked on its calls' order."""
+    import ast
+    import inspect
+    import textwrap
+
+    from ettflow.flows.refresh import refresh_model
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(refresh_model.fn)))
+    first: dict[str, int] = {}
+    for node in ast.walk(body):
+        if isinstance(node, ast.Call):
+            func = node.func.func if isinstance(node.func, ast.Call) else node.func  # reconcile_task()(...)
+            name = getattr(func, "id", None)
+            if name in ("reconcile_task", "arrive_windows", "claim_windows"):
+                first[name] = min(first.get(name, node.lineno), node.lineno)
+    assert first["reconcile_task"] < first["arrive_windows"] < first["claim_windows"], first
