@@ -35,6 +35,7 @@ from .run_metrics import RunMetrics
 SEP = " · "
 FAILURES_NAMED = 3  # failures spelled out in a state message; the rest are counted
 REASON_CHARS = 120  # a failure's reason in a state message is cut here
+OUTCOME_CHARS = 500  # how the run ended (its first line) in a state message; the whole of it is logged
 TAG_PREFIXES = ("model:", "mode:", "failures:", "outcome:")  # the tags this module owns
 WINDOW_PREFIX = "window="
 
@@ -127,15 +128,27 @@ def _failures_named(s: RunSummary, said: str) -> str | None:
     return "; ".join(f.text for f in notes[:FAILURES_NAMED]) + more
 
 
+def short_reason(reason: str | None) -> str:
+    """How a run ended, as its state message says it: the first line, at most OUTCOME_CHARS
+    (a full disk's error ran to 2,202 characters); `reason_is_cut` says when the rest goes to the
+    run's log."""
+    first = (reason or "").strip().split("\n", 1)[0]
+    return first if len(first) <= OUTCOME_CHARS else first[:OUTCOME_CHARS - 1].rstrip() + "…"
+
+
+def reason_is_cut(reason: str | None) -> bool:
+    return bool(reason) and short_reason(reason) != (reason or "").strip()
+
+
 def state_message(s: RunSummary) -> str:
     """The run's final state message (see the module docstring): the numbers first, so the UI's
-    cut ("See More") never hides them; then how it ended, then its failures."""
+    cut ("See More") never hides them; then how it ended (`short_reason`), then its failures."""
     if s.outcome == Outcome.SKIPPED.value:
-        return s.reason or "skipped"
+        return short_reason(s.reason) or "skipped"
     parts = [f"ETT {s.ett_pct:.1f}%", f"NoF {s.nof}", f"TTS {s.tts_s:.1f} s"] if s.measured \
         else ["no ETT: the run recorded no phase"]
     if s.outcome not in (Outcome.PUBLISHED.value, FinalState.COMPLETED.value):
-        parts.append(f"{s.outcome}: {s.reason}" if s.reason else s.outcome)
+        parts.append(f"{s.outcome}: {short_reason(s.reason)}" if s.reason else s.outcome)
     named = _failures_named(s, s.reason or "")
     if named:
         parts.append(named)

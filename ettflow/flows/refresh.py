@@ -32,7 +32,7 @@ from prefect.states import Completed, Failed, State
 
 from ettflow.ett.heartbeat import RunHeartbeat
 from ettflow.ett.lineage import Outcome
-from ettflow.ett.run_summary import FinalState, run_name, state_message
+from ettflow.ett.run_summary import FinalState, run_name, short_reason, state_message
 from ettflow.flows.parameter_help import with_parameter_help
 from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.arrivals import arrive_windows
@@ -101,7 +101,7 @@ def _finish(plan: RefreshPlan, state: FinalState, outcome: Outcome, *, reason: s
         message = state_message(summary)
     except Exception:  # noqa: BLE001 - archiving must not change how the run ended; its hook tries again
         get_run_logger().exception("could not finish run %s (its state hook archives it again)", plan.run_id)
-        message = reason or ""
+        message = short_reason(reason)
     return Completed(message=message, data=data) if state is FinalState.COMPLETED else Failed(message=message,
                                                                                                data=data)
 

@@ -51,6 +51,7 @@ from ettflow.ett.run_summary import (
     failure_line,
     measured_name,
     progress_history,
+    reason_is_cut,
     run_tags,
     state_message,
     summarize,
@@ -277,6 +278,8 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
                                      progress_history(archived.metrics)
                                      if archived is not None and archived.status != "skipped" else None)
     logger.log(logging.INFO if state is FinalState.COMPLETED else logging.WARNING, "%s: %s", state.title, message)
+    if reason_is_cut(summary.reason):  # the state message has its first line: the whole of it is here
+        logger.warning("%s, in full: %s", state.title, summary.reason)
     if in_body:
         _FINISHED_IN_BODY[run_id] = state
     return summary

@@ -266,3 +266,20 @@ def test_a_restart_says_what_it_really_restored():
                                         "damaged checkpoint(s) of step 5 skipped")
     assert restored_text(events, 4) == ("attempt 4 started from step 0 on the parent refresh's anchor: no copy of "
                                         "this run could be restored")
+
+
+def test_how_a_run_ended_is_one_bounded_line_in_its_state_message():
+    """Issue 42 #8: a full disk's state message ran to 2,202 characters (the whole exception).
+    The message keeps the reason's first line, cut at OUTCOME_CHARS; the archive logs all of it."""
+    from ettflow.ett.run_summary import OUTCOME_CHARS, reason_is_cut, short_reason
+
+    long = "OSError: [Errno 28] No space left on device: '/spool/x' " + "x" * 3000 + "\nTraceback ..."
+    failed = summary(state=FinalState.FAILED, outcome="failed", reason=long, nof=0, failures=())
+    message = state_message(failed)
+    assert message.startswith("ETT 91.2% · NoF 0 · TTS 8.3 s · failed: OSError: [Errno 28] No space left")
+    assert len(message) < OUTCOME_CHARS + 60 and message.endswith("…") and "Traceback" not in message
+    assert reason_is_cut(long) and len(short_reason(long)) == OUTCOME_CHARS
+    assert not reason_is_cut("rank 1 killed") and short_reason("rank 1 killed") == "rank 1 killed"
+    assert short_reason("two\nlines") == "two" and reason_is_cut("two\nlines")
+    skipped = summary(state=FinalState.COMPLETED, outcome="skipped", reason="nothing new\nsince " + "y" * 400)
+    assert state_message(skipped) == "nothing new"
