@@ -56,3 +56,36 @@ def test_a_restore_makes_the_next_memory_copy_whole_and_forgets_the_rows_before_
     assert s.memory_rows() is None and ids(s.durable_rows()) == [4]
     s.off = "row-wise sharding"  # deltas off for the run: every copy is whole
     assert s.memory_rows() is None and s.memory_rows() is None
+
+
+def test_an_async_delta_takes_its_rows_at_the_capture_and_gives_them_back_when_it_does_not_commit(tmp_path,
+                                                                                                  monkeypatch):
+    """Issue 44: an async delta's rows leave the ledger when it is captured (what is touched while
+    it is written goes to the next save), come back when it does not commit, and become the head
+    when it does; a state that cannot be a delta turns deltas off, its rows kept for the base."""
+    from ettflow.trainer.checkpoint.delta import CapturedDelta, DeltaCommit
+    from ettflow.trainer.checkpoint.delta_chain import Link
+    from ettflow.trainer.rank import delta_saves
+
+    monkeypatch.setattr(delta_saves, "capture", lambda state, *, step, parent, parent_digest, touched: CapturedDelta(
+        step, parent, parent_digest, {"rows": touched[T]}, {}))
+    s = saves(tmp_path, [[1, 2], [3], [4], [5], [6]])
+    s.links = [Link(step=5, kind="base", digest="d5")]
+    s.head = s.links[0]
+    captured, taken = s.start(10, None)
+    assert (captured.step, captured.parent, captured.parent_digest, ids(taken)) == (10, 5, "d5", [1, 2])
+    assert ids(s.durable_rows()) == [3]  # touched while it is written: the next save's
+    failed = DeltaCommit(step=10, parent=5, committed=False, error="rank 1: OSError: disk full")
+    assert s.finished(captured, taken, failed, rank=0) is failed
+    assert ids(s.durable_rows()) == [1, 2, 3, 4] and s.head.step == 5  # back in the ledger; the head stays
+    captured, taken = s.start(10, None)
+    assert ids(taken) == [1, 2, 3, 4, 5]  # again, with what the tracker saw since
+    done = DeltaCommit(step=10, parent=5, committed=True, digest="d10", bytes=123)
+    s.finished(captured, taken, done, rank=0)
+    assert (s.head.step, s.head.kind, s.head.parent, s.head.parent_digest, s.head.digest) == (10, "delta", 5, "d5",
+                                                                                            "d10")
+    assert ids(s.durable_rows()) == [6] and s.choose()[0] == "delta"
+    captured, taken = s.start(15, None)
+    s.finished(captured, taken, DeltaCommit(step=15, parent=10, committed=False, unsupported=True,
+                                            error="t0 is sharded by rows"), rank=0)
+    assert s.off is not None and s.choose()[0] == "base" and ids(s.durable_rows()) == [6]

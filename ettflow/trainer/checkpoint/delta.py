@@ -404,24 +404,59 @@ class DeltaCommit:
     unsupported: bool = False
 
 
-def write_delta(root: Path | str, *, step: int, parent: int, parent_digest: str, state: TrainState,
-                touched: Mapping[str, torch.Tensor], group: Any) -> DeltaCommit:
-    """Every rank writes its part of the delta of `step` on `parent` into `delta_<n>.tmp`; once
-    every rank reported (`group`: all_gather and broadcast_from_first, the checkpoint group),
-    rank 0 seals it and renames it to `delta_<n>` (replacing a stale one of the same step), or
-    removes the `.tmp` folder when any rank failed. Collective. The caller's `RowLedger` is
-    `committed()` only when the outcome is."""
-    tmp, final = delta_dir(Path(root), step, tmp=True), delta_dir(Path(root), step)
-    problem, unsupported = None, False
+@dataclass(frozen=True)
+class CapturedDelta:
+    """This rank's part of the delta of `step` on `parent`, copied off the live state into host
+    memory (what the loop waits for): training may go on while `commit_captured` writes it.
+    `problem`: why it cannot be written (`unsupported`: it cannot be a delta at all)."""
+
+    step: int
+    parent: int
+    parent_digest: str
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    problem: str | None = None
+    unsupported: bool = False
+
+
+def capture(state: TrainState, *, step: int, parent: int, parent_digest: str,
+            touched: Mapping[str, torch.Tensor]) -> CapturedDelta:
+    """The blocking part of a delta save: the touched rows, their optimizer state and the dense
+    state gathered (on the device: `capture_delta` copies them), then moved to host memory in
+    one copy each; the step, cursor and RNG state as a base holds them. Not collective."""
     try:
         tensors, meta = capture_delta(state.model, state.optimizers, touched)
         tensors.update(own_tensors(state, step))
-        write_pack(tmp, group.rank, tensors, {**meta, "step": step, "parent": parent,
-                                              "cursor": json.loads(state.cursor_json())})
     except DeltaUnsupported as exc:
-        problem, unsupported = str(exc), True
-    except (OSError, CheckpointError) as exc:
-        problem = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+        return CapturedDelta(step, parent, parent_digest, {}, {}, problem=str(exc), unsupported=True)
+    host = {name: t if t.device.type == "cpu" else t.to("cpu") for name, t in tensors.items()}
+    return CapturedDelta(step, parent, parent_digest, host, {**meta, "step": step, "parent": parent,
+                                                             "cursor": json.loads(state.cursor_json())})
+
+
+def write_delta(root: Path | str, *, step: int, parent: int, parent_digest: str, state: TrainState,
+                touched: Mapping[str, torch.Tensor], group: Any) -> DeltaCommit:
+    """`capture` then `commit_captured`, while the caller waits: the synchronous delta save."""
+    return commit_captured(root, capture(state, step=step, parent=parent, parent_digest=parent_digest,
+                                         touched=touched), group)
+
+
+def commit_captured(root: Path | str, captured: CapturedDelta, group: Any) -> DeltaCommit:
+    """Every rank writes its captured part of the delta of `step` on `parent` into
+    `delta_<n>.tmp`; once every rank reported (`group`: all_gather and broadcast_from_first, the
+    checkpoint group), rank 0 seals it and renames it to `delta_<n>` (replacing a stale one of
+    the same step), or removes the `.tmp` folder when any rank failed. Collective: every rank
+    calls it for the same step, in the same order as its other checkpoint-group collectives (the
+    background save's thread runs them one at a time). The caller's `RowLedger` is
+    `committed()` only when the outcome is."""
+    step, parent, parent_digest = captured.step, captured.parent, captured.parent_digest
+    tmp, final = delta_dir(Path(root), step, tmp=True), delta_dir(Path(root), step)
+    problem, unsupported = captured.problem, captured.unsupported
+    if problem is None:
+        try:
+            write_pack(tmp, group.rank, captured.tensors, captured.meta)
+        except (OSError, CheckpointError) as exc:
+            problem = f"rank {group.rank}: {type(exc).__name__}: {exc}"
     reports = group.all_gather((problem, unsupported))
     outcome: tuple[str | None, str, int, str | None, bool] = (None, "", 0, None, False)
     if group.rank == 0:

@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -68,6 +68,7 @@ from ettflow.trainer.checkpoint.staging import make_stager
 from ettflow.trainer.checkpoint.state import TrainState
 from ettflow.trainer.checkpoint.verify import CheckpointInfo, verify
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -195,6 +196,19 @@ class CheckpointManager:
         except CheckpointException as e:  # a BaseException: would escape `except Exception`
             raise CheckpointError(f"checkpoint of step {step} into host memory failed: {describe(e)}") from e
         return dict(writer.files), state.cursor_json()
+
+    @property
+    def is_async(self) -> bool:
+        """Saves write and commit on the manager's background thread (`mode="async"`)."""
+        return self._async
+
+    def background(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the manager's background thread, after every save already handed to it
+        (one thing at a time, in the order given: the checkpoint group's collectives of a save
+        and of `fn` never interleave). Async mode only."""
+        if self._executor is None or self._closed:
+            raise CheckpointError("background work needs an open CheckpointManager in async mode")
+        return self._executor.submit(fn)
 
     def wait_staged(self) -> StagingWait | None:
         """With async staging: wait until the last save's copy into host memory is complete,

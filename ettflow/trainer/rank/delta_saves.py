@@ -6,7 +6,9 @@ the rows touched since the last committed save, and the chain the next delta ext
     kind, why = saves.choose()                # "delta" on the head, or "base" (delta_chain.next_kind)
     saves.base_started(step)                  # a full save began: its rows need no delta
     saves.base_committed(commit)              # ... and committed: it is the head
-    commit = saves.save(step, state, group)   # a delta on the head, collective
+    commit = saves.save(step, state, group)   # a delta on the head, collective, while the loop waits
+    captured, taken = saves.start(step, state)  # or: the blocking part (copies into host memory) ...
+    saves.finished(captured, taken, commit)   # ... and once `commit_captured` ran in the background
     rows = saves.memory_rows()                # the rows an in-memory delta copy holds (None: a whole one)
 
 Invariants: the head is a committed link (a base or delta whose commit every rank saw) or
@@ -24,12 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ettflow.trainer.checkpoint.delta import (
+    CapturedDelta,
     DeltaCommit,
     RowLedger,
+    capture,
+    commit_captured,
     commit_digest,
     enable_tracker,
     touched_rows,
-    write_delta,
 )
 from ettflow.trainer.checkpoint.delta_chain import Kind, Link, next_kind
 
@@ -93,20 +97,35 @@ class DeltaSaves:
         self.head, self._pending_base = link, None
 
     def save(self, step: int, state: TrainState, group: Any) -> DeltaCommit:
-        """The delta of `step` on the head, every rank together (`group`: the checkpoint group)."""
+        """The delta of `step` on the head, every rank together (`group`: the checkpoint group),
+        while the caller waits."""
+        captured, taken = self.start(step, state)
+        return self.finished(captured, taken, commit_captured(self.root, captured, group), rank=group.rank)
+
+    def start(self, step: int, state: TrainState) -> tuple[CapturedDelta, dict]:
+        """The blocking part of the delta of `step` on the head (`delta.capture`), and the rows it
+        holds: they leave the ledger now (rows touched from here on go to the next save) and
+        come back to it when the delta does not commit (`finished`). Not collective."""
         assert self.head is not None, "a delta needs a committed head: choose() says when"
-        touched = self.durable_rows()
-        commit = write_delta(self.root, step=step, parent=self.head.step, parent_digest=self.head.digest,
-                             state=state, touched=touched, group=group)
+        taken = self.durable_rows()
+        self.ledger.committed()
+        return capture(state, step=step, parent=self.head.step, parent_digest=self.head.digest,
+                       touched=taken), taken
+
+    def finished(self, captured: CapturedDelta, taken: dict, commit: DeltaCommit, *, rank: int) -> DeltaCommit:
+        """`commit` of `captured` ended (the same outcome on every rank): committed, the delta is
+        the head; else its rows go back to the ledger, and a state that cannot be a delta turns
+        deltas off for the run."""
         if commit.committed:
-            self.ledger.committed()
-            link = Link(step=step, kind="delta", parent=self.head.step, bytes=commit.bytes, digest=commit.digest,
-                        parent_digest=self.head.digest)
-            self.links = [*(x for x in self.links if x.step != step), link]
+            link = Link(step=captured.step, kind="delta", parent=captured.parent, bytes=commit.bytes,
+                        digest=commit.digest, parent_digest=captured.parent_digest)
+            self.links = [*(x for x in self.links if x.step != captured.step), link]
             self.head = link
-        elif commit.unsupported:
+            return commit
+        self.ledger.add(taken)
+        if commit.unsupported:
             self.off = f"delta checkpoints are off for this run: {commit.error}"
-            if group.rank == 0:
+            if rank == 0:
                 log.warning("%s; every checkpoint is a full save", self.off)
         return commit
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +22,7 @@ import torch
 from ettflow.ett.checkpoint_tier import CheckpointTier, RestoreSource
 from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult
 from ettflow.trainer.checkpoint.config import CheckpointError
-from ettflow.trainer.checkpoint.delta import DeltaInfo, apply_chain
+from ettflow.trainer.checkpoint.delta import CapturedDelta, DeltaCommit, DeltaInfo, apply_chain, commit_captured
 from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
 from ettflow.trainer.checkpoint.latest import checked_scan
 from ettflow.trainer.checkpoint.layout import parse_name
@@ -34,12 +36,23 @@ from ettflow.trainer.rank.tiers import TierContext, TierMiss
 log = logging.getLogger("ettflow.trainer")
 
 
+@dataclass(frozen=True)
+class InFlightDelta:
+    """An async delta: its background write and commit (with when it ran), what it captured, and
+    the rows it holds (back to the ledger when it does not commit)."""
+
+    future: Future[tuple[DeltaCommit, float, float]]
+    captured: CapturedDelta
+    taken: dict
+
+
 class DurableTier:
     kind = CheckpointTier.DURABLE
 
     def __init__(self, ctx: TierContext) -> None:
         self.ctx = ctx
         self.manager: CheckpointManager | None = None
+        self._delta: InFlightDelta | None = None  # an async delta's write and commit, not waited for yet
 
     # ---- the tier interface ---------------------------------------------------------------
     def bind(self) -> None:
@@ -71,6 +84,7 @@ class DurableTier:
         deltas = self.ctx.deltas
         if deltas is not None:
             self.manager.wait()  # a base in flight commits first: it may be the head a delta names
+            self.settle_delta()  # and so does a delta
             kind, why = deltas.choose()
             if kind == "delta":
                 return self._save_delta(step, cursor, called)
@@ -96,6 +110,25 @@ class DurableTier:
         """The last save committed (on every rank: the commit is collective)."""
         if self.manager is not None:
             self.manager.wait()
+            self.settle_delta()
+
+    def settle_delta(self) -> None:
+        """Wait for the async delta in flight, if any: its outcome becomes the chain's
+        (`DeltaSaves.finished`), its write is recorded as `checkpoint_save_background`; raises
+        CheckpointError when it did not commit (as a failed async base does at `wait`). A state
+        that cannot be a delta turns deltas off: the next save is a base."""
+        flight, self._delta = self._delta, None
+        if flight is None:
+            return
+        commit, started, ended = flight.future.result()
+        deltas = self.ctx.deltas
+        assert deltas is not None
+        deltas.finished(flight.captured, flight.taken, commit, rank=self.ctx.rank)
+        self.ctx.rec.record("checkpoint_save_background", started, ended, step=flight.captured.step, kind="delta",
+                            committed=commit.committed, bytes=commit.bytes,
+                            path=str(commit.path) if commit.path else None, error=commit.error)
+        if not commit.committed and not commit.unsupported:
+            raise CheckpointError(f"delta checkpoint of step {flight.captured.step} failed: {commit.error}")
 
     def latest_step(self) -> int | None:
         """The newest step of the run's restorable chain at this world size (a disk scan)."""
@@ -120,6 +153,7 @@ class DurableTier:
     def abandon(self) -> None:
         """A peer failed: the save in flight can never commit (its group is gone); drop it
         without waiting on the group (`bind` builds a new manager)."""
+        self._delta = None  # its rows are in no committed link: the restore point says what is trained again
         if self.manager is not None:
             try:
                 self.manager.close()
@@ -208,12 +242,28 @@ class DurableTier:
                                    rows=rows)
 
     def _save_delta(self, step: int, cursor: Cursor, called: float) -> float:
-        """A delta checkpoint of `step` on the last committed one, written while the loop waits
-        (it is small: the touched rows); raises CheckpointError when it did not commit."""
+        """A delta checkpoint of `step` on the last committed one. With `async_checkpoint` the loop
+        waits only for the capture into host memory; the write, the ranks' agreement and the seal
+        run on the manager's background thread (after any base in flight: a delta commits only
+        after its parent), settled at the next save or `wait`. Otherwise it is written while
+        the loop waits; raises CheckpointError when it did not commit."""
         deltas = self.ctx.deltas
         assert self.manager is not None and deltas is not None
         state = self.ctx.set_position(step, cursor)
         parent = deltas.head.step if deltas.head else None
+        if self.manager.is_async:
+            captured, taken = deltas.start(step, state)
+            root, group = deltas.root, self.manager.group
+
+            def write() -> tuple[DeltaCommit, float, float]:
+                started = time.time()
+                return commit_captured(root, captured, group), started, time.time()
+
+            self._delta = InFlightDelta(self.manager.background(write), captured, taken)
+            end = time.time()
+            self.ctx.rec.record("checkpoint_save_blocking", called, end, step=step, mode="async", kind="delta",
+                                parent=parent)
+            return end - called
         commit = deltas.save(step, state, self.manager.group)
         end = time.time()
         if not commit.committed and not commit.unsupported:
