@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from ettflow.ett.cascade import attribute
 from ettflow.ett.checkpoint_interval import WasteModel, optimal_interval
-from ettflow.ett.events import L2_ORDER
+from ettflow.ett.events import L2_ORDER, PhaseEvent
 from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 from ettflow.trainer.data.windows import list_windows
 
@@ -39,6 +39,7 @@ from .compile_ablation import run_ablation
 from .jobs import (
     BASELINE,
     BASELINE_FRESH_HOST,
+    DELTA_ON,
     LIVE_RECOVERY_OFF,
     MODEL,
     OPTIMIZED,
@@ -101,7 +102,7 @@ class BenchPlan:
         return tuple(int(f * base) for f in self.kill_fractions)
 
     def ablation_rows(self) -> tuple[Row, ...]:
-        rows = (BASELINE_FRESH_HOST, fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF)
+        rows = (BASELINE_FRESH_HOST, fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF, DELTA_ON)
         return (*rows, WARM_POOL_OFF) if self.warm_pool else rows
 
 
@@ -280,8 +281,17 @@ def _row_values(job: JobResult) -> dict:
     return {"wall_s": m.wall_s, "TTS_s": m.tts_s, "NoF": m.nof,
             **{f"TTR{i + 1}_s": f.ttr_s for i, f in enumerate(m.failures)}, "ETT%": m.ett_pct,
             "capETT%": m.capacity_ett_pct, "held_s": m.held.held_s,
-            "saves": m.checkpoint_saves, "interval_steps": job.interval_steps,
+            "saves": m.checkpoint_saves, "interval_steps": job.interval_steps, "durable_MB": durable_mb(job.events),
             **{f"{c}_s": m.components[c] for c in L2_ORDER}}
+
+
+def durable_mb(events: Sequence[PhaseEvent]) -> float:
+    """The MB the job's durable checkpoints wrote in the background (every commit's folder, as
+    rank 0 sealed it: bases and deltas); NaN when it wrote none that way (synchronous saves
+    record no size)."""
+    sizes = [e.info.bytes for e in events if e.phase == "checkpoint_save_background" and e.rank == 0
+             and e.info.bytes is not None]
+    return sum(sizes) / 1e6 if sizes else float("nan")
 
 
 def pair_table(pair: tuple[JobResult, JobResult]) -> pd.DataFrame:

@@ -120,3 +120,20 @@ def test_the_interval_a_run_trained_with_is_read_from_its_saves():
     j = JobResult(run_id="r", row="fixed", mode="optimized", metrics=compute_run_metrics(t.events),
                   events=t.events, publish_s=0.0)
     assert (j.interval_source, j.interval_steps) == ("fixed", 16)  # the plan's, however few saves
+
+
+def test_durable_mb_sums_what_rank_0_sealed_in_the_background():
+    from ettflow.bench.jobs import DELTA_ON
+    from ettflow.bench.suite import durable_mb
+
+    from helpers.timelines import Timeline
+
+    t = Timeline("r")
+    t.ev("checkpoint_save_background", 1, 2, rank=0, step=5, bytes=3_000_000)
+    t.ev("checkpoint_save_background", 1, 2, rank=1, step=5, bytes=3_000_000)  # the same folder, seen by rank 1
+    t.ev("checkpoint_save_background", 3, 4, rank=0, step=10, kind="delta", bytes=500_000)
+    assert durable_mb(t.events) == 3.5
+    import math
+
+    assert math.isnan(durable_mb(Timeline("sync").ev("checkpoint_save_blocking", 1, 2, step=5).events))  # no size
+    assert DELTA_ON.switches == {"delta_checkpoint": True} and DELTA_ON.mode == "optimized"
