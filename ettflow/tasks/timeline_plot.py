@@ -1,5 +1,8 @@
 """The picture of a run: one row per attempt, its time coloured by L2 component, failures
 marked; CPU publishing after the devices were released on a row of its own (off the clock).
+The axis is the run's wall (submission to release): off-clock work past it (a CPU publish
+that takes longer than the run) is said in words in its row, never allowed to squeeze the run
+(issue 43: a 110-s publish had set the axis of a 23.7-s run).
 
 Drawn from the same intervals the metric sweeps (`ett.timeline.intervals_of`), so the colours
 are the partition's: where phases overlap, the higher-priority component is drawn on top.
@@ -37,13 +40,19 @@ def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title:
                      if iv.attempt == attempt and iv.component == component and iv.end > iv.start]
             if spans:
                 ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=COLOURS[component], linewidth=0)
+    end = axis_end(metrics)
     if publish:
         row = len(attempts)
         for e in publish:
             failed = e.info.outcome == "failed"
-            ax.broken_barh([(e.start - t0, max(e.duration, 1e-3))], (row - 0.35, 0.7),
-                           facecolors="none" if failed else PUBLISH_COLOUR, edgecolors=PUBLISH_COLOUR,
-                           hatch="//" if failed else None)
+            start, stop = e.start - t0, min(e.end - t0, end)
+            if stop > start:
+                ax.broken_barh([(start, max(stop - start, 1e-3))], (row - 0.35, 0.7),
+                               facecolors="none" if failed else PUBLISH_COLOUR, edgecolors=PUBLISH_COLOUR,
+                               hatch="//" if failed else None)
+        note = publish_note(publish, t0, end)
+        if note:
+            ax.text(end, row, note + " ", ha="right", va="center", fontsize=8, color="#333333")
     for e in events:
         if e.phase in (FAILURE, FAILURE_DETECTED) and e.attempt in attempts:
             row = attempts.index(e.attempt)
@@ -54,7 +63,7 @@ def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title:
             ax.plot([e.start - t0], [0], marker=">", color=DETECTED_COLOUR, linestyle="none", zorder=5)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(0, max(metrics.wall_s, max((e.end - t0 for e in publish), default=0)) * 1.01 or 1)
+    ax.set_xlim(0, end)
     ax.set_xlabel("seconds since submission")
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=COLOURS[c], label=c) for c in COMPONENTS]
@@ -71,3 +80,18 @@ def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title:
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
+
+
+def axis_end(metrics: RunMetrics) -> float:
+    """The picture's axis: the run's wall, a hair more so its last bar shows."""
+    return metrics.wall_s * 1.01 or 1.0
+
+
+def publish_note(publish: Sequence[PhaseEvent], t0: float, end: float) -> str:
+    """What of the CPU publishing lies past the axis, in words ("" when nothing does)."""
+    past = [e for e in publish if e.end - t0 > end]
+    if not past:
+        return ""
+    first, last = min(e.start for e in past) - t0, max(e.end for e in past) - t0
+    took = sum(e.duration for e in past)
+    return f"publish on the CPU, off the clock: {first:.1f}-{last:.1f} s ({took:.1f} s) →"

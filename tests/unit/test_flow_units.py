@@ -218,6 +218,25 @@ def test_timeline_picture(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+def test_the_timeline_axis_is_the_runs_wall_and_a_long_cpu_publish_is_said_in_words():
+    """Issue 43: a 110-s publish after the release set the axis of a 23.7-s run."""
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.tasks.timeline_plot import axis_end, publish_note
+
+    from helpers.timelines import Timeline
+
+    t = Timeline("pub").mark("submitted", 100).ev("scheduling", 100, 102, rank=-1).steps(102, 0, 20)
+    t.ev("shutdown", 122, 123.7, rank=-1).ev("publish_standalone", 124.0, 234.0, rank=-1, outcome="published")
+    m = compute_run_metrics(t.events)
+    assert m.wall_s == pytest.approx(23.7) and axis_end(m) == pytest.approx(23.7 * 1.01)
+    publish = [e for e in t.events if e.phase == "publish_standalone"]
+    assert publish_note(publish, m.wall_start, axis_end(m)) == \
+        "publish on the CPU, off the clock: 24.0-134.0 s (110.0 s) →"
+    assert publish_note([], m.wall_start, axis_end(m)) == ""
+    png = render_timeline(t.events, m)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_parameters():
     import argparse
 
