@@ -73,13 +73,15 @@ def run_table(runs: pd.DataFrame, ui_url: str | None = None) -> pd.DataFrame:
             # capacity-inclusive: what the pool and spares held for the run counts too (ett.capacity)
             "capETT%": numeric_column(runs, "capacity_ett_pct").where(runs["status"] != SKIPPED).round(1),
             "held_s": numeric_column(runs, "held_s").round(1),
-            "TTS_s": runs["tts_s"].round(1),
+            # a skipped run trained nothing: no time to start, and no component shares (its wall
+            # was the skip's decision, not a scheduler's queue)
+            "TTS_s": runs["tts_s"].where(runs["status"] != SKIPPED).round(1),
             "NoF": runs["nof"].astype(int),
             "TTR_mean_s": runs["ttr_mean_s"].round(1),
         }
     )
     for c in L2_ORDER:
-        out[f"{SHORT[c]}%"] = (100 * runs[f"{c}_s"] / runs["wall_s"]).round(1)
+        out[f"{SHORT[c]}%"] = (100 * runs[f"{c}_s"] / runs["wall_s"]).where(runs["status"] != SKIPPED).round(1)
     if ui_url:
         ids = runs["flow_run_id"] if "flow_run_id" in runs else [None] * len(runs)
         out["prefect_run"] = [flow_run_url(ui_url, i) or "-" for i in ids]

@@ -96,8 +96,11 @@ def _finish(plan: RefreshPlan, state: FinalState, outcome: Outcome, *, reason: s
     the flow function gets it raised, as from any failed flow."""
     ctx = FlowRunContext.get()
     try:
+        # a skipped run claimed no window: it is named for none (issue 43: it was named for the four
+        # its plan had listed)
+        windows = () if outcome is Outcome.SKIPPED else tuple(plan.trainer.windows or ())
         summary = finish_run(ctx.flow.name, ctx.flow_run, state=state, outcome=outcome.value, reason=reason,
-                             windows=tuple(plan.trainer.windows or ()), params=plan.params, in_body=True)
+                             windows=windows, params=plan.params, in_body=True)
         message = state_message(summary)
     except Exception:  # noqa: BLE001 - archiving must not change how the run ended; its hook tries again
         get_run_logger().exception("could not finish run %s (its state hook archives it again)", plan.run_id)

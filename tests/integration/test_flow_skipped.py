@@ -41,6 +41,18 @@ def assert_archived_as_skipped(env, run_id, reason):
         (rec,) = [r for r in wh.lineage("skippy") if r.run_id == run_id]
     assert row["status"] == "skipped" and row["tags"]["skip_reason"] == reason and not row["started_training"]
     assert rec.outcome is Outcome.SKIPPED and rec.reason == reason and rec.windows == ()
+    # named for what it is: no window it never claimed (issue 43), and no TTS or shares in the report
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run_id).name == "skippy-optimized · skipped"
+    from ettflow.ett.report import run_table
+
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        (shown,) = run_table(wh.runs_frame(run_id=run_id)).to_dict("records")
+    import pandas as pd
+
+    assert shown["status"] == "skipped" and pd.isna(shown["TTS_s"]) and pd.isna(shown["sched%"])
 
 
 def test_nothing_new_to_train_is_skipped(env, flow_data):
