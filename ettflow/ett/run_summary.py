@@ -205,16 +205,26 @@ def measured_name(s: RunSummary) -> str:
     `dlrm-optimized 2024010100..2024010103 (4) · ETT 42.6%`; `... · skipped`; `... · no ETT`."""
     if s.outcome == Outcome.SKIPPED.value:
         result = "skipped"
+    elif refused(s):
+        result = "refused"
     else:
         result = f"ETT {s.ett_pct:.1f}%" if s.measured else "no ETT"
     return SEP.join([run_name(s.model, s.mode, s.windows), result])
 
 
+def refused(s: RunSummary) -> bool:
+    """A run that failed before it recorded anything: refused (a parameter, the warehouse) before
+    it claimed, reserved or trained: no failure of a training to count."""
+    return s.state is FinalState.FAILED and not s.measured and s.outcome == FinalState.FAILED.value
+
+
 def run_tags(s: RunSummary, existing: Iterable[str] = ()) -> list[str]:
     """The run's tags: its other tags (the deployment's) kept in order, then model, mode,
-    failures and outcome (replacing older ones of this module)."""
+    failures and outcome (replacing older ones of this module); a refused run: `outcome:refused`
+    and no failure count (issue 43: it was tagged `failures:0`)."""
     kept = [t for t in existing if not t.startswith(TAG_PREFIXES)]
-    ours = [f"model:{s.model}", f"mode:{s.mode}", f"failures:{s.nof}", f"outcome:{s.outcome}"]
+    ours = [f"model:{s.model}", f"mode:{s.mode}", "outcome:refused"] if refused(s) else [
+        f"model:{s.model}", f"mode:{s.mode}", f"failures:{s.nof}", f"outcome:{s.outcome}"]
     return [*dict.fromkeys(kept), *ours]
 
 

@@ -86,6 +86,10 @@ def test_name_tags_and_description_head():
         "ettflow", "adhoc", "model:dlrm", "mode:optimized", "failures:1", "outcome:published"]
     assert description_head(s) == "ETT 91.2% · NoF 1 · Completed"
     assert description_head(summary(state=FinalState.CRASHED, ett_pct=None)) == "no ETT · Crashed"
+    # refused before it recorded anything (a parameter, the warehouse): said so, no failure count (issue 43)
+    refused = summary(state=FinalState.FAILED, outcome="failed", ett_pct=None, nof=0, failures=(), windows=())
+    assert measured_name(refused) == "dlrm-optimized · refused"
+    assert run_tags(refused, ["adhoc"]) == ["adhoc", "model:dlrm", "mode:optimized", "outcome:refused"]
 
 
 def test_the_failure_line_puts_ettflows_words_before_rays_detail():
