@@ -3,11 +3,11 @@
 Emitted once per final flow state, after the run's row is archived (or left pending: the
 numbers come from the spool either way), so automations can react to a run's ETT:
 
-- resource ``ettflow.run.<run_id>``, named ``<model>-<mode> · ETT 27.8% · NoF 2 · completed``
-  (the event feed shows the name), with labels an automation's
+- resource ``ettflow.run.<run_id>``, named ``<model>-<mode> · ETT 27.8% · capETT 25.1% · NoF 2 ·
+  completed`` (the event feed shows the name), with labels an automation's
   trigger can match (`ett.thresholds`): ``ettflow.model``, ``ettflow.mode``,
-  ``ettflow.outcome``, ``ettflow.deployment`` (when the run has one), ``ettflow.ett_pct``
-  (``DDD.D``) and ``ettflow.nof`` (``DDD``);
+  ``ettflow.outcome``, ``ettflow.deployment`` (when the run has one), ``ettflow.ett_pct`` and
+  ``ettflow.cap_ett_pct`` (``DDD.D``) and ``ettflow.nof`` (``DDD``);
 - related resources: the flow run (role ``flow-run``) and its deployment (role ``deployment``);
 - payload: `measured_payload`: ETT%, NoF, TTS, TTR, wall, the six components' exposed seconds
   (and unattributed), model, mode, deployment and outcome (the final state: completed, failed,
@@ -47,6 +47,7 @@ def measured_payload(archived: ArchiveResult, *, model: str, mode: str, deployme
         "deployment": deployment,
         "outcome": archived.status,
         "ett_pct": round(m.ett_pct, 2),
+        "cap_ett_pct": round(m.capacity_ett_pct, 2),  # what the pool and spares held for it counted too
         "nof": m.nof,
         "tts_s": round(m.tts_s, 3),
         "ttr_total_s": round(m.ttr_total_s, 3),
@@ -59,11 +60,13 @@ def measured_payload(archived: ArchiveResult, *, model: str, mode: str, deployme
 
 
 def resource_name(payload: dict[str, Any]) -> str:
-    """`dlrm-optimized · ETT 27.8% · NoF 2 · completed` (skipped: `dlrm-optimized · skipped`)."""
+    """`dlrm-optimized · ETT 27.8% · capETT 25.1% · NoF 2 · completed` (skipped:
+    `dlrm-optimized · skipped`)."""
     head = f"{payload['model']}-{payload['mode']}"
     if payload["outcome"] == "skipped":
         return f"{head} · skipped"
-    return f"{head} · ETT {payload['ett_pct']:.1f}% · NoF {payload['nof']} · {payload['outcome']}"
+    cap = f" · capETT {payload['cap_ett_pct']:.1f}%" if payload.get("cap_ett_pct") is not None else ""
+    return f"{head} · ETT {payload['ett_pct']:.1f}%{cap} · NoF {payload['nof']} · {payload['outcome']}"
 
 
 def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
@@ -77,6 +80,8 @@ def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
         "ettflow.ett_pct": ett_label(payload["ett_pct"]),
         "ettflow.nof": nof_label(payload["nof"]),
     }
+    if payload.get("cap_ett_pct") is not None:
+        labels["ettflow.cap_ett_pct"] = ett_label(payload["cap_ett_pct"])
     if payload["deployment"]:
         labels["ettflow.deployment"] = payload["deployment"]
     return labels

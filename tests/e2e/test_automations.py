@@ -57,6 +57,9 @@ def test_measured_event_and_automations_fire(measured_runs):
         "dlrm", "optimized", "published", "refresh-adhoc")
     assert event["resource"]["prefect.resource.id"] == f"ettflow.run.{run_id}"
     assert event["resource"]["ettflow.ett_pct"] == "027.8" and event["resource"]["ettflow.nof"] == "002"
+    # nothing was held for it: its capETT is its ETT, in the feed card's name and a label
+    assert payload["cap_ett_pct"] == 27.78 and event["resource"]["ettflow.cap_ett_pct"] == "027.8"
+    assert event["resource"]["prefect.resource.name"] == "dlrm-optimized · ETT 27.8% · capETT 27.8% · NoF 2 · published"
     related = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
     assert related["flow-run"] == f"prefect.flow-run.{run_id}" and related["deployment"].startswith(
         "prefect.deployment.")

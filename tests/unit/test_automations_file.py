@@ -30,6 +30,10 @@ def test_the_event_feed_shows_the_numbers_in_the_resource_name():
         "dlrm-optimized · ETT 27.8% · NoF 2 · completed")
     skipped = measured_resource(run(None, 0.0, 0, outcome="skipped"))
     assert skipped["prefect.resource.name"] == "dlrm-optimized · skipped"
+    # capETT beside the ETT, in the name and as a label (issue 43: only the raw JSON had it)
+    held = measured_resource({**run("refresh-adhoc", 27.78, 2), "cap_ett_pct": 25.14})
+    assert held["prefect.resource.name"] == "dlrm-optimized · ETT 27.8% · capETT 25.1% · NoF 2 · completed"
+    assert held["ettflow.cap_ett_pct"] == "025.1" and held["ettflow.ett_pct"] == "027.8"
 
 
 def test_the_shipped_file_compiles_to_four_automations():
