@@ -38,49 +38,59 @@ def timeline_file(snapshot: str | None, spool_dir: Path) -> Path:
     return spool_dir / ("run" + TIMELINE_SUFFIX)
 
 
-# nobody owns the value: a table cell of "-" is drawn as a list bullet by the Prefect UI's markdown
-NO_OWNER = "none"
+# nobody owns the value alone (the run's own totals): a table cell of "-" is drawn as a list
+# bullet by the Prefect UI's markdown, and "none" read as an error (issue 43)
+NO_OWNER = "the whole run"
+# one rounding rule for every figure a user reads (issue 43): percent to 1 decimal, seconds to 2,
+# slot-seconds whole, counts and rates as they are
+DIGITS = {"%": 1, "s": 2, "slot-s": 0}
+
+
+def _round(value: float | None, unit: str) -> float | int | None:
+    if value is None or unit not in DIGITS:
+        return value
+    return int(round(value)) if DIGITS[unit] == 0 else round(value, DIGITS[unit])
+
+
+def row(level: str, metric: str, exposed: Any, *, unit: str, raw: Any = None, raw_unit: str | None = None,
+        pct_of_wall: float | None = None, owner: str = NO_OWNER) -> dict[str, Any]:
+    """One row of the ETT table: the owner beside the metric (the table fits a 1440-px page),
+    then the values rounded by their unit (`DIGITS`); `raw` in `raw_unit` (default `unit`)."""
+    return {"level": level, "metric": metric, "owner": owner, "exposed": _round(exposed, unit),
+            "raw": _round(raw, raw_unit or unit), "pct_of_wall": _round(pct_of_wall, "%")}
 
 
 def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
-    """L1 then L2: each row has level, metric, exposed (s or %), raw, share of wall, owner (`NO_OWNER`
-    where nobody owns it). Every value is named by its row: a raw value that is not the exposed
-    one's raw time says what it is in the metric's name."""
+    """L1 then L2: each row has level, metric, owner (`NO_OWNER` for the run's own totals),
+    exposed (s or %), raw, share of wall. Every value is named by its row: a raw value that is
+    not the exposed one's raw time says what it is in the metric's name."""
     wall = m.wall_s or 1.0
     rows = [
-        {"level": "L1", "metric": "ETT %", "exposed": round(m.ett_pct, 2), "raw": None, "pct_of_wall": None,
-         "owner": NO_OWNER},
-        {"level": "L1", "metric": "ETT % in the study's L1 form, 1 - (TTS + NoF x TTR) / wall (an upper bound)",
-         "exposed": round(m.ett_l1_pct, 2), "raw": None, "pct_of_wall": None, "owner": NO_OWNER},
-        {"level": "L1", "metric": "capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)",
-         "exposed": round(m.capacity_ett_pct, 2), "raw": round(m.held.held_s, 3), "pct_of_wall": None,
-         "owner": NO_OWNER},
-        {"level": "L1", "metric": "unused spares, slot-s (cost)", "exposed": round(m.held.unused_spare_s, 3),
-         "raw": None, "pct_of_wall": None, "owner": "scheduler"},
+        row("L1", "ETT %", m.ett_pct, unit="%"),
+        row("L1", "ETT % in the study's L1 form, 1 - (TTS + NoF x TTR) / wall (an upper bound)", m.ett_l1_pct,
+            unit="%"),
+        row("L1", "capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)",
+            m.capacity_ett_pct, unit="%", raw=m.held.held_s, raw_unit="slot-s"),
+        row("L1", "unused spares, slot-s (cost)", m.held.unused_spare_s, unit="slot-s", owner="scheduler"),
     ]
     if m.held.prestart_s > 0:
-        rows.append({"level": "L1", "metric": "flow process held before its scheduled start, s (worker prefetch; "
-                     "no trainer slot)", "exposed": round(m.held.prestart_s, 3), "raw": None, "pct_of_wall": None,
-                     "owner": "scheduler"})
+        rows.append(row("L1", "flow process held before its scheduled start, s (worker prefetch; no trainer slot)",
+                        m.held.prestart_s, unit="s", owner="scheduler"))
     rows += [
-        {"level": "L1", "metric": "wall s", "exposed": round(m.wall_s, 3), "raw": None, "pct_of_wall": 100.0,
-         "owner": NO_OWNER},
-        {"level": "L1", "metric": "TTS s", "exposed": round(m.tts_s, 3), "raw": None,
-         "pct_of_wall": round(100 * m.tts_s / wall, 1), "owner": NO_OWNER},
-        {"level": "L1", "metric": "NoF", "exposed": m.nof, "raw": None, "pct_of_wall": None, "owner": NO_OWNER},
-        {"level": "L1", "metric": "TTR s (total; raw: the mean per failure)", "exposed": round(m.ttr_total_s, 3),
-         "raw": round(m.ttr_mean_s, 3), "pct_of_wall": round(100 * m.ttr_total_s / wall, 1), "owner": NO_OWNER},
+        row("L1", "wall s", m.wall_s, unit="s", pct_of_wall=100.0),
+        row("L1", "TTS s", m.tts_s, unit="s", pct_of_wall=100 * m.tts_s / wall),
+        row("L1", "NoF", m.nof, unit="count"),
+        row("L1", "TTR s (total; raw: the mean per failure)", m.ttr_total_s, unit="s", raw=m.ttr_mean_s,
+            pct_of_wall=100 * m.ttr_total_s / wall),
     ]
     for name in (*COMPONENTS, UNATTRIBUTED):
-        rows.append({"level": "L2", "metric": name, "exposed": round(m.components[name], 3),
-                     "raw": round(m.components_raw[name], 3),
-                     "pct_of_wall": round(100 * m.components[name] / wall, 1), "owner": m.owner(name) or NO_OWNER})
+        rows.append(row("L2", name, m.components[name], unit="s", raw=m.components_raw[name],
+                        pct_of_wall=100 * m.components[name] / wall, owner=m.owner(name) or NO_OWNER))
         ray = m.phases.get("ray_start") if name == "scheduling" else None
         if ray is not None:  # no Ray to join: the run started one, and paid for it (`ettflow up` keeps one)
-            rows.append({"level": "L2", "metric": "scheduling: ray_start (a local Ray started on this run's clock)",
-                         "exposed": round(ray.exposed_s, 3), "raw": round(ray.raw_s, 3),
-                         "pct_of_wall": round(100 * ray.exposed_s / wall, 1),
-                         "owner": owner_of("scheduling") or NO_OWNER})
+            rows.append(row("L2", "scheduling: ray_start (a local Ray started on this run's clock)", ray.exposed_s,
+                            unit="s", raw=ray.raw_s, pct_of_wall=100 * ray.exposed_s / wall,
+                            owner=owner_of("scheduling") or NO_OWNER))
     return rows
 
 
@@ -88,41 +98,38 @@ def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any
     """The checkpoint interval the run trained with and its inputs (`ett.interval_plan`); the
     expected wasted training beside the realized one (raw: the run's wasted_training)."""
     wall = m.wall_s or 1.0
-
-    def row(metric: str, exposed: Any, raw: Any = None, pct: float | None = None) -> dict[str, Any]:
-        return {"level": "interval", "metric": metric, "exposed": exposed, "raw": raw, "pct_of_wall": pct,
-                "owner": "storage"}
-
-    def r(v: float | None, digits: int = 3) -> float | None:
-        return None if v is None else round(v, digits)
-
     wasted = m.components["wasted_training"]
+
+    def planned_row(metric: str, exposed: Any, unit: str = "s", **kw: Any) -> dict[str, Any]:
+        return row("interval", metric, exposed, unit=unit, owner="storage", **kw)
+
     rows = [
-        row(f"checkpoint interval s ({planned.source.value}; raw: steps)", r(planned.interval_s),
-            planned.interval_steps),
-        row("failure rate per training h (raw: own weight)", r(planned.rate_per_h, 4), r(planned.own_weight)),
-        row("save blocking s (CSBT, durable)", r(planned.save_blocking_s)),
-        row("expected training s", r(planned.job_s)),
-        row("expected wasted s (raw: realized wasted_training)", r(planned.expected_wasted_s), round(wasted, 3),
-            round(100 * wasted / wall, 1)),
+        planned_row(f"checkpoint interval s ({planned.source.value}; raw: steps)", planned.interval_s,
+                    raw=planned.interval_steps, raw_unit="count"),
+        planned_row("failure rate per training h (raw: own weight)",
+                    None if planned.rate_per_h is None else round(planned.rate_per_h, 4), unit="rate",
+                    raw=None if planned.own_weight is None else round(planned.own_weight, 3), raw_unit="rate"),
+        planned_row("save blocking s (CSBT, durable)", planned.save_blocking_s),
+        planned_row("expected training s", planned.job_s),
+        planned_row("expected wasted s (raw: realized wasted_training)", planned.expected_wasted_s, raw=wasted,
+                    pct_of_wall=100 * wasted / wall),
     ]
     return [x for x in rows if x["exposed"] is not None or x["raw"] is not None]  # a probe run plans nothing yet
 
 
 def spare_rows(plan: SparePlanAttrs) -> list[dict[str, Any]]:
     """The spares the run held and why (`ett.spare_sizing`: expected saving against cost)."""
-    return [{"level": "capacity", "metric": f"spares held ({plan.rule}; raw: expected failures)",
-             "exposed": plan.spares, "raw": plan.expected_failures, "pct_of_wall": None, "owner": "scheduler"},
-            {"level": "capacity", "metric": "one spare's cost, slot-s (the run's expected wall)",
-             "exposed": plan.cost_slot_s, "raw": None, "pct_of_wall": None, "owner": "scheduler"}]
+    return [row("capacity", f"spares held ({plan.rule}; raw: expected failures)", plan.spares, unit="count",
+                raw=plan.expected_failures, raw_unit="rate", owner="scheduler"),
+            row("capacity", "one spare's cost, slot-s (the run's expected wall)", plan.cost_slot_s, unit="slot-s",
+                owner="scheduler")]
 
 
 def holding_rows(holdings: Sequence[Holding]) -> list[dict[str, Any]]:
     """Each thing held for the run outside its own slots (`ett.capacity.holdings_of_run`): what
     it was, the rule that held it and its outcome; exposed its slot-seconds, raw its seconds."""
-    return [{"level": "capacity", "metric": f"held: {h.kind}, rule {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
-             "exposed": round(h.held_s * h.slots, 1), "raw": round(h.held_s, 2), "pct_of_wall": None,
-             "owner": "scheduler"} for h in holdings]
+    return [row("capacity", f"held: {h.kind}, rule {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
+                h.held_s * h.slots, unit="slot-s", raw=h.held_s, raw_unit="s", owner="scheduler") for h in holdings]
 
 
 def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:
