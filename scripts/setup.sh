@@ -37,29 +37,34 @@ echo "setup: creating $VENV ($FLAVOUR host)"
 PIP="$VENV/bin/python -m pip install --quiet --disable-pip-version-check"
 # this machine's pip config names local indexes that may be absent: drop those warnings only
 exec 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-# torch first and pinned, so nothing later pulls a multi-GB CUDA build on a CPU host.
-$PIP $TORCH_PKGS
-if [ "$FLAVOUR" = cpu ]; then
-  # torchrec's declared dependency is the CUDA fbgemm-gpu: install it without deps.
-  $PIP --no-deps "torchrec==${TORCHREC}"
-fi
 # pip checks what it installs against what is there, and on a CPU host it reports torchrec's
 # declared CUDA fbgemm-gpu as missing ("ERROR: pip's dependency resolver ...") although
 # fbgemm-gpu-cpu, the same library built for the CPU, is installed: that one note is expected
 # and said in words; any other conflict is shown as pip wrote it.
 pip_checked() {
-  local log
+  local log conflicts
   log=$(mktemp)
   if ! $PIP "$@" 2>"$log"; then cat "$log" >&2; rm -f "$log"; return 1; fi
-  if [ "$FLAVOUR" = cpu ] && grep -q "^ERROR: pip's dependency resolver" "$log" \
-      && ! grep -v -e "^ERROR: pip's dependency resolver" -e "^torchrec [0-9.]* requires fbgemm-gpu, which is not installed\.$" \
-           -e "^[[:space:]]*$" "$log" | grep -q .; then
-    echo "setup: torchrec declares the CUDA fbgemm-gpu; this CPU host has fbgemm-gpu-cpu (the same library for CPU), as intended"
-  else
-    cat "$log" >&2
+  if [ "$FLAVOUR" = cpu ] && grep -q "^ERROR: pip's dependency resolver" "$log"; then
+    # the conflict lines: those after the resolver's header
+    conflicts=$(awk '/^ERROR: pip.s dependency resolver/ {on = 1; next} on && NF' "$log")
+    if ! printf '%s\n' "$conflicts" | grep -vq "^torchrec [0-9.]* requires fbgemm-gpu, which is not installed\.$"; then
+      grep -v -e "^ERROR: pip's dependency resolver" \
+           -e "^torchrec [0-9.]* requires fbgemm-gpu, which is not installed\.$" "$log" >&2 || true
+      echo "setup: torchrec declares the CUDA fbgemm-gpu; this CPU host has fbgemm-gpu-cpu (the same library for CPU), as intended"
+      rm -f "$log"
+      return 0
+    fi
   fi
+  cat "$log" >&2
   rm -f "$log"
 }
+# torch first and pinned, so nothing later pulls a multi-GB CUDA build on a CPU host.
+$PIP $TORCH_PKGS
+if [ "$FLAVOUR" = cpu ]; then
+  # torchrec's declared dependency is the CUDA fbgemm-gpu: install it without deps.
+  pip_checked --no-deps "torchrec==${TORCHREC}"
+fi
 # TorchRec's own needs, then the project (editable) with its dev extras.
 pip_checked tensordict "torchmetrics==1.0.3" tqdm pyre-extensions iopath
 pip_checked -e ".[dev]"
