@@ -35,7 +35,7 @@ from .run_metrics import RunMetrics
 SEP = " · "
 FAILURES_NAMED = 3  # failures spelled out in a state message; the rest are counted
 REASON_CHARS = 120  # a failure's reason in a state message is cut here
-OUTCOME_CHARS = 500  # how the run ended (its first line) in a state message; the whole of it is logged
+OUTCOME_CHARS = 800  # how the run ended (its first line) in a state message; the whole of it is logged
 TAG_PREFIXES = ("model:", "mode:", "failures:", "outcome:")  # the tags this module owns
 WINDOW_PREFIX = "window="
 
