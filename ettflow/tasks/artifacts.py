@@ -132,6 +132,12 @@ def holding_rows(holdings: Sequence[Holding]) -> list[dict[str, Any]]:
                 h.held_s * h.slots, unit="slot-s", raw=h.held_s, raw_unit="s", owner="scheduler") for h in holdings]
 
 
+# why Prefect's duration of a run and its ETT wall differ (issue 43: they stood side by side unexplained)
+WALL_NOTE = ("The wall is the study's: from the run's submission to the release of its devices. Prefect's "
+             "duration of the flow run is longer: it also counts what runs after the release on the CPU "
+             "(publishing the snapshot, archiving the run) and the process's own start and end.")
+
+
 def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -> str:
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     lines = [
@@ -139,6 +145,8 @@ def timeline_markdown(run_id: str, png: bytes, m: RunMetrics, extra: str = "") -
         "",
         f"ETT **{m.ett_pct:.1f}%** of {m.wall_s:.1f} s wall; TTS {m.tts_s:.1f} s; NoF {m.nof}; "
         f"TTR {m.ttr_total_s:.1f} s. One row per attempt; red X: failure, black bar: detection.",
+        "",
+        WALL_NOTE,
         "",
         f"![ETT timeline of run {run_id}]({uri})",
     ]

@@ -235,6 +235,11 @@ def test_the_timeline_axis_is_the_runs_wall_and_a_long_cpu_publish_is_said_in_wo
     assert publish_note([], m.wall_start, axis_end(m)) == ""
     png = render_timeline(t.events, m)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the picture's page says why Prefect's duration of the run is longer than this wall
+    from ettflow.tasks.artifacts import WALL_NOTE, timeline_markdown
+
+    text = timeline_markdown("pub", png, m)
+    assert "of 23.7 s wall" in text and WALL_NOTE in text and "publishing the snapshot" in WALL_NOTE
 
 
 def test_cli_parameters():
