@@ -198,13 +198,26 @@ def operator_stops(events: Sequence[PhaseEvent]) -> dict[int, float]:
     return out
 
 
+# a rank's own preemption this long before its attempt's operator stop is that stop too: a
+# Prefect worker signals the whole process group, so the ranks may see the SIGTERM before the
+# driver's next poll records the operator's stop
+OPERATOR_STOP_SLACK_S = 5.0
+
+
 def failure_markers(events: Sequence[PhaseEvent]) -> list[PhaseEvent]:
     """The `failure` and `failure_detected` markers that are failures: not those an attempt's
-    ranks and tasks wrote from an operator's stop on (a cancel is the operator's, never a
-    failure: not in NoF, the failure budget or the failure history)."""
+    ranks and tasks wrote from an operator's stop on, nor the ranks' preemptions just before it
+    (`OPERATOR_STOP_SLACK_S`): a cancel is the operator's, never a failure (not in NoF, the
+    failure budget or the failure history)."""
     stops = operator_stops(events)
-    return [ev for ev in events if ev.phase in (FAILURE, FAILURE_DETECTED)
-            and not (ev.attempt in stops and ev.start >= stops[ev.attempt])]
+
+    def stopped(ev: PhaseEvent) -> bool:
+        if ev.attempt not in stops:
+            return False
+        since = stops[ev.attempt] - (OPERATOR_STOP_SLACK_S if ev.info.failure_class == "preemption" else 0.0)
+        return ev.start >= since
+
+    return [ev for ev in events if ev.phase in (FAILURE, FAILURE_DETECTED) and not stopped(ev)]
 
 
 def faults(events: Sequence[PhaseEvent]) -> list[Fault]:

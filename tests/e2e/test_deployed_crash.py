@@ -199,11 +199,14 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
     assert row["nof"] == 0 and failures.empty, failures.to_dict("records")  # no failure: the budget, the history
     stops = events[events["phase"] == "operator_stop"]
     assert len(stops) == 1 and "cancelled by an operator" in stops["attrs"].iloc[0]["reason"], worker_log[-4000:]
-    # the ranks still took their emergency checkpoint on the way out, each at the step it named
+    # the ranks were still preempted as by a scheduler, after the operator's stop (their markers are
+    # the stop's, not failures); a rank that named an emergency checkpoint saved it (whether one is
+    # taken depends on where the SIGTERM finds the step: e2e/test_refresh_process.py covers it)
     marks = events[events["phase"] == "failure"]
+    assert sorted(a["failure_class"] for a in marks["attrs"]) == ["preemption", "preemption"], marks
     emergency = {int(a["emergency_checkpoint"]) for a in marks["attrs"] if a.get("emergency_checkpoint")}
     saved = events[events["phase"] == "checkpoint_save_blocking"]
-    assert len(emergency) == 1 and len(saved[[a.get("step") in emergency for a in saved["attrs"]]]) == 2, marks
+    assert all(len(saved[[a.get("step") == step for a in saved["attrs"]]]) == 2 for step in emergency), marks
     assert api_state(api, flow_run_id)["state_type"] == "CANCELLED"
     assert "exited due to a SIGKILL" not in worker_log, worker_log[-3000:]  # it ended on its SIGTERM
     assert row["effective_steps"] >= 1

@@ -63,6 +63,12 @@ def test_a_run_an_operator_stopped_gets_no_orchestrator_failure():
     t.ev("failure", 30.4, 30.4, rank=1, failure_class="preemption", reason="rank 1 preempted (SIGTERM)")
     assert place_orphan_failure(t.events, last_alive=31.0, detected_at=38.6) is None
     assert compute_run_metrics(t.events).nof == 0  # the rank's preemption after the stop is the stop's
+    # the worker signals the whole process group: a rank may mark its preemption before the driver's
+    # next poll records the stop; that is the stop too, an error just before it is not
+    t.ev("failure", 29.9, 29.9, rank=0, failure_class="preemption", reason="rank 0 preempted (SIGTERM)")
+    assert compute_run_metrics(t.events).nof == 0
+    t.ev("failure", 29.8, 29.8, rank=0, failure_class="user", reason="ValueError")
+    assert [f.failure_class for f in compute_run_metrics(t.events).failures] == ["user"]
 
 
 def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
