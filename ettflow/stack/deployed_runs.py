@@ -37,6 +37,12 @@ class DeployedRun:
         return self.state == "COMPLETED"
 
 
+def state_kind(state) -> str:
+    """A flow run state's type as the server names it ("RUNNING", "COMPLETED", ...); a run with
+    no state yet is "PENDING"."""
+    return str(getattr(state.type, "value", state.type)) if state is not None else "PENDING"
+
+
 def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: RefreshParameters | Mapping[str, Any], *,
                  timeout_s: float, say: Callable[[str], None] = print, poll_s: float = 2.0,
                  log_hint: str = "the worker's log", scheduled_at: float | None = None) -> DeployedRun:
@@ -77,7 +83,7 @@ def run_and_wait(api_url: str, ui_url: str, deployment: str, parameters: Refresh
         while True:
             flow_run = client.read_flow_run(flow_run.id)
             state = flow_run.state
-            kind = str(getattr(state.type, "value", state.type)) if state is not None else "PENDING"
+            kind = state_kind(state)
             name = state.name if state is not None else "Pending"
             if name != seen:
                 seen, last_change = name, time.monotonic()
@@ -136,7 +142,7 @@ def cancel_running(api_url: str, pool: str, *, timeout_s: float = CANCEL_WAIT_S,
                 if key in ended:
                     continue
                 now = client.read_flow_run(run.id)
-                kind = str(getattr(now.state.type, "value", now.state.type)) if now.state is not None else "PENDING"
+                kind = state_kind(now.state)
                 if kind in FINAL:
                     ended[key] = DeployedRun(key, now.name, kind, now.state.message or "", "", time.monotonic() - t0)
             if len(ended) == len(running) or time.monotonic() - t0 > timeout_s:

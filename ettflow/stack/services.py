@@ -44,37 +44,35 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def listener(port: int) -> str:
-    """Who listens on `port`, in words ("pid 123 (nginx)"), as far as this user can see."""
+def listener_pid(port: int) -> int | None:
+    """The pid listening on `port`, as far as this user can see (None: nobody it can see)."""
     try:
         for conn in psutil.net_connections(kind="tcp"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                try:
-                    return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
-                except psutil.Error:
-                    return f"pid {conn.pid}"
-    except psutil.Error:
-        pass
-    return "another program"
-
-
-def _listener_process(port: int) -> psutil.Process | None:
-    try:
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                return psutil.Process(conn.pid)
+                return conn.pid
     except psutil.Error:
         pass
     return None
+
+
+def listener(port: int) -> str:
+    """Who listens on `port`, in words ("pid 123 (nginx)"), as far as this user can see."""
+    pid = listener_pid(port)
+    if pid is None:
+        return "another program"
+    try:
+        return f"pid {pid} ({psutil.Process(pid).name()})"
+    except psutil.Error:
+        return f"pid {pid}"
 
 
 def other_home(cfg: StackConfig, port: int) -> str | None:
     """The home of another ettflow stack whose service listens on `port` (its process carries a
     stack id and a home that is not `cfg.home`), else None. Joining it would start a second
     worker on the same work pool, with another home's records and another Ray token."""
-    proc = _listener_process(port)
+    pid = listener_pid(port)
     try:
-        env = proc.environ() if proc is not None else {}
+        env = psutil.Process(pid).environ() if pid is not None else {}
     except psutil.Error:
         return None
     home = env.get("ETTFLOW_HOME") if env.get(STACK_ENV) else None

@@ -11,7 +11,6 @@ and never as `failure` markers: NoF and TTR are about training (see the flows RE
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Callable
@@ -36,8 +35,7 @@ from ettflow.ett.spare_sizing import SpareDecision
 from ettflow.ett.spool import SpoolWriter, read_spool
 from ettflow.ett.timeline import failure_markers
 from ettflow.trainer.classify import failure_from_exception, stop_signal
-
-log = logging.getLogger("ettflow.tasks")
+from ettflow.trainer.group.stop_request import ask_stop_cause
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\.")
 
@@ -96,7 +94,7 @@ class RunRecorder:
         if any(e.phase in (FAILURE, FAILURE_DETECTED, OPERATOR_STOP) for e in evs):
             return None  # marked already, or stopped by an operator (no failure)
         stopped = stop_signal(exc)
-        operator = _ask(stop_cause) if stopped and stop_cause is not None else None
+        operator = ask_stop_cause(stop_cause) if stopped and stop_cause is not None else None
         if operator:
             with SpoolWriter(self.root, self.run_id, attempt, -1) as rec:
                 rec.mark(OPERATOR_STOP, at, reason=f"{operator} ({stopped})", task=task, process_stopped=True)
@@ -180,12 +178,3 @@ def interval_tags(evs: list[PhaseEvent]) -> dict[str, Any]:
     planned = planned_interval(evs)
     return {TAG: planned.to_attrs()} if planned is not None else {}
 
-
-def _ask(stop_cause: Callable[[], str | None]) -> str | None:
-    """Who stopped the process, when an operator did; None when the question cannot be answered
-    (no API): the stop is then a preemption, as before."""
-    try:
-        return stop_cause()
-    except Exception:  # noqa: BLE001 - the failure is still recorded, as a preemption
-        log.warning("could not tell who stopped this process", exc_info=True)
-        return None

@@ -29,7 +29,7 @@ from ettflow.trainer.checkpoint.latest import latest_checkpoint
 from ettflow.trainer.classify import stop_signal
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision
-from ettflow.trainer.group.stop_request import DeferredStop, StopRequested
+from ettflow.trainer.group.stop_request import DeferredStop, StopRequested, note_stop
 from ettflow.trainer.protocol import RankResult
 
 from . import run_spool
@@ -51,7 +51,6 @@ class Trained:
     rank0: RankResult | None = None  # what rank 0 returned (None: reused)
 
 
-
 def cancelled_by(flow_run_id: str) -> str | None:
     """Who stopped this flow run's process, when it was an operator: Prefect puts a run it is
     cancelling (the UI's or CLI's Cancel) in CANCELLING before its worker stops the process, so
@@ -69,6 +68,7 @@ def cancelled_by(flow_run_id: str) -> str | None:
         said = (state.message or "").splitlines()[0][:120] if state.message else ""
         return f"cancelled by an operator (Prefect state {state.name}{': ' + said if said else ''})"
     return None
+
 
 def finished_anchor(plan: RefreshPlan) -> Path | None:
     """The anchor checkpoint this run already wrote, if training finished."""
@@ -221,10 +221,8 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         lease.release()
         raise  # every failure is in the spool already, with its class
     except BaseException as exc:
-        if stop_signal(exc):  # imported here: the flow's module imports no Ray
-            from ettflow.trainer.group.ray_group import process_stopping
-
-            process_stopping()
+        if stop_signal(exc):
+            note_stop()
         last = plan.recorder.last_attempt()
         with contextlib.suppress(SpoolWriteError):  # refused: kept by this process (`ett.spool`)
             plan.recorder.record_task_failure(last, exc, task="train", at=time.time(),

@@ -55,6 +55,7 @@ from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fire
 from ettflow.trainer.group.anchor_seal import SEAL_TRIES, seal_anchor
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
 from ettflow.trainer.group.progress import SpoolTail
+from ettflow.trainer.group.stop_request import ask_stop_cause
 from ettflow.trainer.protocol import AnchorHandOff, PollStatus, RankResult, RestorePoint
 from ettflow.trainer.rank_heartbeat import PhaseBounds, find_hang
 
@@ -314,11 +315,7 @@ class TrainingDriver:
         whoever holds the lease."""
         detected = self.clock()
         wait_s = min(self.config.preemption_grace_s, STOP_WAIT_S)
-        try:
-            operator = self.stop_cause()
-        except Exception:  # noqa: BLE001 - whoever cannot say is a preemption, as before
-            log.warning("attempt %d: could not tell who stopped this process", attempt, exc_info=True)
-            operator = None
+        operator = ask_stop_cause(self.stop_cause)
         log.warning("attempt %d: this process was stopped (%s%s): every rank is preempted with it (emergency "
                     "checkpoint within %.0f s)", attempt, stopped, f", {operator}" if operator else "", wait_s)
         if operator:  # first: what the ranks mark from now on is the stop (`ett.timeline.failure_markers`)

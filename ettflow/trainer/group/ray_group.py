@@ -46,7 +46,7 @@ from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
-from ettflow.trainer.group.stop_request import stop_noted
+from ettflow.trainer.group.stop_request import note_stop, stop_noted
 from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
@@ -109,20 +109,14 @@ def ensure_ray(num_cpus: int | None = None) -> RayConnection:
 # children, in its process group, and a Prefect worker's stop (a signal to the whole group)
 # takes them down with it
 _OWN_LOCAL_RAY = False
-_STOPPING = False  # this process was told to stop (`process_stopping`)
-
-
-def process_stopping() -> None:
-    """This process was told to stop (the driver preempts its ranks, or a task saw the stop)."""
-    global _STOPPING
-    _STOPPING = True
 
 
 def local_ray_going() -> bool:
-    """Whether this process is being stopped together with the local Ray it started: any call
-    that needs that Ray's GCS (a placement group's removal, a named actor, the nodes) would wait
-    for a GCS that is gone, until the worker's SIGKILL. What needs none still runs."""
-    return _OWN_LOCAL_RAY and (_STOPPING or stop_noted())
+    """Whether this process is being stopped (`stop_request.stop_noted`) together with the local
+    Ray it started: any call that needs that Ray's GCS (a placement group's removal, a named
+    actor, the nodes) would wait for a GCS that is gone, until the worker's SIGKILL. What needs
+    none still runs."""
+    return _OWN_LOCAL_RAY and stop_noted()
 
 
 @contextlib.contextmanager
@@ -505,7 +499,7 @@ class RayWorkerGroup:
         checkpoint when the grace allows). A rank on another node gets none: its peers' stop
         ends its attempt, and the durable checkpoint is what restores it."""
         self.preempting = True
-        process_stopping()
+        note_stop()
         here = ray.util.get_node_ip_address()
         remote = []
         for rank, info in enumerate(self.info):

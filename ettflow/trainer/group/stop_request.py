@@ -12,17 +12,38 @@ termination) run as for any stop. Outside the driver, the process's handler stan
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
+log = logging.getLogger("ettflow.trainer")
 _NOTED = False  # a stop of this process was noted (it stays noted: the process is going)
 
 
+def note_stop() -> None:
+    """This process was told to stop: a `DeferredStop` noted the signal, the driver preempts its
+    ranks, or a task saw the stop."""
+    global _NOTED
+    _NOTED = True
+
+
 def stop_noted() -> bool:
-    """Whether a `DeferredStop` of this process noted a stop (even one not raised yet): what the
-    process asks of a cluster it is taking down with it can wait, and should not."""
+    """Whether this process was told to stop (even by a stop not raised yet): what the process
+    asks of a cluster it is taking down with it can wait, and should not."""
     return _NOTED
+
+
+def ask_stop_cause(stop_cause: Callable[[], str | None]) -> str | None:
+    """Who stopped this process, when an operator did (a cancel: a sentence); None for a
+    preemption, and when the question cannot be answered (no API): the stop is then a
+    preemption, as before."""
+    try:
+        return stop_cause()
+    except Exception:  # noqa: BLE001 - whoever cannot say is a preemption
+        log.warning("could not tell who stopped this process", exc_info=True)
+        return None
 
 
 class StopRequested(BaseException):
@@ -46,8 +67,7 @@ class DeferredStop:
         self._installed = False
 
     def _note(self, signum: int, _frame: FrameType | None) -> None:
-        global _NOTED
-        _NOTED = True
+        note_stop()
         self.noted = signum
 
     def check(self) -> None:
