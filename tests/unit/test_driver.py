@@ -117,6 +117,9 @@ class ScriptedGroup:
                 w.record("train_step", t0, t0 + 1.0, step=cursor, cursor_start=cursor, cursor_end=cursor + 1)
                 self.run.cursor[rank] += 1
                 self.beat(rank, since=t0 + 1.0)
+            elif action == "step-unwritten":  # trained, its record still in the rank's lazy buffer
+                self.run.cursor[rank] += 1
+                self.beat(rank, since=t0 + 1.0)
             elif action == "finish":
                 done[rank] = finished(rank, at=t0, attempt=self.attempt)
             elif action == "finish-handing-off":  # its part of the anchor in host memory, for the driver
@@ -263,6 +266,13 @@ def test_killed_rank_is_detected_and_the_group_restarted(tmp_path):
     # recovery: teardown 0.5 s, queueing 2 s, then rank 0 trains new data at once
     assert m.failures[0].detected_at == 1005.0 and m.failures[0].ttr_s == 2.5
     assert m.exposed("lost_in_flight") == 0  # rank 1's last step ended when the fault was seen
+
+
+def test_a_dead_ranks_step_is_its_heartbeats_when_its_last_steps_never_reached_the_spool(tmp_path):
+    # rank 1 trains steps 0 and 1 (its beat says so; a dead process's lazy writes are lost), then dies
+    run = Run(tmp_path, [{(1, 1): "step-unwritten", (1, 2): "step-unwritten", (1, 3): "die"}, finish_at(4)])
+    (failure,) = run.drive().failures
+    assert (failure.rank, failure.step) == (1, 2)
 
 
 def test_a_stop_of_the_drivers_process_preempts_every_rank_and_is_one_failure(tmp_path):

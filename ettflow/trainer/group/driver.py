@@ -57,7 +57,7 @@ from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDe
 from ettflow.trainer.group.progress import SpoolTail
 from ettflow.trainer.group.stop_request import ask_stop_cause
 from ettflow.trainer.protocol import AnchorHandOff, PollStatus, RankResult, RestorePoint
-from ettflow.trainer.rank_heartbeat import PhaseBounds, find_hang
+from ettflow.trainer.rank_heartbeat import PhaseBounds, beat_file, find_hang, read_beat
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -467,7 +467,10 @@ class TrainingDriver:
 
     def _step_of(self, attempt: int, rank: int) -> int | None:
         """The step `rank` was at when it failed: one past its last recorded step in the
-        attempt, else the step it restored (None: unknown, e.g. before its first step)."""
+        attempt or the step its heartbeat last named in training, whichever is later (a dead
+        rank's steps are written lazily: its last ones may never reach the spool, its beat
+        file is rewritten every half second), else the step it restored (None: unknown, e.g.
+        before its first step)."""
         if rank < 0:
             return None
         last: int | None = None
@@ -478,4 +481,7 @@ class TrainingDriver:
                 last = max(last if last is not None else -1, ev.info.step)
             elif ev.phase == "checkpoint_restore" and ev.info.step is not None:
                 restored = ev.info.step
-        return last + 1 if last is not None else restored
+        beat = read_beat(beat_file(self.spool_root, self.run_id, attempt, rank))
+        at = [s for s in (last + 1 if last is not None else None,
+                          beat.step if beat is not None and beat.training_since is not None else None) if s is not None]
+        return max(at) if at else restored
