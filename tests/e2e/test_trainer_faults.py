@@ -415,7 +415,11 @@ def test_a_rank_killed_mid_delta_chain_restores_base_and_deltas_and_a_damaged_de
 
     cfg = config(trainer_world, "delta-chain", compile_cache, eval_batches=0, delta_max_chain_share=100.0,
                  failures=(FailAt.parse("kill:rank=1:step=17"), FailAt.parse("kill:rank=1:step=22:attempt=1")),
-                 ).with_switches(delta_checkpoint=True, live_recovery=False, memory_checkpoint=False)
+                 # synchronous saves: a background delta 20 may still be writing when step 22's kill lands (CI saw
+                 # attempt 1's delta 20 left uncommitted, and attempt 2's own delta 20 damaged instead); background
+                 # deltas on the real trainer: the next test's durable ones, and unit/test_delta_saves_rows.py
+                 ).with_switches(delta_checkpoint=True, live_recovery=False, memory_checkpoint=False,
+                                 async_checkpoint=False)
     damager, damaged = damage_when_committed(cfg.checkpoint_dir / "delta_0000000020", "rank-1.bin")
     result, events, m = drive(trainer_world, cfg, "delta-chain")
     damager.join(timeout=1)
