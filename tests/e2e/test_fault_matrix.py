@@ -171,17 +171,23 @@ def ray_log_lines(text: str) -> list[str]:
     return out
 
 
-def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_good_one(env, caplog):
+@pytest.mark.parametrize("recovery", ["restart", "live"])
+def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_good_one(env, caplog, recovery):
     """Rank 0 is SIGKILLed at step 17 after checkpoints at 5, 10, 15 (two kept); the newest
     committed one is damaged (64 KiB of 0xFF, same size) before the restart. The restart
     refuses it, warns naming the file, restores the previous good step, and the run completes
-    with finite loss (the anchor check refuses a non-finite one)."""
+    with finite loss (the anchor check refuses a non-finite one). `live`: a spare takes rank 0
+    and no in-memory tier holds a copy (as when the keeper is gone), so the live recovery's
+    restore point is the damaged folder by name: every rank refuses it together and restores
+    the previous good step, as damage, never a `user` failure (issue 42 #3)."""
     corrupter = CorruptOnFailure(Path(env["spool_root"]), Path(env["work_root"]))
     corrupter.start()
+    if recovery == "live":
+        env = {**env, "switches": {**PLAIN, "live_recovery": True}}
     try:
-        # the durable tier's own fallback: every rank restarts from disk (a live recovery restores the
-        # in-memory copy and never reads the damaged folder; its fallback from a damaged in-memory
-        # copy: test_trainer_e2e.py::test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint)
+        # restart: the durable tier's own fallback, every rank restarts from disk (a live recovery with
+        # the in-memory tier restores the in-memory copy and never reads the damaged folder; its fallback
+        # from a damaged in-memory copy: test_trainer_faults.py)
         state, run_id = run(env, fail_at=["kill:rank=0:step=17"])
     finally:
         corrupter.stop.set()
@@ -191,6 +197,8 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
     row, events, _ = assert_run(env, state, run_id, Expect(outcome="completed", nof=1, classes=["infrastructure"],
                                                            damaged={corrupter.damaged}, effective_steps=2 * 30))
     assert restored_steps(events, 1) == {corrupter.fallback}
+    assert all(e.attrs.get("live", False) == (recovery == "live") for e in events
+               if e.phase == "checkpoint_restore" and e.attempt == 1)
     # reported at the run's level: one marker (rank 0's), the row's tag, what it cost
     damaged_step = int(corrupter.damaged.name.split("_")[1])
     (marker,) = [e for e in events if e.phase == "checkpoint_fallback"]

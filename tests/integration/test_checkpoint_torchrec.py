@@ -504,8 +504,10 @@ def assert_faults(rec: dict, rank: int, output_dtensor: bool) -> None:
     if rank == 0:
         pattern = rf"checkpoint step 9 \(.*\): {re.escape(damaged)} sha256 mismatch.*: skipped, restoring step 3"
         assert any(re.search(pattern, m) for m in rec["past_damage_logs"]), (where, rec["past_damage_logs"])
-    assert_raised(rec["load_damaged"], "CheckpointError", f"refusing to restore .*{re.escape(damaged)} sha256 mismatch",
-                  f"{where}: load of the damaged step 9")
+    refused = assert_raised(rec["load_damaged"], "CheckpointError",
+                            f"refusing to restore .*{re.escape(damaged)} sha256 mismatch",
+                            f"{where}: load of the damaged step 9")
+    assert refused["type"] == "RefusedCheckpointError", (where, refused)  # damage: a live restore falls back
     # a forged .metadata (manifest re-sealed to match) is refused on every rank, never unpickled
     assert_raised(rec["load_forged"], "CheckpointError", "not a type a DCP metadata file holds",
                   f"{where}: load of the forged step 3")

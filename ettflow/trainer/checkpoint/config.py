@@ -25,6 +25,11 @@ class TornCheckpointError(CheckpointError):
         self.file = file
 
 
+class RefusedCheckpointError(CheckpointError):
+    """Every rank refused to restore a checkpoint together, before reading any of it: it failed
+    its check (a file's checksum, its metadata) on at least one rank. Damage, never a bug."""
+
+
 class CheckpointStorageError(CheckpointError, OSError):
     """The storage under a checkpoint failed (ENOSPC, EIO, ...) while saving it.
 

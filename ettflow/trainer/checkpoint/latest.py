@@ -6,10 +6,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ettflow.ett.events import CHECKPOINT_FALLBACK
 from ettflow.trainer.checkpoint.catalog import CheckpointProblem, CheckpointScan, scan
 from ettflow.trainer.checkpoint.verify import CheckpointInfo
 
 if TYPE_CHECKING:
+    from ettflow.ett.spool import SpoolWriter
     from ettflow.trainer.config import TrainerConfig
 
 log = logging.getLogger("ettflow.trainer")
@@ -37,3 +39,11 @@ def fallbacks(found: CheckpointScan, world_size: int | None = None) -> list[Chec
     restored = found.chain(world_size).step
     return [p for p in found.problems
             if p.damaged and p.step is not None and (restored is None or p.step > restored)]
+
+
+def mark_fallbacks(rec: SpoolWriter, found: CheckpointScan, world_size: int | None = None) -> None:
+    """The run's record of checkpoint damage: a `checkpoint_fallback` marker per damaged
+    checkpoint a restore skipped (`fallbacks`). One rank writes them: every rank read the same folder."""
+    for damaged in fallbacks(found, world_size):
+        rec.mark(CHECKPOINT_FALLBACK, damaged_step=damaged.step, restored_step=damaged.fallback,
+                 file=damaged.file, reason=damaged.reason[:300], path=str(damaged.path))

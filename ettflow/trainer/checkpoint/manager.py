@@ -57,7 +57,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ettflow.trainer.checkpoint.catalog import CheckpointScan, remove_uncommitted, scan
 from ettflow.trainer.checkpoint.commit import commit_folder
-from ettflow.trainer.checkpoint.config import CheckpointConfig, CheckpointError, CheckpointStorageError
+from ettflow.trainer.checkpoint.config import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointStorageError,
+    RefusedCheckpointError,
+)
 from ettflow.trainer.checkpoint.group import CheckpointGroup
 from ettflow.trainer.checkpoint.host_writer import HostWriter
 from ettflow.trainer.checkpoint.layout import remove_tree, tmp_dir
@@ -372,7 +377,7 @@ class CheckpointManager:
             info, problem = None, str(e)
         problems = [p for p in self.group.all_gather(problem) if p]
         if problems:
-            raise CheckpointError(f"refusing to restore {path}: {problems[0]}")
+            raise RefusedCheckpointError(f"refusing to restore {path}: {problems[0]}")
         if same_world and info.world_size != self.group.world_size:
             raise CheckpointError(
                 f"{path} was written by {info.world_size} ranks, this job has "
@@ -388,7 +393,7 @@ class CheckpointManager:
             problem = str(e)
         problems = [p for p in self.group.all_gather(problem) if p]  # every rank refuses, none hangs in DCP
         if problems:
-            raise CheckpointError(f"refusing to restore {path}: {problems[0]}")
+            raise RefusedCheckpointError(f"refusing to restore {path}: {problems[0]}")
         try:
             dcp.load(
                 template,

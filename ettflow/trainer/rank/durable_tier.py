@@ -21,10 +21,10 @@ import torch
 
 from ettflow.ett.checkpoint_tier import CheckpointTier, RestoreSource
 from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult
-from ettflow.trainer.checkpoint.config import CheckpointError
+from ettflow.trainer.checkpoint.config import CheckpointError, RefusedCheckpointError
 from ettflow.trainer.checkpoint.delta import CapturedDelta, DeltaCommit, DeltaInfo, apply_chain, commit_captured
 from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
-from ettflow.trainer.checkpoint.latest import checked_scan
+from ettflow.trainer.checkpoint.latest import checked_scan, mark_fallbacks
 from ettflow.trainer.checkpoint.layout import parse_name
 from ettflow.trainer.checkpoint.results import RestoreResult
 from ettflow.trainer.data.windows import Cursor
@@ -145,7 +145,28 @@ class DurableTier:
         path = (chain.base.path if chain.base is not None else None) if chain is not None else point.path
         if path is None:
             raise TierMiss("the run has no durable checkpoint")
-        return self.restore_own(path, chain.deltas if chain is not None else ())
+        try:
+            return self.restore_own(path, chain.deltas if chain is not None else ())
+        except RefusedCheckpointError as exc:
+            if chain is not None:
+                raise TierMiss(f"its newest restorable checkpoint {path} failed its check: {exc}") from exc
+            return self._restore_verified_instead(point, exc)
+
+    def _restore_verified_instead(self, point: RestorePoint, exc: RefusedCheckpointError) -> RestoreReport:
+        """The checkpoint `point` names failed its check (every rank refuses it together,
+        `CheckpointManager.load`): every rank restores the newest chain that verifies (the scan
+        reads the same folder on every rank, so they agree), with the damage recorded as a full
+        restart records it, never a failure of the code (issue 42 #3)."""
+        world = self.ctx.config.world_size
+        found = checked_scan(self.ctx.config)  # warns of each folder it skips, the damaged one's file named
+        chain = found.chain(world)
+        if chain.base is None:
+            raise TierMiss(f"{point.path} failed its check ({exc}) and no older checkpoint verifies") from exc
+        log.warning("live recovery: checkpoint step %d failed its check: every rank restores step %d",
+                    point.step, chain.step)
+        if self.ctx.rank == 0:
+            mark_fallbacks(self.ctx.rec, found, world)
+        return self.restore_own(chain.base.path, chain.deltas)
 
     def background_s(self) -> float | None:
         return 0.0  # a durable save's background write is recorded, never waited for by an interval choice

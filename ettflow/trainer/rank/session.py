@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ettflow.ett.events import CHECKPOINT_FALLBACK, PROCESS_PAUSED
+from ettflow.ett.events import PROCESS_PAUSED
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import CheckpointInfo
-from ettflow.trainer.checkpoint.latest import checked_scan, fallbacks
+from ettflow.trainer.checkpoint.latest import checked_scan, mark_fallbacks
 from ettflow.trainer.collectives import Groups, teardown_any
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.batch import synthetic_batch
@@ -122,6 +122,7 @@ class TrainerSession:
         self.warm = warm
         # a prewarmed process's compile-cache hit (it restored the archive: never twice)
         self.warm_cache: bool | None = bool(warm.timings.cache_hit) if warm is not None else None
+        self.warm_timings = warm.timings if warm is not None else None  # what its prewarm met (a refused archive)
         PREEMPTION.attach(self.rec)
 
     def _record_pause(self, pause: Pause) -> None:
@@ -174,7 +175,8 @@ class TrainerSession:
 
     def init_plugins(self) -> None:
         # the compile cache first: its environment is set before anything imports inductor
-        self.state.compiler = CompilePlugin(self.config, self.rank, self.rec, warm_cache=self.warm_cache)
+        self.state.compiler = CompilePlugin(self.config, self.rank, self.rec, warm_cache=self.warm_cache,
+                                            warm_timings=self.warm_timings)
         self.state.checkpointing = Checkpointing(self.config, self.rank, self.rec, self.resume, self.parent,
                                                  keeper=self.keeper, resume_deltas=self.resume_deltas)
 
@@ -291,9 +293,7 @@ class TrainerSession:
             log.warning("checkpoint step %d cannot be restored (%s): restoring step %s", chain.skipped, chain.why,
                         chain.step)
         if self.rank == 0:  # the run's record of checkpoint damage (every rank read the same folder)
-            for damaged in fallbacks(found, self.config.world_size):
-                self.rec.mark(CHECKPOINT_FALLBACK, damaged_step=damaged.step, restored_step=damaged.fallback,
-                              file=damaged.file, reason=damaged.reason[:300], path=str(damaged.path))
+            mark_fallbacks(self.rec, found, self.config.world_size)
         pipeline = InitPipeline(self.stages(), recorder=self.rec,
                                 concurrent=self.config.switches.parallel_init)
         try:
@@ -361,7 +361,7 @@ class TrainerSession:
             self.state.device = warm.device
             self.state.dense_step, self.state.dense_opt = warm.dense_step, warm.dense_opt
             self.state.compiled_step = warm.compiled_step
-            self.warm_cache = bool(warm.timings.cache_hit)
+            self.warm_cache, self.warm_timings = bool(warm.timings.cache_hit), warm.timings
             for name, stage in (("preproc_creation", self.preproc_creation), ("init_plugins", self.init_plugins)):
                 with self.beat.phase(name), self.rec.span(name, spare=True):
                     stage()
