@@ -117,7 +117,8 @@ def cache_refusal_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     for e in sorted(events, key=lambda e: (e.attempt, e.rank, e.start)):
         if e.phase == "compile_cache_restore" and e.info.miss in CACHE_DAMAGE:
             found.setdefault(str(e.info.reason), {"attempt": e.attempt, "rank": e.rank, "miss": e.info.miss,
-                                                  "reason": e.info.reason})
+                                                  "reason": e.info.reason,
+                                                  **({"pooled": True} if e.info.pooled else {})})
     return {"compile_cache_refused": list(found.values())} if found else {}
 
 

@@ -194,10 +194,12 @@ class PublishAttrs(EventAttrs):
 
 @dataclass(frozen=True, kw_only=True)
 class CompileRestoreAttrs(EventAttrs):
-    """`compile_cache_restore`: its miss (None: a hit) and why."""
+    """`compile_cache_restore`: its miss (None: a hit) and why; `pooled`: met by the prewarm of
+    the pooled worker the rank is (before the run: a zero-length record of it)."""
 
     miss: str | None = None
     reason: str | None = None
+    pooled: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

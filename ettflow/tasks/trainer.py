@@ -242,9 +242,10 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
     evs = plan.recorder.events()
     for refused in cache_refusal_tags(evs).get("compile_cache_refused", []):
-        logger.warning("attempt %d, rank %d: the compile cache's archive was refused (%s: %s): compiled cold; the "
-                       "run's end saves a new one", refused["attempt"], refused["rank"], refused["miss"],
-                       refused["reason"])
+        what = ("its pooled worker compiled cold before the run and replaced it" if refused.get("pooled")
+                else "compiled cold; the run's end saves a new one")
+        logger.warning("attempt %d, rank %d: the compile cache's archive was refused (%s: %s): %s", refused["attempt"],
+                       refused["rank"], refused["miss"], refused["reason"], what)
     for damage in fallback_tags(evs).get("checkpoint_fallbacks", []):
         logger.warning("attempt %d: checkpoint step %s was damaged (%s): restored step %s instead, %d step(s) "
                        "trained again", damage["attempt"], damage["damaged_step"], damage["file"] or "its folder",

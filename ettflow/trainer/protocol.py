@@ -203,11 +203,14 @@ class PrewarmTimings:
     started_at: float | None = None
     ready_at: float | None = None
     prewarm_s: float | None = None
+    cache_miss: str | None = None  # the compile cache's archive was refused as damaged (`RestoreMiss`'s value)
+    cache_reason: str = ""  # ... and why (the worker compiled cold and replaced it)
 
     def spool_attrs(self) -> dict[str, Any]:
         """As a `spare_start` event's attributes."""
         return {"build_s": self.build_s, "compile_s": self.compile_s, "cache_hit": self.cache_hit,
-                "footers_s": self.footers_s, **({"prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {})}
+                "footers_s": self.footers_s, **({"prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {}),
+                **({"cache_miss": self.cache_miss, "cache_reason": self.cache_reason} if self.cache_miss else {})}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from ettflow.trainer.compile import CompileCacheConfig, RecompileCounter, cache_key, key_parts
-from ettflow.trainer.compile.archive import UNPACK_ERRORS, ArchiveTooLarge, find_archive, pack, prune, unpack, verify
+from ettflow.trainer.compile.archive import (
+    UNPACK_ERRORS,
+    ArchiveTooLarge,
+    ArchiveUnverified,
+    find_archive,
+    pack,
+    prune,
+    unpack,
+    verify,
+)
 from ettflow.trainer.compile.probe_cold_warm import DenseSize
 
 SIZE = DenseSize(batch=32, sparse=4, dim=8, dense_arch=(16, 8), over_arch=(16, 1))
@@ -109,3 +118,36 @@ def test_working_folders_of_dead_processes_are_swept(tmp_path):
     mine = make_work_dir(str(tmp_path))
     assert mine.name.startswith(f"ettflow-pt2-{os.getpid()}-") and mine.is_dir()
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_a_pooled_worker_replaces_a_damaged_archive_once(tmp_path):
+    """Issue 42 #4: a prewarm that refused the archive as damaged compiled cold; it replaces
+    the archive unless another worker of the pool already did (the archive verifies again)."""
+    from types import SimpleNamespace
+
+    from ettflow.trainer.compile.cache import SaveResult
+    from ettflow.trainer.rank.spare import _repair
+
+    root = tmp_path / "cache"
+    src = tmp_path / "inductor"
+    (src / "fxgraph").mkdir(parents=True)
+    (src / "fxgraph" / "graph.py").write_text("kernels")
+    dest = root / "pt2-dlrm-key.tar"
+    pack(src, "inductor", dest, codec="none", compresslevel=0, max_bytes=1 << 20)
+    saves = []
+
+    def save(*, force=False):
+        saves.append(force)
+        pack(src, "inductor", dest, codec="none", compresslevel=0, max_bytes=1 << 20)
+        return SaveResult(bytes=dest.stat().st_size, path=dest)
+
+    cache = SimpleNamespace(config=SimpleNamespace(root=root), key="dlrm-key", save=save)
+    _repair(cache)  # the archive verifies: another worker replaced it since this one's restore
+    assert saves == []
+    dest.write_bytes(dest.read_bytes()[:-100])  # truncated after its manifest was written
+    with pytest.raises(ArchiveUnverified):
+        verify(dest)
+    _repair(cache)
+    assert saves == [True] and verify(dest)  # replaced, whatever the restore said was up to date
+    _repair(cache)
+    assert saves == [True]  # once

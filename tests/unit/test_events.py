@@ -85,3 +85,8 @@ def test_a_refused_compile_cache_archive_is_reported_once_at_the_runs_level():
                                restore(1, 0, "unverified", bad), restore(2, 0, None, "")])
     assert tags == {"compile_cache_refused": [{"attempt": 1, "rank": 0, "miss": "unverified", "reason": bad}]}
     assert cache_refusal_tags([restore(0, 0, "no_archive", "no archive yet")]) == {}
+    # a pooled worker's prewarm refused it before the run (issue 42 #4): the rank it became reports it
+    pooled = PhaseEvent(run_id="r", phase="compile_cache_restore", start=5.0, end=5.0, attempt=0, rank=1, attrs={
+        "hit": False, "miss": "unreadable", "reason": "archive x.tar is unreadable", "pooled": True})
+    assert cache_refusal_tags([pooled]) == {"compile_cache_refused": [
+        {"attempt": 0, "rank": 1, "miss": "unreadable", "reason": "archive x.tar is unreadable", "pooled": True}]}

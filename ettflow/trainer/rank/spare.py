@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ettflow.trainer.compile.archive import ArchiveUnverified, find_archive, verify
+from ettflow.trainer.compile.cache import CompileCache, RestoreMiss
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
 from ettflow.trainer.config import TrainerConfig
@@ -57,16 +59,47 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
     dense_opt = torch.optim.Adam(list(dense_step.parameters()), lr=config.model.dense_lr)
     built = time.time()
     compiled = None
-    cache_hit = None
+    cache_hit, refused = None, None
     if config.switches.compile:
         if config.switches.compile_cache:
-            cache_hit = prepare_compile_env(config).restore().hit
+            cache = prepare_compile_env(config)
+            restored = cache.restore()
+            cache_hit = restored.hit
+            refused = restored if restored.miss in REPAIRABLE else None
         compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config, device)
+        if refused is not None:
+            _repair(cache)
     compiled_at = time.time()
     read_footers(config)
     return WarmSpare(device=device, dense_step=dense_step, dense_opt=dense_opt, compiled_step=compiled,
                      timings=PrewarmTimings(build_s=built - t0, compile_s=compiled_at - built, cache_hit=cache_hit,
-                                            footers_s=time.time() - compiled_at))
+                                            footers_s=time.time() - compiled_at,
+                                            cache_miss=refused.miss.value if refused is not None else None,
+                                            cache_reason=refused.reason if refused is not None else ""))
+
+
+# a damaged archive this process can replace with what it compiled (an untrusted one is left:
+# the folder or file is not this user's to overwrite)
+REPAIRABLE = (RestoreMiss.UNVERIFIED, RestoreMiss.UNREADABLE)
+
+
+def _repair(cache: CompileCache) -> None:
+    """Replace the damaged archive with this process's cold compile, unless another worker
+    of the pool did since (a prewarmed worker is never rank 0 of a run yet, and rank 0's save
+    was the only repair: every prewarm compiled cold until one became rank 0, issue 42 #4)."""
+    path = find_archive(cache.config.root, cache.key)
+    if path is not None:
+        try:
+            verify(path)
+            return  # repaired by another worker meanwhile
+        except (ArchiveUnverified, OSError):
+            pass
+    saved = cache.save(force=True)
+    if saved.saved:
+        log.warning("compile cache: the damaged archive was replaced by this pooled worker's cold compile (%s)",
+                    saved.path)
+    else:
+        log.warning("compile cache: the damaged archive could not be replaced: %s", saved.skipped_reason)
 
 
 def read_footers(config: TrainerConfig) -> None:
