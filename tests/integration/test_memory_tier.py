@@ -89,3 +89,33 @@ def test_a_recovery_whose_keeper_is_gone_names_it_and_uses_the_durable_checkpoin
     with caplog.at_level("WARNING", logger="ettflow"):
         assert group._memory_step() is None
     assert f"keeper (actor {keeper_name('keeper-gone')}) is gone or not answering (ActorDiedError)" in caplog.text
+
+
+def test_a_dead_keeper_is_never_handed_to_a_restart_a_new_one_starts(ray_session, caplog):
+    """Issue 42 #1: the keeper died with the pool's service while the run trained; the next
+    attempt's ranks get a keeper that answers, not the dead one's cached handle."""
+    import ray
+
+    from ettflow.trainer.checkpoint.state_keeper import keeper_name
+    from ettflow.trainer.group.ray_group import end_run, run_keeper
+
+    first = run_keeper("keeper-replaced")
+    assert ray.get(first.ping.remote(), timeout=60) == "ok"
+    assert run_keeper("keeper-replaced") is first  # alive: the run's one keeper across attempts
+    ray.kill(first, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # `ray.kill` returns before the actor is gone
+        try:
+            ray.get(first.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    try:
+        with caplog.at_level("WARNING", logger="ettflow"):
+            second = run_keeper("keeper-replaced")
+        assert second is not first and ray.get(second.ping.remote(), timeout=60) == "ok"
+        assert f"keeper (actor {keeper_name('keeper-replaced')}) died: a new one starts" in caplog.text
+    finally:
+        end_run("keeper-replaced")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +215,55 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     assert pool.holds["dlrm"].rule.value == "none" and pool.entries == []
     assert {h.reason for h in pool.drain()} >= {"not_worth_holding"}
     pool.stop()
+
+
+def test_a_pool_service_that_dies_leaves_what_it_held_to_the_next_one_through_its_journal(tmp_path, caplog):
+    """Issue 42 #1: killed, the pool's service takes its workers and keepers with it; the next
+    service of the home closes each at the dead one's last beat (`pool_lost`), adopts its
+    unacknowledged lines, and tells the model's next run why it starts cold. A clean stop, or
+    lines a warehouse acknowledged, give the next one nothing twice."""
+    import json
+
+    from ettflow.ett.capacity import UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
+    from ettflow.trainer.group.pool_journal import POOL_LOST
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService, _Keeper
+    from ettflow.trainer.group.pooled_worker import PooledWorker
+
+    journal = str(tmp_path / "pool" / "journal.json")
+    first = PoolService(PoolPolicy(reap_every_s=3600.0), journal=journal)
+    assert first.lost is None and first.cold_note("dlrm") is None  # no earlier service
+    worker = PooledWorker(None, None, 2.0, "k", "dlrm", cpus=1.0, rss_bytes=100, rule="keep-alive")
+    keeper = _Keeper(None, 3.0, "dlrm")
+    expired = Holding(holding_id="expired-1", model="dlrm", kind=UNCLAIMED_WORKER, run_id=None, used=False,
+                      requested_at=1.0, released_at=1.5, reason="expired")
+    first.entries, first.keepers, first.ledger = [worker], [keeper], {"expired-1": expired}
+    first._journal()  # as its reaper's tick does; then it is killed (no `stop`)
+    beat = json.loads(Path(journal).read_text())["beat"]
+
+    with caplog.at_level("WARNING", logger="ettflow"):
+        second = PoolService(PoolPolicy(reap_every_s=3600.0), journal=journal)
+    assert "the previous pool service was lost" in caplog.text and "holding 2 worker(s) and keeper(s)" in caplog.text
+    lines = {h.holding_id: h for h in second.drain()}
+    assert lines.keys() == {"expired-1", worker.holding_id, keeper.holding_id}
+    assert lines["expired-1"] == expired  # adopted as it was
+    w, k = lines[worker.holding_id], lines[keeper.holding_id]
+    assert (w.kind, w.reason, w.requested_at, w.released_at, w.slots, w.rule, w.memory_bytes, w.run_id) == (
+        UNCLAIMED_WORKER, POOL_LOST, 2.0, beat, 1.0, "keep-alive", 100, None)
+    assert (k.kind, k.reason, k.requested_at, k.released_at, k.slots) == (UNCLAIMED_KEEPER, POOL_LOST, 3.0, beat, 0.0)
+    note = second.cold_note("dlrm")
+    assert note is not None and "the cluster's pool was lost" in note and "start cold" in note
+    assert second.cold_note("dlrm") is None  # said once, to the model's next run
+    assert second.ack(list(lines)) == 3
+    assert second.stop() == 0
+    third = PoolService(PoolPolicy(reap_every_s=3600.0), journal=journal)
+    assert third.drain() == [] and third.lost is None and third.cold_note("dlrm") is None
+
+
+def test_a_pool_journal_that_does_not_parse_is_said_and_left_for_a_person(tmp_path, caplog):
+    from ettflow.trainer.group.pool_journal import PoolJournal
+
+    path = tmp_path / "journal.json"
+    path.write_text("{not json")
+    with caplog.at_level("WARNING", logger="ettflow"):
+        assert PoolJournal(path).recover() is None
+    assert "could not be read" in caplog.text and path.read_text() == "{not json"

@@ -28,9 +28,12 @@ nothing for, is what `status()` lists; a run records what it took in its spool (
 What the pool releases that no run took (idle, another shape's fill, a failed prewarm,
 `stop`) is held capacity too, for nobody: the pool keeps a ledger line (`ett.capacity.Holding`,
 `run_id` None) for each until someone writes them to the warehouse and acknowledges them
-(`drain`/`ack`: the next run's release, `ettflow pool stop`). Unacknowledged lines live in the
-actor: a cluster that dies loses those not drained yet (at most what one inter-run gap
-released).
+(`drain`/`ack`: the next run's release, `ettflow pool stop`). The service journals what it holds
+and its unacknowledged lines as they change (`pool_journal.py`, in the home of the process
+that started it): when the service is killed, taking its workers and keepers with it, the next
+service of that home closes each at the dead one's last beat (`pool_lost`) and adopts its lines,
+and the model's next run is told why it starts cold. A whole cluster that dies loses only what
+changed since the last beat (one reaper tick).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from ettflow.trainer.group.hold_rule import (
     StartSaving,
     decide_hold,
 )
+from ettflow.trainer.group.pool_journal import POOL_LOST, PoolJournal, Recovered
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
     PooledWorker,
@@ -167,7 +171,11 @@ def digest(key: str) -> str:
 class PoolService:
     """The pool's actor (start it with `service()`); every method runs in the cluster."""
 
-    def __init__(self, policy: PoolPolicy = PoolPolicy(), start: Callable[..., PooledWorker] = start_worker) -> None:
+    def __init__(self, policy: PoolPolicy = PoolPolicy(), start: Callable[..., PooledWorker] = start_worker,
+                 journal: str | None = None) -> None:
+        """`journal`: the file this service writes what it holds to as it changes, and where
+        it finds what an earlier service of the same home held when that one died
+        (`pool_journal.py`); None: none (what a killed service held is lost to the ledger)."""
         self.policy = policy
         self.entries: list[PooledWorker] = []
         self.keepers: list[_Keeper] = []
@@ -179,12 +187,60 @@ class PoolService:
         self.starts: dict[tuple[str, bool], list[float]] = {}  # by (model, pooled): its runs' measured starts
         self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
+        self._journal_failed = False
         self._start = start
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._orphans_checked = 0.0
+        self.journal = PoolJournal(journal) if journal else None
+        self.lost: Recovered | None = None  # an earlier service of this home that died holding things
+        self._told: set[str] = set()  # models whose next run was told the pool was lost
+        self._recover()
         threading.Thread(target=self._reap_loop, name="ettflow-pool-reaper", daemon=True).start()
+
+    # ---- the journal (pool_journal.py) ---------------------------------------------------
+    def _recover(self) -> None:
+        """Adopt what the journal's previous service left: its unacknowledged lines, and its
+        open holdings closed at its last beat when it died."""
+        found = self.journal.recover() if self.journal is not None else None
+        if found is None:
+            return
+        self.ledger.update({h.holding_id: h for h in found.lines})
+        if found.lost_at is not None:
+            self.lost = found
+            log.warning("cluster pool: the previous pool service was lost (it last answered at %s, holding %d "
+                        "worker(s) and keeper(s)); their held time is in the ledger as %r", _clock(found.lost_at),
+                        found.open_holdings, POOL_LOST)
+        self._journal()
+
+    def _journal(self, *, stopped: bool = False) -> None:
+        """Rewrite the journal with what the service holds now (a disk that refuses it loses
+        only the record of a later death: said once)."""
+        if self.journal is None:
+            return
+        now = time.time()
+        with self._lock:
+            held = [_worker_line(e, now, POOL_LOST) for e in self.entries] + \
+                   [_keeper_line(k, now, POOL_LOST) for k in self.keepers]
+            ledger = list(self.ledger.values())
+        try:
+            self.journal.write(beat=now, open_holdings=held, ledger=ledger, stopped=stopped)
+        except OSError as exc:
+            if not self._journal_failed:
+                log.warning("cluster pool: its journal %s cannot be written (%s): if the pool dies, what it holds "
+                            "is not in the ledger", self.journal.path, exc)
+            self._journal_failed = True
+
+    def cold_note(self, model: str) -> str | None:
+        """Why the model's run found nothing prewarmed, when the reason is that the previous
+        service died (once per model); None otherwise."""
+        with self._lock:
+            if self.lost is None or self.lost.lost_at is None or model in self._told:
+                return None
+            self._told.add(model)
+            return (f"the cluster's pool was lost (its service last answered at {_clock(self.lost.lost_at)}, "
+                    f"holding {self.lost.open_holdings} worker(s) and keeper(s)): this run's ranks start cold")
 
     # ---- filling -------------------------------------------------------------------------
     def decide(self, model: str, next_run_at: float | None, now: float, *, slots: int = 1,
@@ -248,6 +304,7 @@ class PoolService:
                 from ettflow.trainer.checkpoint.state_keeper import start_keeper
 
                 self.keepers.append(_Keeper(start_keeper(None, wait=False), time.time(), model))
+        self._journal()
         if started:
             log.info("cluster pool: %d worker(s) of model %s starting for its next run", started, model)
         return started
@@ -280,6 +337,7 @@ class PoolService:
                 if owner is not None:
                     self.given.append(_Given(worker.actor, owner, run_id, worker.model, "worker", now,
                                              worker.gpus, worker.cpus, worker.rss_bytes))
+        self._journal()
         return taken
 
     def take_keeper(self, owner: OwnerHandle | None = None, run_id: str = "") -> KeeperHandle | None:
@@ -289,7 +347,8 @@ class PoolService:
             keeper = self.keepers.pop(0)
             if owner is not None:
                 self.given.append(_Given(keeper.actor, owner, run_id, keeper.model, "keeper", time.time()))
-            return keeper.actor
+        self._journal()
+        return keeper.actor
 
     def forget(self, run_id: str) -> int:
         """A run stopped what it took (its normal end): nothing of it is the pool's to stop."""
@@ -367,6 +426,7 @@ class PoolService:
             n = len(self.entries) + len(self.keepers)
             self._drop(lambda e: True, "stopped")
             self._drop_keepers(lambda k: True, "stopped")
+        self._journal(stopped=True)
         return n
 
     # ---- the ledger of what nobody took --------------------------------------------------
@@ -378,7 +438,9 @@ class PoolService:
     def ack(self, holding_ids: list[str]) -> int:
         """Forget lines a warehouse now holds; how many were forgotten."""
         with self._lock:
-            return sum(self.ledger.pop(h, None) is not None for h in holding_ids)
+            forgotten = sum(self.ledger.pop(h, None) is not None for h in holding_ids)
+        self._journal()
+        return forgotten
 
     # ---- internals -----------------------------------------------------------------------
     def _ready(self) -> list[PooledWorker]:
@@ -397,10 +459,7 @@ class PoolService:
         for e in [e for e in self.entries if which(e)]:
             self.entries.remove(e)
             stop(e)
-            h = Holding(holding_id=e.holding_id, model=e.model, kind=UNCLAIMED_WORKER, run_id=None, used=False,
-                        requested_at=e.requested_at, released_at=max(now, e.requested_at), reason=reason,
-                        gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes, rule=e.rule)
-            self.ledger[h.holding_id] = h
+            self.ledger[e.holding_id] = _worker_line(e, now, reason)
 
     def _drop_model(self, model: str, reason: str, now: float) -> None:
         """Release everything held for `model`'s next run (its workers and keepers)."""
@@ -416,9 +475,7 @@ class PoolService:
             self.keepers.remove(k)
             with contextlib.suppress(Exception):
                 ray.kill(k.actor, no_restart=True)
-            self.ledger[k.holding_id] = Holding(
-                holding_id=k.holding_id, model=k.model, kind=UNCLAIMED_KEEPER, run_id=None, used=False,
-                requested_at=k.requested_at, released_at=max(now, k.requested_at), reason=reason, slots=0.0)
+            self.ledger[k.holding_id] = _keeper_line(k, now, reason)
         return len(gone)
 
     def _reap_loop(self) -> None:
@@ -436,6 +493,7 @@ class PoolService:
             if self.given and time.time() - self._orphans_checked > ORPHANS_EVERY_S:
                 self._orphans_checked = time.time()
                 self.reap_orphans()
+            self._journal()  # the beat: a death loses at most one tick of held time to the ledger
 
     def start_planned(self, now: float) -> int:
         """Start the planned fills that are due; how many workers started."""
@@ -466,6 +524,22 @@ class PoolService:
         return len(old) + stale
 
 
+def _worker_line(e: PooledWorker, now: float, reason: str) -> Holding:
+    """The ledger line of a pooled worker nobody took, released at `now` for `reason`."""
+    return Holding(holding_id=e.holding_id, model=e.model, kind=UNCLAIMED_WORKER, run_id=None, used=False,
+                   requested_at=e.requested_at, released_at=max(now, e.requested_at), reason=reason,
+                   gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes, rule=e.rule)
+
+
+def _keeper_line(k: _Keeper, now: float, reason: str) -> Holding:
+    return Holding(holding_id=k.holding_id, model=k.model, kind=UNCLAIMED_KEEPER, run_id=None, used=False,
+                   requested_at=k.requested_at, released_at=max(now, k.requested_at), reason=reason, slots=0.0)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
 def drain_ledger(pool: PoolHandle, write: Callable[[list[Holding]], Any], timeout_s: float = 10.0) -> int:
     """Move the pool's unacknowledged ledger lines into a warehouse (`write` them, then `ack`
     them: a writer that fails leaves them in the pool for the next try); how many moved."""
@@ -479,8 +553,9 @@ def drain_ledger(pool: PoolHandle, write: Callable[[list[Holding]], Any], timeou
     return len(lines)
 
 
-def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy()) -> PoolHandle | None:
-    """The cluster's pool actor (started when `create` and there is none), or None."""
+def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy(), journal: str | None = None) -> PoolHandle | None:
+    """The cluster's pool actor (started when `create` and there is none), or None. `journal`:
+    the file a service started here keeps what it holds in (`pool_journal.py`)."""
     import ray
 
     try:
@@ -490,4 +565,4 @@ def service(*, create: bool = True, policy: PoolPolicy = PoolPolicy()) -> PoolHa
             return None
     return ray.remote(PoolService).options(
         name=NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=0,
-        max_concurrency=8).remote(policy)
+        max_concurrency=8).remote(policy, journal=journal)

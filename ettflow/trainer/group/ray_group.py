@@ -154,10 +154,28 @@ def run_keeper(run_id: str, *, pool: WarmPool | None = None) -> KeeperHandle:
     process starts beside the ranks' (nothing waits for it here: a rank's first copy does).
     `pool`: take the one that warm pool started ahead of the run, when it has one."""
     keeper = _KEEPERS.get(run_id)
+    if keeper is not None and not _alive(keeper):
+        # a dead actor's handle given to the ranks fails every restart (issue 42 #1: the pool's
+        # service died, and the keeper it had started with it); its copies are lost with it
+        log.warning("the run's in-memory checkpoint keeper (actor %s) died: a new one starts; the copies it held "
+                    "are lost (a restart restores the durable checkpoint)", keeper_name(run_id))
+        keeper = None
     if keeper is None:
         keeper = _KEEPERS[run_id] = (pool.take_keeper(run_id) if pool is not None else None) \
             or start_keeper(run_id, wait=False)
     return keeper
+
+
+def _alive(actor) -> bool:
+    """Whether `actor` still exists: a busy one that does not answer in time counts as alive
+    (the restore point's own query decides what it holds, `_memory_step`)."""
+    try:
+        ray.get(actor.ping.remote(), timeout=PARK_TIMEOUT_S)
+    except RayActorError:
+        return False
+    except GetTimeoutError:
+        return True
+    return True
 
 
 def end_run(run_id: str, pool: WarmPool = POOL) -> None:

@@ -144,8 +144,8 @@ class SparePool:
 
     def _replace_lost(self, spare: PooledWorker, attempt: int, exc: BaseException) -> None:
         now = time.time()
-        log.warning("the run's warm spare (pid %s) died while it waited (%s): another starts", self._pid,
-                    type(exc).__name__)
+        who = f"pid {self._pid}" if self._pid is not None else "its process had not answered a ping yet"
+        log.warning("the run's warm spare (%s) died while it waited (%s): another starts", who, type(exc).__name__)
         self._record_unused(spare, attempt, now, lost=True)
         with contextlib.suppress(Exception):
             ray.kill(spare.actor, no_restart=True)

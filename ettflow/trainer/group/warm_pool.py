@@ -46,6 +46,7 @@ from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
     PooledWorker,
+    model_name,
     probe,
     record_start,
     start_worker,
@@ -73,11 +74,14 @@ class WarmPool:
     def attach_cluster(self) -> None:
         """Use the cluster's pool from now on (this process joined a cluster that outlives it):
         runs that end fill it, runs that start take from it."""
+        from ettflow.paths import data_home
         from ettflow.trainer.group.pool_service import service
 
         if self.service is None:
             self.close()
-            self.service = service()
+            # a service started by this process journals what it holds in this home: the next
+            # one finds there what a killed one held (pool_journal.py)
+            self.service = service(journal=str(data_home() / "pool" / "journal.json"))
         self.keeping = True
 
     # ---- the process's choice ------------------------------------------------------------
@@ -162,6 +166,11 @@ class WarmPool:
                         type(exc).__name__, exc)
             self.service = None
             return [None] * len(nodes)
+        if not any(found):  # nothing prewarmed: say so when it is because the pool was lost
+            with contextlib.suppress(GetTimeoutError, RayActorError, RayTaskError):
+                note = ray.get(self.service.cold_note.remote(model_name(config)), timeout=10)
+                if note:
+                    log.warning("%s", note)
         return [None if w is None else (w, w.timings) for w in found]
 
     def take_keeper(self, run_id: str = "") -> KeeperHandle | None:
