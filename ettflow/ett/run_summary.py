@@ -145,6 +145,8 @@ def state_message(s: RunSummary) -> str:
     cut ("See More") never hides them; then how it ended (`short_reason`), then its failures."""
     if s.outcome == Outcome.SKIPPED.value:
         return short_reason(s.reason) or "skipped"
+    if refused(s):  # nothing to measure: what refused it, first
+        return f"refused: {short_reason(s.reason)}" if s.reason else "refused"
     parts = [f"ETT {s.ett_pct:.1f}%", f"NoF {s.nof}", f"TTS {s.tts_s:.1f} s"] if s.measured \
         else ["no ETT: the run recorded no phase"]
     if s.outcome not in (Outcome.PUBLISHED.value, FinalState.COMPLETED.value):

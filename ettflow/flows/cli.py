@@ -185,6 +185,7 @@ def _refresh_once(params: RefreshParameters, args: argparse.Namespace) -> tuple[
     from ettflow.tasks.archive import spool_of
     from ettflow.tasks.errors import ParameterError
     from ettflow.tasks.warehouse_url import WarehouseUnavailable, resolve_warehouse_url
+    from ettflow.trainer.data.schema import DataError
 
     state = refresh_model(**params.flow_kwargs(), return_state=True)
     run_id = str(state.state_details.flow_run_id)
@@ -194,6 +195,9 @@ def _refresh_once(params: RefreshParameters, args: argparse.Namespace) -> tuple[
         if isinstance(refused, (ParameterError, WarehouseUnavailable)):  # refused before anything ran: no report
             print(f"ettflow refresh: {refused}", file=sys.stderr)
             return 1, None
+        if isinstance(refused, DataError):  # its inputs refused before anything was reserved: no row to report
+            print(f"ettflow refresh: run {run_id} refused: {state.message.removeprefix('refused: ')}", file=sys.stderr)
+            return 1, run_id
         print(f"ettflow refresh: run {run_id} ended {state.name}: {state.message}", file=sys.stderr)
     else:
         result = state.result(raise_on_failure=False)

@@ -90,17 +90,19 @@ def _process_started_for(flow_run: Any) -> float | None:
 
 
 def _finish(plan: RefreshPlan, state: FinalState, outcome: Outcome, *, reason: str | None = None,
-            data: Any = None) -> State:
+            data: Any = None, archive: bool = True) -> State:
     """Archive and announce the finished run (`finish_run`), then its final state, whose
     message says the ETT. A failure's state carries its exception (`data`), so a caller of
-    the flow function gets it raised, as from any failed flow."""
+    the flow function gets it raised, as from any failed flow. `archive` False: a run refused
+    before anything was reserved (its inputs): announced, no ETT row (no training to measure,
+    as for a refused parameter)."""
     ctx = FlowRunContext.get()
     try:
         # a skipped run claimed no window: it is named for none (issue 43: it was named for the four
         # its plan had listed)
         windows = () if outcome is Outcome.SKIPPED else tuple(plan.trainer.windows or ())
         summary = finish_run(ctx.flow.name, ctx.flow_run, state=state, outcome=outcome.value, reason=reason,
-                             windows=windows, params=plan.params, in_body=True)
+                             windows=windows, params=plan.params, in_body=True, archive=archive)
         message = state_message(summary)
     except Exception:  # noqa: BLE001 - archiving must not change how the run ended; its hook tries again
         get_run_logger().exception("could not finish run %s (its state hook archives it again)", plan.run_id)
@@ -171,7 +173,8 @@ def refresh_model(
     if inputs.is_failed():
         bad = inputs.result(raise_on_failure=False)
         record_failure(plan, bad, get_run_logger())  # the windows are released
-        return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=inputs.message, data=bad)
+        # refused like a bad parameter: no ETT row, whatever check refused it (issue 42 #8)
+        return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=inputs.message, data=bad, archive=False)
     progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
         with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):

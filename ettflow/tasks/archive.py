@@ -236,20 +236,22 @@ def _run_logger(flow_run):
 
 def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, reason: str | None = None,
                windows: tuple[str, ...] = (), params: Params | None = None,
-               in_body: bool = False) -> RunSummary:
+               in_body: bool = False, archive: bool = True) -> RunSummary:
     """Archive the finished run and announce it (see the module docstring); returns its
     summary: the one place where a run's measured result exists after archiving.
 
     `outcome`: the lineage outcome (published, gated, skipped, failed), or crashed/cancelled.
     `params`: the run's parameters (default: the flow run's). `in_body`: called by the flow
-    body before it returns `state` (its hooks then skip the run)."""
+    body before it returns `state` (its hooks then skip the run). `archive` False: a refused
+    run, announced without an ETT row."""
     from .plan import slug as slug_of
 
     params = run_params(params if params is not None else flow_run.parameters)
     run_id = str(flow_run.id)
     deployment = run_labels.deployment_name(flow_run)
     archived = archive_run(run_id, params, status=state.value, flow_run_id=run_id,
-                           tags={"flow_run_count": getattr(flow_run, "run_count", 1), "deployment": deployment})
+                           tags={"flow_run_count": getattr(flow_run, "run_count", 1), "deployment": deployment}) \
+        if archive else None
     if archived is not None and archived.status == "skipped":
         outcome = Outcome.SKIPPED.value
     summary = summarize(archived.metrics if archived is not None else None, run_id=run_id,

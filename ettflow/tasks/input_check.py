@@ -4,14 +4,13 @@ Once the windows are claimed (`tasks.claims`), every file of the training window
 held-out windows is checked against the declared schema from its Parquet footer alone (the
 columns, their types: `trainer.data.schema.validate_parquet`, as the ranks check them), and
 the training windows must hold at least one full batch for every rank. A file that fails
-fails the refresh here, as a `data` failure with the file and column named and what to do, in
-one line (no traceback), with nothing reserved or trained; its claims are released like any
-failed refresh's. The flow process reads footers only: no torch (`tasks.progress` reads the
-same index for its step count)."""
+refuses the refresh here, with the file and column named and what to do, in one line (no
+traceback), with nothing reserved or trained: like a refused parameter, no ETT row and no
+failure in the run's failure history (a `data` failure is one the ranks meet while training);
+its claims are released like any failed refresh's. The flow process reads footers only: no
+torch (`tasks.progress` reads the same index for its step count)."""
 
 from __future__ import annotations
-
-import time
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -21,8 +20,6 @@ from ettflow.trainer.data.schema import DataError
 from ettflow.trainer.data.windows import StreamIndex, full_batches, split_windows
 
 from .plan import RefreshPlan
-
-INPUTS_TASK = "check_inputs"
 
 
 def check_windows(plan: RefreshPlan) -> tuple[int, int, int]:
@@ -43,13 +40,10 @@ def check_windows(plan: RefreshPlan) -> tuple[int, int, int]:
 
 @task(name="check-inputs", cache_policy=NO_CACHE)
 def check_inputs(plan: RefreshPlan) -> int | State:
-    """The training steps the windows hold, or a Failed state carrying the `DataError` (its
-    failure recorded in the run's spool, class `data`)."""
+    """The training steps the windows hold, or a Failed state carrying the `DataError`."""
     try:
         rows, steps, held = check_windows(plan)
     except DataError as exc:
-        attempt = plan.recorder.next_attempt()
-        plan.recorder.record_task_failure(attempt, exc, task=INPUTS_TASK, at=time.time())
         return Failed(message=f"the input data cannot be trained on: {exc}; fix or remove it, or choose other "
                               "windows (`windows`, `eval_windows`)", data=exc)
     get_run_logger().info("inputs checked: %d training rows (%d steps of %d ranks), %d held-out rows", rows, steps,

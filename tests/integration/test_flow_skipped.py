@@ -79,11 +79,13 @@ def test_windows_held_by_another_refresh_are_left_to_it(env, flow_data):
     assert_archived_as_skipped(env, run_id, state.message)
 
 
-@pytest.mark.parametrize("held_out", [False, True])
-def test_a_bad_data_file_fails_the_refresh_before_anything_is_reserved(env, flow_data, tmp_path, held_out):
+@pytest.mark.parametrize("held_out, damage", [(False, "type"), (True, "type"), (False, "missing")])
+def test_a_bad_data_file_refuses_the_refresh_before_anything_is_reserved(env, flow_data, tmp_path, held_out, damage):
     """Every input is checked before the trainer is reserved (tasks/input_check.py): a training or
-    held-out file whose column has the wrong type fails the refresh as `data`, naming the file and
-    the column, in one line; no reservation, no Ray, no training; its windows are released."""
+    held-out file whose column has the wrong type, or lacks a column, refuses the refresh, naming
+    the file and the column, in one line; no reservation, no Ray, no training; its windows are
+    released. Refused like a bad parameter (issue 42 #8): no ETT row (it was one at ETT 0%,
+    NoF 1), no failure in the spool's history; the run is named and tagged `refused`."""
     import shutil
 
     import pyarrow as pa
@@ -94,20 +96,21 @@ def test_a_bad_data_file_fails_the_refresh_before_anything_is_reserved(env, flow
     window = list_windows(data)[2 if held_out else 0]
     part = sorted((data / window).glob("*.parquet"))[0]
     table = pq.read_table(part)
-    pq.write_table(table.set_column(table.schema.get_field_index("int_3"), "int_3",
-                                    pa.array(["x"] * table.num_rows, type=pa.string())), part)
+    if damage == "type":
+        pq.write_table(table.set_column(table.schema.get_field_index("int_3"), "int_3",
+                                        pa.array(["x"] * table.num_rows, type=pa.string())), part)
+        said = f"{part}: column 'int_3' has type string"
+    else:
+        pq.write_table(table.drop_columns(["int_3"]), part)
+        said = f"{part}: column 'int_3' is missing"
     state, run_id = run(env, data_root=str(data))
     assert state.is_failed()
-    assert f"the input data cannot be trained on: {part}: column 'int_3' has type string" in state.message
+    assert state.message.startswith(f"refused: the input data cannot be trained on: {said}"), state.message
     assert "Traceback" not in state.message
-    evs = read_spool(env["spool_root"], run_id).events
-    assert not [e for e in evs if e.phase in ("scheduling", "train_step") and e.attrs.get("stage") != "claim_windows"]
-    (failed,) = [e for e in evs if e.phase == "failure_detected"]
-    assert failed.attrs["failure_class"] == "data" and failed.attrs["task"] == "check_inputs"
+    assert not (Path(env["spool_root"]) / run_id).exists()  # nothing reserved, trained or failed: nothing spooled
     with Warehouse.open(env["warehouse_url"]) as wh:
-        (row,) = wh.runs_frame(run_id=run_id).to_dict("records")
+        assert wh.runs_frame(run_id=run_id).empty  # no ETT row
         (rec,) = [r for r in wh.lineage("skippy") if r.run_id == run_id]
         again = lineage.claim_windows(wh, "skippy", "next", lambda mark, parent: (("w",), None))
-    assert row["status"] == "failed" and row["nof"] == 1 and not row["started_training"]
     assert rec.outcome is Outcome.FAILED and "int_3" in rec.reason
     assert not isinstance(again, lineage.Busy)  # its claims are gone

@@ -5,6 +5,8 @@ and `ettflow report`'s status, deployment and run link columns."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 
@@ -90,6 +92,10 @@ def test_name_tags_and_description_head():
     refused = summary(state=FinalState.FAILED, outcome="failed", ett_pct=None, nof=0, failures=(), windows=())
     assert measured_name(refused) == "dlrm-optimized · refused"
     assert run_tags(refused, ["adhoc"]) == ["adhoc", "model:dlrm", "mode:optimized", "outcome:refused"]
+    assert state_message(refused) == "refused"  # not "no ETT: the run recorded no phase"
+    assert state_message(replace(refused, reason="the input data cannot be trained on: x.parquet: column 'c' is "
+                                                 "missing")) == ("refused: the input data cannot be trained on: "
+                                                                 "x.parquet: column 'c' is missing")
 
 
 def test_the_failure_line_puts_ettflows_words_before_rays_detail():
