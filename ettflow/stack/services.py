@@ -312,19 +312,18 @@ def crash_automation(cfg: StackConfig) -> Service:
 
 def alert_automations(cfg: StackConfig) -> Service:
     """The shipped alerts (`automations/ettflow.yaml`), posting to the webhook block; without a
-    block and without `webhook_url`, none is applied, and the detail says how to."""
+    block and without `webhook_url`, applied with no action: their triggers are the alerts, in
+    the Event Feed, and the detail says how to add the posting."""
     from ettflow.tasks.automations import DEFAULT_FILE, AutomationsConfig, apply_automations, save_webhook_block
 
     config = AutomationsConfig.load(DEFAULT_FILE)
     with prefect_api(cfg.api_url):
         if cfg.webhook_url:
             save_webhook_block(config.webhook_block, cfg.webhook_url)
-        try:
-            done = apply_automations(config)
-        except ValueError:  # no webhook block on the server
-            return Service(name="alert-automations", address=str(DEFAULT_FILE),
-                           detail=f"not applied: no webhook to call (Webhook block {config.webhook_block!r}); "
-                                  "`ettflow up --webhook-url URL` applies them")
+        done = apply_automations(config)
     changed = len(done.created) + len(done.updated)
+    posting = "" if done.webhook else (
+        f"; no webhook (Webhook block {config.webhook_block!r}): they show in the Event Feed when they trigger, "
+        "`ettflow up --webhook-url URL` adds the posting")
     return Service(name="alert-automations", address=str(DEFAULT_FILE),
-                   detail=f"{changed} applied ({len(done.created)} created, {len(done.updated)} updated)")
+                   detail=f"{changed} applied ({len(done.created)} created, {len(done.updated)} updated){posting}")

@@ -12,8 +12,14 @@ regressions alert. `compile_automations` turns it into Prefect automations:
 
 Each one's action calls the webhook block with a JSON body: ``alert`` (which rule),
 ``automation``, ``event``, ``resource`` (the run or the regression) and the event's
-``payload``. `apply_automations` creates or updates them by name and deletes the ettflow
-automations (tag ``ettflow``) the file no longer names: applying twice changes nothing.
+``payload``. Without that block on the server they are applied all the same, with Prefect's
+`DoNothing` action (issue 43: no alert existed anywhere without a webhook): Prefect 3.9.1 has
+no action that alerts inside its own UI without an outside service (a notification needs a
+block; an incident is Prefect Cloud's), but every trigger is an event, ``prefect.automation.triggered``
+naming the automation and the run's event, which the Event Feed lists and the automation's page
+counts. `--webhook-url` then adds the posting. `apply_automations` creates or updates them by
+name and deletes the ettflow automations (tag ``ettflow``) the file no longer names: applying
+twice changes nothing.
 """
 
 from __future__ import annotations
@@ -80,15 +86,22 @@ def webhook_body(alert: str) -> str:
             '"payload": {{ event.payload | tojson }}}')
 
 
-def compile_automations(config: AutomationsConfig, webhook_block_id: Any) -> list:
+NO_WEBHOOK_ACTION = ("Action: none yet (no webhook block): each trigger is listed in the Event Feed as "
+                     "prefect.automation.triggered; `ettflow automations apply --webhook-url URL` adds the POST.")
+
+
+def compile_automations(config: AutomationsConfig, webhook_block_id: Any | None) -> list:
     """The Prefect automations (`AutomationCore`) the config describes, calling the webhook
-    block `webhook_block_id`."""
-    from prefect.events.actions import CallWebhook
+    block `webhook_block_id` (None: no block, `DoNothing`: the trigger alone is the alert)."""
+    from prefect.events.actions import CallWebhook, DoNothing
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     def make(name: str, alert: str, description: str, event: str, match: dict[str, Any]) -> AutomationCore:
         trigger = EventTrigger(expect={event}, match=match, posture=Posture.Reactive, threshold=1, within=0)
-        action = CallWebhook(block_document_id=webhook_block_id, payload=webhook_body(alert))
+        if webhook_block_id is None:
+            action, description = DoNothing(), description.replace("Action: call the webhook.", NO_WEBHOOK_ACTION)
+        else:
+            action = CallWebhook(block_document_id=webhook_block_id, payload=webhook_body(alert))
         return AutomationCore(name=name, description=description, enabled=True, tags=[TAG], trigger=trigger,
                               actions=[action])
 
@@ -127,14 +140,13 @@ def save_webhook_block(name: str, url: str) -> None:
 
 
 def webhook_block_id(name: str):
+    """The id of the Webhook block `name` on the server; None when it has none."""
     from prefect.blocks.webhook import Webhook
 
     try:
         block = Webhook.load(name)
-    except ValueError as exc:
-        raise ValueError(f"no Prefect Webhook block named {name!r} on this server: create it with "
-                         f"`ettflow automations apply --webhook-url URL` (or in the UI), or name another "
-                         "one as `webhook_block` in the automations file") from exc
+    except ValueError:
+        return None
     return block._block_document_id
 
 
@@ -143,6 +155,7 @@ class Applied:
     created: tuple[str, ...]
     updated: tuple[str, ...]
     deleted: tuple[str, ...]
+    webhook: bool = True  # their action posts to the webhook block (False: none on the server, `DoNothing`)
 
 
 def apply_automations(config: AutomationsConfig) -> Applied:
@@ -150,7 +163,8 @@ def apply_automations(config: AutomationsConfig) -> Applied:
     and delete the ettflow automations it no longer names."""
     from prefect.client.orchestration import get_client
 
-    wanted = compile_automations(config, webhook_block_id(config.webhook_block))
+    block = webhook_block_id(config.webhook_block)
+    wanted = compile_automations(config, block)
     created, updated, deleted = [], [], []
     with get_client(sync_client=True) as client:
         existing = [a for a in client.read_automations() if TAG in (a.tags or [])]
@@ -167,4 +181,4 @@ def apply_automations(config: AutomationsConfig) -> Applied:
             if old.name not in names:
                 client.delete_automation(old.id)
                 deleted.append(old.name)
-    return Applied(tuple(created), tuple(updated), tuple(deleted))
+    return Applied(tuple(created), tuple(updated), tuple(deleted), webhook=block is not None)

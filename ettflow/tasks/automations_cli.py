@@ -53,6 +53,9 @@ def cmd_automations(args: argparse.Namespace) -> int:
             print(f"{verb}: {name}")
     print(f"ettflow automations: {len(done.created)} created, {len(done.updated)} updated, "
           f"{len(done.deleted)} deleted on {PREFECT_API_URL.value()}")
+    if not done.webhook:
+        print(f"no Webhook block {config.webhook_block!r} on the server: the automations have no action; each "
+              "trigger is listed in the Event Feed (prefect.automation.triggered). `--webhook-url URL` adds the POST")
     return 0
 
 

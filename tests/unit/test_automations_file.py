@@ -73,3 +73,18 @@ def test_a_star_threshold_covers_every_run():
 def test_a_wrong_file_is_refused_with_the_key_named(data, error):
     with pytest.raises(ValueError, match=error):
         AutomationsConfig.from_mapping(data)
+
+
+def test_without_a_webhook_block_the_alerts_exist_with_no_action_and_say_where_they_show():
+    """Issue 43: without `--webhook-url` no ETT, NoF or regression alert existed anywhere in the
+    UI. Now the same automations, same triggers, with Prefect's DoNothing: each trigger is a
+    `prefect.automation.triggered` event in the Event Feed."""
+    automations = compile_automations(AutomationsConfig.load(DEFAULT_FILE), None)
+    assert [a.name for a in automations] == ["ettflow: ETT below 40% on refresh-adhoc",
+                                             "ettflow: ETT below 60% on refresh-scheduled",
+                                             "ettflow: NoF above 1", "ettflow: component regression"]
+    assert all([act.type for act in a.actions] == ["do-nothing"] for a in automations)
+    assert all("Action: none yet (no webhook block)" in a.description and "Event Feed" in a.description
+               and "call the webhook" not in a.description for a in automations)
+    assert matching(automations, run("refresh-adhoc", 27.8, 2)) == {"ettflow: ETT below 40% on refresh-adhoc",
+                                                                    "ettflow: NoF above 1"}
