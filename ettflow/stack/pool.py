@@ -95,6 +95,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
             since = f"since {now - h.requested_at:.0f} s"
         elif h.kind.startswith("run's"):  # taken by a run: the pool stops it if the run's process dies
             since = f"run {h.key}, its process seen alive {now - h.requested_at:.0f} s ago"
+        elif h.kind == "lost":  # this service replaced one that died holding things (pool_journal.py)
+            since = (f"the previous pool service last answered {now - h.requested_at:.0f} s ago: its holdings are "
+                     "in the ledger as pool_lost")
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"
               + (f" on node {h.node[:12]}" if h.node else "") + (f" [{h.rule}]" if h.rule else ""))
     for model, why in sorted({(h.model, h.why) for h in held if h.why}):

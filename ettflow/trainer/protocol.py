@@ -238,7 +238,8 @@ class PooledInfo:
     lists it (it crosses from the pool's actor to the asking process)."""
 
     # "worker", "keeper", "run's worker" / "run's keeper" (taken, watched), "planned", "decided"
-    # (the model's last release decided to hold nothing: `rule` none, `why` its numbers)
+    # (the model's last release decided to hold nothing: `rule` none, `why` its numbers), "lost"
+    # (the previous service died holding things: `requested_at` its last beat, `pool_journal.py`)
     kind: str
     model: str  # the model's name in the config (its shape is the key's digest)
     key: str  # a short digest of the warm key

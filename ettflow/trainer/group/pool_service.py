@@ -414,7 +414,9 @@ class PoolService:
                            rule=str(p.hold.rule), why=p.hold.reason)
                 for m, p in self.planned.items()] + [
                 PooledInfo("decided", m, "-", "nothing held", h.start_at, None, None, rule=str(h.rule), why=h.reason)
-                for m, h in self.holds.items() if h.rule is HoldRule.NONE]
+                for m, h in self.holds.items() if h.rule is HoldRule.NONE] + ([
+                PooledInfo("lost", "-", "-", f"{self.lost.open_holdings} closed", self.lost.lost_at, None, None)]
+                if self.lost is not None and self.lost.lost_at is not None else [])
 
     def stop(self) -> int:
         """Stop everything the pool holds; returns how many actors were stopped (their ledger
