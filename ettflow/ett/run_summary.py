@@ -147,6 +147,8 @@ def state_message(s: RunSummary) -> str:
         return short_reason(s.reason) or "skipped"
     if refused(s):  # nothing to measure: what refused it, first
         return f"refused: {short_reason(s.reason)}" if s.reason else "refused"
+    if s.state is FinalState.COMPLETED and not s.measured and s.reason:  # e.g. a stopped run's anchor published
+        return short_reason(s.reason)
     parts = [f"ETT {s.ett_pct:.1f}%", f"NoF {s.nof}", f"TTS {s.tts_s:.1f} s"] if s.measured \
         else ["no ETT: the run recorded no phase"]
     if s.outcome not in (Outcome.PUBLISHED.value, FinalState.COMPLETED.value):

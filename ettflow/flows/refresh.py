@@ -4,6 +4,9 @@
     -> on the default synthetic data with nothing new: the next window arrives (`tasks.arrivals`)
     -> claim the windows past the model's watermark (none new, or another refresh holds them:
        the run ends Completed as skipped, nothing reserved)
+    -> check the inputs (a bad file refuses the run: no ETT row)
+    -> a refresh of these windows stopped after sealing its anchor: publish that anchor, train
+       nothing (`tasks/anchor_reuse.py`)
     -> reserve the trainer (Ray placement; the queueing is the scheduling phase)
     -> train (the driver: restarts within its failure budget) -> anchor checkpoint
     -> [baseline: publish while the trainer holds its devices] -> release the devices
@@ -31,9 +34,10 @@ from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed, State
 
 from ettflow.ett.heartbeat import RunHeartbeat
-from ettflow.ett.lineage import Outcome
+from ettflow.ett.lineage import LineageRecord, Outcome
 from ettflow.ett.run_summary import FinalState, run_name, short_reason, state_message
 from ettflow.flows.parameter_help import with_parameter_help
+from ettflow.tasks.anchor_reuse import find_reusable_anchor
 from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.arrivals import arrive_windows
 from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
@@ -175,6 +179,9 @@ def refresh_model(
         record_failure(plan, bad, get_run_logger())  # the windows are released
         # refused like a bad parameter: no ETT row, whatever check refused it (issue 42 #8)
         return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=inputs.message, data=bad, archive=False)
+    reused = find_reusable_anchor(plan)  # a refresh of these windows stopped after sealing its anchor
+    if reused is not None:
+        return _publish_reused(plan, progress, reused)
     progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
         with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
@@ -193,6 +200,28 @@ def refresh_model(
               "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
               "parent": record.parent_run_id}
     return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason, data=result)
+
+
+def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRecord) -> State:
+    """Publish the anchor a stopped refresh of the same windows sealed (`tasks/anchor_reuse.py`):
+    nothing reserved or trained, so no ETT row (that training's is the stopped run's row)."""
+    anchor = str(reused.anchor)
+    progress.show(f"publishing the anchor run {reused.run_id} sealed before it stopped: nothing to train again")
+    try:
+        record = record_lineage(plan, anchor, publish(plan, anchor))
+    except Exception as exc:
+        record_failure(plan, exc, get_run_logger())  # the stopped run's record keeps the anchor for the next try
+        if _will_retry():
+            raise
+        return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}", data=exc,
+                       archive=False)
+    why = (f"published the anchor of run {reused.run_id}, which trained these windows and stopped after sealing "
+           f"it; not trained again, no ETT row (its training is in run {reused.run_id}'s)")
+    result = {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor,
+              "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
+              "parent": record.parent_run_id, "reused_from": reused.run_id}
+    return _finish(plan, FinalState.COMPLETED, record.outcome, data=result, archive=False,
+                   reason=f"{why}; {record.reason}" if record.reason else why)  # the gate's word after it
 
 
 def _train_and_publish(plan: RefreshPlan, progress: RunProgress) -> tuple[str, Any]:

@@ -205,8 +205,12 @@ def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any)
 
 def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
     """Record a FAILED refresh and release its claims (kept in the spool while the warehouse is
-    down); any other error is logged, never raised over the refresh's own error."""
+    down); any other error is logged, never raised over the refresh's own error. An anchor the
+    run sealed before it stopped is in the record: the next refresh of its windows publishes it
+    instead of training them again (`anchor_reuse.py`)."""
+    from .anchor_reuse import sealed_anchor
+
     try:
-        settle_or_keep(plan, Outcome.FAILED, log, reason=f"{type(exc).__name__}: {exc}")
+        settle_or_keep(plan, Outcome.FAILED, log, anchor=sealed_anchor(plan), reason=f"{type(exc).__name__}: {exc}")
     except Exception:  # noqa: BLE001 - the refresh's own error is the one to raise
         log.warning("could not record the failed refresh %s in the lineage", plan.run_id, exc_info=True)

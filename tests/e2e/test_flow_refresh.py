@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -250,6 +251,34 @@ def test_a_flow_retry_does_not_retrain_and_archives_once(env):
     runs, events = warehouse_run(env, run_id)
     assert len(runs) == 1 and runs.iloc[0]["status"] == "completed" and runs.iloc[0]["effective_steps"] == 40
     assert runs.iloc[0]["tags"]["publish_failures"] == 3 and len(events) == len(evs)
+
+
+def test_a_refresh_stopped_after_sealing_its_anchor_is_published_by_the_next_not_retrained(
+        flow_data, flow_work_root, compile_cache, tmp_path):
+    """Issue 42 #2: publishing fails past its retries (as when `ettflow down` or a cancel stops a
+    run while it publishes): the run fails with its anchor sealed, and its lineage record names
+    the anchor. The next refresh of the same windows from the same parent verifies that anchor
+    and publishes it: nothing reserved or trained, no ETT row of its own, the watermark moves."""
+    from ettflow.ett.lineage import Outcome
+
+    own = flow_env(tmp_path, flow_data, flow_work_root, checkpoint_every_steps=10, max_steps=20,
+                   windows=list_windows(flow_data)[:2], warm_start=False, switches=PLAIN)
+    state, first = run(own, fail_at=["publish:times=3"])
+    assert state.is_failed(), state.message
+    state, second = run(own)
+    assert state.is_completed(), state.message
+    assert state.message.startswith(f"published the anchor of run {first}, which trained these windows"), \
+        state.message
+    assert state.result()["reused_from"] == first
+    evs = RunRecorder(own["spool_root"], second).events()
+    assert not [e for e in evs if e.phase in ("submitted", "scheduling", "train_step")]  # nothing reserved or trained
+    with Warehouse.open(own["warehouse_url"]) as wh:
+        stopped, reused = ([r for r in wh.lineage("dlrm") if r.run_id == rid] for rid in (first, second))
+        assert wh.runs_frame(run_id=second).empty and len(wh.runs_frame(run_id=first)) == 1
+    (stopped,), (reused,) = stopped, reused
+    assert stopped.outcome is Outcome.FAILED and stopped.anchor and "injected publish failure" in stopped.reason
+    assert (reused.outcome, reused.anchor, reused.windows) == (Outcome.PUBLISHED, stopped.anchor, stopped.windows)
+    assert reused.snapshot and Path(reused.snapshot).name == second
 
 
 def test_a_bad_parameter_fails_the_run_at_once(env):
