@@ -29,9 +29,12 @@ import pandas as pd
 from ettflow.ett import fleet
 from ettflow.ett.events import L2_ORDER, OWNERS
 from ettflow.ett.palette import COLOURS, FAILURE_COLOUR
+from ettflow.ett.report import numeric_column
 from ettflow.ett.warehouse import Warehouse
 
 from .plan import slug
+
+CAP_COLUMN = "capacity_ett_pct"  # the warehouse's capETT% of a run (held capacity counted)
 
 REGRESSED_EVENT = "ettflow.component.regressed"
 FLEET_KEY = "ett-fleet"
@@ -103,24 +106,31 @@ def ett_axis(values: Iterable[float], goal: float | None = None) -> tuple[float,
 
 
 def ett_over_time_png(runs: pd.DataFrame, title: str, goal: float | None = None) -> bytes:
-    """ETT% of each trained run by its start time, one line per deployment; runs that did not
-    complete marked with a red X; the axis scaled to the data (`ett_axis`), the goal as a
-    dashed line where one is set, the legend outside the plot."""
+    """ETT% of each trained run by its start time, one line per deployment, and beside it (dotted,
+    the same colour) its capETT% where the run recorded one (the capacity held for it counted:
+    issue 43, the fleet showed capETT only as a mean); runs that did not complete marked with a
+    red X; the axis scaled to the data (`ett_axis`), the goal as a dashed line where one is set,
+    the legend outside the plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = fleet.trained(runs)
+    cap_all = numeric_column(done, CAP_COLUMN)
     fig, ax = plt.subplots(figsize=(9, 3.2), dpi=90)
     for deployment, group in done.groupby("deployment", sort=True):
         when = pd.to_datetime(group["wall_start"], unit="s", utc=True)
-        ax.plot(when, group["ett_pct"], marker="o", markersize=4, label=str(deployment))
+        (line,) = ax.plot(when, group["ett_pct"], marker="o", markersize=4, label=f"{deployment} ETT")
+        cap = numeric_column(group, CAP_COLUMN)
+        if cap.notna().any():
+            ax.plot(when, cap, linestyle=":", marker=".", markersize=4, color=line.get_color(),
+                    label=f"{deployment} capETT")
         bad = group["status"] != "completed"
         if bad.any():
             ax.plot(when[bad], group["ett_pct"][bad], linestyle="none", marker="X", markersize=9,
                     color=FAILURE_COLOUR)
-    ax.set_ylim(*ett_axis(done["ett_pct"], goal))
+    ax.set_ylim(*ett_axis([*done["ett_pct"], *cap_all.dropna()], goal))
     if goal is not None:
         ax.axhline(goal, linestyle="--", linewidth=1, color="grey", label=f"goal {goal:g}%")
     ax.set_ylabel("ETT %")
@@ -239,8 +249,8 @@ def deployment_markdown(deployment: str, runs: pd.DataFrame, rule: fleet.Regress
     found = [r for r in fleet.regressions(runs, rule) if r.deployment == deployment]
     return "\n".join([
         f"# ETT of deployment `{deployment}`", "", md_table(summary), "",
-        "## ETT% per run over time", "", _image(ett_over_time_png(runs, f"ETT% per run: {deployment}", goal),
-                                               f"ETT per run of {deployment}"), "",
+        "## ETT% per run over time (dotted: capETT%)", "",
+        _image(ett_over_time_png(runs, f"ETT% per run: {deployment}", goal), f"ETT per run of {deployment}"), "",
         "## Components per owner (share of wall time)", "",
         _image(component_shares_png(runs, f"where the wall time went: {deployment}"), f"components of {deployment}"),
         "", md_table(fleet.component_shares(runs)), "",
@@ -285,8 +295,8 @@ def fleet_markdown(runs: pd.DataFrame, rule: fleet.RegressionRule, worst: int = 
     (the ledger, with what no run used)."""
     return "\n".join([
         "# ETT of the fleet", "", md_table(fleet.deployment_summary(runs)), "",
-        "## ETT% per run over time", "", _image(ett_over_time_png(runs, "ETT% per run, by deployment", goal),
-                                               "ETT per run of the fleet"), "",
+        "## ETT% per run over time (dotted: capETT%)", "",
+        _image(ett_over_time_png(runs, "ETT% per run, by deployment", goal), "ETT per run of the fleet"), "",
         "## Components per owner (share of wall time, all deployments)", "",
         _image(component_shares_png(runs, "where the wall time went: the fleet's last runs"),
                "components of the fleet"),

@@ -25,6 +25,28 @@ def test_the_picture_draws_low_ett_runs_with_a_goal():
     assert png.startswith(b"\x89PNG")
 
 
+def test_the_picture_draws_capett_beside_ett_where_runs_recorded_it(monkeypatch):
+    """Issue 43: capETT over time (dotted, the deployment's colour), not only its mean; rows
+    archived before it existed (NaN) draw no capETT line."""
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    real = plt.Axes.plot
+
+    def plot(ax, *args, **kw):
+        drawn.append((kw.get("label"), kw.get("linestyle")))
+        return real(ax, *args, **kw)
+
+    monkeypatch.setattr(plt.Axes, "plot", plot)
+    runs = pd.DataFrame({
+        "run_id": ["r1", "r2", "r3"], "deployment": ["a", "a", "b"], "wall_start": [1.7e9, 1.7e9 + 60, 1.7e9 + 30],
+        "ett_pct": [40.0, 45.0, 30.0], "capacity_ett_pct": [20.0, 25.0, float("nan")],
+        "status": ["completed"] * 3, "outcome": ["published"] * 3})
+    assert ett_over_time_png(runs, "ETT").startswith(b"\x89PNG")
+    assert ("a ETT", None) in drawn and ("a capETT", ":") in drawn and ("b ETT", None) in drawn
+    assert ("b capETT", ":") not in drawn
+
+
 def test_the_worst_runs_table_labels_runs_short_enough_to_read_without_scrolling():
     from ettflow.ett.events import L2_ORDER
     from ettflow.tasks.fleet_report import _worst_md
