@@ -66,6 +66,8 @@ def reusable_anchor(plan: RefreshPlan, records: Sequence[LineageRecord],
     for record in reversed(records):
         if record.outcome is not Outcome.FAILED or not record.anchor or not windows:
             continue
+        if record.run_id == plan.run_id:  # its own earlier try (a flow retry): its train task resumes the anchor
+            continue
         if tuple(record.windows) != windows or record.parent_run_id != parent:
             continue
         if publishable(record.anchor, plan):

@@ -12,7 +12,7 @@ WINDOWS = ("window=2024010100", "window=2024010101")
 
 
 def plan(windows=WINDOWS, parent: str | None = "p0"):
-    return SimpleNamespace(trainer=SimpleNamespace(windows=windows),
+    return SimpleNamespace(run_id="this", trainer=SimpleNamespace(windows=windows),
                            parent=SimpleNamespace(run_id=parent) if parent else None)
 
 
@@ -34,6 +34,8 @@ def test_the_newest_stopped_refresh_of_the_same_windows_and_parent_is_reused():
     assert reusable_anchor(plan(parent=None), [record("x")], ok) is None  # a cold start's plan
     assert reusable_anchor(plan(parent=None), [record("x", parent=None)], ok).run_id == "x"
     assert reusable_anchor(plan(windows=None), [record("x")], ok) is None  # no windows claimed
+    # a flow retry of the run itself: its train task resumes its anchor, and its row is archived once
+    assert reusable_anchor(plan(), [record("this")], ok) is None
 
 
 def test_an_anchor_that_fails_its_check_is_passed_over_for_an_older_one():

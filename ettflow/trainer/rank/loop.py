@@ -186,6 +186,12 @@ class TrainLoop:
                 self.durable.blocking.append(self.checkpointing.save(CheckpointTier.DURABLE, step, cursor, loss=loss))
                 self.checkpointing.durable.wait()  # durable and committed on every rank
             saved = step
+        elif decision.save and step == self.saved_step:
+            # the periodic save of this very step serves (CI saw the stop land right after one, and no
+            # emergency save was needed); it may still be committing in the background: durable first
+            with self._phase(SAVE):
+                self.checkpointing.durable.wait()
+            saved = step
         self.groups.control.barrier()  # nobody reports before every rank's part of the save is done
         if PREEMPTION.signalled:
             log.warning("preempted at step %d: emergency checkpoint %s (grace left %.1f s)", step,
