@@ -100,7 +100,9 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
     m.check_partition()
     # rank 0 kept its process and its compiled step throughout; rank 1 is a new process each time
     pids = [beat_pid(trainer_world, "live", attempt, 0) for attempt in (0, 1, 2)]
-    assert len(set(pids)) == 1
+    # (CI saw rank 0 restarted at the first recovery once: the hand-offs and failures say why if it recurs)
+    assert len(set(pids)) == 1, (pids, [(e.attempt, e.attrs) for e in events if e.phase == "spare_handoff"],
+                                 [f.summary for f in result.failures])
     assert len({beat_pid(trainer_world, "live", attempt, 1) for attempt in (0, 1, 2)}) == 3
     assert by(events, "pt2_compile", attempt=1) == by(events, "pt2_compile", attempt=2) == []
     assert result.rank0.compile.stats.recompiles == 0 and result.rank0.compile.stats.frames_compiled == 1
