@@ -196,10 +196,15 @@ def refresh_model(
         record_failure(plan, exc, get_run_logger())
         raise
     prune_checkpoints(plan)
-    result = {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor,
-              "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
-              "parent": record.parent_run_id}
-    return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason, data=result)
+    return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason,
+                   data=_published(plan, anchor, record))
+
+
+def _published(plan: RefreshPlan, anchor: str, record: LineageRecord, **extra: Any) -> dict[str, Any]:
+    """What the flow returns for a refresh that published (or gated) `anchor`."""
+    return {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor,
+            "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
+            "parent": record.parent_run_id, **extra}
 
 
 def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRecord) -> State:
@@ -217,10 +222,8 @@ def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRec
                        archive=False)
     why = (f"published the anchor of run {reused.run_id}, which trained these windows and stopped after sealing "
            f"it; not trained again, no ETT row (its training is in run {reused.run_id}'s)")
-    result = {"run_id": plan.run_id, "model": plan.model, "mode": plan.mode, "anchor": anchor,
-              "snapshot": record.snapshot, "outcome": record.outcome.value, "windows": list(record.windows),
-              "parent": record.parent_run_id, "reused_from": reused.run_id}
-    return _finish(plan, FinalState.COMPLETED, record.outcome, data=result, archive=False,
+    return _finish(plan, FinalState.COMPLETED, record.outcome, archive=False,
+                   data=_published(plan, anchor, record, reused_from=reused.run_id),
                    reason=f"{why}; {record.reason}" if record.reason else why)  # the gate's word after it
 
 

@@ -2,8 +2,8 @@
 publishes it instead of training them again (issue 42 #2: two runs stopped by `ettflow down`
 while they published had finished training, and their training was redone).
 
-- `sealed_anchor(plan)`: the anchor checkpoint the run sealed for its own windows, if any: a
-  failed or stopped run's lineage record names it (`claims.record_failure`), its windows are
+- a failed or stopped run's lineage record names the anchor it sealed, if any
+  (`claims.record_failure`, through the train task's `finished_anchor`); its windows are
   released as any failed run's.
 - `reusable_anchor(plan, records)`: the newest failed record of the model whose anchor the
   plan may publish as its own training: the same windows, from the same parent, an anchor of
@@ -30,28 +30,12 @@ from ettflow.ett.lineage import LineageRecord, Outcome
 from ettflow.ett.warehouse import Warehouse
 from ettflow.trainer.checkpoint.anchor import AnchorFormatError, AnchorInfo, load_anchor
 from ettflow.trainer.checkpoint.config import CheckpointError
-from ettflow.trainer.checkpoint.layout import parse_name
 from ettflow.trainer.checkpoint.verify import verify
 
 from .plan import RefreshPlan
 from .warehouse_url import resolve_warehouse_url
 
 log = logging.getLogger("ettflow")
-
-
-def sealed_anchor(plan: RefreshPlan) -> str | None:
-    """The newest committed checkpoint of the run marked as its anchor for its windows (None:
-    it sealed none). Reads the markers, not the data: the next run verifies before reusing."""
-    root = Path(plan.trainer.checkpoint_dir)
-    if not root.is_dir():
-        return None
-    finals = sorted(((p[0], child) for child in root.iterdir()
-                     if (p := parse_name(child.name)) is not None and p[1] == "final"), reverse=True)
-    for _, folder in finals:
-        info = _anchor_info(folder)
-        if info is not None and info.run_id == plan.run_id and _same_windows(info, plan):
-            return str(folder)
-    return None
 
 
 def reusable_anchor(plan: RefreshPlan, records: Sequence[LineageRecord],

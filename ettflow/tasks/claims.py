@@ -208,9 +208,11 @@ def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
     down); any other error is logged, never raised over the refresh's own error. An anchor the
     run sealed before it stopped is in the record: the next refresh of its windows publishes it
     instead of training them again (`anchor_reuse.py`)."""
-    from .anchor_reuse import sealed_anchor
+    from .trainer import finished_anchor  # the train task's own test of "this run sealed its anchor"
 
     try:
-        settle_or_keep(plan, Outcome.FAILED, log, anchor=sealed_anchor(plan), reason=f"{type(exc).__name__}: {exc}")
+        anchor = finished_anchor(plan)
+        settle_or_keep(plan, Outcome.FAILED, log, anchor=str(anchor) if anchor is not None else None,
+                       reason=f"{type(exc).__name__}: {exc}")
     except Exception:  # noqa: BLE001 - the refresh's own error is the one to raise
         log.warning("could not record the failed refresh %s in the lineage", plan.run_id, exc_info=True)

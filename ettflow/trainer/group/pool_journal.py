@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ettflow.ett.capacity import Holding
+from ettflow.ett.json_file import replace_json
 
 log = logging.getLogger("ettflow.trainer")
 POOL_LOST = "pool_lost"  # the reason of a line recovered from a dead service's holding
@@ -58,9 +58,7 @@ class PoolJournal:
         body = {"version": VERSION, "beat": beat, "stopped": stopped,
                 "open": [asdict(h) for h in open_holdings], "ledger": [asdict(h) for h in ledger]}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.path)
+        replace_json(self.path, body)
 
     def recover(self) -> Recovered | None:
         """What the previous service left (None: no journal, or one that does not parse: said

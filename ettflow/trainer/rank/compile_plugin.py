@@ -18,22 +18,22 @@ from ettflow.trainer.protocol import CompileReport, PrewarmTimings
 
 
 class CompilePlugin:
-    def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, *, warm_cache: bool | None = None,
-                 warm_timings: PrewarmTimings | None = None) -> None:
-        """warm_cache: a spare's process restored the compile cache already (its hit), so it is
-        not restored again. warm_timings: what that prewarm met: an archive it refused as
-        damaged is this run's to report (a zero-length `compile_cache_restore` with the
-        refusal, `pooled`: the row's tag and the run's warning), though the prewarm ran
-        before the run (issue 42 #4)."""
+    def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, *,
+                 warm: PrewarmTimings | None = None) -> None:
+        """warm: the prewarm of a spare's or pooled worker's process, which restored the compile
+        cache already (its hit), so it is not restored again. An archive that prewarm refused
+        as damaged is this run's to report (a zero-length `compile_cache_restore` with the
+        refusal, `pooled`: the row's tag and the run's warning), though the prewarm ran before
+        the run (issue 42 #4)."""
         self.config, self.rank, self.rec = config, rank, rec
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
-        if config.switches.compile and config.switches.compile_cache and warm_cache is not None:
-            self.cache_hit = warm_cache  # a spare restored the archive before it compiled (spare.py)
-            if warm_timings is not None and warm_timings.cache_miss:
+        if config.switches.compile and config.switches.compile_cache and warm is not None:
+            self.cache_hit = bool(warm.cache_hit)  # a spare restored the archive before it compiled (spare.py)
+            if warm.cache_miss:
                 now = time.time()
-                rec.record("compile_cache_restore", now, now, hit=False, miss=warm_timings.cache_miss,
-                           reason=warm_timings.cache_reason, pooled=True)
+                rec.record("compile_cache_restore", now, now, hit=False, miss=warm.cache_miss,
+                           reason=warm.cache_reason, pooled=True)
         elif config.switches.compile and config.switches.compile_cache:
             # (never twice in one process: extracting the archive rewrites the kernels it loaded)
             with rec.span("compile_cache_restore") as attrs:

@@ -120,9 +120,8 @@ class TrainerSession:
         self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank, on_pause=self._record_pause)
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
         self.warm = warm
-        # a prewarmed process's compile-cache hit (it restored the archive: never twice)
-        self.warm_cache: bool | None = bool(warm.timings.cache_hit) if warm is not None else None
-        self.warm_timings = warm.timings if warm is not None else None  # what its prewarm met (a refused archive)
+        # what a prewarmed process's prewarm met: its compile-cache hit (never restored twice), a refused archive
+        self.warm_timings = warm.timings if warm is not None else None
         PREEMPTION.attach(self.rec)
 
     def _record_pause(self, pause: Pause) -> None:
@@ -175,8 +174,7 @@ class TrainerSession:
 
     def init_plugins(self) -> None:
         # the compile cache first: its environment is set before anything imports inductor
-        self.state.compiler = CompilePlugin(self.config, self.rank, self.rec, warm_cache=self.warm_cache,
-                                            warm_timings=self.warm_timings)
+        self.state.compiler = CompilePlugin(self.config, self.rank, self.rec, warm=self.warm_timings)
         self.state.checkpointing = Checkpointing(self.config, self.rank, self.rec, self.resume, self.parent,
                                                  keeper=self.keeper, resume_deltas=self.resume_deltas)
 
@@ -361,7 +359,7 @@ class TrainerSession:
             self.state.device = warm.device
             self.state.dense_step, self.state.dense_opt = warm.dense_step, warm.dense_opt
             self.state.compiled_step = warm.compiled_step
-            self.warm_cache, self.warm_timings = bool(warm.timings.cache_hit), warm.timings
+            self.warm_timings = warm.timings
             for name, stage in (("preproc_creation", self.preproc_creation), ("init_plugins", self.init_plugins)):
                 with self.beat.phase(name), self.rec.span(name, spare=True):
                     stage()
