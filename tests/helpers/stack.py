@@ -4,10 +4,16 @@ ettflow settings (the stack under test sets its own)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from helpers.prefect_cli import REPO
@@ -36,3 +42,38 @@ def port_flags(api_port: int, ray_port: int, client_port: int) -> list[str]:
 def ettflow(env: dict, *args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ettflow", *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def ray_head(cpus: int = 4, timeout_s: float = 120.0) -> Iterator[dict[str, str]]:
+    """A Ray head of its own, as `ettflow up` starts one (`ray start --head`, token
+    authentication, in a session of its own: a worker's stop of a flow run signals the flow's
+    process group, never this); yields what a process needs to join it (RAY_ADDRESS and the
+    token's settings), and stops it (its whole group) at the end."""
+    port, client = free_ports(2)
+    temp = tempfile.mkdtemp(prefix="rh")  # short: Ray's socket paths live under it
+    log_path, token = Path(temp) / "head.log", Path(temp) / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    join = {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                                 "--node-ip-address", "127.0.0.1", "--port", str(port), "--ray-client-server-port",
+                                 str(client), "--num-cpus", str(cpus), "--include-dashboard", "false",
+                                 "--disable-usage-stats", "--temp-dir", temp],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log_path.read_text(errors="replace"):
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not start: {log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+        yield join
+    finally:
+        from helpers.processes import stop_group
+
+        with contextlib.suppress(ProcessLookupError):
+            stop_group(head)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -4,6 +4,8 @@ that reports its own layout (the cluster itself: e2e/test_multinode.py)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from ettflow.ett.event_attrs import FailureAttrs
@@ -79,6 +81,19 @@ def test_a_lost_process_on_a_dead_node_names_the_node():
     assert FailureAttrs.parse(lost.to_attrs()).failure(0) == lost  # the spool keeps the node
     with pytest.raises(ValueError, match="only a lost process"):
         on_lost_node(Failure(failure_class=FailureClass.USER, rank=1), node="n", address="a")
+
+
+def test_a_listed_node_whose_raylet_refuses_connections_is_lost_one_that_listens_is_not():
+    # CI: the ranks' deaths reached the driver before the GCS's health checks declared the node dead
+    from ettflow.trainer.group.ray_group import raylet_refuses
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        alive = {"address": "127.0.0.1", "port": listening.getsockname()[1]}
+        assert not raylet_refuses(alive)
+    assert raylet_refuses(alive)  # the same port, closed: the raylet is gone
+    assert not raylet_refuses({"address": "127.0.0.1", "port": None})  # no port listed: no proof
 
 
 class PlacedScriptedGroup:

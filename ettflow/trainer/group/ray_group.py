@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -202,9 +203,29 @@ def wants_gpu(config: TrainerConfig) -> bool:
 
 
 def live_nodes() -> dict[str, dict]:
-    """The cluster's live nodes by id: {"address", "resources" (totals)}."""
-    return {n["NodeID"]: {"address": n.get("NodeManagerAddress", "?"), "resources": dict(n.get("Resources", {}))}
+    """The cluster's live nodes by id: {"address", "port" (its raylet's), "resources" (totals)}."""
+    return {n["NodeID"]: {"address": n.get("NodeManagerAddress", "?"), "port": n.get("NodeManagerPort"),
+                          "resources": dict(n.get("Resources", {}))}
             for n in ray.nodes() if n.get("Alive")}
+
+
+RAYLET_PROBE_S = 1.0  # how long a listed node's raylet may take to accept a connection
+
+
+def raylet_refuses(node: dict) -> bool:
+    """The node's raylet refuses connections: it is gone though the GCS still lists the node
+    (its health checks declare a node dead only after several missed periods, 15 s by Ray's
+    default, while its ranks' deaths reach the driver at once). A connection that times out
+    is no proof (a loaded host): the node keeps its listing."""
+    if not node.get("port"):
+        return False
+    try:
+        with socket.create_connection((node["address"], int(node["port"])), timeout=RAYLET_PROBE_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 class RayWorkerGroup:
@@ -492,15 +513,17 @@ class RayWorkerGroup:
         return PollStatus(finished=finished, failed=tuple(failed))
 
     def _on_node(self, failure: Failure) -> Failure:
-        """A lost process whose node the cluster lists as dead is the node's failure. Not asked
-        once the group was preempted: its ranks end because they were told to, and the process's
-        stop may be taking a local Ray's GCS down with it (a worker signals the flow's process
-        group), where `ray.nodes()` would wait for a GCS that is gone."""
+        """A lost process whose node the cluster lists as dead, or whose raylet refuses
+        connections (`raylet_refuses`: CI saw the rank's death before the GCS's verdict), is the
+        node's failure. Not asked once the group was preempted: its ranks end because they were
+        told to, and the process's stop may be taking a local Ray's GCS down with it (a worker
+        signals the flow's process group), where `ray.nodes()` would wait for a GCS that is gone."""
         if self.preempting or local_ray_going() or not is_process_loss(failure) \
                 or not 0 <= failure.rank < len(self.info):
             return failure
         node = self.info[failure.rank].node_id
-        if node in live_nodes():
+        listed = live_nodes().get(node)
+        if listed is not None and not raylet_refuses(listed):
             return failure
         return on_lost_node(failure, node=node, address=self.info[failure.rank].node_ip)
 
