@@ -115,11 +115,21 @@ def is_explained(exc: BaseException | None) -> bool:
     return exc is not None and getattr(type(exc), "explained", False) is True
 
 
+# Prefect's engine lines around any failed run, each with the error's traceback: for an explained
+# error they echo what its run's final state line ("Finished in state Failed('...')") says
+ENGINE_ECHOES = re.compile(r"Encountered exception during execution|Engine execution exited with unexpected "
+                           r"exception|Execution of flow run .* exited with unexpected exception")
+
+
 class ExplainedErrorFilter(logging.Filter):
-    """Keeps a record, less the traceback of an explained error (the message line stays)."""
+    """Keeps a record, less the traceback of an explained error (the message line stays); the
+    engine's echoes of one (`ENGINE_ECHOES`) go, so a refused run is one line in its log (issue
+    42 #8: it was 5 lines and an ERROR in the worker's log)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and is_explained(record.exc_info[1]):
+            if ENGINE_ECHOES.match(str(record.msg)):
+                return False
             record.exc_info, record.exc_text = None, None
         return True
 

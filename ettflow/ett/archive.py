@@ -30,7 +30,7 @@ from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from .events import CHECKPOINT_FALLBACK, PhaseEvent
+from .events import CHECKPOINT_DAMAGED, CHECKPOINT_FALLBACK, PhaseEvent
 from .json_file import replace_json
 from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
 from .lineage_pending import read_pending_lineage
@@ -106,6 +106,20 @@ def fallback_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     return {"checkpoint_fallbacks": list(found.values())} if found else {}
 
 
+def damage_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
+    """The row's record of damaged durable checkpoints found while the memory tier served (empty
+    when none): each once, with the step a restart would have restored instead; no step was lost
+    to it (the run did not restore it)."""
+    found: dict[Any, dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: (e.attempt, e.start)):
+        if e.phase == CHECKPOINT_DAMAGED and e.info.damaged_step is not None:
+            a = e.info
+            found.setdefault(a.damaged_step, {"attempt": e.attempt, "damaged_step": a.damaged_step,
+                                              "restored_step": a.restored_step, "file": a.file,
+                                              "noticed": a.noticed})
+    return {"checkpoint_damaged": list(found.values())} if found else {}
+
+
 # a compile-cache archive that was there but could not be used (`trainer.compile.cache.RestoreMiss`)
 CACHE_DAMAGE = ("untrusted", "unverified", "unreadable")
 
@@ -125,12 +139,13 @@ def cache_refusal_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
 def _with_read_tags(info: RunInfo, read: SpoolRead) -> RunInfo:
     tags = {k: v for k, v in info.tags.items()
             if k not in ("spool_problems", "spool_problem_lines", "checkpoint_fallbacks", "unspooled_events",
-                         "spooled_events", "compile_cache_refused")}
+                         "spooled_events", "compile_cache_refused", "checkpoint_damaged")}
     # a row archived with events its spool never got (`SpoolRead.kept`) says how many, so a later
     # archiving from that spool alone does not replace it with less (`tasks.reconcile`)
     unspooled = {"unspooled_events": read.kept, "spooled_events": len(read.events) - read.kept} if read.kept else {}
     return replace(info, tags={**tags, "spool_bytes": read.bytes, **problem_tags(read.problems),
-                               **fallback_tags(read.events), **cache_refusal_tags(read.events), **unspooled})
+                               **fallback_tags(read.events), **damage_tags(read.events),
+                               **cache_refusal_tags(read.events), **unspooled})
 
 
 def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunInfo) -> Archived:

@@ -152,6 +152,7 @@ class FallbackAttrs(EventAttrs):
     damaged_step: int | None = None
     restored_step: int | None = None
     file: str | None = None
+    noticed: str | None = None  # `checkpoint_damaged`: what found it (nothing was restored from it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +225,7 @@ KINDS: dict[str, type[EventAttrs]] = {
     "fault_unfired": FaultAttrs,
     "checkpoint_restore": RestoreAttrs,
     "checkpoint_fallback": FallbackAttrs,
+    "checkpoint_damaged": FallbackAttrs,  # `restored_step`: what a restart would restore instead
     "checkpoint_save_blocking": SaveAttrs,
     "checkpoint_save_background": SaveAttrs,
     "anchor_checkpoint": SaveAttrs,

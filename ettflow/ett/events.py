@@ -63,6 +63,9 @@ SPARE_PLAN = "spare_plan"  # marker: the spares the run holds and why (ett.spare
 FAULT_INJECTED = "fault_injected"  # marker: a scripted fault that is not a failure fired (its fault_index)
 FAULT_UNFIRED = "fault_unfired"  # marker: a scripted fault the run ended without reaching (its fault_index)
 CHECKPOINT_FALLBACK = "checkpoint_fallback"  # marker: a damaged checkpoint skipped, an older step restored
+# marker: a damaged durable checkpoint found while the memory tier served a recovery (nothing restored
+# from it yet: a restart would restore the older step it names, `trainer.group.durable_audit`)
+CHECKPOINT_DAMAGED = "checkpoint_damaged"
 # marker: an operator stopped the run (a cancel from Prefect's UI or CLI): what its ranks mark
 # from then on in that attempt is the stop, not a failure (`ett.timeline.operator_stops`)
 OPERATOR_STOP = "operator_stop"
@@ -117,11 +120,13 @@ PHASE_COMPONENT: dict[str, str | None] = {
     FAULT_INJECTED: None,
     FAULT_UNFIRED: None,
     CHECKPOINT_FALLBACK: None,
+    CHECKPOINT_DAMAGED: None,
     OPERATOR_STOP: None,
 }
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
 MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, SPARE_PLAN,
-                                     FAULT_INJECTED, FAULT_UNFIRED, CHECKPOINT_FALLBACK, OPERATOR_STOP})
+                                     FAULT_INJECTED, FAULT_UNFIRED, CHECKPOINT_FALLBACK, CHECKPOINT_DAMAGED,
+                                     OPERATOR_STOP})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
                                        "spare_start", "flow_prestart", "anchor_seal", PROCESS_PAUSED})

@@ -99,7 +99,8 @@ def cmd_pool(args: argparse.Namespace) -> int:
             since = (f"the previous pool service last answered {now - h.requested_at:.0f} s ago: its holdings are "
                      "in the ledger as pool_lost")
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"
-              + (f" on node {h.node[:12]}" if h.node else "") + (f" [{h.rule}]" if h.rule else ""))
+              + (f" on node {h.node[:12]}" if h.node else "") + (f" [{h.rule}]" if h.rule else "")
+              + (f", actor {h.actor}" if h.actor else ""))
     for model, why in sorted({(h.model, h.why) for h in held if h.why}):
         print(f"  rule    model {model:<10} {why}")
     return 0

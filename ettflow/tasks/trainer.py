@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ettflow.ett.archive import cache_refusal_tags, fallback_tags
+from ettflow.ett.archive import cache_refusal_tags, damage_tags, fallback_tags
 from ettflow.ett.failures import Failure
 from ettflow.ett.spool import SpoolWriteError
 from ettflow.tasks.plan import RefreshPlan
@@ -251,6 +251,11 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
                        "trained again", damage["attempt"], damage["damaged_step"], damage["file"] or "its folder",
                        damage["restored_step"] if damage["restored_step"] is not None else "none (from scratch)",
                        damage["steps_lost"])
+    for damage in damage_tags(evs).get("checkpoint_damaged", []):
+        logger.warning("attempt %d: durable checkpoint step %s is damaged (%s), found while the memory tier served a "
+                       "recovery: nothing was restored from it; a restart would have restored step %s",
+                       damage["attempt"], damage["damaged_step"], damage["file"] or "its folder",
+                       damage["restored_step"] if damage["restored_step"] is not None else "none (from scratch)")
     if result.unfired:  # a scripted fault the run never reached: the run is not the one that was asked for
         logger.warning("%d scripted fault(s) never fired (the run trained to step %s): %s", len(result.unfired),
                        rank0.final_step, ", ".join(f.spec for f in result.unfired))

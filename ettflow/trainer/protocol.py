@@ -249,3 +249,4 @@ class PooledInfo:
     node: str | None
     rule: str = ""  # the hold rule it is held under (`group/hold_rule.py`)
     why: str = ""  # the rule's numbers (the model's measured prewarm, the schedule)
+    actor: str = ""  # a keeper's Ray name (`state_keeper.pooled_keeper_name`), as the run's warnings give it

@@ -140,17 +140,23 @@ class CorruptOnFailure(threading.Thread):
     fires, before it dies), then damages the newest committed checkpoint: the restart must
     find it torn. Records which folder, which file, and the newest good step left."""
 
-    def __init__(self, spool_root: Path, work_root: Path) -> None:
+    def __init__(self, spool_root: Path, work_root: Path, after_step: int | None = None) -> None:
+        """`after_step`: damage it once a rank trained that step instead (before the failure)."""
         super().__init__(daemon=True)
-        self.spool_root, self.work_root = spool_root, work_root
+        self.spool_root, self.work_root, self.after_step = spool_root, work_root, after_step
         self.stop, self.damaged, self.file, self.fallback, self.error = threading.Event(), None, None, None, None
+
+    def _due(self, evs) -> bool:
+        if self.after_step is None:
+            return any(e.phase == "failure" for e in evs)
+        return any(e.phase == "train_step" and e.attrs.get("step", -1) >= self.after_step for e in evs)
 
     def run(self) -> None:
         try:
             while not self.stop.is_set():
                 for run_dir in self.spool_root.glob("*") if self.spool_root.is_dir() else []:
                     evs = read_spool(self.spool_root, run_dir.name).events
-                    if any(e.phase == "failure" for e in evs):
+                    if self._due(evs):
                         found = scan(self.work_root / MODEL / "runs" / run_dir.name / "checkpoints")
                         newest, *older = reversed(found.committed)
                         self.file = _corrupt(newest.path)
@@ -171,6 +177,19 @@ def ray_log_lines(text: str) -> list[str]:
     return out
 
 
+def killed_at_17_with(env, corrupter: CorruptOnFailure):
+    """The refresh with rank 0 SIGKILLed at step 17 while `corrupter` damages a checkpoint."""
+    corrupter.start()
+    try:
+        state, run_id = run(env, fail_at=["kill:rank=0:step=17"])
+    finally:
+        corrupter.stop.set()
+        corrupter.join()
+    assert corrupter.error is None, corrupter.error
+    assert corrupter.damaged is not None, "no checkpoint to damage"
+    return state, run_id
+
+
 @pytest.mark.parametrize("recovery", ["restart", "live"])
 def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_good_one(env, caplog, recovery):
     """Rank 0 is SIGKILLed at step 17 after checkpoints at 5, 10, 15 (two kept); the newest
@@ -181,19 +200,13 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
     restore point is the damaged folder by name: every rank refuses it together and restores
     the previous good step, as damage, never a `user` failure (issue 42 #3)."""
     corrupter = CorruptOnFailure(Path(env["spool_root"]), Path(env["work_root"]))
-    corrupter.start()
     if recovery == "live":
         env = {**env, "switches": {**PLAIN, "live_recovery": True}}
-    try:
-        # restart: the durable tier's own fallback, every rank restarts from disk (a live recovery with
-        # the in-memory tier restores the in-memory copy and never reads the damaged folder; its fallback
-        # from a damaged in-memory copy: test_trainer_faults.py)
-        state, run_id = run(env, fail_at=["kill:rank=0:step=17"])
-    finally:
-        corrupter.stop.set()
-        corrupter.join()
-    assert corrupter.error is None, corrupter.error
-    assert corrupter.damaged is not None and corrupter.fallback is not None, "no checkpoint to damage"
+    # restart: the durable tier's own fallback, every rank restarts from disk (a live recovery with
+    # the in-memory tier restores the in-memory copy and never reads the damaged folder: the next
+    # case; its fallback from a damaged in-memory copy: test_trainer_faults.py)
+    state, run_id = killed_at_17_with(env, corrupter)
+    assert corrupter.fallback is not None, "no older checkpoint to fall back to"
     row, events, _ = assert_run(env, state, run_id, Expect(outcome="completed", nof=1, classes=["infrastructure"],
                                                            damaged={corrupter.damaged}, effective_steps=2 * 30))
     assert restored_steps(events, 1) == {corrupter.fallback}
@@ -221,6 +234,30 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
     assert warned and all(corrupter.file.name in w and f"restoring step {corrupter.fallback}" in w for w in warned)
     losses = [e.attrs["loss"] for e in events if e.phase == "train_step" and e.attrs.get("loss") is not None]
     assert losses and all(math.isfinite(v) for v in losses)  # no step trained on a NaN state
+
+
+def test_a_durable_checkpoint_damaged_while_the_memory_tier_serves_is_found_and_reported(env, caplog):
+    """Issue 42 #3: the newest committed durable checkpoint is damaged while the ranks train
+    (after step 16), then rank 0 is SIGKILLed at step 17; a spare takes its place and the
+    in-memory tier serves the recovery, so nothing reads the durable folder. The driver verifies
+    the durable tier beside the recovery: one `checkpoint_damaged` marker (the step a restart
+    would restore instead), the row's tag, the train task's warning; no fallback (nothing
+    restored from it, no step lost to it)."""
+    corrupter = CorruptOnFailure(Path(env["spool_root"]), Path(env["work_root"]), after_step=16)
+    env = {**env, "switches": {**PLAIN, "live_recovery": True, "memory_checkpoint": True}}
+    state, run_id = killed_at_17_with(env, corrupter)
+    row, events, _ = assert_run(env, state, run_id, Expect(outcome="completed", nof=1, classes=["infrastructure"],
+                                                           damaged={corrupter.damaged}, effective_steps=2 * 30))
+    assert {e.attrs["source"] for e in events if e.phase == "checkpoint_restore" and e.attempt == 1} == {"memory"}
+    damaged_step = int(corrupter.damaged.name.split("_")[1])
+    (marker,) = [e for e in events if e.phase == "checkpoint_damaged"]
+    assert (marker.attrs["damaged_step"], marker.attrs["restored_step"], marker.attrs["file"]) == (
+        damaged_step, corrupter.fallback, corrupter.file.name)
+    assert not [e for e in events if e.phase == "checkpoint_fallback"] and "checkpoint_fallbacks" not in row["tags"]
+    assert row["tags"]["checkpoint_damaged"] == [{"attempt": 1, "damaged_step": damaged_step,
+                                                  "restored_step": corrupter.fallback, "file": corrupter.file.name,
+                                                  "noticed": "memory_recovery"}]
+    assert any(f"durable checkpoint step {damaged_step} is damaged" in r.getMessage() for r in caplog.records)
 
 
 # ---- case 6: a user error at the same step is retried once, then stopped -------------------

@@ -102,16 +102,7 @@ def test_a_dead_keeper_is_never_handed_to_a_restart_a_new_one_starts(ray_session
     first = run_keeper("keeper-replaced")
     assert ray.get(first.ping.remote(), timeout=60) == "ok"
     assert run_keeper("keeper-replaced") is first  # alive: the run's one keeper across attempts
-    ray.kill(first, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # `ray.kill` returns before the actor is gone
-        try:
-            ray.get(first.ping.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            break
-        except ray.exceptions.GetTimeoutError:
-            pass
-        time.sleep(0.1)
+    _killed(first)
     try:
         with caplog.at_level("WARNING", logger="ettflow"):
             second = run_keeper("keeper-replaced")
@@ -119,3 +110,43 @@ def test_a_dead_keeper_is_never_handed_to_a_restart_a_new_one_starts(ray_session
         assert f"keeper (actor {keeper_name('keeper-replaced')}) died: a new one starts" in caplog.text
     finally:
         end_run("keeper-replaced")
+
+
+def _killed(actor) -> None:
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # `ray.kill` returns before the actor is gone
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+
+
+def test_a_pooled_keeper_is_named_by_its_pool_and_a_warning_about_it_gives_that_name(ray_session, caplog):
+    """Issue 42 #8: a keeper the warm pool started ahead of a run has a Ray name (model, id),
+    which the run that took it gives when it dies."""
+    import ray
+
+    from ettflow.trainer.checkpoint.state_keeper import PooledKeeper, pooled_keeper_name, start_keeper
+    from ettflow.trainer.group.ray_group import end_run, run_keeper
+    from ettflow.trainer.group.warm_pool import WarmPool
+
+    name = pooled_keeper_name("dlrm")
+    pool = WarmPool()
+    pool.keeper = PooledKeeper(start_keeper(None, name=name), name)
+    taken = run_keeper("keeper-pooled", pool=pool)
+    assert pool.keeper is None and ray.get_actor(name)._actor_id == taken._actor_id
+    assert name.startswith("ettflow-keeper-pool-dlrm-")
+    _killed(taken)
+    try:
+        with caplog.at_level("WARNING", logger="ettflow"):
+            replaced = run_keeper("keeper-pooled", pool=pool)
+        assert ray.get(replaced.ping.remote(), timeout=60) == "ok"
+        assert f"keeper (actor {name}) died: a new one starts" in caplog.text
+    finally:
+        end_run("keeper-pooled")

@@ -39,20 +39,24 @@ def test_an_explained_error_is_logged_without_its_traceback_and_others_with_thei
     from ettflow.console import ExplainedErrorFilter, is_explained
     from ettflow.tasks.errors import ParameterError
 
-    def record(exc: BaseException) -> logging.LogRecord:
+    def record(exc: BaseException, msg: str = "Task run failed with exception: %r") -> logging.LogRecord:
         try:
             raise exc
         except BaseException:  # noqa: BLE001
             import sys
 
-            return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "Encountered exception", None,
-                                     sys.exc_info())
+            return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, msg, (exc,), sys.exc_info())
 
     explained, other = record(ParameterError("world_size", "must be >= 1")), record(KeyError("x"))
     assert is_explained(explained.exc_info[1]) and not is_explained(other.exc_info[1]) and not is_explained(None)
     keep = ExplainedErrorFilter()
     assert keep.filter(explained) and keep.filter(other)  # both lines stay
     assert explained.exc_info is None and other.exc_info is not None
+    # the engine's echoes of a failed run: gone for an explained error (its state line says it), kept otherwise
+    for echo in ("Encountered exception during execution: %r", "Engine execution exited with unexpected exception",
+                 "Execution of flow run 'abc' exited with unexpected exception"):
+        assert not keep.filter(record(ParameterError("world_size", "must be >= 1"), echo))
+        assert keep.filter(record(KeyError("x"), echo))
 
 
 def test_console_times_carry_their_zone():

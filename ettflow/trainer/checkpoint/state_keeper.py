@@ -27,6 +27,7 @@ copy's checksum), the payload a list of uint8 arrays: nothing else crosses to or
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +60,20 @@ def keeper_name(run_id: str) -> str:
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
     return f"{NAME_PREFIX}{run_id}"
+
+
+def pooled_keeper_name(model: str) -> str:
+    """The Ray name of a keeper a warm pool starts ahead of `model`'s next run (no run yet: the
+    run that takes it names it in its warnings, `ray list actors` shows it)."""
+    return f"{NAME_PREFIX}pool-{model or 'model'}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class PooledKeeper:
+    """A keeper a warm pool started, as the pool hands it to a run: the actor and its name."""
+
+    actor: KeeperHandle
+    name: str
 
 
 @dataclass(kw_only=True)
@@ -208,10 +223,10 @@ def _flipped(arrays: list[Any]) -> list[Any]:
     return out
 
 
-def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True) -> KeeperHandle:
+def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True, name: str | None = None) -> KeeperHandle:
     """The driver's call: the run's keeper actor, started on this node (this process owns it;
-    an existing keeper of the run is reused; run_id None: a keeper with no name, started ahead
-    of a run by the warm pool). Returns its ActorHandle once it answers (`wait=False`: at once,
+    an existing keeper of the run is reused; run_id None: a keeper started ahead of a run by the
+    warm pool, named `name`, `pooled_keeper_name`). Returns its ActorHandle once it answers (`wait=False`: at once,
     while its process starts; calls to it wait for it).
 
     Hold the handle for as long as the run may restore from memory: Ray ends a (non-detached)
@@ -220,7 +235,8 @@ def start_keeper(run_id: str | None, *, keep: int = KEEP, wait: bool = True) -> 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    named = {"name": keeper_name(run_id), "get_if_exists": True} if run_id is not None else {}
+    named = {"name": keeper_name(run_id), "get_if_exists": True} if run_id is not None else \
+        ({"name": name} if name else {})
     handle = ray.remote(StateKeeper).options(
         **named, num_cpus=0, max_restarts=0, max_concurrency=HAND_OFFS,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
     from ray.actor import ActorHandle
 
-    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle, PooledKeeper
 
     PoolHandle: TypeAlias = ActorHandle["PoolService"]  # the cluster's pool, as service() returns it
     OwnerHandle: TypeAlias = ActorHandle["RunOwner"]  # a driving process's liveness probe
@@ -132,6 +132,7 @@ class _Given:
     gpus: float = 0.0
     cpus: float = 0.0
     memory_bytes: int | None = None
+    name: str = ""  # a keeper's Ray name
 
 
 @dataclass
@@ -139,6 +140,7 @@ class _Keeper:
     actor: KeeperHandle
     requested_at: float
     model: str
+    name: str = ""  # its Ray name (`state_keeper.pooled_keeper_name`)
     holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -301,9 +303,10 @@ class PoolService:
                 worker.rule = str(hold.rule) if hold is not None else ""
                 self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
-                from ettflow.trainer.checkpoint.state_keeper import start_keeper
+                from ettflow.trainer.checkpoint.state_keeper import pooled_keeper_name, start_keeper
 
-                self.keepers.append(_Keeper(start_keeper(None, wait=False), time.time(), model))
+                name = pooled_keeper_name(model)
+                self.keepers.append(_Keeper(start_keeper(None, wait=False, name=name), time.time(), model, name))
         self._journal()
         if started:
             log.info("cluster pool: %d worker(s) of model %s starting for its next run", started, model)
@@ -340,15 +343,18 @@ class PoolService:
         self._journal()
         return taken
 
-    def take_keeper(self, owner: OwnerHandle | None = None, run_id: str = "") -> KeeperHandle | None:
+    def take_keeper(self, owner: OwnerHandle | None = None, run_id: str = "") -> PooledKeeper | None:
         with self._lock:
             if not self.keepers:
                 return None
             keeper = self.keepers.pop(0)
             if owner is not None:
-                self.given.append(_Given(keeper.actor, owner, run_id, keeper.model, "keeper", time.time()))
+                self.given.append(_Given(keeper.actor, owner, run_id, keeper.model, "keeper", time.time(),
+                                         name=keeper.name))
         self._journal()
-        return keeper.actor
+        from ettflow.trainer.checkpoint.state_keeper import PooledKeeper
+
+        return PooledKeeper(keeper.actor, keeper.name)
 
     def forget(self, run_id: str) -> int:
         """A run stopped what it took (its normal end): nothing of it is the pool's to stop."""
@@ -406,9 +412,11 @@ class PoolService:
                                   e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node,
                                   rule=e.rule, why=why(e.model))
                        for e in self.entries]
-            return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None)
+            return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None,
+                                         actor=k.name)
                               for k in self.keepers] + [
-                PooledInfo(f"run's {g.kind}", g.model, g.run_id[:8] or "-", "taken", g.seen_alive_at, None, None)
+                PooledInfo(f"run's {g.kind}", g.model, g.run_id[:8] or "-", "taken", g.seen_alive_at, None, None,
+                           actor=g.name)
                 for g in self.given] + [
                 PooledInfo("planned", m, digest(warm_key(p.config)), f"{p.count} to prewarm", p.at, None, None,
                            rule=str(p.hold.rule), why=p.hold.reason)

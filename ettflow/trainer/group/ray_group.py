@@ -45,12 +45,13 @@ from ettflow.trainer.classify import failure_from_exception, is_process_loss, on
 from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
+from ettflow.trainer.group.durable_audit import DurableAudit
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.stop_request import note_stop, stop_noted
 from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
-from ettflow.trainer.protocol import PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
+from ettflow.trainer.protocol import MEMORY, PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
@@ -146,8 +147,23 @@ def _gcs_address() -> str:
 
 
 # The keepers of the runs this process drives, held for the run's life: Ray ends an actor that
-# no handle refers to, and each attempt's group is dropped when the attempt ends.
+# no handle refers to, and each attempt's group is dropped when the attempt ends. With each, its
+# Ray name (a pooled keeper's is the pool's, `state_keeper.pooled_keeper_name`).
 _KEEPERS: dict[str, object] = {}
+_KEEPER_NAMES: dict[str, str] = {}
+# each run's check of its durable tier while the memory tier serves (durable_audit.py): across
+# attempts, so a damaged checkpoint is recorded once
+_AUDITS: dict[str, DurableAudit] = {}
+
+
+AUDIT_JOIN_S = 60.0  # how long the run's end waits for a check of its durable tier still running
+
+
+def run_audit(config: TrainerConfig, run_id: str, spool_root: Path | str) -> DurableAudit:
+    audit = _AUDITS.get(run_id)
+    if audit is None:
+        audit = _AUDITS[run_id] = DurableAudit(config.checkpoint_dir, spool_root, run_id)
+    return audit
 
 
 def run_keeper(run_id: str, *, pool: WarmPool | None = None) -> KeeperHandle:
@@ -159,12 +175,21 @@ def run_keeper(run_id: str, *, pool: WarmPool | None = None) -> KeeperHandle:
         # a dead actor's handle given to the ranks fails every restart (issue 42 #1: the pool's
         # service died, and the keeper it had started with it); its copies are lost with it
         log.warning("the run's in-memory checkpoint keeper (actor %s) died: a new one starts; the copies it held "
-                    "are lost (a restart restores the durable checkpoint)", keeper_name(run_id))
+                    "are lost (a restart restores the durable checkpoint)", keeper_label(run_id))
         keeper = None
     if keeper is None:
-        keeper = _KEEPERS[run_id] = (pool.take_keeper(run_id) if pool is not None else None) \
-            or start_keeper(run_id, wait=False)
+        pooled = pool.take_keeper(run_id) if pool is not None else None
+        if pooled is not None:
+            keeper, _KEEPER_NAMES[run_id] = pooled.actor, pooled.name
+        else:
+            keeper, _KEEPER_NAMES[run_id] = start_keeper(run_id, wait=False), keeper_name(run_id)
+        _KEEPERS[run_id] = keeper
     return keeper
+
+
+def keeper_label(run_id: str) -> str:
+    """The Ray name of the run's keeper, as a warning gives it (a pooled one's is the pool's)."""
+    return _KEEPER_NAMES.get(run_id) or keeper_name(run_id)
 
 
 def _alive(actor) -> bool:
@@ -184,6 +209,10 @@ def end_run(run_id: str, pool: WarmPool = POOL) -> None:
     from the cluster's pool is stopped, so the pool no longer watches it."""
     pool.forget(run_id)
     keeper = _KEEPERS.pop(run_id, None)
+    _KEEPER_NAMES.pop(run_id, None)
+    audit = _AUDITS.pop(run_id, None)
+    if audit is not None:  # its marker belongs in the run's row, archived after this
+        audit.join(AUDIT_JOIN_S)
     if keeper is None or not ray.is_initialized():
         return
     with contextlib.suppress(Exception):
@@ -413,6 +442,9 @@ class RayWorkerGroup:
         if point is None:
             log.info("attempt %d: every rank restarts (no live recovery: no in-memory copy, no checkpoint)",
                      self.attempt)
+        elif point.source == MEMORY and durable is not None:  # the durable tier is not read: verify it aside
+            # (in the attempt the recovery starts, as a restore's own fallback is recorded)
+            run_audit(self.config, self.run_id, self.spool_root).start(self.attempt + 1, point.step)
         return point
 
     def _restart_point(self) -> RestorePoint | None:
@@ -425,6 +457,8 @@ class RayWorkerGroup:
         if point is not None:
             log.info("attempt %d: every rank restores the in-memory copy of step %d (the durable checkpoint is %s)",
                      self.attempt, point.step, f"step {durable[0]}" if durable else "none")
+            if durable is not None:  # the durable tier is not read: verify it aside
+                run_audit(self.config, self.run_id, self.spool_root).start(self.attempt, point.step)
         return point
 
     def _memory_step(self) -> int | None:
@@ -436,7 +470,7 @@ class RayWorkerGroup:
             return ray.get(self.keeper.latest_common.remote(self.world_size), timeout=PARK_TIMEOUT_S)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:
             log.warning("attempt %d: the run's in-memory checkpoint keeper (actor %s) is gone or not answering "
-                        "(%s): the restore point is the durable checkpoint", self.attempt, keeper_name(self.run_id),
+                        "(%s): the restore point is the durable checkpoint", self.attempt, keeper_label(self.run_id),
                         type(exc).__name__)
             return None
 
