@@ -92,6 +92,10 @@ KNOWN_NOISE: tuple[Noise, ...] = (
                   r"successfully)"),
     Noise(source="prefect engine", logger="prefect.task_runs",
           message=r"^(Finished in state Completed\(|Running hook |Hook '.*' finished running successfully)"),
+    # a run refused by an explained error (the classes that say `explained = True`): the run's own
+    # "Failed: refused: ..." line says it; the engine's final line repeats it (issue 42 #8)
+    Noise(source="prefect engine", logger="prefect.flow_runs",
+          message=r"^Finished in state Failed\(.*\b(ParameterError|DataError|WarehouseUnavailable|WarehouseError): "),
 )
 
 

@@ -26,6 +26,8 @@ SAMPLES = {
     "temporary server": "Starting temporary server on http://127.0.0.1:8080\nSee https://www.prefect.io/docs",
     "Beginning flow run": "Beginning flow run 'dlrm-optimized' for flow 'refresh-model'",
     "Finished in state Completed": "Finished in state Completed()",
+    "Finished in state Failed": "Finished in state Failed(\"Flow run encountered an exception: ParameterError: "
+    "parameter 'min_world_size' must be <= world_size (2), got 4\")",
 }
 
 

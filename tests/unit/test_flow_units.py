@@ -191,11 +191,13 @@ def test_a_stop_an_operator_asked_for_is_marked_as_theirs_not_a_failure(tmp_path
     assert [f.attempt for f in rec.failures()] == [1, 2]
 
 
-def test_hooks_skip_a_run_without_spool(tmp_path, monkeypatch, caplog):
-    """A hook never raises for a run that spooled nothing (a parameter was refused before
-    anything ran): it logs that there is nothing to archive and writes nothing: no warehouse
+@pytest.mark.parametrize("state", ["FAILED", "CRASHED"])
+def test_hooks_skip_a_run_without_spool(tmp_path, monkeypatch, caplog, state):
+    """A hook never raises for a run that spooled nothing, and writes nothing: no warehouse
     (neither the one ETTFLOW_WAREHOUSE_URL names nor the default under ETTFLOW_HOME), no spool
-    folder for the run, no pending mark."""
+    folder for the run, no pending mark. Failed so: refused (a parameter, before anything ran),
+    whose one line is its state's (issue 42 #8); crashed so: the log says there was nothing to
+    archive."""
     monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("ETTFLOW_WAREHOUSE_URL", f"sqlite:///{tmp_path / 'warehouse.db'}")
     spool = tmp_path / "spool"
@@ -204,8 +206,9 @@ def test_hooks_skip_a_run_without_spool(tmp_path, monkeypatch, caplog):
                                run_count=1)
     with caplog.at_level(logging.WARNING, logger="ettflow.tasks"):
         archive.archive_on_flow_state(SimpleNamespace(name="refresh-model"), flow_run,
-                                      SimpleNamespace(type=SimpleNamespace(value="FAILED")))
-    assert f"run 0f0f has no spooled events under {spool}: nothing to archive" in caplog.text
+                                      SimpleNamespace(type=SimpleNamespace(value=state)))
+    said = f"run 0f0f has no spooled events under {spool}: nothing to archive" in caplog.text
+    assert said == (state == "CRASHED"), caplog.text
     assert [p.name for p in tmp_path.iterdir()] == ["spool"] and list(spool.iterdir()) == []
 
 
