@@ -5,6 +5,7 @@ is the one every interrupted run must end bitwise equal to."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pyarrow as pa
@@ -182,4 +183,76 @@ def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(tr
     assert result.rank0.compile.cache_hit and result.rank0.compile.stats.recompiles == 0
     # and the run is the run a fresh start makes
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+
+
+def signal_when_step(world, run_id: str, step: int, action):
+    """A started thread that calls `action` once rank 0 of attempt 0 beats at `step` or later;
+    and the list it appends to when it did."""
+    import threading
+    import time
+
+    from ettflow.trainer.rank_heartbeat import beat_file, read_beat
+
+    done: list[float] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            beat = read_beat(beat_file(world / "spool", run_id, 0, 0))
+            if beat is not None and beat.step is not None and beat.step >= step:
+                action()
+                done.append(time.time())
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, done
+
+
+def test_a_run_whose_cluster_pool_dies_mid_training_restarts_on_fresh_workers_and_finishes(
+        trainer_world, compile_cache, tmp_path, caplog):
+    """Issue 42 #1: the cluster's pool service (a detached actor) prewarmed the run's ranks, its
+    spare and its in-memory keeper; it is killed at step 6, and everything it owned dies with it.
+    The run restarts on fresh ranks and a new keeper (never the dead one's cached handle), the
+    dead service is not asked again, and the run finishes. The hold is the rule's own: a
+    scheduled next run and measured starts (cold 2,000 s, pooled 1 s: a fleet job's compile) make a
+    just-in-time prewarm pay, its unclaimed workers kept 300 s past the scheduled time."""
+    import time
+
+    import ray
+
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
+    from ettflow.trainer.group.warm_pool import POOL
+    from ettflow.trainer.protocol import StartSample
+    from ettflow.trainer.rank.actor import TrainerActor
+
+    cfg = config(trainer_world, "pool-lost", compile_cache, eval_batches=0, max_steps=24)
+    spool = trainer_world / "spool"
+    service = ray.remote(PoolService).options(num_cpus=0, max_restarts=0, max_concurrency=8).remote(
+        PoolPolicy(margin_s=300.0), journal=str(tmp_path / "journal.json"))
+    ray.get(service.fill.remote(cfg, 0, str(spool), actor_cls=TrainerActor, start=StartSample(2000.0, False)))
+    started = ray.get(service.fill.remote(cfg, 3, str(spool), time.time() + 1.0, actor_cls=TrainerActor,
+                                          start=StartSample(1.0, True)))
+    assert started == 3, ray.get(service.status.remote())
+    assert ray.get(service.wait_ready.remote(180)) == 3
+    POOL.close()
+    POOL.service, POOL.keeping = service, False
+    killer, killed = signal_when_step(trainer_world, "pool-lost", 6, lambda: ray.kill(service, no_restart=True))
+    try:
+        with caplog.at_level("WARNING", logger="ettflow"):
+            result, events, m = drive(trainer_world, cfg, "pool-lost")
+    finally:
+        killer.join()
+        POOL.close()
+    assert killed, "the pool's service was never killed"
+    starts = by(events, "spare_start")
+    assert sorted(e.attrs["for_rank"] for e in starts if e.attrs.get("for_rank") is not None) == [0, 1]
+    assert result.rank0.final_step == 24 and m.nof >= 1 and result.attempts >= 2, result.failures
+    m.check_partition()
+    last = result.attempts - 1  # the attempt that finished started its own ranks: nothing pooled
+    assert not [e for e in starts if e.attempt == last and e.attrs.get("for_rank") is not None]
+    # the keeper the pool had started is named by its pool's name (issue 42 #8), and replaced
+    assert re.search(r"keeper \(actor ettflow-keeper-pool-\S+\) died: a new one starts", caplog.text), \
+        caplog.text[-3000:]
 
