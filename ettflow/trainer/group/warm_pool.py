@@ -70,6 +70,7 @@ class WarmPool:
         self.keeper: PooledKeeper | None = None  # an in-memory checkpoint keeper for the next run
         self.service: PoolHandle | None = None  # the cluster's pool (pool_service.py) once attached
         self._owner: OwnerHandle | None = None
+        self._owner_session: str | None = None  # the Ray cluster, node and job `_owner` was made in
 
     def attach_cluster(self) -> None:
         """Use the cluster's pool from now on (this process joined a cluster that outlives it):
@@ -191,12 +192,18 @@ class WarmPool:
                 self.service.forget.remote(run_id)
 
     def _run_owner(self) -> OwnerHandle:
-        """This process's `RunOwner` (made once): the cluster's pool stops what this process
-        took from it if the process dies without doing so."""
-        if self._owner is None:
+        """This process's `RunOwner` (made once per Ray session it joins): the cluster's pool
+        stops what this process took from it if the process dies without doing so. A handle
+        made in an earlier session is never passed on: Ray aborts the process that serializes
+        an actor handle its current session does not know (CI: a test's owner outlived its Ray
+        into the next test's cluster, and the worker process died)."""
+        ctx = ray.get_runtime_context()
+        session = f"{ctx.gcs_address}/{ctx.get_node_id()}/{ctx.get_job_id()}"  # job ids repeat across clusters
+        if self._owner is None or self._owner_session != session:
             from ettflow.trainer.group.pool_service import RunOwner
 
             self._owner = ray.remote(RunOwner).options(num_cpus=0, max_concurrency=4).remote()
+            self._owner_session = session
         return self._owner
 
     def _ready(self) -> list[PooledWorker]:
@@ -221,6 +228,7 @@ class WarmPool:
                 with contextlib.suppress(Exception):
                     ray.kill(self.keeper.actor, no_restart=True)
         self.workers, self.keeper = [], None
+        self._owner, self._owner_session = None, None  # Ray ends it with this process, or with its session
 
 
 
