@@ -17,7 +17,16 @@ from ettflow.trainer.checkpoint.anchor import read_anchor
 from ettflow.trainer.config import FailAt, Switches
 from ettflow.trainer.group.driver import TrainingFailed
 
-from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive, model_tensors
+from helpers.trainer_runs import (
+    STEPS,
+    assert_same_parameters,
+    at_step,
+    beat_pid,
+    by,
+    config,
+    drive,
+    model_tensors,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -185,31 +194,6 @@ def test_a_run_starts_its_ranks_and_spare_from_the_pool_the_previous_run_left(tr
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
-def signal_when_step(world, run_id: str, step: int, action):
-    """A started thread that calls `action` once rank 0 of attempt 0 beats at `step` or later;
-    and the list it appends to when it did."""
-    import threading
-    import time
-
-    from ettflow.trainer.rank_heartbeat import beat_file, read_beat
-
-    done: list[float] = []
-
-    def watch() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            beat = read_beat(beat_file(world / "spool", run_id, 0, 0))
-            if beat is not None and beat.step is not None and beat.step >= step:
-                action()
-                done.append(time.time())
-                return
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread, done
-
-
 def test_a_run_whose_cluster_pool_dies_mid_training_restarts_on_fresh_workers_and_finishes(
         trainer_world, compile_cache, tmp_path, caplog):
     """Issue 42 #1: the cluster's pool service (a detached actor) prewarmed the run's ranks, its
@@ -238,7 +222,7 @@ def test_a_run_whose_cluster_pool_dies_mid_training_restarts_on_fresh_workers_an
     assert ray.get(service.wait_ready.remote(180)) == 3
     POOL.close()
     POOL.service, POOL.keeping = service, False
-    killer, killed = signal_when_step(trainer_world, "pool-lost", 6, lambda: ray.kill(service, no_restart=True))
+    killer, killed = at_step(trainer_world, "pool-lost", 0, 6, lambda beat: ray.kill(service, no_restart=True))
     try:
         with caplog.at_level("WARNING", logger="ettflow"):
             result, events, m = drive(trainer_world, cfg, "pool-lost")

@@ -32,7 +32,7 @@ from ettflow.trainer.group.driver import TrainingDriver
 from ettflow.trainer.group.ray_group import RayWorkerGroup, end_run
 from ettflow.trainer.rank.actor import TrainerActor
 
-from helpers.trainer_runs import STEPS, assert_same_parameters, beat_pid, by, config, drive
+from helpers.trainer_runs import STEPS, assert_same_parameters, at_step, beat_pid, by, config, drive
 
 pytestmark = [pytest.mark.slow]
 
@@ -197,26 +197,15 @@ STOP_S = float(os.environ.get("ETTFLOW_TEST_STOP_S", "6"))
 def stop_at_step(world: Path, run_id: str, rank: int, step: int, stop_s: float) -> tuple[threading.Thread, list]:
     """A started thread that SIGSTOPs `rank` of attempt 0 once its heartbeat says it reached
     `step`, and SIGCONTs it `stop_s` later; and the list it fills with (stopped at, resumed at)."""
-    from ettflow.trainer.rank_heartbeat import beat_file, read_beat
 
-    done: list[tuple[float, float]] = []
+    def pause(beat) -> tuple[float, float]:
+        os.kill(beat.pid, signal.SIGSTOP)
+        stopped = time.time()
+        time.sleep(stop_s)
+        os.kill(beat.pid, signal.SIGCONT)
+        return stopped, time.time()
 
-    def run() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            beat = read_beat(beat_file(world / "spool", run_id, 0, rank))
-            if beat is not None and beat.step is not None and beat.step >= step:
-                os.kill(beat.pid, signal.SIGSTOP)
-                stopped = time.time()
-                time.sleep(stop_s)
-                os.kill(beat.pid, signal.SIGCONT)
-                done.append((stopped, time.time()))
-                return
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, done
+    return at_step(world, run_id, rank, step, pause)
 
 
 def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(trainer_world, compile_cache, clean_run,

@@ -82,3 +82,28 @@ def beat_pid(world: Path, run_id: str, attempt: int, rank: int) -> int:
     beat = read_beat(beat_file(world / "spool", run_id, attempt, rank))
     assert beat is not None, f"no heartbeat of rank {rank} in attempt {attempt}"
     return beat.pid
+
+
+def at_step(world: Path, run_id: str, rank: int, step: int, action, timeout_s: float = 300.0):
+    """A started thread that calls `action(beat)` once, when `rank` of attempt 0 beats at `step`
+    or later (its heartbeat file, rewritten every half second); and the list it appends what
+    `action` returned to."""
+    import threading
+    import time
+
+    from ettflow.trainer.rank_heartbeat import beat_file, read_beat
+
+    done: list = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            beat = read_beat(beat_file(world / "spool", run_id, 0, rank))
+            if beat is not None and beat.step is not None and beat.step >= step:
+                done.append(action(beat))
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, done

@@ -132,13 +132,13 @@ def test_a_pooled_keeper_is_named_by_its_pool_and_a_warning_about_it_gives_that_
     which the run that took it gives when it dies."""
     import ray
 
-    from ettflow.trainer.checkpoint.state_keeper import PooledKeeper, pooled_keeper_name, start_keeper
+    from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper
     from ettflow.trainer.group.ray_group import end_run, run_keeper
     from ettflow.trainer.group.warm_pool import WarmPool
 
     name = pooled_keeper_name("dlrm")
     pool = WarmPool()
-    pool.keeper = PooledKeeper(start_keeper(None, name=name), name)
+    pool.keeper = NamedKeeper(start_keeper(None, name=name), name)
     taken = run_keeper("keeper-pooled", pool=pool)
     assert pool.keeper is None and ray.get_actor(name)._actor_id == taken._actor_id
     assert name.startswith("ettflow-keeper-pool-dlrm-")

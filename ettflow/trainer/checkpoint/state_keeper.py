@@ -69,8 +69,9 @@ def pooled_keeper_name(model: str) -> str:
 
 
 @dataclass(frozen=True)
-class PooledKeeper:
-    """A keeper a warm pool started, as the pool hands it to a run: the actor and its name."""
+class NamedKeeper:
+    """A keeper actor and its Ray name: a run's own (`keeper_name`), or one a warm pool started
+    and hands to a run (`pooled_keeper_name`), whose warnings give that name."""
 
     actor: KeeperHandle
     name: str

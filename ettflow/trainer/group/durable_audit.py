@@ -16,12 +16,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from ettflow.ett.events import CHECKPOINT_DAMAGED
 from ettflow.ett.spool import SpoolWriter
-from ettflow.trainer.checkpoint.catalog import CheckpointProblem, CheckpointScan, scan
+from ettflow.trainer.checkpoint.catalog import CheckpointProblem, scan
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -30,12 +29,10 @@ MEMORY_RECOVERY = "memory_recovery"  # what noticed the damage: a recovery the m
 
 class DurableAudit:
     """One run's checks of its durable tier (`start` per memory-served recovery; at most one
-    runs at a time). `scan`: the catalog's (a test passes a scripted one)."""
+    runs at a time)."""
 
-    def __init__(self, root: Path | str, spool_root: Path | str, run_id: str, *,
-                 scan: Callable[[Path], CheckpointScan] = scan) -> None:
+    def __init__(self, root: Path | str, spool_root: Path | str, run_id: str) -> None:
         self.root, self.spool_root, self.run_id = Path(root), Path(spool_root), run_id
-        self._scan = scan
         self._recorded: set[str] = set()  # folders already recorded (once per run)
         self._thread: threading.Thread | None = None
 
@@ -55,7 +52,7 @@ class DurableAudit:
     def check(self, attempt: int, served_step: int) -> list[CheckpointProblem]:
         """The damaged checkpoints not recorded before, each recorded now (see the module)."""
         try:
-            found = self._scan(self.root)
+            found = scan(self.root)
         except OSError as exc:  # the storage itself: a restart would meet it too, and say so
             log.warning("attempt %d: the durable checkpoints under %s could not be verified (%s)", attempt,
                         self.root, exc)

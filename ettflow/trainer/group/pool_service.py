@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
     from ray.actor import ActorHandle
 
-    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle, PooledKeeper
+    from ettflow.trainer.checkpoint.state_keeper import KeeperHandle, NamedKeeper
 
     PoolHandle: TypeAlias = ActorHandle["PoolService"]  # the cluster's pool, as service() returns it
     OwnerHandle: TypeAlias = ActorHandle["RunOwner"]  # a driving process's liveness probe
@@ -343,7 +343,7 @@ class PoolService:
         self._journal()
         return taken
 
-    def take_keeper(self, owner: OwnerHandle | None = None, run_id: str = "") -> PooledKeeper | None:
+    def take_keeper(self, owner: OwnerHandle | None = None, run_id: str = "") -> NamedKeeper | None:
         with self._lock:
             if not self.keepers:
                 return None
@@ -352,9 +352,9 @@ class PoolService:
                 self.given.append(_Given(keeper.actor, owner, run_id, keeper.model, "keeper", time.time(),
                                          name=keeper.name))
         self._journal()
-        from ettflow.trainer.checkpoint.state_keeper import PooledKeeper
+        from ettflow.trainer.checkpoint.state_keeper import NamedKeeper
 
-        return PooledKeeper(keeper.actor, keeper.name)
+        return NamedKeeper(keeper.actor, keeper.name)
 
     def forget(self, run_id: str) -> int:
         """A run stopped what it took (its normal end): nothing of it is the pool's to stop."""

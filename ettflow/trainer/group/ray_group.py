@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
-from ettflow.trainer.checkpoint.state_keeper import keeper_name, start_keeper
+from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, keeper_name, start_keeper
 from ettflow.trainer.classify import failure_from_exception, is_process_loss, on_lost_node
 from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
@@ -149,16 +149,15 @@ def _gcs_address() -> str:
 # The keepers of the runs this process drives, held for the run's life: Ray ends an actor that
 # no handle refers to, and each attempt's group is dropped when the attempt ends. With each, its
 # Ray name (a pooled keeper's is the pool's, `state_keeper.pooled_keeper_name`).
-_KEEPERS: dict[str, object] = {}
-_KEEPER_NAMES: dict[str, str] = {}
+_KEEPERS: dict[str, NamedKeeper] = {}
 # each run's check of its durable tier while the memory tier serves (durable_audit.py): across
 # attempts, so a damaged checkpoint is recorded once
 _AUDITS: dict[str, DurableAudit] = {}
 
 
-# how long the run's end waits for a check of its durable tier still running (the devices are still
-# held: a check started at a recovery near the end is rare, and one that outlasts this bound writes
-# its marker to the spool afterwards, where `ettflow archive` finds it)
+# how long the run's end (`end_run`: after the devices' release, before the row is archived) waits
+# for a check of its durable tier still running; one that outlasts it writes its marker to the
+# spool afterwards, where a later `ettflow archive` finds it
 AUDIT_JOIN_S = 5.0
 
 
@@ -173,26 +172,23 @@ def run_keeper(run_id: str, *, pool: WarmPool | None = None) -> KeeperHandle:
     """The run's in-memory checkpoint keeper (started on first use, kept until `end_run`). Its
     process starts beside the ranks' (nothing waits for it here: a rank's first copy does).
     `pool`: take the one that warm pool started ahead of the run, when it has one."""
-    keeper = _KEEPERS.get(run_id)
-    if keeper is not None and not _alive(keeper):
+    named = _KEEPERS.get(run_id)
+    if named is not None and not _alive(named.actor):
         # a dead actor's handle given to the ranks fails every restart (issue 42 #1: the pool's
         # service died, and the keeper it had started with it); its copies are lost with it
         log.warning("the run's in-memory checkpoint keeper (actor %s) died: a new one starts; the copies it held "
                     "are lost (a restart restores the durable checkpoint)", keeper_label(run_id))
-        keeper = None
-    if keeper is None:
-        pooled = pool.take_keeper(run_id) if pool is not None else None
-        if pooled is not None:
-            keeper, _KEEPER_NAMES[run_id] = pooled.actor, pooled.name
-        else:
-            keeper, _KEEPER_NAMES[run_id] = start_keeper(run_id, wait=False), keeper_name(run_id)
-        _KEEPERS[run_id] = keeper
-    return keeper
+        named = None
+    if named is None:
+        named = _KEEPERS[run_id] = (pool.take_keeper(run_id) if pool is not None else None) \
+            or NamedKeeper(start_keeper(run_id, wait=False), keeper_name(run_id))
+    return named.actor
 
 
 def keeper_label(run_id: str) -> str:
     """The Ray name of the run's keeper, as a warning gives it (a pooled one's is the pool's)."""
-    return _KEEPER_NAMES.get(run_id) or keeper_name(run_id)
+    named = _KEEPERS.get(run_id)
+    return named.name if named is not None else keeper_name(run_id)
 
 
 def _alive(actor) -> bool:
@@ -211,15 +207,14 @@ def end_run(run_id: str, pool: WarmPool = POOL) -> None:
     """Free what a run keeps across its attempts (its in-memory checkpoint keeper); what it took
     from the cluster's pool is stopped, so the pool no longer watches it."""
     pool.forget(run_id)
-    keeper = _KEEPERS.pop(run_id, None)
-    _KEEPER_NAMES.pop(run_id, None)
+    named = _KEEPERS.pop(run_id, None)
     audit = _AUDITS.pop(run_id, None)
     if audit is not None:  # its marker belongs in the run's row, archived after this
         audit.join(AUDIT_JOIN_S)
-    if keeper is None or not ray.is_initialized():
+    if named is None or not ray.is_initialized():
         return
     with contextlib.suppress(Exception):
-        ray.kill(keeper, no_restart=True)
+        ray.kill(named.actor, no_restart=True)
 
 
 def wants_gpu(config: TrainerConfig) -> bool:
@@ -445,9 +440,8 @@ class RayWorkerGroup:
         if point is None:
             log.info("attempt %d: every rank restarts (no live recovery: no in-memory copy, no checkpoint)",
                      self.attempt)
-        elif point.source == MEMORY and durable is not None:  # the durable tier is not read: verify it aside
-            # (in the attempt the recovery starts, as a restore's own fallback is recorded)
-            run_audit(self.config, self.run_id, self.spool_root).start(self.attempt + 1, point.step)
+        elif point.source == MEMORY and durable is not None:  # recorded in the attempt the recovery starts
+            self._audit_durable(self.attempt + 1, point.step)
         return point
 
     def _restart_point(self) -> RestorePoint | None:
@@ -460,9 +454,14 @@ class RayWorkerGroup:
         if point is not None:
             log.info("attempt %d: every rank restores the in-memory copy of step %d (the durable checkpoint is %s)",
                      self.attempt, point.step, f"step {durable[0]}" if durable else "none")
-            if durable is not None:  # the durable tier is not read: verify it aside
-                run_audit(self.config, self.run_id, self.spool_root).start(self.attempt, point.step)
+            if durable is not None:
+                self._audit_durable(self.attempt, point.step)
         return point
+
+    def _audit_durable(self, attempt: int, served_step: int) -> None:
+        """A recovery the memory tier serves does not read the durable tier: verify it aside
+        (durable_audit.py), once per run for each damaged folder."""
+        run_audit(self.config, self.run_id, self.spool_root).start(attempt, served_step)
 
     def _memory_step(self) -> int | None:
         """The newest step every rank holds in the in-memory tier; None when there is none, or

@@ -57,7 +57,7 @@ from ettflow.trainer.group.pooled_worker import (
 from ettflow.trainer.protocol import PrewarmTimings, StartSample
 
 if TYPE_CHECKING:
-    from ettflow.trainer.checkpoint.state_keeper import PooledKeeper
+    from ettflow.trainer.checkpoint.state_keeper import NamedKeeper
     from ettflow.trainer.group.pool_service import OwnerHandle, PoolHandle
 
 __all__ = ["POOL", "POOL_RUN_ID", "PooledWorker", "WarmPool", "record_start", "start_worker", "warm_key"]
@@ -67,7 +67,7 @@ class WarmPool:
     def __init__(self) -> None:
         self.keeping = False
         self.workers: list[PooledWorker] = []
-        self.keeper: PooledKeeper | None = None  # an in-memory checkpoint keeper for the next run
+        self.keeper: NamedKeeper | None = None  # an in-memory checkpoint keeper for the next run
         self.service: PoolHandle | None = None  # the cluster's pool (pool_service.py) once attached
         self._owner: OwnerHandle | None = None
         self._owner_session: str | None = None  # the Ray cluster, node and job `_owner` was made in
@@ -124,10 +124,10 @@ class WarmPool:
         started = max(count - len(self.workers), 0)
         self.workers += [self.start(config, spool_root, actor_cls) for _ in range(started)]
         if config.switches.memory_checkpoint and self.keeper is None:
-            from ettflow.trainer.checkpoint.state_keeper import PooledKeeper, pooled_keeper_name, start_keeper
+            from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper
 
             name = pooled_keeper_name(model_name(config))
-            self.keeper = PooledKeeper(start_keeper(None, wait=False, name=name), name)
+            self.keeper = NamedKeeper(start_keeper(None, wait=False, name=name), name)
         if started:
             log.info("warm pool: %d worker(s) starting for the next run", started)
         return started
@@ -175,7 +175,7 @@ class WarmPool:
                     log.warning("%s", note)
         return [None if w is None else (w, w.timings) for w in found]
 
-    def take_keeper(self, run_id: str = "") -> PooledKeeper | None:
+    def take_keeper(self, run_id: str = "") -> NamedKeeper | None:
         """The keeper started for the next run (its process up or starting), and its name, or None."""
         if self.service is not None:
             try:
