@@ -442,10 +442,13 @@ def test_live_recovery_restores_in_memory_delta_copies_base_and_deltas(trainer_w
     """Issue 28, the in-memory tier: with delta checkpoints on, an in-memory copy every 2 steps
     is a whole copy, then deltas on it (the rows touched since, handed to the keeper alone).
     Rank 1 is SIGKILLed at step 9: the spare restores rank 1's chain from the keeper and rank 0
-    its own, whole copy then deltas; the first copy after the recovery is whole again. Then rank
-    1's copies are damaged from step 12 and it is killed at 17: every rank restores the durable
-    chain, base 10 + delta 15, whose delta holds every row touched since 10 although the memory
-    copies at 12 and 14 read the same tracker. The anchor equals the uninterrupted run's bitwise."""
+    its own, whole copy then deltas; the first copy after the recovery is whole again, and the
+    durable chain goes on (issue 44): the copies of step 8 name base 5 and the rows touched since,
+    so the save at 10 is a delta on 5, not a second base. Then rank 1's copies are damaged from
+    step 12 and it is killed at 17: every rank restores the durable chain, base 5 + deltas 10 and
+    15 (delta 10 holds rows touched before the recovery, delta 15 every row since 10 although the
+    memory copies at 12 and 14 read the same tracker). The anchor equals the uninterrupted run's
+    bitwise."""
     cfg = config(trainer_world, "live-delta", compile_cache, eval_batches=0, memory_every_steps=2,
                  delta_max_chain_share=100.0, failures=(FailAt(kind="kill", rank=1, step=9),
                                                         FailAt(kind="corrupt", rank=1, step=12),
@@ -462,11 +465,14 @@ def test_live_recovery_restores_in_memory_delta_copies_base_and_deltas(trainer_w
         assert 0 < sizes["delta"] < sizes["base"], sizes  # the rows that changed, not the tables
         (restore,) = by(events, "checkpoint_restore", rank=rank, attempt=1)
         assert restore.attrs["source"] == "memory" and restore.attrs["memory_deltas"] >= 1, restore.attrs
+        assert restore.attrs["step"] == 8 and restore.attrs["chain_resumed"] == 5, restore.attrs
+        saves = {e.attrs["step"]: e.attrs.get("kind") for e in by(events, "checkpoint_save_blocking", rank=rank)}
+        assert [saves.get(step) for step in (5, 10, 15, 20)] == ["base", "delta", "delta", "delta"], saves
         after = sorted(by(events, "memory_save_blocking", rank=rank, attempt=1), key=lambda e: e.attrs["step"])
         assert after and after[0].attrs["kind"] == "base"  # nothing tracked before the restore counts
         (durable,) = by(events, "checkpoint_restore", rank=rank, attempt=2)
         assert durable.attrs["source"] == "own" and durable.attrs["memory_problem"], durable.attrs
-        assert (durable.attrs["step"], durable.attrs["base_step"], durable.attrs["deltas"]) == (15, 10, [15])
+        assert (durable.attrs["step"], durable.attrs["base_step"], durable.attrs["deltas"]) == (15, 5, [10, 15])
     assert [(h.attempt, h.attrs["rank"]) for h in by(events, "spare_handoff")] == [(1, 1), (2, 1)]
     assert m.effective_steps == 2 * STEPS
     m.check_partition()

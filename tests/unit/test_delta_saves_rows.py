@@ -89,3 +89,71 @@ def test_an_async_delta_takes_its_rows_at_the_capture_and_gives_them_back_when_i
     s.finished(captured, taken, DeltaCommit(step=15, parent=10, committed=False, unsupported=True,
                                             error="t0 is sharded by rows"), rank=0)
     assert s.off is not None and s.choose()[0] == "base" and ids(s.durable_rows()) == [6]
+
+
+def test_an_in_memory_copy_records_the_link_the_durable_chain_goes_on_from_and_every_row_since(tmp_path,
+                                                                                             monkeypatch):
+    """Issue 44: a copy taken while a base is written names that base (whether or not its commit
+    was seen yet: ranks see it at different moments); one taken while a delta is written names the
+    delta's parent and holds the delta's rows too (it may not commit); a restore of the copy that
+    every rank agrees on makes the next delta hold those rows and every row touched after it."""
+    from ettflow.trainer.checkpoint import CommitResult
+    from ettflow.trainer.checkpoint.delta import CapturedDelta, DeltaCommit
+    from ettflow.trainer.rank import delta_saves
+
+    monkeypatch.setattr(delta_saves, "capture", lambda state, *, step, parent, parent_digest, touched: CapturedDelta(
+        step, parent, parent_digest, {"rows": touched[T]}, {}))
+    monkeypatch.setattr(delta_saves, "commit_digest", lambda path: f"digest of {path}")
+    s = saves(tmp_path, [[1], [2, 3], [4], [5], [6], [7], [8]])
+    assert s.chain_resume() is None  # no durable save yet: a restore's next save is a base
+    s.base_started(5)
+    pending = s.chain_resume()  # reads [2, 3]: the base at 5 holds [1]
+    assert [(x.step, x.kind, x.digest) for x in pending.links] == [(5, "base", "")]
+    assert list(pending.rows[T]) == [2, 3] and pending.intact()
+    s.base_committed(CommitResult(step=5, committed=True, path=str(tmp_path / "step_5"), nbytes=100,
+                                    background_start=0.0, background_end=0.0))
+    seen = s.chain_resume()  # reads [4]
+    assert [(x.step, x.digest) for x in seen.links] == [(5, f"digest of {tmp_path / 'step_5'}")]
+    assert list(seen.rows[T]) == [2, 3, 4]
+    captured, taken = s.start(10, None)  # reads [5]: the delta of 10 takes [2, 3, 4, 5]
+    writing = s.chain_resume()  # reads [6]
+    assert [x.step for x in writing.links] == [5] and list(writing.rows[T]) == [2, 3, 4, 5, 6]
+    s.finished(captured, taken, DeltaCommit(step=10, parent=5, committed=True, digest="d10", bytes=9), rank=0)
+    after = s.chain_resume()  # reads [7]
+    assert [(x.step, x.kind) for x in after.links] == [(5, "base"), (10, "delta")]
+    assert list(after.rows[T]) == [6, 7]
+
+    s.restored(None)  # a restore of the copy `writing` (reads [8], forgotten) ...
+    assert s.chain_resume() is None
+    s.resumed(writing.links, dict(writing.rows))  # ... that every rank agreed to resume
+    assert s.head.step == 5 and s.choose()[0] == "delta"
+    assert ids(s.durable_rows()) == [2, 3, 4, 5, 6]
+    assert s.memory_rows() is None  # the next in-memory copy is whole
+
+
+def test_a_copy_s_chain_record_is_used_only_when_its_link_is_committed_on_disk_as_recorded(tmp_path):
+    """`ChainResume.on_disk`: the link must be committed with the digest recorded (a base whose
+    commit was not seen gets the marker's digest and its bytes); a missing or re-saved link, or a
+    damaged record, gives None (the next save is a base)."""
+    import numpy as np
+
+    from ettflow.trainer.checkpoint.chain_resume import ChainResume
+    from ettflow.trainer.checkpoint.delta_chain import Link
+    from ettflow.trainer.checkpoint.layout import COMMITTED, delta_dir, final_dir
+
+    base, delta = final_dir(tmp_path, 5), delta_dir(tmp_path, 10)
+    for folder, digest in ((base, "d5"), (delta, "d10")):
+        folder.mkdir(parents=True)
+        (folder / "rank-0.bin").write_bytes(b"x" * 64)
+        (folder / COMMITTED).write_text(digest + "\n")
+    rows = {T: torch.tensor([3, 1])}
+    pending = ChainResume.of((Link(step=5, kind="base"),), rows)
+    assert pending.on_disk(tmp_path) == (Link(step=5, kind="base", bytes=64 + 3, digest="d5"),)
+    chain = (Link(step=5, kind="base", digest="d5"), Link(step=10, kind="delta", parent=5, digest="d10"))
+    assert ChainResume.of(chain, rows).on_disk(tmp_path) == chain
+    assert ChainResume.of((Link(step=5, kind="base", digest="other"),), rows).on_disk(tmp_path) is None  # saved again
+    assert ChainResume.of((Link(step=15, kind="base"),), rows).on_disk(tmp_path) is None  # never committed
+    damaged = ChainResume.of(chain, rows)
+    damaged.rows[T][0] = 7
+    assert not damaged.intact() and damaged.on_disk(tmp_path) is None
+    assert np.array_equal(ChainResume.of(chain, rows).rows[T], [3, 1])

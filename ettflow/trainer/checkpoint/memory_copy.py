@@ -12,8 +12,10 @@
   compiled step stay the same objects) after checking that names, dtypes and shapes match
   exactly; otherwise `MemoryCopyError` says what differs, and nothing is changed.
 - `CopyMeta`: the JSON-able metadata of a copy (step, rank, world_size, cursor, nbytes, layout,
-  checksum). A payload is a list of uint8 arrays in layout order: raw tensor bytes, nothing
-  else, so restoring one runs no code from it.
+  checksum), and beside it (not in its JSON) the durable chain's record for a restore of the
+  copy (`chain_resume.ChainResume`: links and row ids, with its own digest). A payload is a
+  list of uint8 arrays in layout order: raw tensor bytes, nothing else, so restoring one runs
+  no code from it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import hashlib
 import json
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.chain_resume import ChainResume
 
 from ettflow.trainer import _torch_compat as compat
 from ettflow.trainer.checkpoint.config import CheckpointError
@@ -203,6 +208,8 @@ class CopyMeta:
     # (the dense optimizers' param groups); None: a whole copy
     parent: int | None = None
     delta: dict | None = None
+    # what the durable delta chain goes on from when this copy is restored (None: a base next)
+    resume: ChainResume | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("step", "rank", "world_size", "nbytes"):

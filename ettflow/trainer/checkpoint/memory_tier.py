@@ -82,6 +82,7 @@ from ettflow.trainer.checkpoint.memory_copy import (
 from ettflow.trainer.checkpoint.state import TrainState
 
 if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.chain_resume import ChainResume
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
 
 __all__ = ["MemoryCopyError", "MemorySaveResult", "MemoryTier", "apply", "local_tensors"]
@@ -145,11 +146,13 @@ class MemoryTier:
         """"delta" or "base" (a whole copy): what the newest copy is (None: none yet)."""
         return None if not self._chain else ("delta" if self._chain[-1][0].parent is not None else "base")
 
-    def save(self, step: int, train_state: TrainState, *, touched: Mapping[str, torch.Tensor] | None = None) -> float:
+    def save(self, step: int, train_state: TrainState, *, touched: Mapping[str, torch.Tensor] | None = None,
+             resume: ChainResume | None = None) -> float:
         """Copy the rank's state at `step` into host memory; returns the seconds the caller was
         blocked (finishing the previous hand-off, then the copy). `touched` (table FQN -> the
         rows looked up since this rank's previous copy, `delta.touched_rows`; None: not known):
-        the copy may be a delta on the previous one (`policy`; see `_kind`)."""
+        the copy may be a delta on the previous one (`policy`; see `_kind`). `resume`: what the
+        durable chain goes on from when this copy is restored (`chain_resume.py`), kept beside it."""
         if self._closed:
             raise MemoryCopyError("MemoryTier.save after close()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -160,6 +163,7 @@ class MemoryTier:
         if self._kind(step, touched) == "delta":
             try:
                 meta, host = self._capture_delta(step, train_state, touched or {}, cursor)
+                meta = replace(meta, resume=resume)
             except DeltaUnsupported as exc:
                 log.warning("in-memory copies are whole from now on (rank %d): %s", self.rank, exc)
                 self.policy = None
@@ -171,7 +175,7 @@ class MemoryTier:
         self._chain = []  # the buffers are being overwritten
         host = self._host.capture(tensors)
         meta = CopyMeta(step=step, rank=self.rank, world_size=self.world_size, cursor=cursor,
-                        nbytes=sum(t.nbytes for t in host.values()), layout=layout_of(host))
+                        nbytes=sum(t.nbytes for t in host.values()), layout=layout_of(host), resume=resume)
         self._chain = [(meta, host)]
         self._pending = self._executor.submit(self._hand_off, meta, host)
         return time.perf_counter() - start
@@ -260,7 +264,8 @@ class MemoryTier:
         at `step`: this rank's host copy when it holds it, else the keeper's. Raises
         MemoryCopyError when the copy is missing, damaged or does not fit. Returns what was
         restored: {"where": "local"|"keeper", "source_rank", "step", "cursor", "nbytes",
-        "fetch_s", "verify_s", "apply_s"}."""
+        "deltas", "fetch_s", "verify_s", "apply_s", "resume"} (`resume`: the copy's record for
+        the durable chain, or None)."""
         source = self.rank if source_rank is None else source_rank
         self.wait()
         start = time.perf_counter()
@@ -292,7 +297,8 @@ class MemoryTier:
             restored_step, cursor = train_state.step, train_state.cursor
         return {"where": where, "source_rank": source, "step": restored_step, "cursor": cursor,
                 "nbytes": sum(m.nbytes for m, _ in chain), "deltas": len(chain) - 1, "fetch_s": fetched - start,
-                "verify_s": verified - fetched, "apply_s": time.perf_counter() - verified}
+                "verify_s": verified - fetched, "apply_s": time.perf_counter() - verified,
+                "resume": chain[-1][0].resume}
 
     def _fetch(self, rank: int, step: int) -> list[tuple[CopyMeta, list[np.ndarray]]]:
         import ray

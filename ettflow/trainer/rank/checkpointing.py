@@ -202,7 +202,25 @@ class Checkpointing:
                 return self._restored(self.durable.warm_start(self.parent).at(point, memory_problem=first))
             raise CheckpointError(f"live recovery: {exc}; every rank restarts") from exc
         self.live_point = (report.step, Cursor.from_dict(self.ctx.train_state.cursor))
+        if report.source == RestoreSource.MEMORY:
+            report = replace(report, chain_resumed=self.resume_chain())
         return self._restored(report)
+
+    def resume_chain(self) -> int | None:
+        """After every rank restored an in-memory copy: the durable delta chain goes on from the
+        link the copies' records name (`chain_resume.py`) when every rank found that same link
+        committed on disk (one all-reduce on the control group; collective, so every rank calls
+        it); returns its step, or None: the next durable save is a base."""
+        memory, deltas = self.tier(CheckpointTier.MEMORY), self.ctx.deltas
+        record = memory.resume if isinstance(memory, HostMemoryTier) else None
+        links = record.on_disk(Path(self.config.checkpoint_dir)) if record is not None and deltas is not None else None
+        step = links[-1].step if links else -1
+        high, neg_low, missing = self.ctx.groups.control.max_of([step, -step, 0 if links else 1])
+        if missing or high != -neg_low:
+            return None
+        assert record is not None and deltas is not None and links is not None
+        deltas.resumed(links, dict(record.rows))
+        return step
 
     def _restored(self, report: RestoreReport) -> RestoreReport:
         """Keep what this attempt's restore read (the anchor reuses a checkpoint it restored)."""

@@ -10,11 +10,14 @@ the rows touched since the last committed save, and the chain the next delta ext
     captured, taken = saves.start(step, state)  # or: the blocking part (copies into host memory) ...
     saves.finished(captured, taken, commit)   # ... and once `commit_captured` ran in the background
     rows = saves.memory_rows()                # the rows an in-memory delta copy holds (None: a whole one)
+    record = saves.chain_resume()             # what that copy carries for the chain (chain_resume.py)
+    saves.resumed(links, rows)                # restored from such a copy: the chain goes on from its link
 
 Invariants: the head is a committed link (a base or delta whose commit every rank saw) or
 None, and then the next save is a base; the rows of a delta are every row touched since the
 head (`RowLedger`: a failed delta keeps them for the next); after a restore the head is the
-restored step (the restore wrote every row, so nothing tracked before it counts). A state a
+restored step (the restore wrote every row, so nothing tracked before it counts), except a
+restore from an in-memory copy whose record every rank agreed to resume (`resumed`). A state a
 rank cannot save as a delta (`DeltaUnsupported`: a row-wise sharded table) turns deltas off
 for the run, on every rank together, said once in the log.
 """
@@ -25,6 +28,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from ettflow.trainer.checkpoint.chain_resume import ChainResume
 from ettflow.trainer.checkpoint.delta import (
     CapturedDelta,
     DeltaCommit,
@@ -35,7 +41,7 @@ from ettflow.trainer.checkpoint.delta import (
     enable_tracker,
     touched_rows,
 )
-from ettflow.trainer.checkpoint.delta_chain import Kind, Link, next_kind
+from ettflow.trainer.checkpoint.delta_chain import Kind, Link, chain_of, next_kind
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint import CommitResult, TrainState
@@ -56,6 +62,7 @@ class DeltaSaves:
         self.head: Link | None = None
         self.off: str | None = None  # why deltas are off for this run (None: on)
         self._pending_base: int | None = None
+        self._in_flight: dict | None = None  # the rows of a delta captured and not yet finished
         # the in-memory tier's own ledger, fed by the same tracker: the rows touched since the
         # rank's last in-memory copy (None: not known since a restore, so the next copy is whole)
         self._memory: RowLedger | None = None
@@ -65,7 +72,7 @@ class DeltaSaves:
         in-memory tier, a resharded base): the next save builds on it, or is a base; the next
         in-memory copy is whole."""
         self._drop_tracked()
-        self._memory = None
+        self._memory, self._in_flight, self._pending_base = None, None, None
         self.links, self.head = [], None
         if chain is None or chain.base is None:
             return
@@ -109,6 +116,7 @@ class DeltaSaves:
         assert self.head is not None, "a delta needs a committed head: choose() says when"
         taken = self.durable_rows()
         self.ledger.committed()
+        self._in_flight = taken
         return capture(state, step=step, parent=self.head.step, parent_digest=self.head.digest,
                        touched=taken), taken
 
@@ -116,6 +124,7 @@ class DeltaSaves:
         """`commit` of `captured` ended (the same outcome on every rank): committed, the delta is
         the head; else its rows go back to the ledger, and a state that cannot be a delta turns
         deltas off for the run."""
+        self._in_flight = None
         if commit.committed:
             link = Link(step=captured.step, kind="delta", parent=captured.parent, bytes=commit.bytes,
                         digest=commit.digest, parent_digest=captured.parent_digest)
@@ -140,6 +149,35 @@ class DeltaSaves:
         out = self._memory.rows()
         self._memory.committed()
         return out
+
+    def chain_resume(self) -> ChainResume | None:
+        """What an in-memory copy taken now carries so that a restore of it can go on with the
+        durable chain (`chain_resume.py`): the link the durable saves count from (the settled
+        head, or the base whose save began last) and every row touched since it (the ledger's,
+        and a delta's still being written). None: nothing to go on from (no save yet, deltas off)."""
+        if self.off is not None:
+            return None
+        if self._pending_base is not None:
+            links: tuple[Link, ...] = (Link(step=self._pending_base, kind="base"),)
+        elif self.head is not None:
+            links = tuple(chain_of({x.step: x for x in self.links}, self.head.step))
+        else:
+            return None
+        rows = self.durable_rows()
+        for fqn, ids in (self._in_flight or {}).items():
+            had = rows.get(fqn)
+            rows[fqn] = ids if had is None else torch.unique(torch.cat([had, ids]))
+        return ChainResume.of(links, rows)
+
+    def resumed(self, links: tuple[Link, ...], rows: dict) -> None:
+        """The state was just restored from an in-memory copy whose record (`chain_resume`, found
+        on disk by every rank) says the durable chain goes on from `links`' last link: the next
+        save may be a delta on it, holding `rows` (touched between that link and the copy) and
+        every row touched from now on. The next in-memory copy is whole."""
+        self._drop_tracked()
+        self._memory, self._in_flight, self._pending_base = None, None, None
+        self.links, self.head = list(links), links[-1]
+        self.ledger.add({fqn: torch.as_tensor(ids, dtype=torch.int64) for fqn, ids in rows.items()})
 
     def durable_rows(self) -> dict:
         """The rows touched since the last committed durable save (kept until a delta of them

@@ -21,6 +21,7 @@ from ettflow.trainer.rank.restore_report import RestoreReport
 from ettflow.trainer.rank.tiers import TierContext, TierMiss
 
 if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.chain_resume import ChainResume
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
 
 
@@ -33,6 +34,7 @@ class HostMemoryTier:
         self.copies = MemoryTier(keeper, ctx.rank, cfg.world_size, on_done=self._on_done,
                                  policy=cfg.delta_policy if cfg.switches.delta_checkpoint else None)
         self._background: list[float] = []  # seconds, each copy's background part
+        self.resume: ChainResume | None = None  # the last restored copy's record for the durable chain
 
     def bind(self) -> None:
         """Nothing to rebuild: the copies and the keeper outlive a live recovery."""
@@ -44,8 +46,9 @@ class HostMemoryTier:
         copy is only restored into a run whose durable saves check it."""
         t0 = time.time() if since is None else min(since, time.time())
         state = self.ctx.set_position(step, cursor)
-        touched = self.ctx.deltas.memory_rows() if self.ctx.deltas is not None else None
-        self.copies.save(step, state, touched=touched)
+        deltas = self.ctx.deltas
+        touched = deltas.memory_rows() if deltas is not None else None
+        self.copies.save(step, state, touched=touched, resume=deltas.chain_resume() if deltas is not None else None)
         t1 = time.time()
         self.ctx.rec.record("memory_save_blocking", t0, t1, sync=False, step=step,
                             **({"kind": self.copies.last_kind} if self.copies.policy is not None else {}))
@@ -67,7 +70,8 @@ class HostMemoryTier:
         except MemoryCopyError as exc:
             raise TierMiss(str(exc)) from exc
         if self.ctx.deltas is not None:
-            self.ctx.deltas.restored(None)  # the next save is a base
+            self.ctx.deltas.restored(None)  # the next save is a base, unless every rank resumes the chain:
+        self.resume = read["resume"]  # `Checkpointing.resume_chain` decides, all ranks together
         return RestoreReport(source=RestoreSource.MEMORY, step=point.step, memory_deltas=read["deltas"])
 
     def background_s(self) -> float | None:

@@ -43,6 +43,7 @@ class RestoreReport:
     point: RestorePoint | None = None
     memory_deltas: int | None = None
     memory_problem: str | None = None
+    chain_resumed: int | None = None  # a memory restore: the durable chain's link the next delta builds on
 
     def at(self, point: RestorePoint, *, memory_problem: str | None = None) -> RestoreReport:
         """This restore as the answer to `point` (and why its memory copies were not used)."""
@@ -57,6 +58,7 @@ class RestoreReport:
                     "resharded_from": self.resharded_from, "world_size": self.world_size,
                     "parent_step": self.parent_step, "parent_world_size": self.parent_world_size,
                     "fingerprint": self.fingerprint, "memory_deltas": self.memory_deltas,
+                    "chain_resumed": self.chain_resumed,
                     "memory_problem": self.memory_problem}
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.chain is not None:
