@@ -86,9 +86,9 @@ LIVE_RECOVERY_OFF = Row(label="optimized, live recovery off", mode="optimized",
 # the optimized mode with its ranks started the usual way, not from the processes the previous
 # run left prewarmed (trainer/group/warm_pool.py): what the pool takes off TTS, side by side
 WARM_POOL_OFF = Row(label="optimized, warm pool off", mode="optimized", switches={"warm_pool": False})
-# issue 44: the optimized mode with delta checkpoints (written in the background), beside the
-# optimized row without them, for its ETT, TTR and the durable bytes it writes
-DELTA_ON = Row(label="optimized, delta checkpoints", mode="optimized", switches={"delta_checkpoint": True})
+# issue 44: the optimized mode without its delta checkpoints (every periodic save a full one),
+# beside the optimized row, for what the deltas change in ETT, TTR and the durable bytes written
+DELTA_OFF = Row(label="optimized, delta checkpoints off", mode="optimized", switches={"delta_checkpoint": False})
 
 
 @dataclass(frozen=True, kw_only=True)

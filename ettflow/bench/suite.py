@@ -39,7 +39,7 @@ from .compile_ablation import run_ablation
 from .jobs import (
     BASELINE,
     BASELINE_FRESH_HOST,
-    DELTA_ON,
+    DELTA_OFF,
     LIVE_RECOVERY_OFF,
     MODEL,
     OPTIMIZED,
@@ -102,7 +102,7 @@ class BenchPlan:
         return tuple(int(f * base) for f in self.kill_fractions)
 
     def ablation_rows(self) -> tuple[Row, ...]:
-        rows = (BASELINE_FRESH_HOST, fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF, DELTA_ON)
+        rows = (BASELINE_FRESH_HOST, fixed_interval_row(self.fixed_interval_steps), LIVE_RECOVERY_OFF, DELTA_OFF)
         return (*rows, WARM_POOL_OFF) if self.warm_pool else rows
 
 

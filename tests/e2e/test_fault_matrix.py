@@ -30,6 +30,7 @@ from ettflow.ett.warehouse import COMPONENT_COLUMNS, Warehouse
 from ettflow.tasks import run_spool
 from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.checkpoint.catalog import scan
+from ettflow.trainer.checkpoint.delta import verify_delta
 from ettflow.trainer.checkpoint.layout import parse_name
 from ettflow.trainer.checkpoint.verify import verify
 
@@ -126,8 +127,9 @@ def restored_steps(events, attempt: int) -> set[int]:
 # ---- case 1: a corrupted checkpoint between a failure and its restart ----------------------
 
 def _corrupt(folder: Path) -> Path:
-    """Overwrite up to 64 KiB of the folder's largest `.distcp` with 0xFF, size unchanged."""
-    target = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    """Overwrite up to 64 KiB of the folder's largest data file (a base's `.distcp`, a delta's
+    `rank-<r>.bin`) with 0xFF, size unchanged."""
+    target = max([*folder.glob("*.distcp"), *folder.glob("rank-*.bin")], key=lambda p: p.stat().st_size)
     size = target.stat().st_size
     with open(target, "r+b") as f:
         f.write(b"\xff" * min(size, 64 << 10))
@@ -137,8 +139,9 @@ def _corrupt(folder: Path) -> Path:
 
 class CorruptOnFailure(threading.Thread):
     """Waits for the run's first `failure` marker (the rank writes it the instant the fault
-    fires, before it dies), then damages the newest committed checkpoint: the restart must
-    find it torn. Records which folder, which file, and the newest good step left."""
+    fires, before it dies), then damages the newest committed checkpoint (a base, or with the
+    optimized preset's delta checkpoints a delta): the restart must find it torn. Records which
+    folder, which file, and the newest step still restorable (its chain whole and verified)."""
 
     def __init__(self, spool_root: Path, work_root: Path, after_step: int | None = None) -> None:
         """`after_step`: damage it once a rank trained that step instead (before the failure)."""
@@ -157,10 +160,11 @@ class CorruptOnFailure(threading.Thread):
                 for run_dir in self.spool_root.glob("*") if self.spool_root.is_dir() else []:
                     evs = read_spool(self.spool_root, run_dir.name).events
                     if self._due(evs):
-                        found = scan(self.work_root / MODEL / "runs" / run_dir.name / "checkpoints")
-                        newest, *older = reversed(found.committed)
+                        root = self.work_root / MODEL / "runs" / run_dir.name / "checkpoints"
+                        found = scan(root)
+                        newest = max([*found.committed, *found.deltas], key=lambda c: c.step)
                         self.file = _corrupt(newest.path)
-                        self.damaged, self.fallback = newest.path, older[0].step if older else None
+                        self.damaged, self.fallback = newest.path, scan(root).chain().step
                         return
                 time.sleep(0.02)
         except Exception as exc:  # noqa: BLE001 - reported by the test
@@ -192,8 +196,9 @@ def killed_at_17_with(env, corrupter: CorruptOnFailure):
 
 @pytest.mark.parametrize("recovery", ["restart", "live"])
 def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_good_one(env, caplog, recovery):
-    """Rank 0 is SIGKILLed at step 17 after checkpoints at 5, 10, 15 (two kept); the newest
-    committed one is damaged (64 KiB of 0xFF, same size) before the restart. The restart
+    """Rank 0 is SIGKILLed at step 17 after checkpoints at 5, 10, 15 (the optimized preset's
+    delta checkpoints: base 5, deltas 10 and 15); the newest committed one is damaged (64 KiB of
+    0xFF, same size) before the restart. The restart
     refuses it, warns naming the file, restores the previous good step, and the run completes
     with finite loss (the anchor check refuses a non-finite one). `live`: a spare takes rank 0
     and no in-memory tier holds a copy (as when the keeper is gone), so the live recovery's
@@ -227,7 +232,7 @@ def test_a_checkpoint_corrupted_before_the_restart_falls_back_to_the_previous_go
                                                                  if "attempt 1" in r.getMessage()]
     if corrupter.damaged.is_dir():  # unless pruned since: still torn, never restored, never "repaired"
         with pytest.raises(Exception, match=corrupter.file.name):
-            verify(corrupter.damaged)
+            (verify_delta if corrupter.damaged.name.startswith("delta_") else verify)(corrupter.damaged)
     end = time.monotonic() + 10  # Ray writes the rank's stderr to its log file asynchronously
     while not (warned := ray_log_lines(f"({corrupter.damaged})")) and time.monotonic() < end:
         time.sleep(0.25)

@@ -123,7 +123,7 @@ def test_the_interval_a_run_trained_with_is_read_from_its_saves():
 
 
 def test_durable_mb_sums_what_rank_0_sealed_in_the_background():
-    from ettflow.bench.jobs import DELTA_ON
+    from ettflow.bench.jobs import DELTA_OFF
     from ettflow.bench.suite import durable_mb
 
     from helpers.timelines import Timeline
@@ -136,4 +136,4 @@ def test_durable_mb_sums_what_rank_0_sealed_in_the_background():
     import math
 
     assert math.isnan(durable_mb(Timeline("sync").ev("checkpoint_save_blocking", 1, 2, step=5).events))  # no size
-    assert DELTA_ON.switches == {"delta_checkpoint": True} and DELTA_ON.mode == "optimized"
+    assert DELTA_OFF.switches == {"delta_checkpoint": False} and DELTA_OFF.mode == "optimized"

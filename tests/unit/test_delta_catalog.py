@@ -94,3 +94,25 @@ def test_a_delta_a_kill_left_uncommitted_is_removed_at_the_next_start(tmp_path):
     write_pack(delta_dir(root, 35, tmp=True), 0, {"rows": torch.zeros(2)}, {"cursor": {}})
     assert [p.name for p in remove_uncommitted(root)] == ["delta_0000000035.tmp"]
     assert scan(root).chain(1).step == 30
+
+
+def test_a_damaged_checkpoint_is_marked_once_per_attempt_however_often_a_restore_scans_it(tmp_path):
+    """A full restart's rank 0 scans at its start and again when the in-memory point it was
+    sent to falls to the durable tier: one `checkpoint_fallback` marker per damaged folder and
+    attempt, a new attempt's writer marks it again."""
+    from ettflow.ett.spool import SpoolWriter, read_spool
+    from ettflow.trainer.checkpoint.catalog import CheckpointProblem, CheckpointScan
+    from ettflow.trainer.checkpoint.latest import mark_fallbacks
+
+    torn = CheckpointProblem(path=tmp_path / "delta_0000000015", step=15, reason="sha256 mismatch", file="rank-0.bin")
+    found = CheckpointScan(committed=(), problems=(torn,))
+    first = SpoolWriter(tmp_path / "spool", "r", 1, 0)
+    mark_fallbacks(first, found)
+    mark_fallbacks(first, found)
+    first.close()
+    second = SpoolWriter(tmp_path / "spool", "r", 2, 0)
+    mark_fallbacks(second, found)
+    second.close()
+    marks = [(e.attempt, e.attrs["damaged_step"]) for e in read_spool(tmp_path / "spool", "r").events
+             if e.phase == "checkpoint_fallback"]
+    assert marks == [(1, 15), (2, 15)]

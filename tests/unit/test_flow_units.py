@@ -43,9 +43,10 @@ def test_modes_and_single_switches():
     assert flow["publish_in_trainer"] and not flow["delta_snapshot"] and not sw.parallel_init
     assert not sw.async_checkpoint
     sw, flow = resolve_switches("optimized", {"publish_in_trainer": True, "fast_batch": False})
-    assert flow["publish_in_trainer"] and not sw.fast_batch and sw.parallel_init and not sw.delta_checkpoint
-    sw, flow = resolve_switches("optimized", {"delta_snapshot": True, "delta_checkpoint": True})
-    assert flow["delta_snapshot"] and not flow["publish_in_trainer"] and sw.delta_checkpoint
+    assert flow["publish_in_trainer"] and not sw.fast_batch and sw.parallel_init and sw.delta_checkpoint
+    assert not resolve_switches("baseline", None)[0].delta_checkpoint  # the untuned job saves whole
+    sw, flow = resolve_switches("optimized", {"delta_snapshot": True, "delta_checkpoint": False})
+    assert flow["delta_snapshot"] and not flow["publish_in_trainer"] and not sw.delta_checkpoint
     # a switch set in its section's own spelling, or by its flat name, is the same switch
     assert resolve_switches("baseline", {"compile_cache": True})[0].compile_cache
     assert RefreshParameters.parse({"mode": "baseline", "switches.compile_cache": True}).resolved_switches()[0] \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from ettflow.trainer.config import TrainerConfig
 
 log = logging.getLogger("ettflow.trainer")
+_MARKED: weakref.WeakKeyDictionary[SpoolWriter, set[str]] = weakref.WeakKeyDictionary()  # folders marked per writer
 
 
 def latest_checkpoint(source: TrainerConfig | Path | str) -> CheckpointInfo | None:
@@ -43,7 +45,13 @@ def fallbacks(found: CheckpointScan, world_size: int | None = None) -> list[Chec
 
 def mark_fallbacks(rec: SpoolWriter, found: CheckpointScan, world_size: int | None = None) -> None:
     """The run's record of checkpoint damage: a `checkpoint_fallback` marker per damaged
-    checkpoint a restore skipped (`fallbacks`). One rank writes them: every rank read the same folder."""
+    checkpoint a restore skipped (`fallbacks`). One rank writes them: every rank read the same
+    folder. Once per folder and attempt (`rec`): a full restart's ranks scan at their start and
+    again when the in-memory point they were sent to falls to the durable tier."""
+    done = _MARKED.setdefault(rec, set())
     for damaged in fallbacks(found, world_size):
+        if str(damaged.path) in done:
+            continue
+        done.add(str(damaged.path))
         rec.mark(CHECKPOINT_FALLBACK, damaged_step=damaged.step, restored_step=damaged.fallback,
                  file=damaged.file, reason=damaged.reason[:300], path=str(damaged.path))

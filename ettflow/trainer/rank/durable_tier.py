@@ -140,17 +140,28 @@ class DurableTier:
     def restore(self, point: RestorePoint) -> RestoreReport:
         """The durable state for `point`: the checkpoint it names when that is a base, else (a
         memory point sent here, a delta) the run's newest restorable chain."""
-        scan = point.source is MEMORY or point.path is None or not is_base(point.path)
-        chain = checked_scan(self.ctx.config).chain(self.ctx.config.world_size) if scan else None
-        path = (chain.base.path if chain.base is not None else None) if chain is not None else point.path
-        if path is None:
-            raise TierMiss("the run has no durable checkpoint")
+        if point.source is MEMORY or point.path is None or not is_base(point.path):
+            return self._restore_newest_chain()
         try:
-            return self.restore_own(path, chain.deltas if chain is not None else ())
+            return self.restore_own(point.path)
         except RefusedCheckpointError as exc:
-            if chain is not None:
-                raise TierMiss(f"its newest restorable checkpoint {path} failed its check: {exc}") from exc
             return self._restore_verified_instead(point, exc)
+
+    def _restore_newest_chain(self) -> RestoreReport:
+        """The run's newest restorable chain (the scan verifies every link; every rank reads the
+        same folder, so they agree). A damaged link it skipped is recorded as a restart records
+        it (`checkpoint_fallback`, rank 0), never skipped silently (issue 42 #5)."""
+        world = self.ctx.config.world_size
+        found = checked_scan(self.ctx.config)  # warns of each folder it skips, the damaged one's file named
+        chain = found.chain(world)
+        if chain.base is None:
+            raise TierMiss("the run has no durable checkpoint")
+        if self.ctx.rank == 0:
+            mark_fallbacks(self.ctx.rec, found, world)
+        try:
+            return self.restore_own(chain.base.path, chain.deltas)
+        except RefusedCheckpointError as exc:
+            raise TierMiss(f"its newest restorable checkpoint {chain.base.path} failed its check: {exc}") from exc
 
     def _restore_verified_instead(self, point: RestorePoint, exc: RefusedCheckpointError) -> RestoreReport:
         """The checkpoint `point` names failed its check (every rank refuses it together,
