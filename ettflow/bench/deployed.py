@@ -109,7 +109,7 @@ class DeployedRunner:
         from ettflow.stack.records import StackRecord
 
         set_env_defaults()
-        self.deployment = deployment
+        self.deployment, self.say = deployment, say
         self.cfg: StackConfig = config_from(None)
         record = StackRecord.read(self.cfg.record_path)
         if record is not None and status(self.cfg, say=lambda line: None):  # a running stack, on its own ports
@@ -146,7 +146,10 @@ class DeployedRunner:
         """The cluster's pool is always kept (its policy bounds it)."""
 
     def close(self) -> None:
-        """The stack keeps running (`ettflow down` stops it)."""
+        """The stack keeps running, its runs in the UI (`ettflow down` stops it): said, so that a
+        second bench under another home is not refused its ports unexplained."""
+        self.say(f"the local stack under {self.cfg.home} keeps running (the jobs' runs: {self.ui_url}/runs); "
+                 f"`ETTFLOW_HOME={self.cfg.home} ettflow down` stops it")
 
 
 def runner(path: str, say=print) -> InProcessRunner | DeployedRunner:
