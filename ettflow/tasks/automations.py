@@ -107,7 +107,7 @@ def compile_automations(config: AutomationsConfig, webhook_block_id: Any | None)
 
     out = []
     for deployment, threshold in sorted(config.ett_below.items()):
-        match: dict[str, Any] = {"prefect.resource.id": "ettflow.run.*", "ettflow.outcome": "!skipped",
+        match: dict[str, Any] = {"prefect.resource.id": "prefect.flow-run.*", "ettflow.outcome": "!skipped",
                                  "ettflow.ett_pct": ett_below_globs(float(threshold))}
         where = "any run"
         if deployment != ANY_DEPLOYMENT:
@@ -123,7 +123,8 @@ def compile_automations(config: AutomationsConfig, webhook_block_id: Any | None)
                         f"Trigger: an {MEASURED_EVENT} event with NoF above {config.nof_above} (its ettflow.nof "
                         "label: the run failed more often). Action: call the webhook. From automations/ettflow.yaml.",
                         MEASURED_EVENT,
-                        {"prefect.resource.id": "ettflow.run.*", "ettflow.nof": nof_above_globs(config.nof_above)}))
+                        {"prefect.resource.id": "prefect.flow-run.*",
+                         "ettflow.nof": nof_above_globs(config.nof_above)}))
     if config.component_regression:
         out.append(make("ettflow: component regression", "component_regression",
                         f"Trigger: an {REGRESSED_EVENT} event (the fleet report found a lost component "

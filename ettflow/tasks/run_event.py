@@ -3,12 +3,14 @@
 Emitted once per final flow state, after the run's row is archived (or left pending: the
 numbers come from the spool either way), so automations can react to a run's ETT:
 
-- resource ``ettflow.run.<run_id>``, named ``<model>-<mode> · ETT 27.8% · capETT 25.1% · NoF 2 ·
-  completed`` (the event feed shows the name), with labels an automation's
+- resource: the run's flow run (``prefect.flow-run.<run_id>``), named ``<model>-<mode> · ETT 27.8%
+  · capETT 25.1% · NoF 2 · completed``: Prefect's event feed shows a resource's name only for
+  the resources it knows (flow runs, deployments, ...), and an id of its own
+  (``ettflow.run.<id>``, as before issue 43) read as that bare id on every card; with labels an automation's
   trigger can match (`ett.thresholds`): ``ettflow.model``, ``ettflow.mode``,
   ``ettflow.outcome``, ``ettflow.deployment`` (when the run has one), ``ettflow.ett_pct`` and
   ``ettflow.cap_ett_pct`` (``DDD.D``) and ``ettflow.nof`` (``DDD``);
-- related resources: the flow run (role ``flow-run``) and its deployment (role ``deployment``);
+- related resources: its deployment (role ``deployment``);
 - payload: `measured_payload`: ETT%, NoF, TTS, TTR, wall, the six components' exposed seconds
   (and unattributed), model, mode, deployment and outcome (the final state: completed, failed,
   crashed, cancelled; ``skipped`` when nothing was trained).
@@ -71,7 +73,7 @@ def resource_name(payload: dict[str, Any]) -> str:
 
 def measured_resource(payload: dict[str, Any]) -> dict[str, str]:
     labels = {
-        "prefect.resource.id": f"ettflow.run.{payload['run_id']}",
+        "prefect.resource.id": f"prefect.flow-run.{payload['run_id']}",
         # the event feed shows a resource's name: the numbers in it (issue 27: they were only in the JSON)
         "prefect.resource.name": resource_name(payload),
         "ettflow.model": payload["model"],
@@ -106,8 +108,7 @@ def emit_run_measured(flow_run, archived: ArchiveResult, *, outcome: str | None 
     payload = measured_payload(archived, model=params.model, mode=params.mode, deployment=deployment)
     if outcome is not None:
         payload["outcome"] = outcome
-    related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run",
-                "prefect.resource.name": str(getattr(flow_run, "name", "") or flow_run.id)}]
+    related = []  # the flow run is the event's resource (`measured_resource`)
     if getattr(flow_run, "deployment_id", None):
         related.append({"prefect.resource.id": f"prefect.deployment.{flow_run.deployment_id}",
                         "prefect.resource.role": "deployment", "prefect.resource.name": deployment or ""})

@@ -55,21 +55,19 @@ def test_measured_event_and_automations_fire(measured_runs):
                                      "trainer_init": 2.0, "scheduling": 6.0, "shutdown": 2.0}
     assert (payload["model"], payload["mode"], payload["outcome"], payload["deployment"]) == (
         "dlrm", "optimized", "published", "refresh-adhoc")
-    assert event["resource"]["prefect.resource.id"] == f"ettflow.run.{run_id}"
+    assert event["resource"]["prefect.resource.id"] == f"prefect.flow-run.{run_id}"
     assert event["resource"]["ettflow.ett_pct"] == "027.8" and event["resource"]["ettflow.nof"] == "002"
     # nothing was held for it: its capETT is its ETT, in the feed card's name and a label
     assert payload["cap_ett_pct"] == 27.78 and event["resource"]["ettflow.cap_ett_pct"] == "027.8"
     assert event["resource"]["prefect.resource.name"] == "dlrm-optimized · ETT 27.8% · capETT 27.8% · NoF 2 · published"
+    # the resource is the run's flow run (the feed shows a known resource's name: issue 43), so it is not
+    # among the related ones too; its deployment is
     related = {r["prefect.resource.role"]: r["prefect.resource.id"] for r in event["related"]}
-    assert related["flow-run"] == f"prefect.flow-run.{run_id}" and related["deployment"].startswith(
-        "prefect.deployment.")
-    # the related run is named as it is now, its ETT in the name (issue 27: was the name before the rename)
-    names = {r["prefect.resource.role"]: r.get("prefect.resource.name") for r in event["related"]}
-    assert names["flow-run"] == "dlrm-optimized · ETT 27.8%", names
+    assert "flow-run" not in related and related["deployment"].startswith("prefect.deployment."), related
 
     ett_alert = receiver.wait_for(lambda b: b["alert"] == "ett_below")
     assert ett_alert["automation"] == "ettflow: ETT below 40% on refresh-adhoc"
-    assert ett_alert["resource"] == f"ettflow.run.{run_id}" and ett_alert["payload"]["ett_pct"] == 27.78
+    assert ett_alert["resource"] == f"prefect.flow-run.{run_id}" and ett_alert["payload"]["ett_pct"] == 27.78
     nof_alert = receiver.wait_for(lambda b: b["alert"] == "nof_above")
     assert nof_alert["payload"]["nof"] == 2 and nof_alert["event"] == "ettflow.run.measured"
 

@@ -218,3 +218,28 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
     assert "exited due to a SIGKILL" not in worker_log, worker_log[-3000:]  # it ended on its SIGTERM
     assert row["effective_steps"] >= 1
     assert_components_sum_to_wall(row)
+    _the_cancelled_run_in_the_browser(api, flow_run_id, tmp_path)
+
+
+def _the_cancelled_run_in_the_browser(api: str, run_id: str, tmp_path) -> None:
+    """Issue 43: the cancelled run's page as its operator reads it in Chromium: its name with
+    its ETT, the Cancelled state, and in Details the run's ETT message (numbers first), not
+    Prefect's "Flow run was cancelled successfully."."""
+    from playwright.sync_api import expect
+
+    from helpers.browser import browse, save, tab
+
+    run = httpx.get(f"{api}/flow_runs/{run_id}").json()
+    assert " · ETT " in run["name"], run["name"]
+    ui = api.removesuffix("/api")
+
+    def check(page) -> None:
+        page.goto(f"{ui}/runs/flow-run/{run_id}")
+        expect(page.get_by_text(run["name"]).first).to_be_visible()
+        expect(page.get_by_text("Cancelled").first).to_be_visible()
+        tab(page, "Details").click()
+        expect(page.get_by_text(re.compile(r"ETT \d+\.\d% · NoF 0 · ")).first).to_be_visible()
+        assert page.get_by_text("cancelled successfully").count() == 0
+        save(page, "run-cancelled.png", tmp_path)
+
+    print(f"browser part: {browse(tmp_path, check):.1f} s")

@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -134,7 +135,8 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         # which rule held what: the second run's prefetched process, used
         assert any(line.split()[:4] == [MODEL, "flow_process", "worker-prefetch", "used"]
                    for line in report.stdout.splitlines()), report.stdout[-3000:]
-        _in_the_browser(api, second, tmp_path)
+        skipped = _a_run_with_nothing_new(api, params, tmp_path / "old-data")
+        _in_the_browser(api, second, skipped, tmp_path)
         _the_crash_automation_never_fired_on_them(api, (first, second), runs)
     finally:
         record = StackRecord.read(home / "stack" / "stack.json")
@@ -149,21 +151,53 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         s.bind(("127.0.0.1", api_port))
 
 
-def _in_the_browser(api: str, run_id: str, tmp_path) -> None:
-    """Issue 27: a real worker-run refresh as a person reads it in Chromium: the runs list and
+def _a_run_with_nothing_new(api: str, params: dict, data: Path) -> str:
+    """An ad hoc deployment run of the same model after the two (the UI's Run) on a source whose
+    windows it has trained already (the demo's default source gets a new window whenever a run
+    finds nothing new): the worker's refresh skips, named and told as what it is."""
+    from ettflow.stack.deployed_runs import run_and_wait
+    from ettflow.tasks.parameters import RefreshParameters
+    from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
+
+    generate_windows(data, SyntheticConfig(windows=2, rows_per_window=256, files_per_window=1))  # 2024010100, 01
+    run = run_and_wait(api, api.removesuffix("/api"), "refresh-model/refresh-adhoc",
+                       RefreshParameters.parse({**params, "data_root": str(data)}), timeout_s=300,
+                       say=lambda line: None)
+    assert run.completed and "nothing new to train" in run.message, (run.state, run.message)
+    assert run.name.endswith("· skipped") and "ETT" not in run.name, run.name
+    return run.run_id
+
+
+def _in_the_browser(api: str, run_id: str, skipped_id: str, tmp_path) -> None:
+    """Issue 27, 43: a real worker-run refresh as a person reads it in Chromium: the runs list and
     the run's page with its ETT in the name, its Details (the state message, numbers first),
-    its Artifacts (the ETT table, the timeline picture), and the automations page (each shipped
-    automation's threshold in its name, its trigger in its description). Screenshots: the
-    test's tmp dir, and docs/screenshots with ETTFLOW_SCREENSHOTS=docs/screenshots."""
-    from helpers.browser import browse, check_automations, check_run_pages
+    its Artifacts (the ETT table, the timeline picture), the event feed (the measured event's
+    card says ETT, capETT and NoF), a skipped run's page (what it is, no ETT), and the
+    automations page (each shipped automation's threshold in its name, its trigger in its
+    description). Screenshots: the test's tmp dir, and docs/screenshots with
+    ETTFLOW_SCREENSHOTS=docs/screenshots."""
+    from playwright.sync_api import expect
+
+    from helpers.browser import browse, check_automations, check_run_pages, save, tab
 
     run = httpx.get(f"{api}/flow_runs/{run_id}").json()
+    skipped = httpx.get(f"{api}/flow_runs/{skipped_id}").json()
     ui = api.removesuffix("/api")
     message = run["state"]["message"].split(" · TTS")[0]  # "ETT 12.3% · NoF 0"
 
     def check(page) -> None:
         check_run_pages(page, ui, run_id, name=run["name"], message=message, slug="refresh-scheduled",
                         tmp_path=tmp_path)
+        page.goto(f"{ui}/events")  # the feed: each measured run's card names its numbers
+        expect(page.get_by_text(re.compile(r"dlrm-\w+ · ETT \d+\.\d% · capETT \d+\.\d% · NoF 0 · "
+                                           r"\w+")).first).to_be_visible()
+        expect(page.get_by_text(re.compile(r"dlrm-\w+ · skipped")).first).to_be_visible()
+        save(page, "event-feed.png", tmp_path, readme=True)
+        page.goto(f"{ui}/runs/flow-run/{skipped_id}")  # a skipped run: named and told as what it is
+        expect(page.get_by_text(skipped["name"]).first).to_be_visible()
+        tab(page, "Details").click()
+        expect(page.get_by_text(re.compile("nothing new to train")).first).to_be_visible()
+        save(page, "run-skipped.png", tmp_path)
         check_automations(page, ui, ("ettflow: ETT below 60% on refresh-scheduled", "ettflow: NoF above 1",
                                      "ettflow: crash flow runs whose heartbeats stopped"),
                           "with ETT below 60% (its ettflow.ett_pct label)", tmp_path)
