@@ -57,7 +57,7 @@ def row(level: str, metric: str, exposed: Any, *, unit: str, raw: Any = None, ra
     """One row of the ETT table: the owner beside the metric (the table fits a 1440-px page),
     then the values rounded by their unit (`DIGITS`); `raw` in `raw_unit` (default `unit`)."""
     return {"level": level, "metric": metric, "owner": owner, "exposed": _round(exposed, unit),
-            "raw": _round(raw, raw_unit or unit), "pct_of_wall": _round(pct_of_wall, "%")}
+            "raw": _round(raw, raw_unit or unit), "% of wall": _round(pct_of_wall, "%")}
 
 
 def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
@@ -67,20 +67,20 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
     wall = m.wall_s or 1.0
     rows = [
         row("L1", "ETT %", m.ett_pct, unit="%"),
-        row("L1", "ETT % in the study's L1 form, 1 - (TTS + NoF x TTR) / wall (an upper bound)", m.ett_l1_pct,
+        row("L1", "L1 form %, 1 - (TTS + NoF x TTR) / wall", m.ett_l1_pct,
             unit="%"),
-        row("L1", "capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)",
+        row("L1", "capETT % (raw: slot-s held for the run)",
             m.capacity_ett_pct, unit="%", raw=m.held.held_s, raw_unit="slot-s"),
         row("L1", "unused spares, slot-s (cost)", m.held.unused_spare_s, unit="slot-s", owner="scheduler"),
     ]
     if m.held.prestart_s > 0:
-        rows.append(row("L1", "flow process held before its scheduled start, s (worker prefetch; no trainer slot)",
+        rows.append(row("L1", "prefetched flow process held, s (no slot)",
                         m.held.prestart_s, unit="s", owner="scheduler"))
     rows += [
         row("L1", "wall s", m.wall_s, unit="s", pct_of_wall=100.0),
         row("L1", "TTS s", m.tts_s, unit="s", pct_of_wall=100 * m.tts_s / wall),
         row("L1", "NoF", m.nof, unit="count"),
-        row("L1", "TTR s (total; raw: the mean per failure)", m.ttr_total_s, unit="s", raw=m.ttr_mean_s,
+        row("L1", "TTR s (total; raw: mean per failure)", m.ttr_total_s, unit="s", raw=m.ttr_mean_s,
             pct_of_wall=100 * m.ttr_total_s / wall),
     ]
     for name in (*COMPONENTS, UNATTRIBUTED):
@@ -88,7 +88,7 @@ def table_rows(m: RunMetrics) -> list[dict[str, Any]]:
                         pct_of_wall=100 * m.components[name] / wall, owner=m.owner(name) or NO_OWNER))
         ray = m.phases.get("ray_start") if name == "scheduling" else None
         if ray is not None:  # no Ray to join: the run started one, and paid for it (`ettflow up` keeps one)
-            rows.append(row("L2", "scheduling: ray_start (a local Ray started on this run's clock)", ray.exposed_s,
+            rows.append(row("L2", "scheduling: ray_start (a Ray of its own)", ray.exposed_s,
                             unit="s", raw=ray.raw_s, pct_of_wall=100 * ray.exposed_s / wall,
                             owner=owner_of("scheduling") or NO_OWNER))
     return rows
@@ -111,7 +111,7 @@ def interval_rows(planned: PlannedInterval, m: RunMetrics) -> list[dict[str, Any
                     raw=None if planned.own_weight is None else round(planned.own_weight, 3), raw_unit="rate"),
         planned_row("save blocking s (CSBT, durable)", planned.save_blocking_s),
         planned_row("expected training s", planned.job_s),
-        planned_row("expected wasted s (raw: realized wasted_training)", planned.expected_wasted_s, raw=wasted,
+        planned_row("expected wasted s (raw: realized)", planned.expected_wasted_s, raw=wasted,
                     pct_of_wall=100 * wasted / wall),
     ]
     return [x for x in rows if x["exposed"] is not None or x["raw"] is not None]  # a probe run plans nothing yet
@@ -128,7 +128,7 @@ def spare_rows(plan: SparePlanAttrs) -> list[dict[str, Any]]:
 def holding_rows(holdings: Sequence[Holding]) -> list[dict[str, Any]]:
     """Each thing held for the run outside its own slots (`ett.capacity.holdings_of_run`): what
     it was, the rule that held it and its outcome; exposed its slot-seconds, raw its seconds."""
-    return [row("capacity", f"held: {h.kind}, rule {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
+    return [row("capacity", f"{h.kind}: {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
                 h.held_s * h.slots, unit="slot-s", raw=h.held_s, raw_unit="s", owner="scheduler") for h in holdings]
 
 

@@ -58,7 +58,7 @@ def browse(tmp_path: Path, check: Callable[[object], None]) -> float:
     started = time.perf_counter()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium(), headless=True, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
         page.set_default_timeout(30_000)
         try:
             check(page)
@@ -102,7 +102,7 @@ def check_run_pages(page, ui: str, run_id: str, *, name: str, message: str, slug
     page.get_by_text(f"ett-{slug}", exact=True).first.click()  # the ETT table
     for row in rows:
         expect(page.get_by_text(row, exact=True).first).to_be_visible()
-    save(page, "run-ett-table.png", tmp_path)
+    save(page, "run-ett-table.png", tmp_path, readme=True)
 
     page.go_back()
     tab(page, "Artifacts").click()
@@ -111,7 +111,7 @@ def check_run_pages(page, ui: str, run_id: str, *, name: str, message: str, slug
                            ".some(i => i.complete && i.naturalWidth > 0)")
     timeline = [i for i in rendered_images(page) if i["alt"].startswith("ETT timeline of run")]
     assert len(timeline) == 1 and timeline[0]["w"] > 0 and timeline[0]["h"] > 0, rendered_images(page)
-    save(page, "run-timeline.png", tmp_path)
+    save(page, "run-timeline.png", tmp_path, readme=True)
 
 
 def check_automations(page, ui: str, names: Iterable[str], trigger_text: str, tmp_path: Path) -> None:

@@ -275,7 +275,7 @@ def test_the_interval_is_stored_with_the_run_and_reported(warehouse_url, tmp_pat
     assert "--intervals needs --model" in capsys.readouterr().err
     shown = {r["metric"]: (r["exposed"], r["raw"]) for r in interval_rows(planned, metrics)}
     assert shown["checkpoint interval s (history; raw: steps)"] == (5.2, 5)
-    assert shown["expected wasted s (raw: realized wasted_training)"] == (4.0, 6.0)
+    assert shown["expected wasted s (raw: realized)"] == (4.0, 6.0)
 
 
 def saving_run(run_id: str, model: str, t0: float, blocking: list[tuple[str, float]]):

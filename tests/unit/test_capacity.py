@@ -109,7 +109,7 @@ def test_the_ledger_sums_what_each_rule_held_and_whether_a_run_used_it():
     # the run's ETT artifact: one row per holding, its rule and outcome in the metric's name
     [row] = holding_rows([ledger[4]])
     assert (row["metric"], row["exposed"], row["raw"]) == (
-        "held: spare, rule spare-by-saving, released unused (slot-s; raw: s)", 25.0, 25.0)
+        "spare: spare-by-saving, released unused (slot-s; raw: s)", 25.0, 25.0)
 
 
 def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_acknowledged():

@@ -147,7 +147,7 @@ def test_a_local_ray_started_for_the_run_is_scheduling_on_its_clock_and_named_in
     assert m.components["scheduling"] == 10.0 and m.tts_s == 12.0
     assert (m.phases["ray_start"].raw_s, m.phases["ray_start"].exposed_s) == (4.0, 2.0)  # shares 0-4 s
     rows = {r["metric"]: r for r in table_rows(m)}
-    ray = rows["scheduling: ray_start (a local Ray started on this run's clock)"]
+    ray = rows["scheduling: ray_start (a Ray of its own)"]
     assert (ray["exposed"], ray["raw"], ray["owner"]) == (2.0, 4.0, "scheduler")
     joined = Timeline("joined")
     joined.mark("submitted", 0).ev("scheduling", 0, 10, rank=-1, ray="joined").ev("pt2_compile", 10, 12)
@@ -162,14 +162,14 @@ def test_the_ett_table_labels_every_value_and_never_shows_a_bare_dash():
     m = compute_run_metrics(timelines.two_failures().events)
     rows = {r["metric"]: r for r in table_rows(m)}
     assert rows["ETT %"]["raw"] is None and rows["ETT %"]["exposed"] == round(m.ett_pct, 1)
-    (l1,) = [r for name, r in rows.items() if name.startswith("ETT % in the study's L1 form")]
+    (l1,) = [r for name, r in rows.items() if name.startswith("L1 form %")]
     assert l1["exposed"] == round(m.ett_l1_pct, 1)
-    assert rows["TTR s (total; raw: the mean per failure)"]["raw"] == round(m.ttr_mean_s, 2)
+    assert rows["TTR s (total; raw: mean per failure)"]["raw"] == round(m.ttr_mean_s, 2)
     assert all(r["owner"] not in ("-", "", None, "none") for r in rows.values())
     assert rows["NoF"]["owner"] == NO_OWNER == "the whole run" and rows["pt2_compile"]["owner"] == "compiler"
     # issue 43: the owner beside the metric (the table fits a page), one rounding rule: % to 1
     # decimal, seconds to 2, slot-seconds whole
-    assert list(rows["ETT %"]) == ["level", "metric", "owner", "exposed", "raw", "pct_of_wall"]
-    cap = rows["capacity-inclusive ETT % (raw: slot-s held for the run by the pool and spares)"]
+    assert list(rows["ETT %"]) == ["level", "metric", "owner", "exposed", "raw", "% of wall"]
+    cap = rows["capETT % (raw: slot-s held for the run)"]
     assert isinstance(cap["raw"], int) and rows["wall s"]["exposed"] == round(m.wall_s, 2)
-    assert all(r["pct_of_wall"] is None or r["pct_of_wall"] == round(r["pct_of_wall"], 1) for r in rows.values())
+    assert all(r["% of wall"] is None or r["% of wall"] == round(r["% of wall"], 1) for r in rows.values())
