@@ -10,4 +10,7 @@ bash scripts/setup.sh
 bash scripts/setup_browser.sh  # chromium + playwright for tests/e2e/test_browser.py
 export RAY_USAGE_STATS_ENABLED=0 PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-120}
-exec .venv/bin/python -m pytest -n 2 "$@"
+# a worker that crashes is not restarted: conftest's scheduler sends the crashed file again
+# from its start, so each restart re-ran the crashing test (minutes for an e2e) and ran nothing
+# new (tried: a crash at a file's first test ran it 9 times); the run is red either way
+exec .venv/bin/python -m pytest -n 2 --max-worker-restart=0 "$@"
