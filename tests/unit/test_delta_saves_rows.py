@@ -157,3 +157,41 @@ def test_a_copy_s_chain_record_is_used_only_when_its_link_is_committed_on_disk_a
     damaged.rows[T][0] = 7
     assert not damaged.intact() and damaged.on_disk(tmp_path) is None
     assert np.array_equal(ChainResume.of(chain, rows).rows[T], [3, 1])
+
+
+class OneRank:
+    """The checkpoint group of a single rank (what `commit_captured` calls on it)."""
+
+    rank, world_size = 0, 1
+
+    def all_gather(self, value):
+        return [value]
+
+    def broadcast_from_first(self, value):
+        return value
+
+
+def test_a_delta_that_a_full_disk_stops_is_a_storage_failure_naming_its_path(tmp_path, monkeypatch):
+    """A delta's write that hits ENOSPC fails as storage (errno and path kept across the ranks'
+    agreement), as a full save's does, never as the user's code (the fault matrix saw `user`
+    once deltas were on: the failure budget then stops the run as a repeated user error)."""
+    import errno
+
+    from ettflow.ett.failures import FailureClass
+    from ettflow.trainer.checkpoint import delta
+    from ettflow.trainer.checkpoint.config import CheckpointStorageError
+    from ettflow.trainer.checkpoint.delta import CapturedDelta, commit_captured
+    from ettflow.trainer.classify import failure_from_exception
+
+    def full(folder, rank, tensors, meta):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / f"rank-{rank}.bin"))
+
+    monkeypatch.setattr(delta, "write_pack", full)
+    commit = commit_captured(tmp_path, CapturedDelta(10, 5, "d5", {}, {}), OneRank())
+    assert not commit.committed and commit.errno == errno.ENOSPC
+    assert commit.error_path.endswith("delta_0000000010.tmp/rank-0.bin"), commit.error_path
+    error = commit.failure()
+    assert isinstance(error, CheckpointStorageError) and "delta checkpoint of step 10 failed" in str(error)
+    assert failure_from_exception(error, rank=0).failure_class is FailureClass.STORAGE
+    other = commit_captured(tmp_path, CapturedDelta(15, 10, "d10", {}, {}, problem="rank 0: ValueError: x"), OneRank())
+    assert other.errno is None and type(other.failure()).__name__ == "CheckpointError"

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
+from ettflow.trainer.checkpoint.config import CheckpointError, CheckpointStorageError, TornCheckpointError
 from ettflow.trainer.checkpoint.layout import (
     COMMITTED,
     MANIFEST,
@@ -51,6 +51,7 @@ from ettflow.trainer.checkpoint.layout import (
     fsync_dir,
     remove_tree,
 )
+from ettflow.trainer.checkpoint.save_errors import storage_error_of
 from ettflow.trainer.checkpoint.state import TrainState, capture_rng, json_tensor, restore_rng, tensor_json
 from ettflow.trainer.checkpoint.verify import sha256_file
 
@@ -402,6 +403,16 @@ class DeltaCommit:
     bytes: int = 0  # the whole delta's (every rank's files)
     error: str | None = None
     unsupported: bool = False
+    errno: int | None = None  # a storage fault behind `error` (ENOSPC, EIO, ...) and the path it hit
+    error_path: str | None = None
+
+    def failure(self) -> CheckpointError:
+        """The error a failed delta raises: a CheckpointStorageError (errno, path: a classifier
+        sorts it as `storage`) when a storage fault is behind it, else a CheckpointError."""
+        message = f"delta checkpoint of step {self.step} failed: {self.error}"
+        if self.errno is not None:
+            return CheckpointStorageError(self.errno, message, self.error_path or "")
+        return CheckpointError(message)
 
 
 @dataclass(frozen=True)
@@ -452,38 +463,44 @@ def commit_captured(root: Path | str, captured: CapturedDelta, group: Any) -> De
     step, parent, parent_digest = captured.step, captured.parent, captured.parent_digest
     tmp, final = delta_dir(Path(root), step, tmp=True), delta_dir(Path(root), step)
     problem, unsupported = captured.problem, captured.unsupported
+    storage: tuple[int, str | None] | None = None
     if problem is None:
         try:
             write_pack(tmp, group.rank, captured.tensors, captured.meta)
         except (OSError, CheckpointError) as exc:
             problem = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-    reports = group.all_gather((problem, unsupported))
-    outcome: tuple[str | None, str, int, str | None, bool] = (None, "", 0, None, False)
+            storage = storage_error_of(exc, tmp)
+    reports = group.all_gather((problem, unsupported, storage))
+    outcome: tuple = (None, "", 0, None, False, None)
     if group.rank == 0:
         outcome = _commit_delta(tmp, final, reports, step=step, parent=parent, parent_digest=parent_digest,
                                 world_size=group.world_size)
-    path, digest, size, error, unsupported = group.broadcast_from_first(outcome)
+    path, digest, size, error, unsupported, storage = group.broadcast_from_first(outcome)
     return DeltaCommit(step=step, parent=parent, committed=path is not None, path=Path(path) if path else None,
-                       digest=digest, bytes=size, error=error, unsupported=unsupported)
+                       digest=digest, bytes=size, error=error, unsupported=unsupported,
+                       errno=storage[0] if storage else None, error_path=(storage[1] or str(tmp)) if storage else None)
 
 
-def _commit_delta(tmp: Path, final: Path, reports: Sequence[tuple[str | None, bool]], *, step: int, parent: int,
-                  parent_digest: str, world_size: int) -> tuple[str | None, str, int, str | None, bool]:
-    """Rank 0: seal and rename, or clean up; (path, digest, bytes, error, unsupported)."""
-    failed = [why for why, _ in reports if why]
+def _commit_delta(tmp: Path, final: Path, reports: Sequence[tuple[str | None, bool, tuple | None]], *, step: int,
+                  parent: int, parent_digest: str, world_size: int) -> tuple:
+    """Rank 0: seal and rename, or clean up; (path, digest, bytes, error, unsupported, storage):
+    `storage` the (errno, path) of a storage fault behind the failure (a rank's, or the seal's)."""
+    failed = [why for why, _, _ in reports if why]
     if failed:
         _remove_quietly(tmp)
-        return None, "", 0, "; ".join(failed), any(flag for _, flag in reports)
+        storage = next((found for _, _, found in reports if found), None)
+        return None, "", 0, "; ".join(failed), any(flag for _, flag, _ in reports), storage
     try:
         size = seal_delta(tmp, step=step, parent=parent, parent_digest=parent_digest, world_size=world_size)
         if final.exists():  # a stale delta of this step (an attempt before a restart wrote it)
             remove_tree(final)
         tmp.replace(final)
         fsync_dir(final.parent)
-        return str(final), commit_digest(final), size, None, False
+        return str(final), commit_digest(final), size, None, False, None
     except (OSError, CheckpointError) as exc:
         _remove_quietly(tmp)
-        return None, "", 0, f"sealing the delta of step {step} failed: {type(exc).__name__}: {exc}", False
+        return (None, "", 0, f"sealing the delta of step {step} failed: {type(exc).__name__}: {exc}", False,
+                storage_error_of(exc, tmp))
 
 
 def _remove_quietly(folder: Path) -> None:

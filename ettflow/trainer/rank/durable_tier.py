@@ -21,7 +21,7 @@ import torch
 
 from ettflow.ett.checkpoint_tier import CheckpointTier, RestoreSource
 from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointInfo, CheckpointManager, CommitResult, SaveResult
-from ettflow.trainer.checkpoint.config import CheckpointError, RefusedCheckpointError
+from ettflow.trainer.checkpoint.config import RefusedCheckpointError
 from ettflow.trainer.checkpoint.delta import CapturedDelta, DeltaCommit, DeltaInfo, apply_chain, commit_captured
 from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
 from ettflow.trainer.checkpoint.latest import checked_scan, mark_fallbacks
@@ -128,7 +128,7 @@ class DurableTier:
                             committed=commit.committed, bytes=commit.bytes,
                             path=str(commit.path) if commit.path else None, error=commit.error)
         if not commit.committed and not commit.unsupported:
-            raise CheckpointError(f"delta checkpoint of step {flight.captured.step} failed: {commit.error}")
+            raise commit.failure()  # storage (errno, path) when a full disk or I/O error is behind it
 
     def latest_step(self) -> int | None:
         """The newest step of the run's restorable chain at this world size (a disk scan)."""
@@ -299,7 +299,7 @@ class DurableTier:
         commit = deltas.save(step, state, self.manager.group)
         end = time.time()
         if not commit.committed and not commit.unsupported:
-            raise CheckpointError(f"delta checkpoint of step {step} failed: {commit.error}")
+            raise commit.failure()
         if not commit.committed:  # deltas are off from now on: this save is a base after all
             return self.save(step, cursor, since=called)
         self.ctx.rec.record("checkpoint_save_blocking", called, end, step=step, mode="delta", kind="delta",
