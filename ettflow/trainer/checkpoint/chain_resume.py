@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ettflow.trainer.checkpoint.delta import commit_digest
 from ettflow.trainer.checkpoint.delta_chain import Link
-from ettflow.trainer.checkpoint.layout import COMMITTED, delta_dir, final_dir
+from ettflow.trainer.checkpoint.layout import delta_dir, final_dir, folder_bytes
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,6 @@ class ChainResume:
                 for fqn, ids in rows.items()}  # np.array copies: the record never shares the ledger's tensors
         return cls(links=tuple(links), rows=held, digest=_digest(links, held))
 
-    @property
-    def parent(self) -> Link:
-        return self.links[-1]
-
     def intact(self) -> bool:
         """The rows and links are those recorded (a damaged record is never used)."""
         return _digest(self.links, self.rows) == self.digest
@@ -75,15 +72,14 @@ class ChainResume:
         for i, link in enumerate(self.links):
             folder = final_dir(root, link.step) if link.kind == "base" else delta_dir(root, link.step)
             try:
-                digest = (folder / COMMITTED).read_text().strip()
+                digest = commit_digest(folder)
             except OSError:
                 return None
             if link.digest and digest != link.digest:
                 return None
             if not link.digest:
-                nbytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-                out[i] = Link(step=link.step, kind=link.kind, parent=link.parent, bytes=nbytes, digest=digest,
-                              parent_digest=link.parent_digest)
+                out[i] = Link(step=link.step, kind=link.kind, parent=link.parent, bytes=folder_bytes(folder),
+                              digest=digest, parent_digest=link.parent_digest)
         return tuple(out)
 
 

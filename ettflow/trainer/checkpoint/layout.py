@@ -59,6 +59,11 @@ def _parse(pattern: re.Pattern[str], name: str) -> tuple[int, str] | None:
     return int(m.group(1)), kind
 
 
+def folder_bytes(folder: Path | str) -> int:
+    """The bytes of a checkpoint folder's files (a base's or a delta's: they hold no subfolders)."""
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -212,13 +212,15 @@ class Checkpointing:
         committed on disk (one all-reduce on the control group; collective, so every rank calls
         it); returns its step, or None: the next durable save is a base."""
         memory, deltas = self.tier(CheckpointTier.MEMORY), self.ctx.deltas
+        if deltas is None:  # deltas off: the config's, so every rank returns here, before the collective
+            return None
         record = memory.resume if isinstance(memory, HostMemoryTier) else None
-        links = record.on_disk(Path(self.config.checkpoint_dir)) if record is not None and deltas is not None else None
+        links = record.on_disk(Path(self.config.checkpoint_dir)) if record is not None else None
         step = links[-1].step if links else -1
         high, neg_low, missing = self.ctx.groups.control.max_of([step, -step, 0 if links else 1])
         if missing or high != -neg_low:
             return None
-        assert record is not None and deltas is not None and links is not None
+        assert record is not None and links is not None
         deltas.resumed(links, dict(record.rows))
         return step
 

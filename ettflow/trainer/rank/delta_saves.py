@@ -42,6 +42,7 @@ from ettflow.trainer.checkpoint.delta import (
     touched_rows,
 )
 from ettflow.trainer.checkpoint.delta_chain import Kind, Link, chain_of, next_kind
+from ettflow.trainer.checkpoint.layout import folder_bytes
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint import CommitResult, TrainState
@@ -76,7 +77,7 @@ class DeltaSaves:
         self.links, self.head = [], None
         if chain is None or chain.base is None:
             return
-        self.links = [Link(step=chain.base.step, kind="base", bytes=_folder_bytes(chain.base.path),
+        self.links = [Link(step=chain.base.step, kind="base", bytes=folder_bytes(chain.base.path),
                            digest=commit_digest(chain.base.path))]
         self.links += [Link(step=d.step, kind="delta", parent=d.parent, bytes=d.bytes, digest=d.digest,
                             parent_digest=d.parent_digest) for d in chain.deltas]
@@ -163,11 +164,10 @@ class DeltaSaves:
             links = tuple(chain_of({x.step: x for x in self.links}, self.head.step))
         else:
             return None
-        rows = self.durable_rows()
-        for fqn, ids in (self._in_flight or {}).items():
-            had = rows.get(fqn)
-            rows[fqn] = ids if had is None else torch.unique(torch.cat([had, ids]))
-        return ChainResume.of(links, rows)
+        since = RowLedger()
+        since.add(self.durable_rows())
+        since.add(self._in_flight or {})
+        return ChainResume.of(links, since.rows())
 
     def resumed(self, links: tuple[Link, ...], rows: dict) -> None:
         """The state was just restored from an in-memory copy whose record (`chain_resume`, found
@@ -197,6 +197,3 @@ class DeltaSaves:
         self._drain()
         self.ledger.committed()
 
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
