@@ -57,7 +57,7 @@ class Switches:
     # delta checkpoints: a periodic checkpoint holds only the embedding rows touched since the one
     # before (TorchRec's tracker), on a full base taken as `delta_max_chain_*` say; anchors are
     # always bases (trainer/checkpoint/delta.py, delta_chain.py); the in-memory tier's copies
-    # likewise, on a whole copy (memory_tier.py). On in the optimized preset (issue 44: 4.7x fewer
+    # likewise, on a whole copy (memory_tier.py). On in the optimized preset (issue 44: 6.9x fewer
     # durable bytes through deployment runs, BENCHMARKS.md); off in a bare TrainerConfig, whose
     # tests name their checkpoint folders `step_<n>`
     delta_checkpoint: bool = False
