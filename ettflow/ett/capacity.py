@@ -132,6 +132,7 @@ class Holding:
     cpus: float = 0.0
     memory_bytes: int | None = None
     rule: str = ""  # why it was held: the pool's hold rule (just-in-time, keep-alive) or a spare's sizing
+    for_rank: int | None = None  # a pooled worker's: the rank it became (the ETT artifact names it)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -165,7 +166,7 @@ def holdings_of_run(run_id: str, model: str, events: Sequence[PhaseEvent], wall_
         elif a.for_rank is not None:
             taken = _or(a.taken_at, ev.end)
             out.append(Holding(kind=POOLED_RANK, used=True, released_at=max(ev.start, min(taken, wall_start)),
-                               reason="taken", **common))
+                               reason="taken", for_rank=a.for_rank, **common))
         elif not a.used:
             out.append(Holding(kind=SPARE, used=False, released_at=max(ev.start, _or(a.released_at, wall_end)),
                                reason="released_unused", **common))

@@ -175,6 +175,7 @@ class HeldCapacityRow(Base):
     cpus: Mapped[float]
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     rule: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    for_rank: Mapped[int | None] = mapped_column(default=None)
 
 
 # Child tables in the order an archive writes them (after `runs`).

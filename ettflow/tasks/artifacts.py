@@ -127,9 +127,14 @@ def spare_rows(plan: SparePlanAttrs) -> list[dict[str, Any]]:
 
 def holding_rows(holdings: Sequence[Holding]) -> list[dict[str, Any]]:
     """Each thing held for the run outside its own slots (`ett.capacity.holdings_of_run`): what
-    it was, the rule that held it and its outcome; exposed its slot-seconds, raw its seconds."""
-    return [row("capacity", f"{h.kind}: {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
+    it was (a pooled worker with the rank it became), the rule that held it and its outcome;
+    exposed its slot-seconds, raw its seconds."""
+    return [row("capacity", f"{_what(h)}: {rule_of(h)}, {outcome_of(h)} (slot-s; raw: s)",
                 h.held_s * h.slots, unit="slot-s", raw=h.held_s, raw_unit="s", owner="scheduler") for h in holdings]
+
+
+def _what(h: Holding) -> str:
+    return f"{h.kind} {h.for_rank} (from the pool)" if h.for_rank is not None else h.kind
 
 
 # why Prefect's duration of a run and its ETT wall differ (issue 43: they stood side by side unexplained)

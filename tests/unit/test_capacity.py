@@ -68,6 +68,7 @@ def test_the_ledger_lists_each_holding_with_what_it_held_and_whether_it_was_used
     lines = {h.kind: h for h in holdings_of_run("held", "dlrm", t.events, m.wall_start, m.wall_end)}
     assert set(lines) == {POOLED_RANK, SPARE, FLOW_PROCESS}
     assert (lines[POOLED_RANK].held_s, lines[POOLED_RANK].used, lines[POOLED_RANK].reason) == (10.0, True, "taken")
+    assert (lines[POOLED_RANK].for_rank, lines[SPARE].for_rank) == (0, None)  # the rank the pooled worker became
     spare = lines[SPARE]
     assert (spare.held_s, spare.used, spare.gpus, spare.memory_bytes) == (10.0, False, 1.0, 2 * 2**30)
     assert (lines[FLOW_PROCESS].held_s, lines[FLOW_PROCESS].slots, lines[FLOW_PROCESS].cpus) == (6.0, 0.0, 1.0)
@@ -110,6 +111,9 @@ def test_the_ledger_sums_what_each_rule_held_and_whether_a_run_used_it():
     [row] = holding_rows([ledger[4]])
     assert (row["metric"], row["exposed"], row["raw"]) == (
         "spare: spare-by-saving, released unused (slot-s; raw: s)", 25.0, 25.0)
+    # a pooled worker is named by the rank it became
+    [row] = holding_rows([replace(ledger[1], for_rank=1)])
+    assert row["metric"] == "pooled_rank 1 (from the pool): just-in-time, used (slot-s; raw: s)"
 
 
 def test_what_the_cluster_pool_releases_unclaimed_waits_in_its_ledger_until_acknowledged():
