@@ -142,6 +142,17 @@ def _stop_pool(cfg: StackConfig, say: Say) -> None:
             "since the last run is not in the ledger")
 
 
+def _answers(svc: Service, record: StackRecord) -> bool:
+    """Whether a running service answers on its port (a Ray head's GCS, the Prefect API); the
+    worker has no port."""
+    if svc.name == "ray-head":
+        host, _, port = svc.address.rpartition(":")
+        return services.answers(host, int(port))
+    if svc.name == "prefect-server":
+        return services.prefect_healthy(record.api_url)
+    return True
+
+
 def status(cfg: StackConfig, say: Say = print) -> bool:
     """Say what of the stack is up; True when every service it started still runs."""
     record = StackRecord.read(cfg.record_path)
@@ -152,8 +163,11 @@ def status(cfg: StackConfig, say: Say = print) -> bool:
     for svc in record.services:
         if svc.started:
             alive = svc.process() is not None
-            healthy &= alive
-            state = f"up (pid {svc.pid})" if alive else f"DOWN (pid {svc.pid} is gone; its log: {svc.log})"
+            deaf = alive and not _answers(svc, record)
+            healthy &= alive and not deaf
+            state = (f"DOWN (pid {svc.pid} is gone; its log: {svc.log})" if not alive else
+                     f"NOT ANSWERING (pid {svc.pid} runs, its port does not answer; its log: {svc.log}): "
+                     "`ettflow up` replaces it" if deaf else f"up (pid {svc.pid})")
         else:
             state = svc.detail
         say(f"  {svc.name:<18} {svc.address}  {state}")

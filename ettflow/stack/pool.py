@@ -82,7 +82,8 @@ def cmd_pool(args: argparse.Namespace) -> int:
     held = ray.get(pool.status.remote())
     pending = ray.get(pool.drain.remote())
     now = time.time()
-    print(f"ettflow pool {NAMESPACE}/{NAME} on {address}: {len(held)} held; {len(pending)} released unclaimed "
+    print(f"ettflow pool {NAMESPACE}/{NAME} on {address}: {sum(h.holds_actor for h in held)} process(es) held; "
+          f"{len(pending)} released unclaimed "
           f"({sum(h.held_s for h in pending):.0f} s held) not yet in the warehouse's ledger")
     for line in pending:
         print(f"  ledger  {line.kind:<16} model {line.model:<10} run {(line.run_id or '-')[:8]:<8} held "

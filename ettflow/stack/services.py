@@ -213,6 +213,7 @@ def ray_head(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Ser
     found = _ours(record, "ray-head")
     if found is not None and answers(cfg.host, cfg.ray_port):
         return found
+    stale = _stop_stale(found, cfg)  # `ray start --block` outlives its GCS when `ray stop` ends that
     if not port_free(cfg.host, cfg.ray_port):
         who = listener(cfg.ray_port)
         if "gcs_server" in who:
@@ -234,7 +235,23 @@ def ray_head(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Ser
         return answers(cfg.host, cfg.ray_port) and "Ray runtime started" in log.read_text(errors="replace")
 
     wait_until(started, proc, log, "the Ray head", cfg.start_timeout_s)
-    return Service.of_process("ray-head", cfg.head_address, proc, log=str(log), detail=f"{cfg.cpus} CPUs")
+    return Service.of_process("ray-head", cfg.head_address, proc, log=str(log), detail=f"{cfg.cpus} CPUs" + stale)
+
+
+def _stop_stale(found: Service | None, cfg: StackConfig) -> str:
+    """A recorded service whose process lives but whose port does not answer (its children
+    ended: `ray stop` by hand ends a head's GCS and raylet and leaves `ray start --block`) is
+    stopped before a new one starts; what the new one's line says about it."""
+    if found is None:
+        return ""
+    from ettflow.flows.supervise import stop_processes
+
+    proc = found.process()
+    if proc is None:
+        return ""
+    with contextlib.suppress(psutil.Error):
+        stop_processes([proc, *proc.children(recursive=True)], cfg.stop_s)
+    return f"; replaces pid {found.pid}, which no longer answered on its port"
 
 
 def work_pool(cfg: StackConfig, stack_id: str) -> Service:

@@ -250,3 +250,9 @@ class PooledInfo:
     rule: str = ""  # the hold rule it is held under (`group/hold_rule.py`)
     why: str = ""  # the rule's numbers (the model's measured prewarm, the schedule)
     actor: str = ""  # a keeper's Ray name (`state_keeper.pooled_keeper_name`), as the run's warnings give it
+
+    @property
+    def holds_actor(self) -> bool:
+        """A process the pool holds now (a worker or keeper, pooled or taken by a run); the
+        other lines are what it plans, decided or lost."""
+        return self.kind in ("worker", "keeper") or self.kind.startswith("run's")

@@ -108,8 +108,10 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         assert not re.search(r"^  worker ", held.stdout, re.M), held.stdout
         _what_the_api_shows(api, home, second, api_port)
         worker_log = (home / "stack" / "logs" / "worker.log").read_text()
-        for noise in ("is_fx_tracing", "Connected to Ray cluster", "Finished in state Completed()"):
-            assert noise not in worker_log, noise  # the worker's console as clean as the CLI's
+        # the worker's console as clean as the CLI's; no actor of a run aborts as its process ends
+        for noise in ("is_fx_tracing", "Connected to Ray cluster", "Finished in state Completed()", "SIGABRT"):
+            assert noise not in worker_log, noise
+        assert re.search(r"^  ettflow pool \S+ on \S+: 0 process\(es\) held;", "  " + held.stdout, re.M), held.stdout
 
         again = ettflow(env, "up", *ports, timeout=600)  # harmless: everything is found running
         assert again.returncode == 0, again.stdout + again.stderr

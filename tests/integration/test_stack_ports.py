@@ -78,3 +78,33 @@ def test_up_refuses_the_ports_of_another_homes_stack(tmp_path):
 
     rec = StackRecord.read(tmp_path / "home" / "stack" / "stack.json")
     assert rec is None or not any(s.started for s in rec.services)  # nothing was started
+
+
+def test_a_recorded_ray_head_that_runs_but_does_not_answer_is_reported_and_replaced(tmp_path):
+    """`ray stop` by hand ends a head's GCS and raylet but leaves `ray start --block` running:
+    `ettflow status` must not call that head up, and `up` stops the stale process before it
+    starts a new head (else it leaks, and the record names a dead cluster)."""
+    import psutil
+
+    from ettflow.stack import lifecycle, services
+    from ettflow.stack.config import StackConfig
+    from ettflow.stack.records import Service, StackRecord
+
+    sock, port = _listening()
+    sock.close()  # a port nobody answers on
+    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        proc = psutil.Process(stale.pid)
+        head = Service.of_process("ray-head", f"127.0.0.1:{port}", proc, log=str(tmp_path / "ray-head.log"))
+        cfg = StackConfig(home=tmp_path / "home", ray_port=port, stop_s=2.0)
+        StackRecord(stack_id="s", api_url="http://127.0.0.1:9/api", ui_url="http://127.0.0.1:9",
+                    ray_address=head.address, pool="p", services=(head,)).write(cfg.record_path)
+        said: list[str] = []
+        assert lifecycle.status(cfg, say=said.append) is False
+        [line] = [x for x in said if "ray-head" in x]
+        assert f"NOT ANSWERING (pid {stale.pid} runs, its port does not answer" in line and "`ettflow up`" in line
+        assert services._stop_stale(head, cfg) == f"; replaces pid {stale.pid}, which no longer answered on its port"
+        assert stale.wait(timeout=10) is not None  # stopped
+    finally:
+        stale.kill()
+        stale.wait()

@@ -259,6 +259,7 @@ def test_a_pool_service_that_dies_leaves_what_it_held_to_the_next_one_through_it
     assert second.cold_note("dlrm") is None  # said once, to the model's next run
     [lost] = [h for h in second.status() if h.kind == "lost"]  # `ettflow pool status` says it too
     assert (lost.state, lost.requested_at) == ("2 closed", beat)
+    assert not any(h.holds_actor for h in second.status())  # the status header counts no process held
     assert second.ack(list(lines)) == 3
     assert second.stop() == 0
     third = PoolService(PoolPolicy(reap_every_s=3600.0), journal=journal)

@@ -70,6 +70,7 @@ class WarmPool:
         self.keeper: NamedKeeper | None = None  # an in-memory checkpoint keeper for the next run
         self.service: PoolHandle | None = None  # the cluster's pool (pool_service.py) once attached
         self._owner: OwnerHandle | None = None
+        self._owner_ends_at_exit = False  # `_end_owner` registered with atexit
         self._owner_session: str | None = None  # the Ray cluster, node and job `_owner` was made in
 
     def attach_cluster(self) -> None:
@@ -204,7 +205,21 @@ class WarmPool:
 
             self._owner = ray.remote(RunOwner).options(num_cpus=0, max_concurrency=4).remote()
             self._owner_session = session
+            if not self._owner_ends_at_exit:
+                # after `ray.init`'s own exit hook, so it runs before it (atexit is LIFO): see `_end_owner`
+                atexit.register(self._end_owner)
+                self._owner_ends_at_exit = True
         return self._owner
+
+    def _end_owner(self) -> None:
+        """Stop this process's `RunOwner` while Ray is still up. Left to Ray's shutdown, the
+        owner is ended because its last reference went, and in Ray 2.60 that exit aborts its
+        process (SIGABRT in `~CoreWorker`: 40 lines of C++ stack in the worker's log after
+        every deployed run); `ray.kill` ends it at once. The pool sees it gone either way."""
+        owner, self._owner, self._owner_session = self._owner, None, None
+        if owner is not None and ray.is_initialized():
+            with contextlib.suppress(Exception):
+                ray.kill(owner, no_restart=True)
 
     def _ready(self) -> list[PooledWorker]:
         """The prewarmed workers (timings and node read); a failed one is dropped."""
