@@ -170,30 +170,32 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def folder_first(path: str | None) -> str | None:
-    """A long path as `name (in parent)`: the UI cuts a table cell at its right edge, and the
-    name (a checkpoint's step, a snapshot's run) is what tells one from another."""
-    if not path:
-        return path
-    p = Path(path)
-    return f"{p.name} (in {p.parent})" if p.name and str(p.parent) not in ("", ".") else path
+def folder_name(path: str | None) -> str | None:
+    """A path's last part (a checkpoint's step, a snapshot's run): what a table cell shows. The
+    UI cuts a cell at its right edge (issue 43: the anchor's path was cut), so whole paths go
+    in the list below the table (`manifest_markdown`), where they wrap."""
+    return Path(path).name or path if path else path
 
 
 def manifest_markdown(manifest: SnapshotManifest, manifest_sha256: str) -> str:
     """The snapshot as its manifest tells it: where, which files (sha256), which step and
     windows, how it validated, and what it came from."""
     lineage, source, validation = manifest.lineage or {}, manifest.source or {}, manifest.validation or {}
-    rows = [("path", folder_first(manifest.path)), ("run", manifest.run_id), ("step", manifest.step),
+    paths = [("snapshot", manifest.path), ("anchor checkpoint", source.get("checkpoint")),
+             ("parent snapshot", lineage.get("parent_snapshot")), ("parent anchor", lineage.get("parent_anchor"))]
+    rows = [("snapshot", folder_name(manifest.path)), ("run", manifest.run_id), ("step", manifest.step),
             ("windows trained", lineage.get("windows")), ("held out", lineage.get("held_out")),
             ("validation", "passed" if validation.get("passed") else "FAILED"),
-            ("parent snapshot", folder_first(lineage.get("parent_snapshot"))),
-            ("parent anchor", folder_first(lineage.get("parent_anchor"))),
-            ("anchor checkpoint", folder_first(source.get("checkpoint"))),
+            ("parent snapshot", folder_name(lineage.get("parent_snapshot"))),
+            ("parent anchor", folder_name(lineage.get("parent_anchor"))),
+            ("anchor checkpoint", folder_name(source.get("checkpoint"))),
             (f"{MANIFEST_FILE} sha256", f"`{manifest_sha256}`")]
     rows += [(f"{name} sha256", f"`{info.get('sha256')}` ({info.get('size')} bytes)")
              for name, info in sorted(manifest.files.items())]
     lines = [f"### Inference snapshot of run `{manifest.run_id}`", "", "| field | value |", "|---|---|"]
     lines += [f"| {k} | {_cell(v)} |" for k, v in rows]
+    lines += ["", "**Where** (whole paths)", ""]
+    lines += [f"- {k}: `{v}`" for k, v in paths if v]
     if manifest.metrics:
         lines += ["", "**Validation metrics**", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_cell(v)} |" for k, v in sorted(manifest.metrics.items())]

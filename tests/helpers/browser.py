@@ -50,6 +50,18 @@ def rendered_images(page) -> list[dict]:
         "imgs => imgs.map(i => ({alt: i.alt, complete: i.complete, w: i.naturalWidth, h: i.naturalHeight}))")
 
 
+def clipped_cells(page) -> list[str]:
+    """The text of every table cell whose content runs past the cell's right edge or its
+    table's frame (the Prefect UI cuts it there: what a user cannot read)."""
+    return page.evaluate("""() => [...document.querySelectorAll('td, th')].filter(cell => {
+        const text = document.createRange();
+        text.selectNodeContents(cell);
+        const right = text.getBoundingClientRect().right;
+        return right > cell.getBoundingClientRect().right + 1
+            || right > cell.closest('table').parentElement.getBoundingClientRect().right + 1;
+    }).map(cell => cell.innerText)""")
+
+
 def browse(tmp_path: Path, check: Callable[[object], None]) -> float:
     """Run `check(page)` in a fresh headless Chromium; the seconds it took."""
     from playwright.sync_api import expect, sync_playwright
@@ -79,8 +91,9 @@ def tab(page, name: str):
 def check_run_pages(page, ui: str, run_id: str, *, name: str, message: str, slug: str, tmp_path: Path,
                     rows: Iterable[str] = ("ETT %", "NoF", "TTS s", "effective_training")) -> None:
     """A refresh's pages: its name (`name`, with its ETT) in the runs list and on its page, its
-    state message (`message`) in Details, its artifacts (`ett-<slug>`, `ett-timeline-<slug>`):
-    the ETT table's `rows` and the timeline picture, rendered."""
+    state message (`message`) in Details, its artifacts (`ett-<slug>`, `ett-timeline-<slug>`,
+    `snapshot-<slug>`): the ETT table's `rows`, the timeline picture rendered, the manifest; no
+    table cell cut at the page's edge."""
     from playwright.sync_api import expect
 
     page.goto(f"{ui}/runs")  # the runs list shows each run's ETT without a click (issue 27)
@@ -102,6 +115,7 @@ def check_run_pages(page, ui: str, run_id: str, *, name: str, message: str, slug
     page.get_by_text(f"ett-{slug}", exact=True).first.click()  # the ETT table
     for row in rows:
         expect(page.get_by_text(row, exact=True).first).to_be_visible()
+    assert clipped_cells(page) == []  # it fits a 1440-px page, owner column included (issue 43)
     save(page, "run-ett-table.png", tmp_path, readme=True)
 
     page.go_back()
@@ -112,6 +126,15 @@ def check_run_pages(page, ui: str, run_id: str, *, name: str, message: str, slug
     timeline = [i for i in rendered_images(page) if i["alt"].startswith("ETT timeline of run")]
     assert len(timeline) == 1 and timeline[0]["w"] > 0 and timeline[0]["h"] > 0, rendered_images(page)
     save(page, "run-timeline.png", tmp_path, readme=True)
+
+    page.go_back()
+    tab(page, "Artifacts").click()
+    page.get_by_text(f"snapshot-{slug}", exact=True).first.click()  # the snapshot's manifest
+    expect(page.get_by_text("anchor checkpoint", exact=True).first).to_be_visible()
+    expect(page.get_by_text(re.compile(r"^step_\d+$")).first).to_be_visible()  # the anchor, by its folder
+    expect(page.get_by_text(re.compile(r"^anchor checkpoint: /.*/step_\d+$")).first).to_be_visible()  # whole
+    assert clipped_cells(page) == []  # no path cut at the page's edge (issue 43)
+    save(page, "run-snapshot.png", tmp_path, readme=True)
 
 
 def check_automations(page, ui: str, names: Iterable[str], trigger_text: str, tmp_path: Path) -> None:

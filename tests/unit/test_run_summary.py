@@ -154,15 +154,18 @@ def test_the_snapshot_artifact_shows_its_manifest(tmp_path):
                                   "parent_snapshot": "/snap/r0", "parent_anchor": None},
                          files={"model.pt": {"size": 10, "sha256": "ab" * 32}})
     text = manifest_markdown(m, "cd" * 32)
-    # paths name their folder first (a cut cell still shows the step), the header row is not empty (issue 27)
-    for row in ("| field | value |", "| path | r1 (in /snap) |", "| step | 40 |",
+    # the table names each folder (a cell is cut at the page's edge: issue 43), the list below has
+    # the whole paths (a list item wraps); the header row is not empty (issue 27)
+    for row in ("| field | value |", "| snapshot | r1 |", "| step | 40 |",
                 "| windows trained | window=2024010100 |", "| held out | window=2024010102 |",
-                "| validation | passed |", "| parent snapshot | r0 (in /snap) |",
-                "| parent anchor | - |", "| anchor checkpoint | step_40.final (in /work/r1) |",
+                "| validation | passed |", "| parent snapshot | r0 |",
+                "| parent anchor | - |", "| anchor checkpoint | step_40.final |",
+                "- snapshot: `/snap/r1`", "- anchor checkpoint: `/work/r1/step_40.final`",
+                "- parent snapshot: `/snap/r0`",
                 f"| manifest.json sha256 | `{'cd' * 32}` |", f"| model.pt sha256 | `{'ab' * 32}` (10 bytes) |",
                 "| auc_float | 0.7123 |", "| n_examples | 256 |"):
         assert row in text.splitlines(), (row, text)
-    assert "file://" not in text
+    assert "file://" not in text and "- parent anchor" not in text  # none: not listed
     broken = snapshot_markdown(str(tmp_path / "gone"))
     assert broken.startswith("### Inference snapshot\n\n`") and "manifest cannot be read" in broken
 
