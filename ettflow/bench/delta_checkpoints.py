@@ -140,6 +140,9 @@ def _skewed_batch(schema, batch_size: int, *, seed, perms):
 
 
 def _worker(rank: int, plan: DeltaBenchPlan, work: str, out: str) -> None:
+    from ettflow.console import quiet_third_party, verbose_from_env
+
+    quiet_third_party(verbose_from_env())  # a spawned rank starts without its parent's filters
     import numpy as np
     import torch
 
@@ -359,6 +362,9 @@ def plan_of(args: argparse.Namespace) -> DeltaBenchPlan:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ettflow.console import quiet_third_party
+
+    quiet_third_party(verbose=getattr(args, "verbose", False))  # the snapshots' publish runs here
     plan = plan_of(args)
     started = time.perf_counter()
     measured, published = run(plan, snapshots=not args.no_snapshots)

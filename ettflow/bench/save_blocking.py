@@ -98,6 +98,9 @@ def table(stats: list[ArmStats]) -> str:
 # ---- one rank ---------------------------------------------------------------------------
 
 def _worker(rank: int, plan: SaveBlockingPlan, work: str, out: str) -> None:
+    from ettflow.console import quiet_third_party, verbose_from_env
+
+    quiet_third_party(verbose_from_env())  # a spawned rank starts without its parent's filters
     import torch
 
     from ettflow.trainer.checkpoint import CheckpointConfig, CheckpointManager, TrainState, init_lazy_optimizer_state
