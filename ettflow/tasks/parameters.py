@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -265,29 +266,42 @@ class FaultParams(Section):
         parse_failures(specs)
         return specs
 
-    def parsed(self) -> tuple[tuple[FailAt, ...], int]:
-        """(the trainer's faults, the publish tries that fail)."""
+    def parsed(self) -> tuple[tuple[FailAt, ...], PublishFaults]:
+        """(the trainer's faults, the publish's)."""
         return parse_failures(self.fail_at)
 
 
-def parse_failures(specs: Sequence[str] | None) -> tuple[tuple[FailAt, ...], int]:
+@dataclass(frozen=True)
+class PublishFaults:
+    """Scripted faults of the run's publish: the first `times` tries fail; each try first waits
+    `slow_s` (a slow snapshot store: what a stop that lands while the run publishes needs)."""
+
+    times: int = 0
+    slow_s: float = 0.0
+
+
+def parse_failures(specs: Sequence[str] | None) -> tuple[tuple[FailAt, ...], PublishFaults]:
     """Trainer faults ('kill:rank=1:step=30', 'hang:step=5', 'kill:after_s=8') and publish
-    failures ('publish' or 'publish:times=2': the first N publish tries of the run fail)."""
+    faults ('publish' or 'publish:times=2': the first N publish tries of the run fail;
+    'publish:slow_s=30': each try first waits 30 s, and none fails unless times is given too)."""
     faults: list[FailAt] = []
-    publish = 0
+    times, slow_s = 0, 0.0
     for spec in specs or ():
         try:
             if spec.split(":")[0] == "publish":
-                times = dict(p.partition("=")[::2] for p in spec.split(":")[1:])
-                unknown = set(times) - {"times"}
+                fields = dict(p.partition("=")[::2] for p in spec.split(":")[1:])
+                unknown = set(fields) - {"times", "slow_s"}
                 if unknown:
-                    raise ValueError(f"unknown field {sorted(unknown)[0]!r} (publish takes times=N)")
-                publish += int(times.get("times", 1))
+                    raise ValueError(f"unknown field {sorted(unknown)[0]!r} (publish takes times=N, slow_s=T)")
+                times += int(fields.get("times", 0 if "slow_s" in fields else 1))
+                slow_s = max(slow_s, float(fields.get("slow_s", 0.0)))
+                if times < 0 or slow_s < 0:
+                    raise ValueError("times and slow_s must be >= 0")
             else:
                 faults.append(FailAt.parse(spec))
         except ValueError as exc:
             raise ParameterError("fail_at", f"item {spec!r}: {exc}") from None
-    return tuple(faults), publish
+    return tuple(faults), PublishFaults(times, slow_s)
 
 
 class RefreshParameters(BaseModel):

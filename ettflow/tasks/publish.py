@@ -103,6 +103,9 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     start = time.time()
     logger.info("publishing %s %s", anchor, "while the trainer holds its devices" if on_devices else "on the CPU")
     try:
+        if plan.publish_slow_s > 0:  # a stop (cancel, `ettflow down`) can land here, the anchor sealed
+            logger.info("injected slow publish: waiting %.1f s before the try", plan.publish_slow_s)
+            time.sleep(plan.publish_slow_s)
         if injected < plan.publish_failures:
             raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {plan.publish_failures}")
         manifest = publish_snapshot(config)

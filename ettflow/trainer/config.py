@@ -103,7 +103,8 @@ FAULT_FIELD_HELP: tuple[tuple[str, str], ...] = (
                 "process, with switch release_before_seal)"),
     ("after_s=T", "kill only: T seconds after an attempt started training (sent by the driver)"),
     ("attempt=A", "only in attempt A (default: whichever attempt reaches it first)"),
-    ("times=N", "publish only: the first N publish tries fail (default 1)"),
+    ("times=N", "publish only: the first N publish tries fail (default 1; 0 with slow_s alone)"),
+    ("slow_s=T", "publish only: each publish try first waits T seconds (a slow snapshot store)"),
 )
 FAULT_RULE = ("Each item fires once per run: the first time the run reaches its step (or its after_s), in whichever "
               "attempt; a restart that replays that step does not fire it again.")

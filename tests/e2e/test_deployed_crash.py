@@ -156,7 +156,8 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
     """Cancel (the UI's or CLI's: the run set CANCELLING) while a deployment run trains: its
     ranks take their emergency checkpoints as for a preemption, but the stop is the operator's:
     an `operator_stop` marker, no failure (NoF 0, nothing in the failure history), the run's
-    row archived as cancelled, Prefect's state final."""
+    row archived as cancelled, Prefect's state final. Then, on the same worker, a stop while a
+    run publishes (`_stopped_while_publishing`)."""
     from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 
     env, api = prefect_server
@@ -196,6 +197,7 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
             wait_for(lambda: re.match(r"ETT \d+\.\d% · NoF 0 · ",
                                       api_state(api, flow_run_id)["state"]["message"] or ""),
                      30, "the cancelled state to carry the run's ETT message", poll_s=0.5)
+            _stopped_while_publishing(env, api, params, warehouse, spool)
         finally:
             stop_group(worker)
             log.close()
@@ -219,6 +221,55 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
     assert row["effective_steps"] >= 1
     assert_components_sum_to_wall(row)
     _the_cancelled_run_in_the_browser(api, flow_run_id, tmp_path)
+
+
+def _deployment_run(env: dict, params: dict) -> str:
+    out = prefect(env, "deployment", "run", "refresh-model/refresh-adhoc", "--params",
+                  json.dumps(RefreshParameters.parse(params).to_json()))
+    return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+
+
+def _stopped_while_publishing(env: dict, api: str, params: dict, warehouse: str, spool) -> None:
+    """Issue 42 #2 on the deployed path: `ettflow down` (its first step, `cancel_running`, on the
+    worker's pool) stops a run while it publishes, its anchor sealed: the run is cancelled, its
+    row archived with its training, its lineage names the anchor; the next refresh of the same
+    windows publishes that anchor instead of training them again (no reservation, no step)."""
+    from ettflow.ett.lineage import Outcome
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.stack.deployed_runs import cancel_running
+
+    short = {**params, "max_steps": 20, "checkpoint_every_steps": 10}
+    stopped = _deployment_run(env, {**short, "fail_at": ["publish:slow_s=300"]})
+
+    def publishing() -> bool:
+        return any(t["name"].startswith("publish-snapshot") and t["state_type"] == "RUNNING"
+                   for t in task_runs(api, stopped))
+
+    wait_for(publishing, START_S, "the run to publish (a slow snapshot store: 300 s a try)")
+    said: list[str] = []
+    [ended] = cancel_running(api, POOL, say=said.append)  # what `ettflow down` does first
+    assert (ended.run_id, ended.state) == (stopped, "CANCELLED"), (ended, said)
+    assert ended.seconds < 120, ended  # not the slow publish's 300 s
+    wait_for(lambda: warehouse_row(warehouse, stopped)[0] is not None, BOUND_S, "the stopped run's row")
+    row, _, failures = warehouse_row(warehouse, stopped)
+    # cancelled with its whole training (2 ranks x 20 steps), no failure
+    assert row["status"] == "cancelled" and row["effective_steps"] == 40 and failures.empty, row.to_dict()
+    with Warehouse.open(warehouse) as wh:
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == stopped]
+    assert record.outcome is Outcome.FAILED and record.anchor and os.path.isdir(record.anchor), record
+
+    following = _deployment_run(env, short)  # the next refresh of the same windows, from the same parent
+    wait_for(lambda: api_state(api, following)["state_type"] in ("COMPLETED", "FAILED", "CRASHED"), START_S,
+             "the next refresh to end")
+    state = api_state(api, following)
+    assert state["state_type"] == "COMPLETED", state["state"]
+    assert state["state"]["message"].startswith(f"published the anchor of run {stopped}"), state["state"]
+    phases = {e.phase for e in read_spool(spool, following).events}
+    assert not phases & {"submitted", "scheduling", "train_step"}, phases  # nothing reserved or trained
+    with Warehouse.open(warehouse) as wh:
+        [reused] = [r for r in wh.lineage("dlrm") if r.run_id == following]
+        assert wh.runs_frame(run_id=following).empty  # its training is the stopped run's row
+    assert (reused.outcome, reused.anchor, reused.windows) == (Outcome.PUBLISHED, record.anchor, record.windows)
 
 
 def _the_cancelled_run_in_the_browser(api: str, run_id: str, tmp_path) -> None:

@@ -89,7 +89,11 @@ def test_missing_data_root_is_named(tmp_path):
 
 def test_failure_specs():
     faults, publish = parse_failures(["hang:step=5", "publish", "publish:times=2"])
-    assert faults[0].kind == "hang" and publish == 3
+    assert faults[0].kind == "hang" and (publish.times, publish.slow_s) == (3, 0.0)
+    _, slow = parse_failures(["publish:slow_s=30"])  # slow only: no try fails
+    assert (slow.times, slow.slow_s) == (0, 30.0)
+    with pytest.raises(ParameterError, match="publish takes times=N, slow_s=T"):
+        parse_failures(["publish:delay=3"])
     assert slug("Refresh_Model v2") == "refresh-model-v2"
 
 
