@@ -129,6 +129,11 @@ def _refreshes(cfg: StackConfig, args: argparse.Namespace, params: list[RefreshP
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    from ettflow.console import quiet_third_party
+    from ettflow.flows.env_defaults import set_env_defaults
+
+    set_env_defaults()
+    quiet_third_party(verbose=False)  # `down` joins the head to stop its pool: Ray's start-up notes stay out
     from .lifecycle import down
 
     try:

@@ -144,6 +144,7 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         record = StackRecord.read(home / "stack" / "stack.json")
         down = ettflow(env, "down", timeout=300)
     assert down.returncode == 0, down.stdout + down.stderr
+    assert "Connected to Ray cluster" not in down.stdout + down.stderr  # Ray's start-up notes stay out (issue 43)
     assert record is not None and not stack_processes(record.stack_id)
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if record.ray_temp_dir in " ".join(p.info["cmdline"] or ())]  # no Ray process of the head
@@ -167,6 +168,9 @@ def _a_run_with_nothing_new(api: str, params: dict, data: Path) -> str:
                        say=lambda line: None)
     assert run.completed and "nothing new to train" in run.message, (run.state, run.message)
     assert run.name.endswith("· skipped") and "ETT" not in run.name, run.name
+    # its artifacts: the progress (from the claim to the skip) and, in the ETT table's place, one that says why
+    found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run.run_id]}}}).json()
+    assert sorted(a["key"] for a in found) == ["ett-refresh-adhoc", "training-progress-refresh-adhoc"], found
     return run.run_id
 
 
