@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from ettflow.ett.run_summary import short_reason
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
@@ -165,8 +166,9 @@ class WarmPool:
         try:
             found = ray.get(self.service.take.remote(config, nodes, self._run_owner(), run_id), timeout=30)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:  # the pool is gone or busy: start as usual
+            # Ray's message of a dead actor runs to a dozen lines (its name, class, pid...): the first says it
             log.warning("cluster pool: could not take workers (%s: %s); the ranks start the usual way",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, short_reason(str(exc)))
             self.service = None
             return [None] * len(nodes)
         if not any(found):  # nothing prewarmed: say so when it is because the pool was lost
