@@ -28,9 +28,9 @@ from ettflow.tasks.parameters import RefreshParameters
 
 from helpers.flows import PLAIN, TINY, assert_components_sum_to_wall, warehouse_row
 from helpers.prefect_cli import POOL, PREFECT, REPO, prefect
-from helpers.processes import alive, describe, processes_of, stop_group, trainer_actors
+from helpers.processes import alive, describe, processes_of, trainer_actors
 from helpers.spool import training_started
-from helpers.stack import ray_head
+from helpers.stack import deployed_worker
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -177,30 +177,21 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
     # the deployed path: a Ray of its own (as `ettflow up` runs it), outside the flow's process
     # group. A flow process's own local Ray is in that group, and a cancel's SIGTERM of the group
     # stops its raylet, which kills the ranks before they can mark their stop (CI saw no markers)
-    with ray_head() as joins:
-        worker_env = {**env, **joins, "ETTFLOW_HOME": str(home)}
-        log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
-                                  env=worker_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        try:
-            wait_for(lambda: training_started(spool, flow_run_id) or worker.poll() is not None, START_S,
-                     "the deployed run to start training")
-            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
-            asked = time.monotonic()
-            prefect(env, "flow-run", "cancel", flow_run_id)  # what the UI's Cancel does: the run set CANCELLING
-            wait_for(lambda: api_state(api, flow_run_id)["state_type"] == "CANCELLED", BOUND_S + 60,
-                     "the flow run to be CANCELLED", poll_s=0.2)
-            wait_for(lambda: warehouse_row(warehouse, flow_run_id)[0] is not None, BOUND_S, "the run's row")
-            done = time.monotonic()
-            # the final state keeps the run's ETT message (NoF 0), set again over the runner's own
-            wait_for(lambda: re.match(r"ETT \d+\.\d% · NoF 0 · ",
-                                      api_state(api, flow_run_id)["state"]["message"] or ""),
-                     30, "the cancelled state to carry the run's ETT message", poll_s=0.5)
-            _stopped_while_publishing(env, api, params, warehouse, spool)
-        finally:
-            stop_group(worker)
-            log.close()
+    with deployed_worker(env, home, tmp_path / "worker.log") as (_, worker):
+        wait_for(lambda: training_started(spool, flow_run_id) or worker.poll() is not None, START_S,
+                 "the deployed run to start training")
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-4000:]
+        asked = time.monotonic()
+        prefect(env, "flow-run", "cancel", flow_run_id)  # what the UI's Cancel does: the run set CANCELLING
+        wait_for(lambda: api_state(api, flow_run_id)["state_type"] == "CANCELLED", BOUND_S + 60,
+                 "the flow run to be CANCELLED", poll_s=0.2)
+        wait_for(lambda: warehouse_row(warehouse, flow_run_id)[0] is not None, BOUND_S, "the run's row")
+        done = time.monotonic()
+        # the final state keeps the run's ETT message (NoF 0), set again over the runner's own
+        wait_for(lambda: re.match(r"ETT \d+\.\d% · NoF 0 · ",
+                                  api_state(api, flow_run_id)["state"]["message"] or ""),
+                 30, "the cancelled state to carry the run's ETT message", poll_s=0.5)
+        _stopped_while_publishing(env, api, params, warehouse, spool)
     print(f"\ncancel -> CANCELLED and the row: {done - asked:.1f} s")
     worker_log = (tmp_path / "worker.log").read_text()
     row, events, failures = warehouse_row(warehouse, flow_run_id)

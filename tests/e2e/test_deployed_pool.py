@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import time
 
 import httpx
@@ -25,10 +24,9 @@ from ettflow.tasks.parameters import RefreshParameters
 
 from helpers import cluster_pool
 from helpers.flows import TINY, assert_components_sum_to_wall, warehouse_row
-from helpers.prefect_cli import POOL, PREFECT, REPO, prefect
-from helpers.processes import stop_group
+from helpers.prefect_cli import REPO, prefect
 from helpers.spool import training_started
-from helpers.stack import ray_head
+from helpers.stack import deployed_worker
 from helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -67,33 +65,24 @@ def test_the_cluster_pool_killed_mid_run_and_between_runs_costs_no_run_its_corre
               "switches": {"compile": False}, "windows": ["window=2024010100"], "work_root": str(flow_work_root),
               "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(spool), "warehouse_url": warehouse}
     spec = json.dumps(params)
-    with ray_head() as joins:
-        worker_env = {**env, **joins, "ETTFLOW_HOME": str(home)}
-        log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed below
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
-                                  env=worker_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        try:
-            # mid-run: 2 ranks and a spare prewarmed (and a keeper), the service killed at step 6
-            seeded = json.loads(cluster_pool.run(worker_env, "fill", spec, str(home), str(spool), "3"))
-            assert seeded == {"started": 3, "ready": 3}, seeded
-            hit = _run(env, params)
-            wait_for(lambda: training_started(spool, hit, min_step=6), START_S, "the run to train step 6")
-            cluster_pool.run(worker_env, "kill")
-            state = _ended(api, hit)
-            assert state["state_type"] == "COMPLETED", (state["state"], (tmp_path / "worker.log").read_text()[-4000:])
+    with deployed_worker(env, home, tmp_path / "worker.log") as (worker_env, _):
+        # mid-run: 2 ranks and a spare prewarmed (and a keeper), the service killed at step 6
+        seeded = json.loads(cluster_pool.run(worker_env, "fill", spec, str(home), str(spool), "3"))
+        assert seeded == {"started": 3, "ready": 3}, seeded
+        hit = _run(env, params)
+        wait_for(lambda: training_started(spool, hit, min_step=6), START_S, "the run to train step 6")
+        cluster_pool.run(worker_env, "kill")
+        state = _ended(api, hit)
+        assert state["state_type"] == "COMPLETED", (state["state"], (tmp_path / "worker.log").read_text()[-4000:])
 
-            # between runs: the pool holds 2 prewarmed workers for the next run; its service is killed
-            seeded = json.loads(cluster_pool.run(worker_env, "fill", spec, str(home), str(spool), "2"))
-            assert seeded["ready"] >= 2, seeded
-            killed_at = time.time()
-            cluster_pool.run(worker_env, "kill")
-            after = _run(env, params)
-            state = _ended(api, after)
-            assert state["state_type"] == "COMPLETED", (state["state"], (tmp_path / "worker.log").read_text()[-4000:])
-        finally:
-            stop_group(worker)
-            log.close()
+        # between runs: the pool holds 2 prewarmed workers for the next run; its service is killed
+        seeded = json.loads(cluster_pool.run(worker_env, "fill", spec, str(home), str(spool), "2"))
+        assert seeded["ready"] >= 2, seeded
+        killed_at = time.time()
+        cluster_pool.run(worker_env, "kill")
+        after = _run(env, params)
+        state = _ended(api, after)
+        assert state["state_type"] == "COMPLETED", (state["state"], (tmp_path / "worker.log").read_text()[-4000:])
     worker_log = (tmp_path / "worker.log").read_text()
 
     events = read_spool(spool, hit).events

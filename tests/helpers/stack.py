@@ -77,3 +77,23 @@ def ray_head(cpus: int = 4, timeout_s: float = 120.0) -> Iterator[dict[str, str]
         with contextlib.suppress(ProcessLookupError):
             stop_group(head)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def deployed_worker(env: dict[str, str], home: Path, log_path: Path) -> Iterator[tuple[dict[str, str],
+                                                                                      subprocess.Popen]]:
+    """A Ray head of its own (`ray_head`) and a process worker of the `prefect.yaml` work pool
+    that joins it, as `ettflow up` runs them (ETTFLOW_HOME=`home`, its output in `log_path`);
+    yields (the worker's environment, its process) and stops both at the end."""
+    from helpers.prefect_cli import POOL, PREFECT
+    from helpers.processes import stop_group
+
+    with ray_head() as joins, open(log_path, "wb") as log:
+        worker_env = {**env, **joins, "ETTFLOW_HOME": str(home)}
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
+                                  env=worker_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            yield worker_env, worker
+        finally:
+            stop_group(worker)
