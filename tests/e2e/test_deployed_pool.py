@@ -112,3 +112,43 @@ def test_the_cluster_pool_killed_mid_run_and_between_runs_costs_no_run_its_corre
     workers = [h for h in lost if h.kind == "unclaimed_worker"]
     assert len(workers) >= 2 and all(h.run_id is None and not h.used for h in workers), lost
     assert all(h.requested_at < h.released_at <= killed_at + 5 for h in lost), lost  # held until the service died
+
+
+def test_a_damaged_compile_cache_archive_met_by_a_pooled_worker_is_reported_by_its_run_and_replaced_once(
+        prefect_server, tmp_path, flow_data, compile_cache):
+    """Issue 42 #4 on the deployed path: the model's compile-cache archive is truncated; the
+    pool's prewarmed worker refuses it, compiles cold and replaces it; the deployment run that
+    takes that worker says so (the train task's warning, the row's `compile_cache_refused` tag
+    with `pooled`), and the archive is not replaced again (its other rank restores the new one)."""
+    import hashlib
+
+    from ettflow.trainer.compile.archive import verify
+
+    env, api = prefect_server
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")
+    prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(tmp_path / "prefect.yaml"))
+    work = tmp_path / "work"  # the session's archive, copied: the damage stays this test's
+    shutil.copytree(compile_cache, work / "dlrm" / "compile-cache")
+    [archive] = (work / "dlrm" / "compile-cache").rglob("*.tar")
+    archive.write_bytes(archive.read_bytes()[:-100])  # truncated after its manifest was written
+    warehouse, spool, home = f"sqlite:///{tmp_path / 'warehouse.db'}", tmp_path / "spool", tmp_path / "home"
+    params = {"data_root": str(flow_data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
+              "batch_size": 32, "max_steps": 10, "checkpoint_every_steps": 10, "eval_batches": 2,
+              "switches": {"live_recovery": False, "memory_checkpoint": False}, "windows": ["window=2024010100"],
+              "work_root": str(work), "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(spool),
+              "warehouse_url": warehouse}
+    with deployed_worker(env, home, tmp_path / "worker.log") as (worker_env, _):
+        seeded = json.loads(cluster_pool.run(worker_env, "fill", json.dumps(params), str(home), str(spool), "1"))
+        assert seeded == {"started": 1, "ready": 1}, seeded
+        assert verify(archive)  # replaced by the worker that compiled cold
+        replaced = hashlib.sha256(archive.read_bytes()).hexdigest()
+        run_id = _run(env, params)
+        state = _ended(api, run_id)
+        assert state["state_type"] == "COMPLETED", (state["state"], (tmp_path / "worker.log").read_text()[-4000:])
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert re.search(r"rank 0: the compile cache's archive was refused \([^)]*\): its pooled worker compiled cold "
+                     r"before the run and replaced it", worker_log), worker_log[-4000:]
+    row, _, _ = warehouse_row(warehouse, run_id)
+    [refused] = row["tags"]["compile_cache_refused"]
+    assert refused["pooled"] and refused["rank"] == 0, refused
+    assert hashlib.sha256(archive.read_bytes()).hexdigest() == replaced  # once: the run's other rank restored it
