@@ -45,7 +45,7 @@ from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.placement import Placement
 
 from .errors import ParameterError
-from .parameters import RefreshParameters, WarehouseParams, parse_failures
+from .parameters import PublishFaults, RefreshParameters, WarehouseParams, parse_failures
 from .run_spool import RunRecorder
 from .window_choice import WindowChoice, explicit_choice, select_windows
 
@@ -72,8 +72,7 @@ class RefreshPlan:
     trainer: TrainerConfig
     publish_in_trainer: bool
     delta_snapshot: bool = False  # the snapshot is stored as a delta on the current one (tasks/publish.py)
-    publish_failures: int  # injected: fail this many publish tries of the run
-    publish_slow_s: float = 0.0  # injected: each publish try first waits this long
+    publish_faults: PublishFaults  # injected: publish tries that fail, and how long each first waits
     snapshot_root: Path
     spool_root: Path
     submitted_at: float | None
@@ -280,11 +279,9 @@ def plan_refresh(params: RefreshParameters | Mapping[str, Any], *, run_id: str, 
     trainer = trainer_config(params, data_root=data_root, work_dir=work_root / "runs" / run_id,
                              compile_cache_root=work_root / "compile-cache")
     _, flow_switches = params.resolved_switches()
-    _, publish_faults = params.faults.parsed()
     plan = RefreshPlan(
         run_id=run_id, params=params, trainer=trainer, publish_in_trainer=flow_switches["publish_in_trainer"],
-        delta_snapshot=flow_switches["delta_snapshot"], publish_failures=publish_faults.times,
-        publish_slow_s=publish_faults.slow_s,
+        delta_snapshot=flow_switches["delta_snapshot"], publish_faults=params.faults.parsed()[1],
         snapshot_root=Path(storage.snapshot_root or home / "snapshots" / params.model),
         spool_root=Path(storage.spool_root) if storage.spool_root else paths.spool_root(),
         submitted_at=submitted_at,

@@ -103,11 +103,12 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     start = time.time()
     logger.info("publishing %s %s", anchor, "while the trainer holds its devices" if on_devices else "on the CPU")
     try:
-        if plan.publish_slow_s > 0:  # a stop (cancel, `ettflow down`) can land here, the anchor sealed
-            logger.info("injected slow publish: waiting %.1f s before the try", plan.publish_slow_s)
-            time.sleep(plan.publish_slow_s)
-        if injected < plan.publish_failures:
-            raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {plan.publish_failures}")
+        faults = plan.publish_faults
+        if faults.slow_s > 0:  # a stop (cancel, `ettflow down`) can land here, the anchor sealed
+            logger.info("injected slow publish: waiting %.1f s before the try", faults.slow_s)
+            time.sleep(faults.slow_s)
+        if injected < faults.times:
+            raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {faults.times}")
         manifest = publish_snapshot(config)
         outcome = _outcome_of(plan, manifest, config)
     except BaseException as exc:

@@ -30,7 +30,7 @@ def test_plan_builds_the_trainer_config(flow_data, tmp_path):
     assert t.work_dir == str(tmp_path / "work" / "dlrm" / "runs" / "r1")
     assert t.compile_cache_dir == tmp_path / "work" / "dlrm" / "compile-cache"
     assert {f.num_embeddings for f in t.schema.sparse} == {100}
-    assert len(t.failures) == 1 and t.failures[0].step == 30 and plan.publish_failures == 2
+    assert len(t.failures) == 1 and t.failures[0].step == 30 and plan.publish_faults.times == 2
     assert plan.artifact_slug == "refresh-adhoc" and not plan.publish_in_trainer and plan.mode == "optimized"
 
 
