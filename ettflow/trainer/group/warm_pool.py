@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["POOL", "POOL_RUN_ID", "PooledWorker", "WarmPool", "record_start", "start_worker", "warm_key"]
 
 log = logging.getLogger("ettflow.trainer")
+OWNER_END_S = 5.0  # the longest a process's exit waits for its RunOwner to end (`WarmPool._end_owner`)
+
+
 class WarmPool:
     def __init__(self) -> None:
         self.keeping = False
@@ -217,11 +221,18 @@ class WarmPool:
         """Stop this process's `RunOwner` while Ray is still up. Left to Ray's shutdown, the
         owner is ended because its last reference went, and in Ray 2.60 that exit aborts its
         process (SIGABRT in `~CoreWorker`: 40 lines of C++ stack in the worker's log after
-        every deployed run); `ray.kill` ends it at once. The pool sees it gone either way."""
+        every deployed run); `ray.kill` ends it at once. The kill is only sent, so this waits
+        (at most `OWNER_END_S`) until the owner stops answering: a process that exited first left
+        the owner to the abort again (CI: one run of two). The pool sees it gone either way."""
         owner, self._owner, self._owner_session = self._owner, None, None
-        if owner is not None and ray.is_initialized():
-            with contextlib.suppress(Exception):
-                ray.kill(owner, no_restart=True)
+        if owner is None or not ray.is_initialized():
+            return
+        with contextlib.suppress(Exception):  # RayActorError and kin: it is gone, as asked
+            ray.kill(owner, no_restart=True)
+            deadline = time.monotonic() + OWNER_END_S
+            while time.monotonic() < deadline:
+                ray.get(owner.ping.remote(), timeout=1.0)  # still answering: not yet ended
+                time.sleep(0.05)
 
     def _ready(self) -> list[PooledWorker]:
         """The prewarmed workers (timings and node read); a failed one is dropped."""
