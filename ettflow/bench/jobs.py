@@ -105,7 +105,7 @@ class JobSpec:
     model: ModelConfig = field(default_factory=ModelConfig)
     record_steps: bool = True
     max_steps: int | None = None
-    eval_batches: int = 4
+    eval_batches: int | None = None  # None: the mode's preset (tasks.parameters.EVAL_BATCHES_PRESET)
     switches: dict[str, bool] = field(default_factory=dict)  # set on every job, over the row's (`--switch`)
 
     def failures(self) -> tuple[FailAt, ...]:

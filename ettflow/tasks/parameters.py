@@ -124,6 +124,13 @@ class ArchitectureParams(Section):
                            seed=self.seed)
 
 
+# held-out batches a rank evaluates after its last step, with its devices held: the untuned
+# trainer evaluates; the optimized run leaves it to the publish step, which validates the snapshot
+# on the same held-out windows on the CPU after the release (the rank's 0.9 s of a warm refresh
+# duplicated it: BENCHMARKS.md)
+EVAL_BATCHES_PRESET = {"baseline": 8, "optimized": 0}
+
+
 class TrainingParams(Section):
     """The trainer's ranks and steps."""
 
@@ -131,7 +138,10 @@ class TrainingParams(Section):
     batch_size: int = Field(128, ge=1, description="Examples per rank per step.")
     max_steps: int | None = Field(None, ge=1, description=(
         "Stop training after this many steps (null: one pass over the windows)."))
-    eval_batches: int = Field(8, ge=0, description="Held-out batches evaluated after training.")
+    eval_batches: int | None = Field(None, ge=0, description=(
+        "Held-out batches each rank evaluates after training, its devices held (unset: the mode's preset: "
+        f"{EVAL_BATCHES_PRESET['baseline']} in the baseline, {EVAL_BATCHES_PRESET['optimized']} in the optimized "
+        "mode, whose snapshot the publish step validates on the held-out windows on the CPU after the release)."))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
         "auto, cpu or cuda (auto: cuda when the worker has GPUs)."))
     warm_start: bool = Field(True, description="Start from the parent refresh's anchor checkpoint (false: from "

@@ -45,7 +45,7 @@ from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.placement import Placement
 
 from .errors import ParameterError
-from .parameters import PublishFaults, RefreshParameters, WarehouseParams, parse_failures
+from .parameters import EVAL_BATCHES_PRESET, PublishFaults, RefreshParameters, WarehouseParams, parse_failures
 from .run_spool import RunRecorder
 from .window_choice import WindowChoice, explicit_choice, select_windows
 
@@ -180,7 +180,7 @@ def trainer_config(params: RefreshParameters, *, data_root: Path, work_dir: Path
         model=params.architecture.model_config_value(), switches=switches, world_size=t.world_size,
         batch_size=t.batch_size, max_steps=t.max_steps,
         checkpoint_every_steps=params.checkpoint.checkpoint_every_steps, failures=params.faults.parsed()[0],
-        device=t.device, eval_batches=t.eval_batches,
+        device=t.device, eval_batches=EVAL_BATCHES_PRESET[params.mode] if t.eval_batches is None else t.eval_batches,
         placement=Placement(strategy=params.placement.placement_strategy,
                             min_world_size=params.placement.min_world_size,
                             capacity_wait_s=params.placement.capacity_wait_s), **extra)

@@ -1,6 +1,7 @@
 """The DPP: exact resume from a cursor, deterministic sharding, fixed batches, fast batch."""
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -196,3 +197,37 @@ def test_prefetch_overlaps_warm_up_and_close_stops_it():
     assert len(made) <= count + 1 and not pf._thread.is_alive()
     with pytest.raises(StopIteration):
         next(pf)
+
+
+def _recording_reads(p):
+    reads, real = [], p._read
+
+    def read(part):
+        reads.append((part.path.parent.name, part.path.name, threading.current_thread().name))
+        return real(part)
+
+    p._read = read
+    return reads
+
+
+def test_a_prefetched_stream_reads_its_next_file_ahead_and_yields_the_same_rows(root):
+    p = pipeline(root, batch_size=4)
+    reads = _recording_reads(p)
+    it = p.batches(prefetch=1)
+    assert rows([next(it), next(it)]) == list(range(8))  # from window 0's first file (13 rows): half way
+    deadline = time.monotonic() + 10
+    while len(reads) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # the next file with rows (part-1 is empty) is read by the read-ahead thread, before any
+    # batch needs it: the stream's position is still in part-0
+    assert sorted(reads[:2]) == [("window-0000", "part-0.parquet", "ettflow-prefetch"),
+                                 ("window-0000", "part-2.parquet", "ettflow-readahead")]
+    assert rows(it) == list(range(8, 64))  # every later row once, in order
+    assert sum(r[2] == "ettflow-readahead" for r in reads) == 4  # each file after the first
+
+
+def test_an_unprefetched_stream_reads_each_file_where_it_is_needed(root):
+    p = pipeline(root, batch_size=4)
+    reads = _recording_reads(p)
+    assert rows(p.batches()) == list(range(64))
+    assert {r[2] for r in reads} == {threading.current_thread().name}

@@ -10,11 +10,17 @@ refresh that starts from that cursor trains them); every rank runs `num_batches(
 
 Building a pipeline reads only file footers and fails fast on a file that does not match the
 schema; rows are read when batches are made, one file at a time: a file is decoded once into
-the batch layout (`batch.Columns`) and every batch is cut from it.
+the batch layout (`batch.Columns`) and every batch is cut from it. A prefetched stream
+(`batches(prefetch=N)`) also reads ahead: once its batches are half way through a file, the next
+file is read and decoded in a background thread, so crossing into it does not stall the step
+that needs it (a window's second file stalled every rank about 1 s); not sooner, so that at the
+run's start it does not compete with the compile for the rank's cores. Its error, if any, is raised
+where the stream reaches that file, as a synchronous read would.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +75,9 @@ class DataPipeline:
         self.schema = config.schema
         self.index = StreamIndex(config.root, config.schema, config.windows)
         self._decoded: OrderedDict[Path, Columns] = OrderedDict()
+        self._ahead: dict[Path, _ReadAhead] = {}  # files being read ahead (prefetched streams)
+        filled = [p for p in self.index.files if p.num_rows > 0]  # an empty file is never read
+        self._after = dict(zip((p.path for p in filled), filled[1:]))
 
     @property
     def global_batch(self) -> int:
@@ -88,35 +97,74 @@ class DataPipeline:
     def batches(self, start: CursorLike = None, *, prefetch: int = 0) -> Iterator[Batch]:
         """This rank's batches from `start`; with prefetch > 0 a background thread keeps that
         many ready (call `.close()` on the returned iterator to stop it early)."""
-        it = self._batches(self.index.position(Cursor.of(start)))
+        it = self._batches(self.index.position(Cursor.of(start)), readahead=prefetch > 0)
         return Prefetcher(it, depth=prefetch) if prefetch > 0 else it
 
     def __iter__(self) -> Iterator[Batch]:
         return self.batches()
 
-    def _batches(self, pos: int) -> Iterator[Batch]:
+    def _batches(self, pos: int, *, readahead: bool = False) -> Iterator[Batch]:
         b, gb = self.config.batch_size, self.global_batch
         for _ in range(full_batches(self.index.total_rows - pos, b, self.config.world_size)):
             mine = pos + self.config.rank * b
-            yield columns_to_batch(self._rows(mine, mine + b), self.schema,
+            yield columns_to_batch(self._rows(mine, mine + b, readahead=readahead), self.schema,
                                    cursor_start=self.index.cursor(pos), cursor_end=self.index.cursor(pos + gb))
             pos += gb
 
-    def _rows(self, start: int, stop: int) -> list[Rows]:
-        return [self._columns(part).rows(lo, hi) for part, lo, hi in self.index.locate(start, stop)]
+    def _rows(self, start: int, stop: int, *, readahead: bool = False) -> list[Rows]:
+        pieces = self.index.locate(start, stop)
+        for part, _, hi in pieces if readahead else ():
+            if 2 * hi >= part.num_rows:  # half way through a file (not at the run's start)
+                self._read_ahead_after(part)
+        return [self._columns(part).rows(lo, hi) for part, lo, hi in pieces]
+
+    def _read_ahead_after(self, part: PartFile) -> None:
+        nxt = self._after.get(part.path)
+        if nxt is not None and nxt.path not in self._decoded and nxt.path not in self._ahead:
+            self._ahead[nxt.path] = _ReadAhead(lambda: self._read(nxt))
 
     def _columns(self, part: PartFile) -> Columns:
         columns = self._decoded.get(part.path)
         if columns is None:
-            try:
-                table = pq.read_table(part.path, columns=list(self.schema.columns))
-            except (pa.ArrowException, OSError) as e:
-                raise DataError(part.path, None, f"could not be read ({e})") from e
-            if table.num_rows != part.num_rows:
-                raise DataError(part.path, None, f"has {table.num_rows} rows, its footer said "
-                                f"{part.num_rows} when the run started; it changed underneath")
-            columns = decode_table(table, self.schema, source=str(part.path))
+            ahead = self._ahead.pop(part.path, None)
+            columns = ahead.result() if ahead is not None else self._read(part)
             self._decoded[part.path] = columns
             while len(self._decoded) > self.config.cached_files:
                 self._decoded.popitem(last=False)
         return columns
+
+    def _read(self, part: PartFile) -> Columns:
+        try:
+            table = pq.read_table(part.path, columns=list(self.schema.columns))
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(part.path, None, f"could not be read ({e})") from e
+        if table.num_rows != part.num_rows:
+            raise DataError(part.path, None, f"has {table.num_rows} rows, its footer said "
+                            f"{part.num_rows} when the run started; it changed underneath")
+        return decode_table(table, self.schema, source=str(part.path))
+
+
+class _ReadAhead:
+    """One file read and decoded in a daemon thread; `result()` waits for it and returns its
+    columns or raises its error (the consumer's thread sees it where a synchronous read would)."""
+
+    def __init__(self, read) -> None:
+        self._done = threading.Event()
+        self._value: Columns | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(read,), name="ettflow-readahead", daemon=True).start()
+
+    def _run(self, read) -> None:
+        try:
+            self._value = read()
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer by result()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Columns:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
