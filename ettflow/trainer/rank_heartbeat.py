@@ -49,7 +49,7 @@ TRAINING = "train_step"  # the loop's phase: from the training start, between an
 STARTUP = "startup"  # a rank that has not beaten yet
 SAVE = "checkpoint_save"  # a save the loop waits for (periodic, emergency, anchor)
 STARTUP_STAGES = ("device_init", "process_group_init", "preproc_creation", "train_module_creation",
-                  "init_plugins", "pre_train", "get_first_batch_data", "evaluation")
+                  "init_plugins", "compile_cache_restore", "pre_train", "get_first_batch_data", "evaluation")
 
 
 PAUSE_MIN_S = 1.0  # a wake-up later than planned by more than this may be a pause

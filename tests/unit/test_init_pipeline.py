@@ -68,7 +68,8 @@ class StubSession(TrainerSession):
     """The trainer's real stage graph with each stage replaced by a timed stub."""
 
     durations = {"device_init": 0.05, "process_group_init": 0.1, "preproc_creation": 0.05, "init_plugins": 0.05,
-                 "train_module_creation": 0.2, "pre_train": 0.05, "get_first_batch_data": 0.6, "pt2_compile": 0.5}
+                 "train_module_creation": 0.2, "pre_train": 0.05, "get_first_batch_data": 1.2, "pt2_compile": 0.5,
+                 "compile_cache_restore": 0.6, "checkpoint_restore": 0.3}
 
     def __init__(self, config, tmp_path):
         super().__init__(config, "r", 0, 0, tmp_path, "127.0.0.1", 0)
@@ -92,6 +93,20 @@ def test_fast_batch_compiles_while_the_dpp_warms_up(tmp_path, fast_batch):
     else:
         assert compile_ev.start >= warmup.end
     assert ev["train_module_creation"].start >= ev["process_group_init"].end  # sequential init either way
+
+
+def test_the_compile_cache_unpacks_beside_the_checkpoint_restore_and_the_compile_waits_for_both(tmp_path):
+    (tmp_path / "data").mkdir()
+    cfg = TrainerConfig(data_root=str(tmp_path / "data"), schema=criteo_schema(10), work_dir=str(tmp_path),
+                        world_size=1, switches=Switches())  # compile, its cache and parallel init on
+    session = StubSession(cfg, tmp_path)
+    session.parent = tmp_path / "parent-anchor"  # a warm start: the rank restores its parent's anchor
+    InitPipeline(session.stages(), recorder=session.rec, concurrent=True).start().wait_all()
+    session.rec.close()
+    ev = spans(tmp_path)
+    cache, ckpt, compile_ev = ev["compile_cache_restore"], ev["checkpoint_restore"], ev["pt2_compile"]
+    assert cache.start < ckpt.end and ckpt.start < cache.end  # overlapped (was: one after the other)
+    assert compile_ev.start >= max(cache.end, ckpt.end)
 
 
 def test_rank_state_names_the_stage_a_field_waits_for():

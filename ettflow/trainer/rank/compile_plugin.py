@@ -1,7 +1,8 @@
-"""A rank's compile cache around PT2's compile of the dense step: `compile_cache_restore` when
-the rank starts (PT2 compile; a spare's process restored it already: its hit is taken, never
-restored twice in one process), the compile itself, and `compile_cache_save` by rank 0 when
-the archive missed. The process's cache handle lives in `compile/process_cache.py`."""
+"""A rank's compile cache around PT2's compile of the dense step: `compile_cache_restore`, an
+init stage of its own while the rank restores its checkpoint (a spare's process restored it
+already: its hit is taken, never restored twice in one process), the compile itself, and
+`compile_cache_save` by rank 0 when the archive missed. The process's cache handle lives in
+`compile/process_cache.py`."""
 
 from __future__ import annotations
 
@@ -34,13 +35,21 @@ class CompilePlugin:
                 now = time.time()
                 rec.record("compile_cache_restore", now, now, hit=False, miss=warm.cache_miss,
                            reason=warm.cache_reason, pooled=True)
-        elif config.switches.compile and config.switches.compile_cache:
-            # (never twice in one process: extracting the archive rewrites the kernels it loaded)
-            with rec.span("compile_cache_restore") as attrs:
-                restored = self.cache.restore()
-                attrs.update(hit=restored.hit, bytes=restored.bytes, reason=restored.reason,
-                             miss=restored.miss.value if restored.miss is not None else None)
-            self.cache_hit = restored.hit
+
+    @staticmethod
+    def restores(config: TrainerConfig, warm: PrewarmTimings | None) -> bool:
+        """Whether the rank restores the archive itself (`restore`: its own init stage, beside
+        the checkpoint's restore; the compile waits for it). Never twice in one process:
+        extracting the archive rewrites the kernels it loaded, so a prewarmed process does not."""
+        return config.switches.compile and config.switches.compile_cache and warm is None
+
+    def restore(self) -> dict[str, object]:
+        """The archive unpacked into this process's inductor folders: the `compile_cache_restore`
+        stage's attributes (a miss is reported, never raised: the compile runs cold)."""
+        restored = self.cache.restore()
+        self.cache_hit = restored.hit
+        return {"hit": restored.hit, "bytes": restored.bytes, "reason": restored.reason,
+                "miss": restored.miss.value if restored.miss is not None else None}
 
     def compile(self, dense_step: torch.nn.Module, device: torch.device, batch: Batch | None, *,
                 compiled: torch.nn.Module | None = None) -> torch.nn.Module:

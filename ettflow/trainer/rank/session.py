@@ -178,6 +178,9 @@ class TrainerSession:
         self.state.checkpointing = Checkpointing(self.config, self.rank, self.rec, self.resume, self.parent,
                                                  keeper=self.keeper, resume_deltas=self.resume_deltas)
 
+    def compile_cache_restore(self) -> dict[str, Any]:
+        return self.state.compiler.restore()
+
     def pre_train(self) -> None:
         self.state.checkpointing.prepare_state(self.state.dmp, self.state.dense_opt, self.state.groups)
         if self.evaluates_at_start:
@@ -253,7 +256,9 @@ class TrainerSession:
         first_batch = Stage("get_first_batch_data", self.get_first_batch_data, first_needs,
                             background=sw.fast_batch)
         restore = ("checkpoint_restore",) if self.restores else ()
-        compile_needs = ("pre_train", *restore) + (() if sw.fast_batch else ("get_first_batch_data",))
+        # the archive unpacks beside the checkpoint's restore: only the compile reads it
+        cache = ("compile_cache_restore",) if CompilePlugin.restores(self.config, self.warm_timings) else ()
+        compile_needs = ("pre_train", *restore, *cache) + (() if sw.fast_batch else ("get_first_batch_data",))
         out = [
             Stage("device_init", self.device_init),
             Stage("preproc_creation", self.preproc_creation),
@@ -269,6 +274,8 @@ class TrainerSession:
             Stage("pre_train", self.pre_train, ("train_module_creation", "init_plugins")
                   + (("preproc_creation",) if self.evaluates_at_start else ())),
         ]
+        if cache:
+            out.append(Stage("compile_cache_restore", self.compile_cache_restore, ("init_plugins",)))
         if self.restores:
             out.append(Stage("checkpoint_restore", self.checkpoint_restore, ("pre_train",)))
         if not early_batch:
