@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint_interval import young_interval
 from .events import FAILURE, FAILURE_DETECTED, SUBMITTED, PhaseEvent
-from .spare_sizing import AT_LOSS, RULE
+from .spare_sizing import AT_LOSS, RULE, SpareInputs
 
 BLOCKS_PER_INTERVAL = 4
 MAX_BLOCKS = 800
@@ -169,6 +169,30 @@ class _Run:
         self.ev(phase, at, at, DRIVER, **attrs)
 
 
+def recovery_s(costs: JobCosts, *, live: bool, spare_ready: bool) -> float:
+    """A failure's detection to the next attempt's first step, before its replay: the one
+    recovery model, which `simulate_refresh` plays and the spare decision prices
+    (`spare_inputs`). Live: the lost node's place handed to a spare, started at the loss unless
+    one was `spare_ready`; else every rank restarts."""
+    if not live:
+        return costs.restart_s
+    return costs.live_recovery_s + (0.0 if spare_ready else costs.spare_start_s)
+
+
+def spare_inputs(costs: JobCosts, *, world_size: int, wall_s: float, rate_per_s: float, scripted_failures: int = 0,
+                 live_at_loss: bool = True, slots_per_spare: float = 1.0, sources: str = "") -> SpareInputs:
+    """What the spare decision (`spare_sizing.size_spares`) reads, from this model's costs: the
+    TTR with a ready spare and without one (a spare started at the loss where the placement
+    recovers live without a held one, `live_at_loss`; else every rank restarts), and a used
+    spare's replacement (its start). Its closed form is this simulator's expectation: a unit
+    test checks that it holds the number of spares the replications find best."""
+    return SpareInputs(
+        world_size=world_size, wall_s=wall_s, rate_per_s=rate_per_s, scripted_failures=scripted_failures,
+        ttr_with_s=costs.detect_s + recovery_s(costs, live=True, spare_ready=True),
+        ttr_without_s=costs.detect_s + recovery_s(costs, live=live_at_loss, spare_ready=False),
+        replace_s=costs.spare_start_s, slots_per_spare=slots_per_spare, sources=sources)
+
+
 def interval_of(costs: JobCosts, policy: Policy, rate_per_s: float) -> float:
     """The checkpoint interval the run trains with (seconds of training)."""
     if policy.interval_s is not None:
@@ -243,7 +267,7 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
                 run.ev(phase, t, end)
                 t = end
         else:
-            recovery = costs.live_recovery_s + (costs.spare_start_s if restart_kind == "at_loss" else 0.0)
+            recovery = recovery_s(costs, live=True, spare_ready=restart_kind != "at_loss")
             run.ev("spare_handoff", t, t + recovery, DRIVER, world_size=gpus)  # no failure drawn in it
             t += recovery
         position = saved

@@ -16,6 +16,9 @@ their saving exceeds their cost (at most `max_spares`).
 
 With no spare held a CPU placement still recovers live: a spare is started when a rank is
 lost (TTR adds its start); a GPU placement holds no spare device and restarts every rank.
+The TTRs come from the fleet simulator's recovery model (`simulate.spare_inputs`), whose
+replications this closed form predicts: `tests/unit/test_simulate.py` checks that it holds the
+number of spares they find best, so the decision and `ettflow simulate` price spares alike.
 
 Defaults, stated where they are used (`SpareInputs`): with no history, `DEFAULT_RATE_PER_H`;
 the TTRs are this machine's measured ones (BENCHMARKS.md, live recovery on against off) until

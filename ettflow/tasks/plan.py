@@ -31,6 +31,7 @@ for those windows (`ett.interval_plan`), in steps when the model has history (no
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -39,7 +40,16 @@ from typing import TYPE_CHECKING, Any
 
 from ettflow import paths
 from ettflow.ett.interval_plan import IntervalSource, PlannedInterval, expected_steps, plan_interval
-from ettflow.ett.spare_sizing import DEFAULT_RATE_PER_H, DEFAULT_WALL_S, SpareDecision, SpareInputs, size_spares
+from ettflow.ett.simulate import ASSUMED_COSTS, spare_inputs
+from ettflow.ett.spare_sizing import (
+    DEFAULT_RATE_PER_H,
+    DEFAULT_REPLACE_S,
+    DEFAULT_TTR_WITH_S,
+    DEFAULT_TTR_WITHOUT_S,
+    DEFAULT_WALL_S,
+    SpareDecision,
+    size_spares,
+)
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import FeatureSchema, criteo_schema
 from ettflow.trainer.placement import Placement
@@ -223,7 +233,8 @@ def with_interval(plan: RefreshPlan, estimate: HistoryEstimate | None) -> Refres
 def with_spares(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshPlan:
     """The spares the refresh holds (`ett.spare_sizing`): its expected failures (the model's
     rate over its expected training, from the history the interval reads, plus the kills its
-    parameters script) against one spare's slot-seconds. Nothing to size without live recovery."""
+    parameters script) against one spare's slot-seconds, priced by the simulator's recovery model
+    (`ett.simulate.spare_inputs`) on the model's measured TTRs. Nothing to size without live recovery."""
     t = plan.trainer
     if not t.switches.live_recovery:
         return plan
@@ -244,16 +255,29 @@ def with_spares(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshP
     kills = sum(1 for f in t.failures if f.kind == "kill")
     if kills:
         sources.append(f"{kills} scripted kill(s)")
-    ttrs: dict[str, float] = {}
+    # the measured TTRs hold their detection; a spare started at the loss takes DEFAULT_REPLACE_S
+    ready, restart = DEFAULT_TTR_WITH_S, DEFAULT_TTR_WITHOUT_S
     if estimate is not None and estimate.ttr_ready_spare_s is not None and estimate.ttr_restart_s is not None:
-        ttrs = {"ttr_with_s": estimate.ttr_ready_spare_s, "ttr_without_s": estimate.ttr_restart_s}
-        sources.append(f"TTRs {estimate.ttr_ready_spare_s:.1f} s with a ready spare, {estimate.ttr_restart_s:.1f} s "
-                       f"restarting, measured over {estimate.recoveries} recoveries")
+        ready, restart = estimate.ttr_ready_spare_s, estimate.ttr_restart_s
+        sources.append(f"TTRs {ready:.1f} s with a ready spare, {restart:.1f} s restarting, measured over "
+                       f"{estimate.recoveries} recoveries")
     else:
         sources.append("TTRs: this machine's measured defaults (the model has not recovered both ways yet)")
-    decision = size_spares(SpareInputs(world_size=t.world_size, wall_s=wall, rate_per_s=rate, scripted_failures=kills,
-                                       sources="; ".join(sources), **ttrs))
+    at_loss = _recovers_live_without_spare(t)
+    sources.append(f"without a spare: {'a spare started at the loss' if at_loss else 'every rank restarts'}")
+    costs = replace(ASSUMED_COSTS, detect_s=0.0, live_recovery_s=ready, restart_s=restart,
+                    spare_start_s=DEFAULT_REPLACE_S)
+    decision = size_spares(spare_inputs(costs, world_size=t.world_size, wall_s=wall, rate_per_s=rate,
+                                        scripted_failures=kills, live_at_loss=at_loss, sources="; ".join(sources)))
     return replace(plan, spares=decision, trainer=replace(t, spares=decision.spares))
+
+
+def _recovers_live_without_spare(t: TrainerConfig) -> bool:
+    """Whether a lost rank is replaced live by a spare started at the loss when none is held (a
+    CPU placement) or every rank restarts (a GPU placement holds no spare device: ray_group.py).
+    The placement is known only once the group joins Ray: a device left to `auto` counts as a
+    GPU one where this host has the NVIDIA driver."""
+    return t.device == "cpu" or (t.device != "cuda" and not os.path.exists("/proc/driver/nvidia/version"))
 
 
 def plan_refresh(params: RefreshParameters | Mapping[str, Any], *, run_id: str, submitted_at: float | None = None,

@@ -196,35 +196,46 @@ def test_the_plan_takes_the_interval_from_history(flow_data, tmp_path):
 def test_the_plan_sizes_spares_by_their_expected_saving(flow_data, tmp_path):
     """`with_spares`: the model's rate over its expected training, plus the run's scripted kills,
     against one spare's slot-seconds; the trainer gets the count, the marker the numbers."""
-    from ettflow.ett.spare_sizing import DEFAULT_TTR_WITH_S, DEFAULT_TTR_WITHOUT_S, DEFAULT_WALL_S
+    from ettflow.ett.spare_sizing import DEFAULT_REPLACE_S, DEFAULT_WALL_S
     from ettflow.tasks.plan import plan_refresh, with_spares
     from ettflow.tasks.run_spool import RunRecorder, spare_plan
 
     from helpers.plans import params
 
     est = estimate(fleet_and_model(), model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
-    plan = plan_refresh(params(flow_data, tmp_path, windows=WINDOWS), run_id="r1")
+    plan = plan_refresh(params(flow_data, tmp_path, windows=WINDOWS, device="cpu"), run_id="r1")
     sized = with_spares(plan, est)  # 2.5 failures/h over 3000 s of expected training (600 steps of 5 s)
     assert sized.spares.cost_slot_s == pytest.approx(3000.0)
     assert sized.spares.expected_failures == pytest.approx(2.5 / 3600 * 3000.0)
-    gain = DEFAULT_TTR_WITHOUT_S - DEFAULT_TTR_WITH_S
-    assert sized.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * gain * 2)  # 33 slot-s
+    # a CPU placement: without a held spare a lost rank is replaced by one started at the loss, so
+    # a held spare saves that start (the simulator's recovery model), not a restart of every rank
+    gain = DEFAULT_REPLACE_S
+    assert sized.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * gain * 2)  # 42 slot-s
+    assert "without a spare: a spare started at the loss" in sized.spares.reason
     assert sized.spares.spares == 0 and sized.trainer.spares == 0 and "does not pay" in sized.spares.reason
     from dataclasses import replace as swap
 
     measured = with_spares(plan, swap(est, ttr_ready_spare_s=1.0, ttr_restart_s=301.0, recoveries=5))
-    # 2.08 expected failures x 300 s saved x 2 slots = 1,250 slot-s < 3,000: still none, with the measured TTRs
-    assert measured.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * 300.0 * 2)
+    # 2.08 expected failures x 10 s saved x 2 slots = 42 slot-s < 3,000: still none; the measured restart
+    # (301 s) is not what a held spare saves here, the at-loss spare's start is
+    assert measured.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * DEFAULT_REPLACE_S * 2)
     assert "measured over 5 recoveries" in measured.spares.reason
     cold = with_spares(plan, None)  # no history: the stated defaults
     assert cold.spares.cost_slot_s == DEFAULT_WALL_S and "no history" in cold.spares.reason
     kills = [f"kill:rank={i % 2}:step={i + 1}" for i in range(4)]
-    killed = with_spares(plan_refresh(params(flow_data, tmp_path, windows=WINDOWS, fail_at=kills), run_id="r2"), None)
-    # 4 scripted kills + 60 s at 1/h: 4.017 x 8 s x 2 slots = 64.3 slot-s > 60 held: one spare pays
+    killed = with_spares(plan_refresh(params(flow_data, tmp_path, windows=WINDOWS, fail_at=kills, device="cpu"),
+                                      run_id="r2"), None)
+    # 4 scripted kills + 60 s at 1/h: 4.017 x 10 s x 2 slots = 80.3 slot-s > 60 held: one spare pays
     assert killed.spares.saving_slot_s[0] == pytest.approx((4 + DEFAULT_WALL_S / 3600) * gain * 2)
     assert killed.spares.spares == 1 and killed.trainer.spares == 1 and "4 scripted kill(s)" in killed.spares.reason
     off = plan_refresh(params(flow_data, tmp_path, windows=WINDOWS, switches={"live_recovery": False}), run_id="r3")
     assert with_spares(off, est).spares is None  # nothing to size: no live recovery
+    gpu = with_spares(plan_refresh(params(flow_data, tmp_path, windows=WINDOWS, device="cuda"), run_id="r4"),
+                      swap(est, ttr_ready_spare_s=1.0, ttr_restart_s=301.0, recoveries=5))
+    # a GPU placement holds no spare device: without a held spare every rank restarts, so the spare saves
+    # the measured restart (2.08 x 300 s x 2 = 1,250 slot-s < 3,000 held: none still)
+    assert gpu.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * 300.0 * 2)
+    assert "without a spare: every rank restarts" in gpu.spares.reason
     recorder = RunRecorder(tmp_path / "spool", "r1")
     recorder.record_spare_plan(0, sized.spares, 5.0)
     marked = spare_plan(recorder.events())

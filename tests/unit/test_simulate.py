@@ -4,12 +4,27 @@ the published failure models, a measured run replayed, and the command."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from ettflow.ett.run_metrics import compute_run_metrics
-from ettflow.ett.simulate import HPCA25, LLAMA3, JobCosts, Policy, StartCosts, constant_mttf, simulate_refresh
+from ettflow.ett.simulate import (
+    ASSUMED_COSTS,
+    HPCA25,
+    LLAMA3,
+    OPTIMIZED,
+    JobCosts,
+    Policy,
+    StartCosts,
+    constant_mttf,
+    recovery_s,
+    replicate,
+    simulate_refresh,
+    spare_inputs,
+)
 from ettflow.ett.simulate_inputs import measure_run
+from ettflow.ett.spare_sizing import size_spares
 
 # a start of 2 + 3 + 5 s, 100 s of new data, a checkpoint every 20 s (blocks of 5 s), saves
 # blocking 1 s, detection 2 s, a restart 10 s, a ready spare's hand-off 3 s, a spare's start 30 s
@@ -51,6 +66,31 @@ def test_a_failure_after_a_save_replays_what_was_trained_since():
     # block 7 (46-51) dies at 47; blocks 4-6 (31-46) trained since the save at 30: replayed after
     # the restart (49-59), 15 s of replay + 1 s in flight + 4 saves
     assert m.replayed_steps == 3 and m.components["wasted_training"] == pytest.approx(15 + (49 - 46) + 4)
+
+
+def test_the_spare_decision_prices_the_simulators_recoveries():
+    inputs = spare_inputs(COSTS, world_size=2, wall_s=100.0, rate_per_s=0.0, scripted_failures=1)
+    # a ready spare: detection 2 + hand-off 3; none held: the at-loss spare's 30 s start on top
+    assert (inputs.ttr_with_s, inputs.ttr_without_s, inputs.replace_s) == (5.0, 35.0, 30.0)
+    assert recovery_s(COSTS, live=True, spare_ready=False) == 33.0 == _run(
+        Policy(name="at-loss", live_recovery=True, interval_s=20, gpus_per_node=1)).failures[0].ttr_s
+    restarts = spare_inputs(COSTS, world_size=2, wall_s=100.0, rate_per_s=0.0, live_at_loss=False)
+    assert restarts.ttr_without_s == 2.0 + 10.0  # a placement with no spare device: every rank restarts
+
+
+@pytest.mark.parametrize(("gpus", "mttf_h", "spares"), [(8, 2.0, 0), (8, 40.0, 0), (64, 8.0, 0),
+                                                       (1024, 2.0, 1), (16384, 8.0, 1), (16384, 40.0, 1)])
+def test_the_spare_decision_holds_what_the_simulated_refreshes_find_best(gpus, mttf_h, spares):
+    """The decision's closed form (`spare_sizing`) is this simulator's expectation: fed the same
+    costs, it holds the number of spare nodes (0 or 1) whose replications give the higher capETT."""
+    failures, node = constant_mttf(mttf_h, gpus), 8
+    runs = [replicate(ASSUMED_COSTS, replace(OPTIMIZED, spares=k, prewarm=False, gpus_per_node=node), failures, gpus,
+                      replications=100) for k in (0, 1)]
+    best = max((0, 1), key=lambda k: runs[k].cap_ett.mean)
+    wall = ASSUMED_COSTS.train_s / (runs[0].ett.mean / 100)  # the expected wall with no spare
+    decided = size_spares(spare_inputs(ASSUMED_COSTS, world_size=gpus, wall_s=wall,
+                                       rate_per_s=failures.rate_per_s(gpus), slots_per_spare=node))
+    assert decided.spares == best == spares, (decided.reason, [r.cap_ett for r in runs])
 
 
 def test_prewarmed_workers_start_warm_and_hold_their_slots_before_the_run():
