@@ -213,12 +213,19 @@ class DurableTier:
 
     def hand_off_base(self, step: int, cursor: Cursor) -> tuple[dict[str, bytes], str]:
         """A base of `step` saved into host memory (the anchor handed off before the release):
-        this rank's files and its cursor (JSON); the driver writes and commits them."""
+        this rank's files and its cursor (JSON); the driver writes and commits them. An async
+        delta still in flight commits first: its agreement and seal are collectives on the
+        checkpoint group, on the manager's thread, and DCP's save into memory runs its own on
+        this one; interleaved, the ranks deadlocked (a delta of the step before the last, seen
+        in the bench's optimized job after two live recoveries)."""
         assert self.manager is not None
+        self.settle_delta()
         return self.manager.save_to_host(step, self.ctx.set_position(step, cursor))
 
     def commit_base(self, step: int, cursor: Cursor) -> Path:
-        """A base of `step`, committed before this returns (the anchor's checkpoint)."""
+        """A base of `step`, committed before this returns (the anchor's checkpoint); an async
+        delta in flight is settled first (its outcome recorded, as at any other save)."""
+        self.settle_delta()
         result = self.save_base(step, cursor)
         self.manager.wait()
         commit = result.commit_result()
