@@ -109,3 +109,25 @@ def test_on_this_machines_measured_numbers_no_prewarm_pays():
         d = decide_hold(0.0, next_run_at, est, margin_s=30.0, max_keep_alive_s=600.0, saving=saving,
                         slots=2, workers=3)
         assert d.rule is HoldRule.NONE, d.reason
+
+
+@pytest.mark.parametrize(("prewarm_s", "pays"), [(600.0, True), (2000.0, True), (3000.0, False)])
+def test_a_just_in_time_prewarm_pays_where_the_simulated_refresh_says_it_does(prewarm_s, pays):
+    """The rule prices a prewarm as the fleet simulator plays one (`ett.simulate`: every rank's
+    worker held `prewarm_s` before the run, which then starts warm): with no spread and no margin
+    it prewarms exactly when the simulated refresh's capETT is higher with the prewarm."""
+    import random
+    from dataclasses import replace
+
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.simulate import ASSUMED_COSTS, BASELINE, simulate_refresh
+
+    costs, gpus = replace(ASSUMED_COSTS, prewarm_s=prewarm_s), 64  # cold start 2,750 s, warm 404 s
+
+    def cap_ett(prewarm: bool) -> float:
+        events = simulate_refresh(costs, replace(BASELINE, prewarm=prewarm), None, gpus, random.Random(0))
+        return compute_run_metrics(events).capacity_ett_pct
+
+    decision = decide_hold(0.0, 10_000.0, PrewarmEstimate.of([prewarm_s]), margin_s=0.0, max_keep_alive_s=600.0,
+                           saving=StartSaving.of([costs.cold.total_s], [costs.warm.total_s]), slots=gpus, workers=gpus)
+    assert (decision.rule is HoldRule.JUST_IN_TIME) == pays == (cap_ett(True) > cap_ett(False)), decision.reason
