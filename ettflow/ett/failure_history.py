@@ -64,6 +64,7 @@ class RunHistory:
     # lost took its place, or every rank restarted (a spare started only at the loss: in neither)
     ttr_ready_spare_s: tuple[float, ...] = ()
     ttr_restart_s: tuple[float, ...] = ()
+    spare_start_s: tuple[float, ...] = ()  # spares started at a loss: request to ready (on the recovery's path)
 
     def __post_init__(self) -> None:
         if not (self.training_s >= 0 and math.isfinite(self.training_s)):
@@ -130,6 +131,8 @@ class HistoryEstimate:
     ttr_ready_spare_s: float | None = None  # mean TTR of recoveries by a spare ready at the loss
     ttr_restart_s: float | None = None  # mean TTR of recoveries that restarted every rank
     recoveries: int = 0  # how many recoveries those means are over
+    spare_start_s: float | None = None  # mean start of a spare started at a loss (what a held one saves)
+    spare_starts: int = 0
 
     @property
     def rate_per_h(self) -> float:
@@ -214,4 +217,6 @@ def estimate(history: Sequence[RunHistory], *, model: str, now: float,
         ttr_ready_spare_s=_mean([t for r in own for t in r.ttr_ready_spare_s]),
         ttr_restart_s=_mean([t for r in own for t in r.ttr_restart_s]),
         recoveries=sum(len(r.ttr_ready_spare_s) + len(r.ttr_restart_s) for r in own),
+        spare_start_s=_mean([t for r in own for t in r.spare_start_s]),
+        spare_starts=sum(len(r.spare_start_s) for r in own),
     )

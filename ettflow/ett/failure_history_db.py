@@ -32,6 +32,7 @@ from .checkpoint_tier import CheckpointTier
 from .event_attrs import attrs_of
 from .failure_history import EstimateConfig, HistoryEstimate, RunHistory, estimate
 from .failures import FailureClass
+from .spare_sizing import AT_LOSS
 from .warehouse_models import Attempt, Checkpoint, Event, Failure, RefreshLineage, Run, RunComponent
 
 TIER_OF_KIND: dict[str, CheckpointTier] = {"blocking": CheckpointTier.DURABLE}
@@ -63,6 +64,7 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
     recovered: dict[str, list[tuple[int, float, float]]] = defaultdict(list)  # (attempt, failed_at, ttr_s)
     handoffs: set[tuple[str, int]] = set()  # (run, attempt) where a spare took a lost rank's place
     spares_ready: dict[tuple[str, int], list[float]] = defaultdict(list)  # used spares' ready times
+    at_loss: dict[str, list[float]] = defaultdict(list)  # starts of spares started at a loss
     saves: dict[tuple[str, CheckpointTier, int, int | None], float] = {}
     attempts: dict[str, list[tuple[int, dict]]] = defaultdict(list)
     windows: dict[str, int] = {}
@@ -81,12 +83,15 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
                                            max(r.detected_at - r.failed_at, 0.0)))
                 if r.recovered and r.seq == 0 and r.ttr_s is not None:
                     recovered[r.run_id].append((r.attempt, r.failed_at, r.ttr_s))
-            for r in conn.execute(select(evs.c.run_id, evs.c.attempt, evs.c.phase, evs.c.end, evs.c.attrs).where(
+            for r in conn.execute(select(evs.c.run_id, evs.c.attempt, evs.c.phase, evs.c.start, evs.c.end,
+                                         evs.c.attrs).where(
                     evs.c.run_id.in_(chunk), evs.c.phase.in_(("spare_handoff", "spare_start")))):
                 if r.phase == "spare_handoff":
                     handoffs.add((r.run_id, r.attempt))
-                elif attrs_of("spare_start", r.attrs or {}).used:
+                elif (spare := attrs_of("spare_start", r.attrs or {})).used:
                     spares_ready[(r.run_id, r.attempt)].append(r.end)
+                    if spare.rule == AT_LOSS and r.end > r.start:
+                        at_loss[r.run_id].append(r.end - r.start)
             for r in conn.execute(select(ckpts.c.run_id, ckpts.c.kind, ckpts.c.attempt, ckpts.c.step,
                                          ckpts.c.duration_s).where(ckpts.c.run_id.in_(chunk),
                                                                    ckpts.c.kind.in_(list(TIER_OF_KIND)))):
@@ -118,6 +123,7 @@ def read_history(wh, *, since: float, until: float | None = None) -> list[RunHis
             windows=windows.get(r.run_id) or None, failures=tuple(f[1] for f in fs),
             detection_s=tuple(f[2] for f in fs), restore_s=restores,
             saves={tier: tuple(v) for tier, v in per_run_saves.get(r.run_id, {}).items()},
+            spare_start_s=tuple(at_loss.get(r.run_id, ())),
             **_ttrs(r.run_id, recovered.get(r.run_id, []), handoffs, spares_ready)))
     return out
 

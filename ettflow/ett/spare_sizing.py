@@ -22,7 +22,8 @@ number of spares they find best, so the decision and `ettflow simulate` price sp
 
 Defaults, stated where they are used (`SpareInputs`): with no history, `DEFAULT_RATE_PER_H`;
 the TTRs are this machine's measured ones (BENCHMARKS.md, live recovery on against off) until
-the model's own are measured. Pure: no I/O.
+the model's own are measured; likewise a spare's start at a loss (`DEFAULT_REPLACE_S`) until
+the model's spares started at a loss are (the failure history's `spare_start_s`). Pure: no I/O.
 """
 
 from __future__ import annotations

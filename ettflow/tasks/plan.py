@@ -264,9 +264,15 @@ def with_spares(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshP
     else:
         sources.append("TTRs: this machine's measured defaults (the model has not recovered both ways yet)")
     at_loss = _recovers_live_without_spare(t)
-    sources.append(f"without a spare: {'a spare started at the loss' if at_loss else 'every rank restarts'}")
-    costs = replace(ASSUMED_COSTS, detect_s=0.0, live_recovery_s=ready, restart_s=restart,
-                    spare_start_s=DEFAULT_REPLACE_S)
+    spare_start = DEFAULT_REPLACE_S
+    if estimate is not None and estimate.spare_start_s is not None:
+        spare_start = estimate.spare_start_s
+        measured = f"{spare_start:.1f} s, measured over {estimate.spare_starts}"
+    else:
+        measured = f"{spare_start:g} s assumed"
+    sources.append("without a spare: " + (f"a spare started at the loss ({measured})" if at_loss
+                                          else "every rank restarts"))
+    costs = replace(ASSUMED_COSTS, detect_s=0.0, live_recovery_s=ready, restart_s=restart, spare_start_s=spare_start)
     decision = size_spares(spare_inputs(costs, world_size=t.world_size, wall_s=wall, rate_per_s=rate,
                                         scripted_failures=kills, live_at_loss=at_loss, sources="; ".join(sources)))
     return replace(plan, spares=decision, trainer=replace(t, spares=decision.spares))

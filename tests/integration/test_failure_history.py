@@ -117,10 +117,11 @@ def test_recoveries_are_told_apart_by_how_they_recovered():
     handoffs = {("r", 1), ("r", 2)}  # attempts 1 and 2 began with a spare's hand-off
     ready = {("r", 1): [50.0], ("r", 2): [305.0]}  # attempt 1's spare was ready at 50; attempt 2's at 305
     assert _ttrs("r", recovered, handoffs, ready) == {"ttr_ready_spare_s": (2.0,), "ttr_restart_s": (12.0,)}
-    runs = [run("m1", "m", 300.0, 1.0, ttr_ready_spare_s=(2.0, 4.0), ttr_restart_s=(12.0,)),
-            run("m2", "m", 400.0, 1.0, ttr_restart_s=(8.0,))]
+    runs = [run("m1", "m", 300.0, 1.0, ttr_ready_spare_s=(2.0, 4.0), ttr_restart_s=(12.0,), spare_start_s=(6.0,)),
+            run("m2", "m", 400.0, 1.0, ttr_restart_s=(8.0,), spare_start_s=(7.0, 8.0))]
     est = estimate(runs, model="m", now=1000.0, config=EstimateConfig(prior_hours=1.0))
     assert (est.ttr_ready_spare_s, est.ttr_restart_s, est.recoveries) == (3.0, 10.0, 4)
+    assert (est.spare_start_s, est.spare_starts) == (7.0, 3)  # spares started at a loss, request to ready
 
 
 def test_bad_config_is_refused():
@@ -164,6 +165,28 @@ def test_history_read_from_the_warehouse(warehouse_url):
     fleet_rate = 3600 / 19
     assert est.runs == 1 and est.rate_per_h == pytest.approx((fleet_rate + 1) / (1 + 19 / 3600))
     assert est.save_blocking_s == {CheckpointTier.DURABLE: 1.0} and est.step_s == 1.0 and est.steps_per_window == 6.5
+    assert a.spare_start_s == () and est.spare_start_s is None  # no spare started at its loss
+
+
+def test_spares_started_at_a_loss_are_read_back_with_their_start(warehouse_url):
+    """The driver's `spare_start` of a spare started when a rank was lost (rule spare-at-loss):
+    its request to ready is what a held spare saves on a CPU placement (the spare decision)."""
+    from test_warehouse import info_for, run_events
+
+    from ettflow.ett.events import PhaseEvent
+    from ettflow.ett.failure_history_db import read_history
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.warehouse import Warehouse
+
+    events = run_events("run-s", t0=1_000.0) + [
+        PhaseEvent(run_id="run-s", attempt=1, rank=-1, phase="spare_start", start=1_030.0, end=1_036.5,
+                   attrs={"used": True, "taken_at": 1_036.5, "rule": "spare-at-loss"}, seq=900),
+        PhaseEvent(run_id="run-s", attempt=0, rank=-1, phase="spare_start", start=1_000.0, end=1_000.0,
+                   attrs={"used": False, "released_at": 1_050.0, "rule": "spare-by-saving"}, seq=901)]
+    with Warehouse.open(warehouse_url) as wh:
+        wh.archive_run(info_for("run-s"), events, compute_run_metrics(events))
+        history = read_history(wh, since=500.0)
+    assert [h.spare_start_s for h in history] == [(6.5,)]  # the held one, unused, is not a start at a loss
 
 
 def test_the_plan_takes_the_interval_from_history(flow_data, tmp_path):
@@ -219,7 +242,10 @@ def test_the_plan_sizes_spares_by_their_expected_saving(flow_data, tmp_path):
     # 2.08 expected failures x 10 s saved x 2 slots = 42 slot-s < 3,000: still none; the measured restart
     # (301 s) is not what a held spare saves here, the at-loss spare's start is
     assert measured.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * DEFAULT_REPLACE_S * 2)
-    assert "measured over 5 recoveries" in measured.spares.reason
+    assert "measured over 5 recoveries" in measured.spares.reason and "(10 s assumed)" in measured.spares.reason
+    started = with_spares(plan, swap(est, spare_start_s=6.0, spare_starts=3))  # the model's at-loss spares measured
+    assert started.spares.saving_slot_s[0] == pytest.approx(2.5 / 3600 * 3000.0 * 6.0 * 2)
+    assert "a spare started at the loss (6.0 s, measured over 3)" in started.spares.reason
     cold = with_spares(plan, None)  # no history: the stated defaults
     assert cold.spares.cost_slot_s == DEFAULT_WALL_S and "no history" in cold.spares.reason
     kills = [f"kill:rank={i % 2}:step={i + 1}" for i in range(4)]
