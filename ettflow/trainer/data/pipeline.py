@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ class DataPipeline:
         self.schema = config.schema
         self.index = StreamIndex(config.root, config.schema, config.windows)
         self._decoded: OrderedDict[Path, Columns] = OrderedDict()
-        self._ahead: dict[Path, _ReadAhead] = {}  # files being read ahead (prefetched streams)
+        self._ahead: dict[Path, Future[Columns]] = {}  # files being read ahead (prefetched streams)
         filled = [p for p in self.index.files if p.num_rows > 0]  # an empty file is never read
         self._after = dict(zip((p.path for p in filled), filled[1:]))
 
@@ -121,7 +122,7 @@ class DataPipeline:
     def _read_ahead_after(self, part: PartFile) -> None:
         nxt = self._after.get(part.path)
         if nxt is not None and nxt.path not in self._decoded and nxt.path not in self._ahead:
-            self._ahead[nxt.path] = _ReadAhead(lambda: self._read(nxt))
+            self._ahead[nxt.path] = _read_ahead(lambda: self._read(nxt))
 
     def _columns(self, part: PartFile) -> Columns:
         columns = self._decoded.get(part.path)
@@ -144,27 +145,16 @@ class DataPipeline:
         return decode_table(table, self.schema, source=str(part.path))
 
 
-class _ReadAhead:
-    """One file read and decoded in a daemon thread; `result()` waits for it and returns its
-    columns or raises its error (the consumer's thread sees it where a synchronous read would)."""
+def _read_ahead(read: Callable[[], Columns]) -> Future[Columns]:
+    """`read` run in a daemon thread (one file, read and decoded); the consumer's `result()`
+    returns its columns or raises its error where a synchronous read would."""
+    future: Future[Columns] = Future()
 
-    def __init__(self, read) -> None:
-        self._done = threading.Event()
-        self._value: Columns | None = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(read,), name="ettflow-readahead", daemon=True).start()
-
-    def _run(self, read) -> None:
+    def run() -> None:
         try:
-            self._value = read()
+            future.set_result(read())
         except BaseException as e:  # noqa: BLE001 - raised in the consumer by result()
-            self._error = e
-        finally:
-            self._done.set()
+            future.set_exception(e)
 
-    def result(self) -> Columns:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
+    threading.Thread(target=run, name="ettflow-readahead", daemon=True).start()
+    return future
