@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ettflow.ett.events import FAILURE_DETECTED
 from ettflow.ett.spool import read_spool
 from ettflow.ett.warehouse import COMPONENT_COLUMNS, Warehouse
 from ettflow.tasks import run_spool
@@ -138,10 +139,13 @@ def _corrupt(folder: Path) -> Path:
 
 
 class CorruptOnFailure(threading.Thread):
-    """Waits for the run's first `failure` marker (the rank writes it the instant the fault
-    fires, before it dies), then damages the newest committed checkpoint (a base, or with the
-    optimized preset's delta checkpoints a delta): the restart must find it torn. Records which
-    folder, which file, and the newest step still restorable (its chain whole and verified)."""
+    """Waits for the driver's first `failure_detected` marker, then damages the newest committed
+    checkpoint (a base, or with the optimized preset's delta checkpoints a delta): the restart
+    must find it torn. Records which folder, which file, and the newest step still restorable
+    (its chain whole and verified). Not the rank's own `failure` marker: it is written just
+    before the rank's SIGKILL lands, and on a loaded host the rank's background save can still
+    commit a newer step in between (CI saw step 15 commit after the scan chose step 10); the
+    driver marks the detection once it saw the process die, so the set of commits is final."""
 
     def __init__(self, spool_root: Path, work_root: Path, after_step: int | None = None) -> None:
         """`after_step`: damage it once a rank trained that step instead (before the failure)."""
@@ -151,7 +155,7 @@ class CorruptOnFailure(threading.Thread):
 
     def _due(self, evs) -> bool:
         if self.after_step is None:
-            return any(e.phase == "failure" for e in evs)
+            return any(e.phase == FAILURE_DETECTED for e in evs)
         return any(e.phase == "train_step" and e.attrs.get("step", -1) >= self.after_step for e in evs)
 
     def run(self) -> None:
