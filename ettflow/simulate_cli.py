@@ -68,8 +68,17 @@ def validation_rows(measured) -> list[dict]:
                      "ETT%": round(m.ett_pct, 1), "sim_ETT%": round(sim.ett_pct, 1),
                      "capETT%": round(m.capacity_ett_pct, 1), "sim_capETT%": round(sim.capacity_ett_pct, 1),
                      "d_ETT": round(sim.ett_pct - m.ett_pct, 2),
-                     "d_capETT": round(sim.capacity_ett_pct - m.capacity_ett_pct, 2)})
+                     "d_capETT": round(sim.capacity_ett_pct - m.capacity_ett_pct, 2),
+                     "most_off": _most_off(m.components, sim.components)})
     return rows
+
+
+def _most_off(measured: dict[str, float], simulated: dict[str, float]) -> str:
+    """The component whose simulated seconds differ most from the measured ones: where a
+    replay's difference comes from ("wasted_training +1.2 s")."""
+    deltas = {c: simulated.get(c, 0.0) - measured.get(c, 0.0) for c in {*measured, *simulated}}
+    worst = max(sorted(deltas), key=lambda c: abs(deltas[c]))
+    return f"{worst} {deltas[worst]:+.1f} s"
 
 
 def _gpus(text: str) -> list[int]:

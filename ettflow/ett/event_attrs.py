@@ -115,6 +115,7 @@ class FailureAttrs(EventAttrs):
     hang: bool = False
     injected: bool = False
     secondary: bool = False
+    owner_lost: bool = False
     fault_index: int | None = None
     process_stopped: bool = False
     task: str | None = None
@@ -124,7 +125,8 @@ class FailureAttrs(EventAttrs):
         return Failure(failure_class=FailureClass.parse(self.failure_class or "infrastructure"),
                        rank=self.failed_rank if self.failed_rank is not None else -1, attempt=attempt,
                        step=self.step, reason=self.reason or "", detail=self.detail or "", path=self.path,
-                       node=self.node, injected=self.injected, secondary=self.secondary, hang=self.hang)
+                       node=self.node, injected=self.injected, secondary=self.secondary, hang=self.hang,
+                       owner_lost=self.owner_lost)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -80,6 +80,10 @@ class Failure:
         taken as an attempt's cause while the cause itself is known.
     hang: the watchdog found the rank hung (or a scripted hang fired): the time up to the
         detection is the hang's (`ett.timeline`), not work lost in flight.
+    owner_lost: the rank's process was ended by Ray because the actor that owned it (the
+        cluster's pool, which started it prewarmed) died. The driver found this cause itself: the
+        ranks' own markers (Ray's SIGTERM, which a rank takes for a preemption) are its
+        consequence, so the detection types the attempt (`classify.on_lost_owner`).
     """
 
     failure_class: FailureClass
@@ -93,6 +97,7 @@ class Failure:
     injected: bool = False
     secondary: bool = False
     hang: bool = False
+    owner_lost: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failure_class", FailureClass.parse(self.failure_class))
@@ -120,6 +125,8 @@ class Failure:
             out["secondary"] = True
         if self.hang:
             out["hang"] = True
+        if self.owner_lost:
+            out["owner_lost"] = True
         return out
 
 

@@ -234,7 +234,10 @@ def faults(events: Sequence[PhaseEvent]) -> list[Fault]:
     for attempt in sorted(set(failed) | set(detected)):
         f = min(failed.get(attempt) or detected[attempt], key=lambda e: e.start)
         d = min(detected.get(attempt) or failed[attempt], key=lambda e: e.start)
-        first = f if f.phase == FAILURE else d
+        # the driver's detection types the attempt when it found the cause itself (the ranks'
+        # owner lost: their own markers, a SIGTERM taken for a preemption, are its consequence)
+        first = next((e for e in detected.get(attempt, ()) if e.info.owner_lost), None) or \
+            (f if f.phase == FAILURE else d)
         out.append(
             Fault(
                 attempt=attempt,

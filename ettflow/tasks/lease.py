@@ -25,7 +25,7 @@ from typing import Any
 
 from ettflow.ett.failures import Failure
 from ettflow.tasks.run_spool import RunRecorder
-from ettflow.trainer.group.driver import LiveGroup, PlacedGroup, ReleasingGroup, WorkerGroup
+from ettflow.trainer.group.driver import LiveGroup, OwnedGroup, PlacedGroup, ReleasingGroup, WorkerGroup
 from ettflow.trainer.protocol import PollStatus
 
 log = logging.getLogger("ettflow.tasks")
@@ -86,6 +86,9 @@ class HeldGroup:
         status = self.group.poll(timeout_s)
         self.finished.update(status.finished)
         return status
+
+    def owner_cause(self, failure: Failure) -> Failure:
+        return self.group.owner_cause(failure) if isinstance(self.group, OwnedGroup) else failure
 
     def kill(self, rank: int) -> None:
         self.group.kill(rank)

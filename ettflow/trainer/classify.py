@@ -101,11 +101,13 @@ def _typed(exc: BaseException, rank: int) -> Failure:
 
 
 def primary_failure(failures: Sequence[Failure]) -> Failure:
-    """The attempt's cause among its ranks' failures: a dead or preempted process first (its
+    """The attempt's cause among its ranks' failures: a process ended with its lost owner first
+    (what the ranks said of their end is its consequence), then a dead or preempted process (its
     peers fail because of it), then any failure that is not a lost peer, in arrival order."""
     if not failures:
         raise ValueError("primary_failure needs at least one failure")
-    return next((f for f in failures if is_process_loss(f)), None) or \
+    return next((f for f in failures if f.owner_lost), None) or \
+        next((f for f in failures if is_process_loss(f)), None) or \
         next((f for f in failures if not f.secondary), failures[0])
 
 
@@ -122,6 +124,17 @@ def on_lost_node(failure: Failure, *, node: str, address: str) -> Failure:
     who = f"rank {failure.rank}" if failure.rank >= 0 else "driver"
     return replace(failure, failure_class=FailureClass.INFRASTRUCTURE, node=node,
                    reason=f"{who}: node {node} ({address}) lost")
+
+
+def on_lost_owner(failure: Failure, *, owner: str) -> Failure:
+    """A rank's process loss (or the preemption its SIGTERM looked like) after `owner`, the actor
+    that owned the process, died: Ray ends what a dead actor owned, so the cause is the owner's
+    loss, infrastructure, found by the driver (`Failure.owner_lost`)."""
+    if not is_process_loss(failure):
+        raise ValueError(f"only a lost process is a lost owner's failure, got {failure.summary!r}")
+    who = f"rank {failure.rank}" if failure.rank >= 0 else "driver"
+    return replace(failure, failure_class=FailureClass.INFRASTRUCTURE, owner_lost=True,
+                   reason=f"{who}: its process was ended with its owner, {owner}, which was lost")
 
 
 def _failure(klass: FailureClass, rank: int, what: str, exc: BaseException, *, path: str | None = None) -> Failure:

@@ -66,7 +66,7 @@ def test_quick_bench_at_tiny_sizes(tmp_path, prefect_harness, ray_session, capsy
 
     with Warehouse.open(url) as wh:
         replayed = validation_rows([measure_run(wh.events_for(r)) for r in runs["run_id"]])
-    assert all(abs(r["d_ETT"]) <= 3 and abs(r["d_capETT"]) <= 3 for r in replayed), replayed
+    assert all(abs(r["d_ETT"]) <= 3 and abs(r["d_capETT"]) <= 3 for r in replayed), "\n".join(map(str, replayed))
     assert sorted(r["NoF"] for r in replayed) == [2, 2]
     results_md = (results / "results.md").read_text()
     assert "Command: `ettflow bench --quick" in results_md and "--switch compile=false" in results_md

@@ -91,7 +91,10 @@ def test_the_cluster_pool_killed_mid_run_and_between_runs_costs_no_run_its_corre
     row, _, failures = warehouse_row(warehouse, hit)
     clean, _, _ = warehouse_row(warehouse, after)  # the same window trained with no failure
     assert row["status"] == "completed" and row["nof"] >= 1, row.to_dict()
-    assert set(failures["failure_class"]) == {"infrastructure"}, failures.to_dict("records")  # its ranks died
+    # its ranks ended with their owner: the pool's loss, whatever the ranks made of Ray's signal
+    assert set(failures["failure_class"]) == {"infrastructure"}, failures.to_dict("records")
+    assert all(r.endswith("its process was ended with its owner, the cluster's pool, which was lost")
+               for r in failures["reason"]), failures.to_dict("records")
     assert row["effective_steps"] == clean["effective_steps"] > 0, (row.to_dict(), clean.to_dict())
     last = max(e.attempt for e in events)
     assert last >= 1  # the kill took the pooled ranks: a later attempt of fresh ones finished

@@ -13,9 +13,10 @@ from ettflow.ett.capacity import held_by_model, holdings_of_run
 from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter, read_spool
+from ettflow.tasks.lease import HeldGroup
 from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.checkpoint.anchor import AnchorInfo
-from ettflow.trainer.classify import primary_failure
+from ettflow.trainer.classify import on_lost_owner, primary_failure
 from ettflow.trainer.collectives import Groups
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
@@ -363,6 +364,68 @@ def test_primary_failure_prefers_the_dead_process():
     assert primary_failure([lost, bug]) == bug  # a lost peer is never the cause when one is known
     assert primary_failure([bug, died(1)]) == died(1)
     assert primary_failure([lost]) == lost
+    ended = on_lost_owner(Failure(failure_class=FailureClass.PREEMPTION, rank=0, reason="SIGTERM"),
+                          owner="the cluster's pool")
+    assert primary_failure([died(1), ended]) == ended  # what the ranks said of their end is its consequence
+    with pytest.raises(ValueError, match="only a lost process"):
+        on_lost_owner(bug, owner="the cluster's pool")
+
+
+class OwnedScriptedGroup(ScriptedGroup):
+    """Ranks whose processes the cluster's pool owns: `owner-gone` is Ray ending a rank whose
+    owner died (a SIGTERM the rank takes for a preemption: its marker, its typed outcome).
+    `owner_dead`: whether the pool is gone when the driver asks."""
+
+    owner_dead = True
+    asked: list[Failure] = []
+
+    def poll(self, timeout_s: float):
+        t0 = self.run.clock.t
+        status = super().poll(timeout_s)
+        failed = list(status.failed)
+        for rank in [r for r in self.writers if self.script.get((r, self.polls)) == "owner-gone"]:
+            self.writers[rank].mark("failure", t0 + 0.25, failure_class="preemption", failed_rank=rank,
+                                    reason=f"rank {rank}: SIGTERM: preempted")
+            self.killed.append(rank)
+            failed.append(Failure(failure_class=FailureClass.PREEMPTION, rank=rank, reason=f"rank {rank}: preempted"))
+        return PollStatus(finished=status.finished, failed=tuple(failed))
+
+    def owner_cause(self, failure: Failure) -> Failure:
+        self.asked.append(failure)
+        return on_lost_owner(failure, owner="the cluster's pool") if self.owner_dead else failure
+
+
+def held(run, attempt: int, script: dict) -> HeldGroup:
+    """The group as the flow's train task hands it to the driver: inside its lease's wrapper."""
+    return HeldGroup(OwnedScriptedGroup(run, attempt, script), attempt, run.config.world_size, hold=False)
+
+
+@pytest.mark.parametrize("owner_dead,group_cls", [(True, OwnedScriptedGroup), (False, OwnedScriptedGroup),
+                                                  (True, held)])
+def test_a_rank_ended_with_its_lost_owner_is_the_owners_infrastructure_failure_not_a_preemption(
+        tmp_path, monkeypatch, owner_dead, group_cls):
+    """The cluster's pool that started rank 0 dies: Ray SIGTERMs the rank, which marks a
+    preemption. The driver asks the group (through the lease's wrapper too), which finds the
+    owner gone: the attempt's failure, its detection marker and the run's metrics say
+    infrastructure (the owner's loss), never a preemption. With the owner alive, a SIGTERM is
+    the preemption it says."""
+    monkeypatch.setattr(OwnedScriptedGroup, "owner_dead", owner_dead)
+    monkeypatch.setattr(OwnedScriptedGroup, "asked", [])
+    run = Run(tmp_path, [{(0, 3): "owner-gone"}, finish_at(3)], group_cls=group_cls)
+    result = run.drive()
+    (failure,) = result.failures
+    assert [(f.rank, f.failure_class) for f in OwnedScriptedGroup.asked] == [(0, FailureClass.PREEMPTION)]
+    (detected,) = run.markers("failure_detected")
+    m = run.metrics()
+    if owner_dead:
+        assert (failure.failure_class, failure.rank, failure.owner_lost) == (INFRA, 0, True)
+        assert failure.reason == "rank 0: its process was ended with its owner, the cluster's pool, which was lost"
+        assert detected.info.owner_lost and detected.attrs["failure_class"] == "infrastructure"
+        assert [(f.failure_class, f.reason) for f in m.failures] == [("infrastructure", failure.reason)]
+    else:
+        assert (failure.failure_class, failure.owner_lost) == (FailureClass.PREEMPTION, False)
+        assert not detected.info.owner_lost
+        assert [f.failure_class for f in m.failures] == ["preemption"]
 
 
 def test_hang_is_caught_by_the_step_watchdog(tmp_path):

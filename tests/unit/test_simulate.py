@@ -149,3 +149,11 @@ def test_the_command_prints_both_policies_per_gpu_count_and_draws_them(tmp_path,
         with pytest.raises(SystemExit, match="--gpus must be positive integers"):
             main(["simulate", "--gpus", bad])
     assert main(["simulate", "--validate"]) == 2
+
+
+def test_a_replays_difference_names_the_component_it_comes_from():
+    from ettflow.simulate_cli import _most_off
+
+    assert _most_off({"scheduling": 1.0, "wasted_training": 2.0}, {"scheduling": 1.5, "wasted_training": 0.8}) \
+        == "wasted_training -1.2 s"
+    assert _most_off({"scheduling": 1.0}, {"scheduling": 1.0, "shutdown": 0.25}) == "shutdown +0.2 s"

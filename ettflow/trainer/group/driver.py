@@ -109,6 +109,14 @@ class PreemptibleGroup(WorkerGroup, Protocol):
 
 
 @runtime_checkable
+class OwnedGroup(WorkerGroup, Protocol):
+    """A group whose rank processes may be owned by another actor (the cluster's pool, which
+    prewarmed them): Ray ends them when it dies, with a SIGTERM a rank takes for a preemption."""
+
+    def owner_cause(self, failure: Failure) -> Failure: ...  # `failure`, or its owner's loss when that ended it
+
+
+@runtime_checkable
 class LiveGroup(WorkerGroup, Protocol):
     """A group that can recover live: its healthy ranks keep running through a peer's failure
     and a warm spare takes the failed rank (live_recovery.py)."""
@@ -446,6 +454,8 @@ class TrainingDriver:
         while not any(is_process_loss(f) for f in failed) and self.clock() < deadline:
             failed = failed + list(group.poll(self.poll_s).failed)
         failure = primary_failure(failed)
+        if isinstance(group, OwnedGroup) and is_process_loss(failure):
+            failure = group.owner_cause(failure)
         failure = replace(failure, attempt=attempt,
                           step=failure.step if failure.step is not None else self._step_of(attempt, failure.rank))
         rec.mark(FAILURE_DETECTED, detected, **failure.to_attrs())

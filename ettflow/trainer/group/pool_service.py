@@ -234,6 +234,10 @@ class PoolService:
                             "is not in the ledger", self.journal.path, exc)
             self._journal_failed = True
 
+    def ping(self) -> bool:
+        """An answer: the service is alive (`WarmPool.service_lost`)."""
+        return True
+
     def cold_note(self, model: str) -> str | None:
         """Why the model's run found nothing prewarmed, when the reason is that the previous
         service died (once per model); None otherwise."""

@@ -16,7 +16,8 @@ A restart asks for fewer ranks when the live nodes cannot hold `world_size` and 
 it (`min_world_size`); while its placement waits, the live nodes are read again every
 `RECHECK_S`, so a node that dies (or comes back) during the wait changes what is asked for.
 The wait is bounded by `capacity_wait_s`. A rank whose process died on a node the cluster lists
-as dead is the node's failure, with the node named (`classify.on_lost_node`).
+as dead is the node's failure, with the node named (`classify.on_lost_node`); one the cluster's
+pool started, lost after that pool died, is its owner's (`classify.on_lost_owner`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, keeper_name, start_keeper
-from ettflow.trainer.classify import failure_from_exception, is_process_loss, on_lost_node
+from ettflow.trainer.classify import failure_from_exception, is_process_loss, on_lost_node, on_lost_owner
 from ettflow.trainer.compile.process_cache import has_archive
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.faults import pending_faults
@@ -49,12 +50,13 @@ from ettflow.trainer.group.durable_audit import DurableAudit
 from ettflow.trainer.group.restore_choice import choose_restore_point, newest_committed, restart_point
 from ettflow.trainer.group.spare_pool import SparePool
 from ettflow.trainer.group.stop_request import note_stop, stop_noted
-from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start
+from ettflow.trainer.group.warm_pool import POOL, WarmPool, record_start, service_lost
 from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_that_fit
 from ettflow.trainer.protocol import MEMORY, PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
+    from ettflow.trainer.group.pool_service import PoolHandle
 
 log = logging.getLogger("ettflow.trainer")
 RECHECK_S = 1.0  # while a placement waits: how often the live nodes are read again
@@ -286,6 +288,8 @@ class RayWorkerGroup:
         # a live recovery re-ran the loop)
         self.asked_at: float | None = None
         self.pooled_ranks = 0
+        self.owner: PoolHandle | None = None  # the cluster's pool that started ranks of this attempt
+        self.cluster_owned: set[int] = set()  # ranks whose process it owns (`owner_cause`)
         self.trained_from: dict[int, float] = {}
 
     @property
@@ -376,6 +380,9 @@ class RayWorkerGroup:
             else a.ready.remote() for rank, a in enumerate(self.actors)])
         self._record_pooled(pooled)
         self.asked_at, self.pooled_ranks = requested_at, sum(p is not None for p in pooled)
+        # the cluster's pool that gave ranks, kept: the pool forgets a service that failed a call
+        self.owner = self.pool.service if any(p is not None for p in pooled) else None
+        self.cluster_owned = {r for r, p in enumerate(pooled) if p is not None} if self.owner is not None else set()
         if self.recovers_live:
             self.spares = SparePool(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls, pool=self.pool,
                                     bundle=(self.pg, self.bundles.spare) if gpu else None)
@@ -516,6 +523,7 @@ class RayWorkerGroup:
         if self.spares.bundle is not None:  # the next spare starts in the bundle the failed rank left
             self.spares.bundle = (self.pg, self.bundles.hand_off(failure.rank))
         self.attempt, self.joining, self.finished = attempt, failure.rank, set()
+        self.cluster_owned.discard(failure.rank)  # a spare's owner is not tracked: its loss is typed as it is
         self.asked_at = None  # the loop starts again on every rank: not a start the pool can save
 
     def resume(self, point: RestorePoint) -> None:
@@ -562,6 +570,15 @@ class RayWorkerGroup:
         if listed is not None and not raylet_refuses(listed):
             return failure
         return on_lost_node(failure, node=node, address=self.info[failure.rank].node_ip)
+
+    def owner_cause(self, failure: Failure) -> Failure:
+        """A lost rank the cluster's pool started, after that pool died: the owner's loss
+        (`classify.on_lost_owner`): Ray SIGTERMs what a dead actor owned, which the rank takes for
+        a preemption. Not asked while the group is being preempted or its local Ray goes."""
+        if self.preempting or local_ray_going() or failure.rank not in self.cluster_owned \
+                or self.owner is None or not service_lost(self.owner):
+            return failure
+        return on_lost_owner(failure, owner="the cluster's pool")
 
     def kill(self, rank: int) -> None:
         info = self.info[rank]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayTaskError
 
 from ettflow.ett.run_summary import short_reason
 from ettflow.trainer.config import TrainerConfig
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["POOL", "POOL_RUN_ID", "PooledWorker", "WarmPool", "record_start", "start_worker", "warm_key"]
 
 log = logging.getLogger("ettflow.trainer")
+# the longest a rank's loss waits to hear whether the cluster's pool still answers (a busy one
+# answers within it: the service runs 8 calls at once)
+SERVICE_PING_S = 5.0
 OWNER_END_S = 5.0  # the longest a process's exit waits for its RunOwner to end (`WarmPool._end_owner`)
 
 
@@ -262,4 +265,20 @@ class WarmPool:
 
 
 POOL = WarmPool()
+
+
+def service_lost(service: PoolHandle) -> bool:
+    """Whether the cluster's pool `service` (a handle kept from when it gave workers: the pool
+    forgets one that failed a call) has died: Ray ends what it owned, the workers it gave a run
+    included. One busy or unreachable for a moment is not lost: only Ray's verdict that the
+    actor died says so."""
+    if not ray.is_initialized():
+        return False
+    try:
+        ray.get(service.ping.remote(), timeout=SERVICE_PING_S)
+    except ActorDiedError:
+        return True
+    except (GetTimeoutError, RayActorError, RayTaskError):
+        return False
+    return False
 atexit.register(POOL.close)
