@@ -29,9 +29,11 @@ One refresh (`simulate_refresh`), times from its submission (0):
 
 The checkpoint interval is `Policy.interval_s`, or Young's for the job's rate and the save's
 blocking (`checkpoint_interval.young_interval`), at least one block. A block is at most an
-interval / `BLOCKS_PER_INTERVAL` and the run emits at most `MAX_BLOCKS` of them, so a 16k-GPU
-run of hours simulates in milliseconds. The rank dimension is one rank whose `scheduling`
-record carries `world_size = gpus` (the capacity counts every GPU as one slot).
+interval / `BLOCKS_PER_INTERVAL` and the run emits at most `MAX_BLOCKS` of them, and the
+intervals no failure interrupts are one step record and their saves (`ahead` in
+`simulate_refresh`: the same numbers), so a 16k-GPU run of hours simulates in milliseconds.
+The rank dimension is one rank whose `scheduling` record carries `world_size = gpus` (the
+capacity counts every GPU as one slot).
 """
 
 from __future__ import annotations
@@ -246,6 +248,36 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
         busy += into
         return t + into, t + into
 
+    def ahead(t: float, position: int, saved: int) -> tuple[float, int, int, float | None]:
+        """The whole intervals (each its blocks, then its save) that end before the next failure
+        and before the training's last save, from `position` (an interval's start): one
+        `train_step` for their blocks, then their saves, not a step record per block between them
+        (the blocks after the last save are recorded one by one, as before a failure). A failure
+        restarts from the last save either way, and the metric code reads the steps by their
+        cursors, so ETT and its components are the same (and `measure_run` reads the saves'
+        count and steps); an attempt's first step record is the long one, so no later block
+        reads as a stall. Returns (t, position, saved, failed_at)."""
+        now = t if scripted is not None else busy
+        room = fail_at - now - 1e-9  # the blocks and saves that fit before the failure
+        saves_left = (blocks - position - 1) // per_interval  # the saves between here and the end
+        whole = per_interval * block + costs.save_blocking_s  # an interval and its save
+        intervals = saves_left if room >= saves_left * whole else max(int(room // whole), 0)
+        trained, saves = intervals * per_interval, intervals
+        if trained <= 1:
+            return t, position, saved, None
+        end, failed_at = run_for(t, trained * block)
+        if failed_at is not None:  # not expected (room was checked): the blocks are lost as a failure would lose them
+            return end, position, saved, failed_at
+        run.ev("train_step", t, end, cursor_start=position, cursor_end=position + trained)
+        start, t, position = position, end, position + trained
+        for k in range(1, saves + 1):  # one record per save, back to back: their count and steps as trained
+            end, failed_at = run_for(t, costs.save_blocking_s)
+            if failed_at is not None:
+                return end, position, saved, failed_at
+            run.ev("checkpoint_save_blocking", t, end, step=start + k * per_interval)
+            t, saved = end, start + k * per_interval
+        return t, position, saved, None
+
     t, done, saved = 0.0, 0, 0  # done: blocks trained (new data); saved: blocks in the last checkpoint
     start = costs.warm if policy.prewarm else costs.cold
     restart_kind: str | None = None  # how the current attempt began after a failure
@@ -271,6 +303,9 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
             run.ev("spare_handoff", t, t + recovery, DRIVER, world_size=gpus)  # no failure drawn in it
             t += recovery
         position = saved
+        if failed_at is None:
+            t, position, saved, failed_at = ahead(t, position, saved)
+            done = max(done, position)
         while failed_at is None and position < blocks:
             end, failed_at = run_for(t, block)
             if failed_at is not None:

@@ -64,8 +64,24 @@ def test_a_ready_spare_recovers_live_and_its_holding_counts_in_the_capacity_ett(
 def test_a_failure_after_a_save_replays_what_was_trained_since():
     m = _run(Policy(name="restart", live_recovery=False, interval_s=20), failures=(47.0,))
     # block 7 (46-51) dies at 47; blocks 4-6 (31-46) trained since the save at 30: replayed after
-    # the restart (49-59), 15 s of replay + 1 s in flight + 4 saves
-    assert m.replayed_steps == 3 and m.components["wasted_training"] == pytest.approx(15 + (49 - 46) + 4)
+    # the restart (49-59), 15 s of replay + 1 s in flight + 4 saves. The restart's blocks up to its
+    # last save are one step record (`ahead`): the replay is part of it (one replayed record)
+    assert m.replayed_steps == 1 and m.components["wasted_training"] == pytest.approx(15 + (49 - 46) + 4)
+
+
+def test_failure_free_intervals_are_one_step_record_and_change_no_number():
+    """The intervals before a failure (and before the last save) are one `train_step` and their
+    saves; the blocks after are one record each: the same ETT, capETT, components and saves as a
+    record per block (the numbers here are the per-block ones: 10 s start, 100 s of blocks of
+    5 s, a save of 1 s every 4 blocks)."""
+    events = simulate_refresh(COSTS, Policy(name="restart", live_recovery=False, interval_s=20), None, 2,
+                              random.Random(0), failure_times=())
+    steps = [(e.attrs["cursor_start"], e.attrs["cursor_end"]) for e in events if e.phase == "train_step"]
+    saves = [e.info.step for e in events if e.phase == "checkpoint_save_blocking"]
+    assert steps == [(0, 16), (16, 17), (17, 18), (18, 19), (19, 20)] and saves == [4, 8, 12, 16]
+    m = compute_run_metrics(events)
+    assert (m.wall_s, m.ett_pct, m.components["wasted_training"], m.checkpoint_saves) == (
+        118.0, 100 / 118 * 100, 4.0, 4)
 
 
 def test_the_spare_decision_prices_the_simulators_recoveries():
