@@ -99,12 +99,18 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
         assert len(prestart) == 1 and prestart[0].duration > 0, prestart
         assert runs.loc[second, "wall_start"] >= prestart[0].end
         # the pool weighed a just-in-time prewarm for the cron's next run against the start it
-        # would save (the runs' own measured starts) and holds nothing: it would not pay here
+        # would save (the runs' own measured starts) and holds nothing: it would not pay here.
+        # Unless the cold starts measured were long enough that saving all of one would pay (a
+        # loaded host): then it plans, hours ahead, to prewarm that run to measure a pooled start
         held = ettflow(env, "pool", "status", timeout=120)
         assert held.returncode == 0, held.stdout + held.stderr
-        assert re.search(r"decided +model dlrm .*nothing held .*\[none\]", held.stdout), held.stdout
-        assert re.search(r"rule +model dlrm +next scheduled run in \d+ s; a just-in-time prewarm would hold \d+ x "
-                         r"\d+ s .* slot-s to save 2 rank\(s\) x start saved", held.stdout), held.stdout
+        if "prewarmed to measure one" not in held.stdout:
+            assert re.search(r"decided +model dlrm .*nothing held .*\[none\]", held.stdout), held.stdout
+            assert re.search(r"rule +model dlrm +next scheduled run in \d+ s; a just-in-time prewarm would hold \d+ x "
+                             r"\d+ s .* slot-s to save 2 rank\(s\) x start saved", held.stdout), held.stdout
+        else:
+            assert re.search(r"planned +model dlrm .*before its next scheduled run\) \[just-in-time\]", held.stdout), \
+                held.stdout
         assert not re.search(r"^  worker ", held.stdout, re.M), held.stdout
         _what_the_api_shows(api, home, second, api_port)
         worker_log = (home / "stack" / "logs" / "worker.log").read_text()

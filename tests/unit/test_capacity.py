@@ -151,12 +151,13 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     the margin before the run it prewarms; an unclaimed worker goes `margin_s` after the
     scheduled time. With no schedule it fills at once under the keep-alive (a fake start: no Ray).
     Each release brings its run's measured start, and nothing is prewarmed until the start it
-    would save (2 ranks) exceeds what the workers would hold (3 x the lead)."""
+    would save (2 ranks) exceeds what the workers would hold (3 x the lead), once the pool's
+    prewarms to measure a pooled start are spent."""
     from types import SimpleNamespace
 
     from ettflow.trainer.config import TrainerConfig
     from ettflow.trainer.data.schema import criteo_schema
-    from ettflow.trainer.group.hold_rule import DEFAULT_PREWARM_S
+    from ettflow.trainer.group.hold_rule import DEFAULT_PREWARM_S, MAX_EXPLORATIONS
     from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
     from ettflow.trainer.group.pooled_worker import PooledWorker, model_name, warm_key
     from ettflow.trainer.protocol import PrewarmTimings, StartSample
@@ -180,10 +181,19 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
                             memory_checkpoint=False)
     assert cfg.world_size == 2
     pool = PoolService(PoolPolicy(margin_s=10.0, reap_every_s=3600.0), start=start)
-    # a cold run started in 60 s: a pooled one would save at most the (default) 20 s prewarm,
-    # 2 x 20 = 40 slot-s against 3 workers x 30 s of lead: nothing, and status says why
+    # a cold run started in 60 s, no pooled start measured: the whole cold start saved (2 x 60 =
+    # 120 slot-s) would pay 3 workers x 30 s of lead, so the pool prewarms to measure one, as
+    # often as it grants (planned just in time, nothing held until then) ...
     cold = StartSample(seconds=60.0, pooled=False)
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor, start=cold) == 0
+    for granted in range(1, MAX_EXPLORATIONS + 1):
+        assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor,
+                         start=cold if granted == 1 else None) == 0
+        assert pool.holds["dlrm"].explore and pool.planned["dlrm"].hold.rule.value == "just-in-time"
+        assert pool.explored == {"dlrm": granted}
+    pool.planned.clear()
+    # ... then no more: a pooled one would save at most the (default) 20 s prewarm, 2 x 20 = 40
+    # slot-s against 3 workers x 30 s of lead: nothing, and status says why
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor) == 0
     assert pool.planned == {} and pool.holds["dlrm"].rule.value == "none"
     [decided] = [h for h in pool.status() if h.kind == "decided"]
     assert (decided.model, decided.rule, decided.state) == ("dlrm", "none", "nothing held")

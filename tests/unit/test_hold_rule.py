@@ -6,6 +6,7 @@ import pytest
 
 from ettflow.trainer.group.hold_rule import (
     DEFAULT_PREWARM_S,
+    MAX_EXPLORATIONS,
     SAMPLES_KEPT,
     HoldRule,
     PrewarmEstimate,
@@ -109,6 +110,39 @@ def test_on_this_machines_measured_numbers_no_prewarm_pays():
         d = decide_hold(0.0, next_run_at, est, margin_s=30.0, max_keep_alive_s=600.0, saving=saving,
                         slots=2, workers=3)
         assert d.rule is HoldRule.NONE, d.reason
+
+
+def test_a_scheduled_run_with_no_pooled_start_measured_is_prewarmed_to_measure_one_where_its_cold_start_would_pay():
+    """The study's fleet: 8 ranks start cold in 2,050 s, no pooled start measured, no prewarm
+    either (the 20 s default). At most the prewarm saved (8 x 20 = 160 slot-s) never pays a hold
+    (8 x 50 s of lead = 400 slot-s), so without exploring the pool would never learn; the whole
+    cold start saved (16,400 slot-s) would: it prewarms just in time, once, to measure."""
+    fleet = StartSaving.of([2050.0], [])
+    args = dict(margin_s=30.0, max_keep_alive_s=600.0, saving=fleet, slots=8, workers=8)
+    d = decide_hold(0.0, 6 * 3600.0, PrewarmEstimate.of([]), explore=True, **args)
+    assert (d.rule, d.explore, d.start_at, d.release_at) == (HoldRule.JUST_IN_TIME, True, 6 * 3600.0 - 50.0,
+                                                              6 * 3600.0 + 30.0)
+    assert "no pooled start measured yet: prewarmed to measure one" in d.reason, d.reason
+    assert "8 x 50 = 400 slot-s held, less than the 8 rank(s) x 2050.0 s cold start = 16400 slot-s" in d.reason
+    no_more = decide_hold(0.0, 6 * 3600.0, PrewarmEstimate.of([]), explore=False, **args)  # the pool's count spent
+    assert (no_more.rule, no_more.explore) == (HoldRule.NONE, False)
+    # measured since: the numbers decide (8 x 1,750 s saved against 8 x (300 + 30) s held)
+    measured = decide_hold(0.0, 6 * 3600.0, PrewarmEstimate.of([300.0]), explore=True,
+                           **{**args, "saving": StartSaving.of([2050.0], [300.0])})
+    assert (measured.rule, measured.explore) == (HoldRule.JUST_IN_TIME, False)
+    assert MAX_EXPLORATIONS >= 1
+
+
+def test_no_exploration_where_even_the_whole_cold_start_would_not_pay_or_nothing_is_scheduled():
+    """This machine: 2 ranks start cold in 30 s, 3 workers of a 17.4 s prewarm and a 30 s margin
+    hold 142 slot-s; the whole cold start saved is 60: nothing, even unmeasured. An unscheduled
+    run is never prewarmed to explore (its keep-alive's hold is not bounded by a known time)."""
+    host = decide_hold(0.0, 3600.0, PrewarmEstimate.of([17.4]), margin_s=30.0, max_keep_alive_s=600.0,
+                       saving=StartSaving.of([30.0], []), slots=2, workers=3, explore=True)
+    assert (host.rule, host.explore) == (HoldRule.NONE, False), host.reason
+    adhoc = decide_hold(0.0, None, PrewarmEstimate.of([]), margin_s=30.0, max_keep_alive_s=600.0,
+                        saving=StartSaving.of([2050.0], []), slots=8, workers=8, explore=True)
+    assert (adhoc.rule, adhoc.explore) == (HoldRule.NONE, False), adhoc.reason
 
 
 @pytest.mark.parametrize(("prewarm_s", "pays"), [(600.0, True), (2000.0, True), (3000.0, False)])

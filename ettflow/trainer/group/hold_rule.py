@@ -33,6 +33,15 @@ saves is measured by the group at each release (`StartSample`: from asking for i
 its training loop starting, all ranks cold or all pooled); with no cold start measured the
 prewarm stands in for it, and with no pooled start measured a pooled run is assumed to save
 at most its prewarm.
+
+That assumption alone would never let the pool learn: a pooled start is measured only when the
+pool prewarms, which it never would (at most the prewarm saved, never more than a worker
+holds), however long the cold start (the study's fleet: 2,050 s of cold compile). So a
+scheduled run whose model has a cold start measured and no pooled start yet may be prewarmed
+just in time to measure one (`explore`, which the pool grants a model `MAX_EXPLORATIONS`
+times while none is measured): it is when the whole cold start saved would pay the hold, the
+optimistic bound, and the reason says that it is a measurement. The run that takes the workers
+reports its pooled start; from then on the measured numbers decide.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MAX_EXPLORATIONS = 2  # just-in-time prewarms a model gets to measure a pooled start (see the docstring)
 DEFAULT_PREWARM_S = 20.0  # a worker's prewarm before any is measured (imports, dense build, compile cache load)
 SAMPLES_KEPT = 20  # the newest prewarm durations (and release -> next run gaps) per model the rules read
 
@@ -138,6 +148,7 @@ class HoldDecision:
     reason: str
     release_at: float | None = None
     keep_alive_s: float | None = None
+    explore: bool = False  # held to measure a pooled start, which nothing measured yet
 
     def starts_now(self, now: float) -> bool:
         return self.rule is not HoldRule.NONE and self.start_at <= now
@@ -151,11 +162,12 @@ class HoldDecision:
 
 def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate, *, margin_s: float,
                 max_keep_alive_s: float, gaps: Sequence[float] = (), saving: StartSaving = StartSaving(None, None),
-                slots: int = 1, workers: int = 1) -> HoldDecision:
+                slots: int = 1, workers: int = 1, explore: bool = False) -> HoldDecision:
     """The hold for a model's next run (see the module docstring): `gaps`, the model's recent
     seconds from a release to its next run's request for workers; `saving`, its measured
     starts; `slots`, the next run's ranks; `workers`, how many the pool would prewarm for it
-    (its ranks and spares)."""
+    (its ranks and spares); `explore`, whether a scheduled run may be prewarmed to measure a
+    pooled start when none is (the pool's count of such holds decides)."""
     slots, workers = max(int(slots), 1), max(int(workers), 1)
     value = slots * saving.per_run_s(estimate)  # slot-seconds the run's ranks do not spend starting
     saves = f"{slots} rank(s) x {saving.describe(estimate)} = {value:.0f} slot-s"
@@ -163,6 +175,16 @@ def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate
         lead = estimate.lead_s(margin_s)
         ahead = next_run_at - now
         cost = workers * lead
+        unmeasured = explore and saving.warm_s is None and saving.cold_s is not None
+        if value <= cost and unmeasured and slots * saving.cold_s > cost:
+            return HoldDecision(
+                rule=HoldRule.JUST_IN_TIME, start_at=max(now, next_run_at - lead), release_at=next_run_at + margin_s,
+                explore=True,
+                reason=(f"next scheduled run in {ahead:.0f} s; no pooled start measured yet: prewarmed to measure one "
+                        f"({estimate.describe()}: prewarm starts {lead:.0f} s before it, {workers} x {lead:.0f} = "
+                        f"{cost:.0f} slot-s held, less than the {slots} rank(s) x {saving.cold_s:.1f} s cold start "
+                        f"= {slots * saving.cold_s:.0f} slot-s it may save), unclaimed workers released "
+                        f"{margin_s:.0f} s after it"))
         if value <= cost:
             return HoldDecision(
                 rule=HoldRule.NONE, start_at=now,

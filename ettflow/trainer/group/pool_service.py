@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.hold_rule import (
+    MAX_EXPLORATIONS,
     SAMPLES_KEPT,
     HoldDecision,
     HoldRule,
@@ -187,6 +188,7 @@ class PoolService:
         self.holds: dict[str, HoldDecision] = {}  # by model: the hold its workers are under
         self.gaps: dict[str, list[float]] = {}  # by model: seconds from a release to its next run's take
         self.starts: dict[tuple[str, bool], list[float]] = {}  # by (model, pooled): its runs' measured starts
+        self.explored: dict[str, int] = {}  # by model: holds granted to measure a pooled start (`hold_rule`)
         self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self._journal_failed = False
@@ -257,9 +259,10 @@ class PoolService:
             estimate = PrewarmEstimate.of(self.prewarm_s.get(model, ()))
             saving = StartSaving.of(self.starts.get((model, False), ()), self.starts.get((model, True), ()))
             gaps = list(self.gaps.get(model, ()))
+            explore = self.explored.get(model, 0) < MAX_EXPLORATIONS
         return decide_hold(now, next_run_at, estimate, margin_s=self.policy.margin_s,
                            max_keep_alive_s=self.policy.max_keep_alive_s, gaps=gaps, saving=saving,
-                           slots=slots, workers=workers)
+                           slots=slots, workers=workers, explore=explore)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
              now: float | None = None, *, actor_cls: type, start: StartSample | None = None) -> int:
@@ -280,6 +283,8 @@ class PoolService:
                            workers=min(count, self.policy.max_workers))
         log.info("cluster pool: %s for %s: %s", hold.rule, model, hold.reason)
         with self._lock:
+            if hold.explore:
+                self.explored[model] = self.explored.get(model, 0) + 1
             self.planned.pop(model, None)
             self.holds[model] = hold
             self.released_at[model] = now
