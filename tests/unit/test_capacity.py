@@ -151,8 +151,8 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     the margin before the run it prewarms; an unclaimed worker goes `margin_s` after the
     scheduled time. With no schedule it fills at once under the keep-alive (a fake start: no Ray).
     Each release brings its run's measured start, and nothing is prewarmed until the start it
-    would save (2 ranks) exceeds what the workers would hold (3 x the lead), once the pool's
-    prewarms to measure a pooled start are spent."""
+    would save (2 ranks) exceeds what the workers would hold (3 x the lead) (the pool's
+    prewarms to measure a pooled start spent: the next test)."""
     from types import SimpleNamespace
 
     from ettflow.trainer.config import TrainerConfig
@@ -181,19 +181,12 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
                             memory_checkpoint=False)
     assert cfg.world_size == 2
     pool = PoolService(PoolPolicy(margin_s=10.0, reap_every_s=3600.0), start=start)
-    # a cold run started in 60 s, no pooled start measured: the whole cold start saved (2 x 60 =
-    # 120 slot-s) would pay 3 workers x 30 s of lead, so the pool prewarms to measure one, as
-    # often as it grants (planned just in time, nothing held until then) ...
+    # (the prewarms that measure a pooled start, spent here: `..._to_measure_a_pooled_start`)
+    pool.explored["dlrm"] = MAX_EXPLORATIONS
+    # a cold run started in 60 s: a pooled one would save at most the (default) 20 s prewarm,
+    # 2 x 20 = 40 slot-s against 3 workers x 30 s of lead: nothing, and status says why
     cold = StartSample(seconds=60.0, pooled=False)
-    for granted in range(1, MAX_EXPLORATIONS + 1):
-        assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor,
-                         start=cold if granted == 1 else None) == 0
-        assert pool.holds["dlrm"].explore and pool.planned["dlrm"].hold.rule.value == "just-in-time"
-        assert pool.explored == {"dlrm": granted}
-    pool.planned.clear()
-    # ... then no more: a pooled one would save at most the (default) 20 s prewarm, 2 x 20 = 40
-    # slot-s against 3 workers x 30 s of lead: nothing, and status says why
-    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor) == 0
+    assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=RankActor, start=cold) == 0
     assert pool.planned == {} and pool.holds["dlrm"].rule.value == "none"
     [decided] = [h for h in pool.status() if h.kind == "decided"]
     assert (decided.model, decided.rule, decided.state) == ("dlrm", "none", "nothing held")
@@ -229,6 +222,42 @@ def test_the_pool_holds_nothing_until_just_before_the_deployments_next_scheduled
     assert pool.holds["dlrm"].rule.value == "none" and pool.entries == []
     assert {h.reason for h in pool.drain()} >= {"not_worth_holding"}
     pool.stop()
+
+
+def test_a_models_scheduled_runs_are_prewarmed_to_measure_a_pooled_start_as_often_as_the_pool_grants(tmp_path):
+    """No pooled start measured: where the whole cold start saved (2 x 60 = 120 slot-s) would pay
+    3 workers x 30 s of lead, the pool plans a just-in-time prewarm to measure one, for each
+    release until it granted `MAX_EXPLORATIONS`; then the unmeasured rule (nothing) again, and
+    status says which."""
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.group.hold_rule import MAX_EXPLORATIONS
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
+    from ettflow.trainer.protocol import StartSample
+
+    def start(*args, **kwargs):
+        raise AssertionError("nothing starts: every plan lies hours ahead")
+
+    t0 = time.time()
+    run_at = t0 + 6 * 3600
+    cfg = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
+                        compile_cache_root=str(tmp_path / "dlrm" / "compile-cache")).with_switches(
+                            memory_checkpoint=False)
+    pool = PoolService(PoolPolicy(margin_s=10.0, reap_every_s=3600.0), start=start)
+    try:
+        cold = StartSample(seconds=60.0, pooled=False)
+        for granted in range(1, MAX_EXPLORATIONS + 1):
+            assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=object,
+                             start=cold if granted == 1 else None) == 0
+            assert pool.holds["dlrm"].explore and pool.explored == {"dlrm": granted}
+            [planned] = [h for h in pool.status() if h.kind == "planned"]
+            assert (planned.rule, planned.requested_at) == ("just-in-time", run_at - 30.0)
+            assert "no pooled start measured yet: prewarmed to measure one" in planned.why, planned.why
+        assert pool.fill(cfg, 3, str(tmp_path), next_run_at=run_at, now=t0, actor_cls=object) == 0
+        assert not pool.holds["dlrm"].explore and pool.holds["dlrm"].rule.value == "none" and pool.planned == {}
+        assert pool.explored == {"dlrm": MAX_EXPLORATIONS}
+    finally:
+        pool.stop()
 
 
 def test_a_pool_service_that_dies_leaves_what_it_held_to_the_next_one_through_its_journal(tmp_path, caplog):
