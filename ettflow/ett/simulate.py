@@ -7,7 +7,12 @@ one definition of the metric for measured and simulated runs.
 One refresh (`simulate_refresh`), times from its submission (0):
 
 - the pool's prewarm (`Policy.prewarm`): every rank's worker held `JobCosts.prewarm_s` before
-  the submission (a pooled-rank holding; the start costs are then the warm ones);
+  the submission (a pooled-rank holding, just in time; the start costs are then the warm ones).
+  Under the keep-alive (`Policy.keep_alive_gap_s`: the run comes that long after the release
+  that started the prewarm) the workers are requested at the release and held until the run
+  takes them, if it comes while they are ready and kept (`Policy.keep_alive_s` after ready);
+  otherwise they are released unused `keep_alive_s` after they were ready and the run starts
+  cold (`hold_rule.decide_hold`'s keep-alive prices the same);
 - an attempt: scheduling, trainer init, PT2 compile (the cold or warm start, `StartCosts`);
   training in blocks of equal length, a durable save's blocking after every checkpoint interval;
   after the last block the devices stay held for `shutdown_s` (anchor, evaluation, release);
@@ -144,9 +149,12 @@ class Policy:
     interval_s: float | None = None
     prewarm: bool = False
     gpus_per_node: int = 8
+    keep_alive_gap_s: float | None = None  # a keep-alive prewarm: the release -> this run (None: just in time)
+    keep_alive_s: float = 0.0  # how long a ready worker is kept for it
 
     def __post_init__(self) -> None:
-        if self.spares < 0 or self.gpus_per_node < 1 or (self.interval_s is not None and self.interval_s <= 0):
+        if self.spares < 0 or self.gpus_per_node < 1 or (self.interval_s is not None and self.interval_s <= 0) \
+                or self.keep_alive_s < 0 or (self.keep_alive_gap_s is not None and self.keep_alive_gap_s < 0):
             raise ValueError(f"policy out of range: {self}")
 
 
@@ -219,9 +227,20 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
 
     run = _Run(run_id)
     run.mark(SUBMITTED, 0.0)
-    if policy.prewarm:
+    warm = policy.prewarm
+    if policy.prewarm and policy.keep_alive_gap_s is None:
         run.ev("spare_start", -costs.prewarm_s, 0.0, DRIVER, for_rank=0, pooled=True, taken_at=0.0, slots=gpus,
                rule="just-in-time")
+    elif policy.prewarm:  # requested at the release; taken if the run comes while it is ready and kept
+        requested = -policy.keep_alive_gap_s
+        ready = requested + costs.prewarm_s
+        warm = ready <= 0.0 <= ready + policy.keep_alive_s
+        if warm:
+            run.ev("spare_start", requested, ready, DRIVER, for_rank=0, pooled=True, taken_at=0.0, slots=gpus,
+                   rule="keep-alive")
+        else:
+            run.ev("spare_start", requested, ready, DRIVER, pooled=True, used=False,
+                   released_at=ready + policy.keep_alive_s, slots=gpus, rule="keep-alive")
     # when each held spare node is (or becomes) ready; each was requested `spare_start_s` before
     spares: list[float] = [costs.spare_start_s] * policy.spares
     spare_events: list[tuple[float, bool, float]] = []  # (requested, used, ended) per spare node
@@ -279,7 +298,7 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
         return t, position, saved, None
 
     t, done, saved = 0.0, 0, 0  # done: blocks trained (new data); saved: blocks in the last checkpoint
-    start = costs.warm if policy.prewarm else costs.cold
+    start = costs.warm if warm else costs.cold
     restart_kind: str | None = None  # how the current attempt began after a failure
     while True:
         failed_at = None

@@ -165,3 +165,41 @@ def test_a_just_in_time_prewarm_pays_where_the_simulated_refresh_says_it_does(pr
     decision = decide_hold(0.0, 10_000.0, PrewarmEstimate.of([prewarm_s]), margin_s=0.0, max_keep_alive_s=600.0,
                            saving=StartSaving.of([costs.cold.total_s], [costs.warm.total_s]), slots=gpus, workers=gpus)
     assert (decision.rule is HoldRule.JUST_IN_TIME) == pays == (cap_ett(True) > cap_ett(False)), decision.reason
+
+
+@pytest.mark.parametrize("gaps", [
+    [620.0, 640.0, 700.0],  # every run comes soon after the prewarm is done: held little, saves its start
+    [5_000.0, 9_000.0, 20_000.0],  # every run comes long after the keep-alive: released unused
+    [100.0, 200.0, 300.0],  # every run comes before the prewarm is done: nothing taken
+    [620.0, 20_000.0, 20_000.0, 20_000.0],  # one hit, three misses held to the keep-alive's end
+    [620.0, 700.0, 20_000.0],  # two hits pay for one miss
+    [1_590.0, 1_599.0, 20_000.0],  # two late hits do not (per worker: 2/3 x 2,346 s saved, 1,596 s held)
+    [1_400.0, 1_450.0, 20_000.0],  # two earlier ones do (1,564 s saved, 1,483 s held)
+])
+def test_a_keep_alive_pays_where_the_simulated_refreshes_say_it_does(gaps):
+    """The keep-alive's price is the fleet simulator's (`ett.simulate`, `Policy.keep_alive_gap_s`):
+    over the model's gaps from a release to its next run, it keeps ready workers exactly when the
+    simulated refreshes (one per gap, workers requested at the release and held until taken or
+    kept out) hold fewer slot-seconds in all, so their capETT in all is higher."""
+    import random
+    from dataclasses import replace
+
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.simulate import ASSUMED_COSTS, BASELINE, simulate_refresh
+
+    costs, gpus = replace(ASSUMED_COSTS, prewarm_s=600.0), 64  # cold start 2,750 s, warm 404 s
+    saving = StartSaving.of([costs.cold.total_s], [costs.warm.total_s])
+    decision = decide_hold(0.0, None, PrewarmEstimate.of([costs.prewarm_s]), margin_s=0.0,
+                           max_keep_alive_s=1_000.0, gaps=gaps, saving=saving, slots=gpus, workers=gpus)
+    keep = min(saving.per_run_s(PrewarmEstimate.of([costs.prewarm_s])), 1_000.0)  # the rule's, kept or not
+
+    def cap_ett(prewarm: bool) -> float:  # over every gap's refresh: effective slot-s / held slot-s
+        effective = held = 0.0
+        for gap in gaps:
+            policy = replace(BASELINE, prewarm=prewarm, keep_alive_gap_s=gap, keep_alive_s=keep)
+            m = compute_run_metrics(simulate_refresh(costs, policy, None, gpus, random.Random(0)))
+            effective += m.effective_s * m.held.slots
+            held += m.wall_s * m.held.slots + m.held.held_s
+        return effective / held
+
+    assert (decision.rule is HoldRule.KEEP_ALIVE) == (cap_ett(True) > cap_ett(False)), decision.reason
