@@ -202,32 +202,50 @@ def test_prefetch_overlaps_warm_up_and_close_stops_it():
 def _recording_reads(p):
     reads, real = [], p._read
 
-    def read(part):
-        reads.append((part.path.parent.name, part.path.name, threading.current_thread().name))
-        return real(part)
+    def read(chunk):
+        reads.append((chunk.part.path.parent.name, chunk.part.path.name, chunk.group,
+                       threading.current_thread().name))
+        return real(chunk)
 
     p._read = read
     return reads
 
 
-def test_a_prefetched_stream_reads_its_next_file_ahead_and_yields_the_same_rows(root):
+# the fixture's row groups (4 rows each): window 0's part-0 has 4, part-2 2; window 1's part-0 6;
+# window 2's part-0 2 and part-1 5 (part-1 of window 0 is empty: never read)
+ROW_GROUPS = 4 + 2 + 6 + 2 + 5
+
+
+def test_a_prefetched_stream_reads_its_next_row_group_ahead_and_yields_the_same_rows(root):
     p = pipeline(root, batch_size=4)
     reads = _recording_reads(p)
     it = p.batches(prefetch=1)
-    assert rows([next(it), next(it)]) == list(range(8))  # from window 0's first file (13 rows): half way
+    assert rows([next(it)]) == list(range(4))  # window 0's first file, its first row group: half way (all of it)
     deadline = time.monotonic() + 10
     while len(reads) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    # the next file with rows (part-1 is empty) is read by the read-ahead thread, before any
-    # batch needs it: the stream's position is still in part-0
-    assert sorted(reads[:2]) == [("window-0000", "part-0.parquet", "ettflow-prefetch"),
-                                 ("window-0000", "part-2.parquet", "ettflow-readahead")]
-    assert rows(it) == list(range(8, 64))  # every later row once, in order
-    assert sum(r[2] == "ettflow-readahead" for r in reads) == 4  # each file after the first
+    # the next row group is read by the read-ahead thread, before any batch needs it
+    assert reads[:2] == [("window-0000", "part-0.parquet", 0, "ettflow-prefetch"),
+                         ("window-0000", "part-0.parquet", 1, "ettflow-readahead")]
+    assert rows(it) == list(range(4, 64))  # every later row once, in order
+    assert len(reads) == ROW_GROUPS and len(set(r[:3] for r in reads)) == ROW_GROUPS  # each row group once
+    assert all(r[3] == "ettflow-readahead" for r in reads[1:])  # each one after the first, ahead
+    # across the empty file: part-0's last row group (1 row) reads ahead part-2's first
+    assert ("window-0000", "part-2.parquet", 0, "ettflow-readahead") in reads
 
 
-def test_an_unprefetched_stream_reads_each_file_where_it_is_needed(root):
+def test_the_first_batch_decodes_only_the_row_groups_it_holds(root):
+    p = pipeline(root, batch_size=4)
+    reads = _recording_reads(p)
+    it = p.batches()
+    assert rows([next(it)]) == list(range(4))
+    assert reads == [("window-0000", "part-0.parquet", 0, threading.current_thread().name)]
+    assert rows([next(it)]) == list(range(4, 8)) and len(reads) == 2
+
+
+def test_an_unprefetched_stream_reads_each_row_group_where_it_is_needed(root):
     p = pipeline(root, batch_size=4)
     reads = _recording_reads(p)
     assert rows(p.batches()) == list(range(64))
-    assert {r[2] for r in reads} == {threading.current_thread().name}
+    assert {r[3] for r in reads} == {threading.current_thread().name}
+    assert len(reads) == ROW_GROUPS == len(set(r[:3] for r in reads))

@@ -36,7 +36,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     config = SyntheticConfig(windows=args.windows, rows_per_window=args.rows_per_window,
                              files_per_window=args.files_per_window,
-                             row_group_size=args.row_group_size, seed=args.seed,
+                             **({} if args.row_group_size is None else {"row_group_size": args.row_group_size}),
+                             seed=args.seed,
                              start=args.start, overwrite=args.overwrite, drift=args.drift)
     folders = generate_windows(args.out, config, progress=True)
     print(f"wrote {len(folders)} windows x {config.rows_per_window} rows to {args.out} "
@@ -81,7 +82,8 @@ def add_data_commands(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--windows", type=int, default=4, help="number of hourly windows")
     g.add_argument("--rows-per-window", type=int, default=10_000)
     g.add_argument("--files-per-window", type=int, default=2)
-    g.add_argument("--row-group-size", type=int, default=None)
+    g.add_argument("--row-group-size", type=int, default=None,
+                   help="rows per Parquet row group (default: SyntheticConfig's, 65,536)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--start", default="2024010100", help="first window's hour, YYYYMMDDHH")
     g.add_argument("--overwrite", action="store_true", help="replace existing windows")

@@ -9,17 +9,21 @@ The last, ragged global batch is dropped (its rows stay after the final cursor, 
 refresh that starts from that cursor trains them); every rank runs `num_batches()` steps.
 
 Building a pipeline reads only file footers and fails fast on a file that does not match the
-schema; rows are read when batches are made, one file at a time: a file is decoded once into
-the batch layout (`batch.Columns`) and every batch is cut from it. A prefetched stream
-(`batches(prefetch=N)`) also reads ahead: once its batches are half way through a file, the next
-file is read and decoded in a background thread, so crossing into it does not stall the step
+schema; rows are read when batches are made, one Parquet row group at a time: a row group is
+decoded once into the batch layout (`batch.Columns`) and every batch is cut from it. So the
+first batch waits for its file's first row group, not the whole file (a file written as one
+row group is read whole, as before). A prefetched stream (`batches(prefetch=N)`) also reads
+ahead: once its batches are half way through a row group, the next one (in this file or the
+next) is read and decoded in a background thread, so crossing into it does not stall the step
 that needs it (a window's second file stalled every rank about 1 s); not sooner, so that at the
 run's start it does not compete with the compile for the rank's cores. Its error, if any, is raised
-where the stream reaches that file, as a synchronous read would.
+where the stream reaches that row group, as a synchronous read would.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,7 +53,7 @@ class DataConfig:
     rank: int = 0
     world_size: int = 1
     windows: tuple[str, ...] | None = None
-    cached_files: int = 2  # decoded files kept in memory per rank (a batch spans at most two)
+    cached_files: int = 2  # decoded row groups kept in memory per rank (the batch being cut holds its own)
 
     def __post_init__(self) -> None:
         if isinstance(self.schema, Mapping):
@@ -75,8 +79,9 @@ class DataPipeline:
         self.config = config
         self.schema = config.schema
         self.index = StreamIndex(config.root, config.schema, config.windows)
-        self._decoded: OrderedDict[Path, Columns] = OrderedDict()
-        self._ahead: dict[Path, Future[Columns]] = {}  # files being read ahead (prefetched streams)
+        self._decoded: OrderedDict[Chunk, Columns] = OrderedDict()
+        self._ahead: dict[Chunk, Future[Columns]] = {}  # row groups being read ahead (prefetched streams)
+        self._groups: dict[Path, list[int]] = {}  # a file's row-group boundaries (its footer, read once)
         filled = [p for p in self.index.files if p.num_rows > 0]  # an empty file is never read
         self._after = dict(zip((p.path for p in filled), filled[1:]))
 
@@ -113,36 +118,75 @@ class DataPipeline:
             pos += gb
 
     def _rows(self, start: int, stop: int, *, readahead: bool = False) -> list[Rows]:
-        pieces = self.index.locate(start, stop)
-        for part, _, hi in pieces if readahead else ():
-            if 2 * hi >= part.num_rows:  # half way through a file (not at the run's start)
-                self._read_ahead_after(part)
-        return [self._columns(part).rows(lo, hi) for part, lo, hi in pieces]
+        out = []
+        for part, lo, hi in self.index.locate(start, stop):
+            bounds = self._bounds(part)
+            g = max(bisect.bisect_right(bounds, lo) - 1, 0)
+            while lo < hi:
+                g_lo, g_hi = bounds[g], bounds[g + 1]
+                end = min(hi, g_hi)
+                out.append(self._columns(part, g).rows(lo - g_lo, end - g_lo))
+                if readahead and 2 * (end - g_lo) >= g_hi - g_lo:  # half way through it: the next one
+                    self._read_ahead_after(part, g)
+                lo, g = end, g + 1
+        return out
 
-    def _read_ahead_after(self, part: PartFile) -> None:
-        nxt = self._after.get(part.path)
-        if nxt is not None and nxt.path not in self._decoded and nxt.path not in self._ahead:
-            self._ahead[nxt.path] = _read_ahead(lambda: self._read(nxt))
+    def _bounds(self, part: PartFile) -> list[int]:
+        """The file's row-group boundaries ([0, ..., num_rows]), from its footer."""
+        bounds = self._groups.get(part.path)
+        if bounds is None:
+            try:
+                meta = pq.ParquetFile(part.path).metadata
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(part.path, None, f"could not be read ({e})") from e
+            if meta.num_rows != part.num_rows:
+                raise DataError(part.path, None, f"has {meta.num_rows} rows, its footer said "
+                                f"{part.num_rows} when the run started; it changed underneath")
+            bounds = [0, *itertools.accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups))]
+            self._groups[part.path] = bounds
+        return bounds
 
-    def _columns(self, part: PartFile) -> Columns:
-        columns = self._decoded.get(part.path)
+    def _read_ahead_after(self, part: PartFile, group: int) -> None:
+        if group + 2 < len(self._bounds(part)):  # the file's next row group
+            nxt = Chunk(part, group + 1)
+        else:
+            after = self._after.get(part.path)
+            if after is None:
+                return
+            nxt = Chunk(after, 0)
+        if nxt not in self._decoded and nxt not in self._ahead:
+            self._ahead[nxt] = _read_ahead(lambda: self._read(nxt))
+
+    def _columns(self, part: PartFile, group: int) -> Columns:
+        chunk = Chunk(part, group)
+        columns = self._decoded.get(chunk)
         if columns is None:
-            ahead = self._ahead.pop(part.path, None)
-            columns = ahead.result() if ahead is not None else self._read(part)
-            self._decoded[part.path] = columns
+            ahead = self._ahead.pop(chunk, None)
+            columns = ahead.result() if ahead is not None else self._read(chunk)
+            self._decoded[chunk] = columns
             while len(self._decoded) > self.config.cached_files:
                 self._decoded.popitem(last=False)
         return columns
 
-    def _read(self, part: PartFile) -> Columns:
+    def _read(self, chunk: Chunk) -> Columns:
+        part, g = chunk.part, chunk.group
+        expected = self._bounds(part)[g + 1] - self._bounds(part)[g]
         try:
-            table = pq.read_table(part.path, columns=list(self.schema.columns))
+            table = pq.ParquetFile(part.path).read_row_group(g, columns=list(self.schema.columns))
         except (pa.ArrowException, OSError) as e:
             raise DataError(part.path, None, f"could not be read ({e})") from e
-        if table.num_rows != part.num_rows:
-            raise DataError(part.path, None, f"has {table.num_rows} rows, its footer said "
-                            f"{part.num_rows} when the run started; it changed underneath")
+        if table.num_rows != expected:
+            raise DataError(part.path, None, f"has {table.num_rows} rows in row group {g}, its footer said "
+                            f"{expected} when the run started; it changed underneath")
         return decode_table(table, self.schema, source=str(part.path))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One row group of one part file: the unit the pipeline reads, decodes and keeps."""
+
+    part: PartFile
+    group: int
 
 
 def _read_ahead(read: Callable[[], Columns]) -> Future[Columns]:

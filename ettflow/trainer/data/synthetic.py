@@ -42,7 +42,9 @@ class SyntheticConfig:
     windows: int = 4
     rows_per_window: int = 10_000
     files_per_window: int = 2
-    row_group_size: int | None = None  # rows per Parquet row group (None: pyarrow's default)
+    # rows per Parquet row group (None: pyarrow's default, a file's rows in one): the pipeline
+    # decodes one row group at a time, so a rank's first batch waits for one, not the whole file
+    row_group_size: int | None = 65_536
     seed: int = 0
     start: str = "2024010100"  # first window's hour, YYYYMMDDHH
     overwrite: bool = False
