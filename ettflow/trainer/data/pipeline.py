@@ -170,7 +170,8 @@ class DataPipeline:
 
     def _read(self, chunk: Chunk) -> Columns:
         part, g = chunk.part, chunk.group
-        expected = self._bounds(part)[g + 1] - self._bounds(part)[g]
+        bounds = self._bounds(part)
+        expected = bounds[g + 1] - bounds[g]
         try:
             table = pq.ParquetFile(part.path).read_row_group(g, columns=list(self.schema.columns))
         except (pa.ArrowException, OSError) as e:
@@ -190,7 +191,7 @@ class Chunk:
 
 
 def _read_ahead(read: Callable[[], Columns]) -> Future[Columns]:
-    """`read` run in a daemon thread (one file, read and decoded); the consumer's `result()`
+    """`read` run in a daemon thread (one row group, read and decoded); the consumer's `result()`
     returns its columns or raises its error where a synchronous read would."""
     future: Future[Columns] = Future()
 

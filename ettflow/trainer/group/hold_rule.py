@@ -175,27 +175,27 @@ def decide_hold(now: float, next_run_at: float | None, estimate: PrewarmEstimate
         lead = estimate.lead_s(margin_s)
         ahead = next_run_at - now
         cost = workers * lead
-        unmeasured = explore and saving.warm_s is None and saving.cold_s is not None
-        if value <= cost and unmeasured and slots * saving.cold_s > cost:
-            return HoldDecision(
-                rule=HoldRule.JUST_IN_TIME, start_at=max(now, next_run_at - lead), release_at=next_run_at + margin_s,
-                explore=True,
-                reason=(f"next scheduled run in {ahead:.0f} s; no pooled start measured yet: prewarmed to measure one "
-                        f"({estimate.describe()}: prewarm starts {lead:.0f} s before it, {workers} x {lead:.0f} = "
-                        f"{cost:.0f} slot-s held, less than the {slots} rank(s) x {saving.cold_s:.1f} s cold start "
-                        f"= {slots * saving.cold_s:.0f} slot-s it may save), unclaimed workers released "
-                        f"{margin_s:.0f} s after it"))
-        if value <= cost:
+        # no pooled start measured: prewarmed to measure one where the whole cold start saved would pay
+        exploring = value <= cost and explore and saving.warm_s is None and saving.cold_s is not None \
+            and slots * saving.cold_s > cost
+        if value <= cost and not exploring:
             return HoldDecision(
                 rule=HoldRule.NONE, start_at=now,
                 reason=(f"next scheduled run in {ahead:.0f} s; a just-in-time prewarm would hold {workers} x "
                         f"{lead:.0f} s ({estimate.describe()}, margin {margin_s:.0f} s) = {cost:.0f} slot-s to save "
                         f"{saves}: nothing prewarmed"))
+        if exploring:
+            why = (f"no pooled start measured yet: prewarmed to measure one ({estimate.describe()}: prewarm starts "
+                   f"{lead:.0f} s before it, {workers} x {lead:.0f} = {cost:.0f} slot-s held, less than the "
+                   f"{slots} rank(s) x {saving.cold_s:.1f} s cold start = {slots * saving.cold_s:.0f} slot-s it "
+                   "may save)")
+        else:
+            why = (f"{estimate.describe()}: prewarm starts {lead:.0f} s before it ({workers} x {lead:.0f} = "
+                   f"{cost:.0f} slot-s held to save {saves})")
         return HoldDecision(
             rule=HoldRule.JUST_IN_TIME, start_at=max(now, next_run_at - lead), release_at=next_run_at + margin_s,
-            reason=(f"next scheduled run in {ahead:.0f} s; {estimate.describe()}: prewarm starts {lead:.0f} s "
-                    f"before it ({workers} x {lead:.0f} = {cost:.0f} slot-s held to save {saves}), unclaimed "
-                    f"workers released {margin_s:.0f} s after it"))
+            explore=exploring,
+            reason=f"next scheduled run in {ahead:.0f} s; {why}, unclaimed workers released {margin_s:.0f} s after it")
     keep = min(value / workers, max_keep_alive_s)  # break-even: a worker's wait costs at most its share
     ready = estimate.mean_s
     recent = newest(gaps) or [ready]
