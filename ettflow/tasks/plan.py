@@ -67,12 +67,13 @@ __all__ = ["ParameterError", "RefreshParameters", "RefreshPlan", "WindowChoice",
            "select_windows", "slug", "trainer_config", "with_interval", "with_lineage", "with_spares"]
 
 # The embedded default data: windows sized so that each refresh trains at least about 30 s on a
-# 2-core CPU host (2,880 steps of 2 ranks x 128 rows a window, about 31 s; the first refresh
-# trains two; a real hourly window is millions of rows and trains for tens of minutes on
+# 2-core CPU host (3,840 steps of 2 ranks x 128 rows a window: about 40 s on the 2026-12-05
+# host, which trained the earlier 737,280-row windows in 26.8-29.8 s, under the 30 s; the first
+# refresh trains two; a real hourly window is millions of rows and trains for tens of minutes on
 # accelerators), so ETT means what it means for a real refresh (issue 40 #5: at 368,640 rows the
 # warm refresh trained 15.6 s). Tests keep their sizes tiny through the parameters (`max_steps`)
 # or data of their own.
-DEMO_DATA = {"windows": 3, "rows_per_window": 737_280, "files_per_window": 2, "seed": 0}
+DEMO_DATA = {"windows": 3, "rows_per_window": 983_040, "files_per_window": 2, "seed": 0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +155,8 @@ def load_schema(data_root: Path, max_embeddings: int | None) -> FeatureSchema:
 
 
 def demo_data(root: Path) -> Path:
-    """The default data: tiny synthetic windows, written once per user."""
+    """The default data: synthetic windows sized by `DEMO_DATA`, written once per user (an existing
+    root keeps the size it was written with)."""
     from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 
     if not (root / "_schema.json").is_file():

@@ -67,7 +67,7 @@ def progress_gaps(lines: list[str]) -> dict[str, list[float]]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_default_refresh_is_short_and_free_of_third_party_warnings(tmp_path):
-    # the default: 2 ranks, one induced SIGKILL (step 16) and its recovery; 48 steps of the demo's 5,760
+    # the default: 2 ranks, one induced SIGKILL (step 16) and its recovery; 48 steps of the demo's 7,680
     quiet = refresh(tmp_path, "--max-steps", "48")
     noisy = [line for line in quiet if THIRD_PARTY.search(line)]
     steady = [line for line in quiet if not PROGRESS.match(line)]
