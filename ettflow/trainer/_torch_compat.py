@@ -15,6 +15,9 @@ Internals in use (see `INTERNALS`):
 - dynamo: `utils.counters`, `utils.get_compilation_metrics`, `callback_handler`,
   `callback.CallbackTrigger` / `CallbackArgs` and `torch._guards.CompileId` (cache hit and
   recompile statistics);
+- inductor's CPU ISA check: `cpu_vec_isa.x86_isa_checker` / `supported_vec_isa_list` /
+  `valid_vec_isa_list`, `config.cpp.vec_isa_ok` and `cpp_builder.get_cpp_compiler` (the check
+  made once per host, `compile/vec_isa.py`);
 - sharded tensors (TorchRec's default state): the module `torch.distributed._shard.sharded_tensor`,
   `ShardedTensor._init_from_local_shards_and_global_metadata`, `ShardedTensor._process_group`
   and `torch.distributed.remote_device._remote_device` (host staging for async checkpoints).
@@ -103,6 +106,14 @@ INIT_FROM_LOCAL = Internal(module=_SHARDED, attr="ShardedTensor._init_from_local
                            consequence=_STAGING)
 PROCESS_GROUP = Internal(module=_SHARDED, attr="ShardedTensor._process_group", consequence=_STAGING)
 REMOTE_DEVICE = Internal(module="torch.distributed.remote_device", attr="_remote_device", consequence=_STAGING)
+_ISA = ("every compiling process runs inductor's CPU ISA check again (a test library built and loaded per "
+        "ISA: ~1.7 s a warm compile, ~8 s a cold one here) instead of once per host (compile/vec_isa.py)")
+_VEC_ISA = "torch._inductor.cpu_vec_isa"
+ISA_FLAGS = Internal(module=_VEC_ISA, attr="x86_isa_checker", consequence=_ISA)
+ISA_LIST = Internal(module=_VEC_ISA, attr="supported_vec_isa_list", consequence=_ISA)
+ISA_VALID = Internal(module=_VEC_ISA, attr="valid_vec_isa_list", consequence=_ISA)
+ISA_OK = Internal(module="torch._inductor.config", attr="cpp.vec_isa_ok", consequence=_ISA)
+CPP_COMPILER = Internal(module="torch._inductor.cpp_builder", attr="get_cpp_compiler", consequence=_ISA)
 CACHE_DIR = Internal(module="torch._inductor.runtime.cache_dir_utils", attr="cache_dir",
                     consequence="a run without the compile cache cannot name PyTorch's local inductor cache folder")
 # TorchRec (same rule: a private name it could rename in any release)
@@ -115,7 +126,7 @@ INTERNALS: tuple[Internal, ...] = (
     HEADER_DIR, HEADER_LOCK_DIR, PRECOMPILE_HEADER, POOL_SET, COUNTERS, COMPILATION_METRICS,
     CALLBACK_HANDLER, REGISTER_START, REMOVE_START, START_CALLBACKS, CALLBACK_ARGS, TRIGGER_DYNAMO,
     COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE, COLLECTIVE_VALIDATION,
-    CACHE_DIR,
+    CACHE_DIR, ISA_FLAGS, ISA_LIST, ISA_VALID, ISA_OK, CPP_COMPILER,
 )
 
 
@@ -203,6 +214,38 @@ def compile_workers_started() -> bool:
     if module is None:
         return False
     return len(POOL_SET.resolve()) > 0
+
+
+def cpu_isa_flags() -> list[str]:
+    """The vector-ISA flags this CPU claims (`torch._inductor.cpu_vec_isa.x86_isa_checker`)."""
+    return list(ISA_FLAGS.resolve()())
+
+
+def cpu_isa_names() -> list[str]:
+    """Inductor's ISAs, best first, each named by its flags (`cpu_vec_isa.supported_vec_isa_list`)."""
+    return [str(isa) for isa in ISA_LIST.resolve()]
+
+
+def valid_cpu_isas() -> list[str]:
+    """Inductor's own check of every ISA the CPU claims (`cpu_vec_isa.valid_vec_isa_list`: each
+    builds a test library and loads it in a child process; memoized for the process)."""
+    return [str(isa) for isa in ISA_VALID.resolve()()]
+
+
+def vec_isa_ok_setting() -> bool | None:
+    """`torch._inductor.config.cpp.vec_isa_ok` (TORCHINDUCTOR_VEC_ISA_OK): None, inductor checks."""
+    return ISA_OK.resolve()
+
+
+def set_vec_isa_ok() -> None:
+    """Take every ISA the CPU claims as valid, without inductor's check (`config.cpp.vec_isa_ok`)."""
+    ISA_OK.resolve()
+    importlib.import_module("torch._inductor.config").cpp.vec_isa_ok = True
+
+
+def cpp_compiler() -> str:
+    """The C++ compiler inductor builds CPU kernels with (`cpp_builder.get_cpp_compiler`)."""
+    return str(CPP_COMPILER.resolve()())
 
 
 # -- dynamo -----------------------------------------------------------------------------------

@@ -31,7 +31,12 @@ def compile_module(fn_or_module: F, *, dynamic: bool = False, fullgraph: bool = 
 def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: TrainerConfig,
                        device: torch.device) -> torch.nn.Module:
     """`dense_step` compiled by one forward and backward on `batch` with random embeddings;
-    nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm."""
+    nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm.
+    With the compile cache, inductor's CPU ISA check is made once per host (`vec_isa.py`)."""
+    if config.switches.compile_cache:
+        from .vec_isa import settle_for
+
+        settle_for(config.compile_cache_dir)
     compiled = compile_module(dense_step)
     b = batch.to(device)
     n_sparse, dim = len(config.schema.sparse), config.model.embedding_dim

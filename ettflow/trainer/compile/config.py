@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .vec_isa import ISA_CHECK
+
 ARCHIVE_FORMAT = 1  # bump when the archive layout changes: old archives then just miss
 CODECS = ("gz", "none")
 
@@ -115,6 +117,7 @@ def key_parts(config: CompileCacheConfig) -> dict[str, Any]:
         "threads": config.threads,
         "python": ".".join(map(str, sys.version_info[:3])),
         "machine": platform.machine(),
+        "cpu_isa_check": ISA_CHECK,  # inductor's ISA switch, part of its own key (vec_isa.py)
     }
 
 

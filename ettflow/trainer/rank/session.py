@@ -45,6 +45,7 @@ from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import CheckpointInfo
 from ettflow.trainer.checkpoint.latest import checked_scan, mark_fallbacks
 from ettflow.trainer.collectives import Groups, teardown_any
+from ettflow.trainer.compile.vec_isa import settled
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.batch import synthetic_batch
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
@@ -233,7 +234,8 @@ class TrainerSession:
             if batch is None:
                 return {"batch": "none: no data to train"}
         self.state.compiled_step = compiler.compile(self.state.dense_step, self.state.device, batch)
-        return {"batch": source}
+        isa = settled()
+        return {"batch": source, **(isa.to_attrs() if isa is not None else {})}
 
     # ---- the whole rank -----------------------------------------------------------------
     def _watched(self, name: str, run):
