@@ -4,8 +4,9 @@
 can stop; a service already running (this stack's, or one found at its port) is used as it
 is. `down` first cancels the refreshes the worker is running (as the UI's Cancel: their
 ranks save, their rows are archived, the stop is no failure) and waits for them, then stops
-the worker (no new flow run starts), the Ray head and the server, each by its process group,
-then every process left that carries the stack's id.
+the worker (no new flow run starts), the Ray head and the server, each with its process tree
+and its session (`up` starts each in a session of its own), then every process left that
+carries the stack's id or belongs to one of those sessions.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ettflow.flows.supervise import stop_processes
 
 from . import services
 from .config import StackConfig
-from .records import Service, StackRecord, stack_processes
+from .records import Service, StackRecord, session_processes, stack_processes
 
 Say = Callable[[str], None]
 
@@ -87,10 +88,15 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
             group = [proc, *proc.children(recursive=True)]
         except Exception:  # noqa: BLE001 - it ended meanwhile
             group = [proc]
+        group += [p for p in session_processes(proc.pid) if p not in group]
         stop_processes(group, cfg.stop_s)
         stopped.append(name)
         say(f"  stopped {name} (pid {svc.pid})")
+    # what outlived its service: the stack's id in its environment, or its service's session
     left = stack_processes(record.stack_id)
+    for svc in record.services:
+        if svc.started:
+            left += [p for p in session_processes(svc.pid) if p not in left]
     if left:
         stop_processes(left, cfg.stop_s)
         say(f"  stopped {len(left)} more process(es) of the stack (flow runs, Ray workers)")

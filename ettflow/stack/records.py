@@ -3,14 +3,19 @@
 Every process `up` starts gets `ETTFLOW_STACK_ID=<id>` in its environment, and passes it on to
 what it starts (Ray's raylet to its workers and actors, the Prefect worker to its flow-run
 processes), so `down` finds all of them by reading each process's environment, even those
-that left the process group of the service that started them. A recorded pid counts as the
-same process only while its start time matches the record (a pid can be reused).
+that left the process group of the service that started them. Each service starts in a
+session of its own (its pid is the session id), and `down` also stops every process of that
+session (`session_processes`): Ray's agents retitle themselves (`ray::DashboardAgent`), which
+overwrites the environment the kernel shows, and one left to init by its raylet was found
+running after `down` (2026-12-05). A recorded pid counts as the same process only while its
+start time matches the record (a pid can be reused).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,16 +95,29 @@ class StackRecord:
                              "runs") from None
 
 
+def session_processes(session_id: int) -> list[psutil.Process]:
+    """Every live process of the session `session_id` (a service's pid: `up` starts each in a
+    session of its own), the leader included, this process excluded; what left the leader's
+    tree for init keeps its session."""
+    return _live(lambda proc: os.getsid(proc.pid) == session_id)
+
+
 def stack_processes(stack_id: str) -> list[psutil.Process]:
     """Every live process whose environment carries this stack's id (this process excluded)."""
+    return _live(lambda proc: proc.environ().get(STACK_ENV) == stack_id)
+
+
+def _live(matches: Callable[[psutil.Process], bool]) -> list[psutil.Process]:
+    """The live (not zombie) processes `matches`, this one excluded; one that ends while it is
+    looked at, or is not ours to read, is left out."""
     found = []
     me = os.getpid()
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == me:
             continue
         try:
-            if proc.environ().get(STACK_ENV) == stack_id and proc.status() != psutil.STATUS_ZOMBIE:
+            if matches(proc) and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
-        except psutil.Error:  # gone, or not ours to read
+        except (OSError, psutil.Error):
             continue
     return found

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from ettflow.ett.warehouse import Warehouse
-from ettflow.stack.records import StackRecord, stack_processes
+from ettflow.stack.records import StackRecord, session_processes, stack_processes
 from ettflow.tasks.run_spool import RunRecorder
 
 from helpers.flows import BATCH, MODEL, TINY
@@ -152,6 +152,9 @@ def test_up_runs_two_deployment_refreshes_then_down_leaves_nothing(tmp_path, com
     assert down.returncode == 0, down.stdout + down.stderr
     assert "Connected to Ray cluster" not in down.stdout + down.stderr  # Ray's start-up notes stay out (issue 43)
     assert record is not None and not stack_processes(record.stack_id)
+    # nor anything of their sessions: Ray's agents retitle themselves, hiding their environment and
+    # their command line from the two checks around this one (one was left running once)
+    assert not [p for s in record.services if s.started for p in session_processes(s.pid)]
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if record.ray_temp_dir in " ".join(p.info["cmdline"] or ())]  # no Ray process of the head
     assert not (home / "stack" / "stack.json").exists()
