@@ -72,7 +72,7 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
     if record is None:
         say(f"ettflow down: no stack recorded under {cfg.stack_dir}: nothing to stop")
         return Stopped((), 0)
-    stopped = []
+    stopped, sessions = [], []
     worker = record.service("worker")
     if worker is not None and worker.process() is not None and services.prefect_healthy(record.api_url):
         _cancel_running(record, say)  # first, while the worker can still carry the cancels out
@@ -89,14 +89,15 @@ def down(cfg: StackConfig, say: Say = print) -> Stopped:
         except Exception:  # noqa: BLE001 - it ended meanwhile
             group = [proc]
         group += [p for p in session_processes(proc.pid) if p not in group]
+        sessions.append(proc.pid)
         stop_processes(group, cfg.stop_s)
         stopped.append(name)
         say(f"  stopped {name} (pid {svc.pid})")
-    # what outlived its service: the stack's id in its environment, or its service's session
+    # what outlived its service: the stack's id in its environment, or its service's session (only
+    # of a leader seen alive above: a pid recorded days ago may lead someone else's session now)
     left = stack_processes(record.stack_id)
-    for svc in record.services:
-        if svc.started:
-            left += [p for p in session_processes(svc.pid) if p not in left]
+    for leader in sessions:
+        left += [p for p in session_processes(leader) if p not in left]
     if left:
         stop_processes(left, cfg.stop_s)
         say(f"  stopped {len(left)} more process(es) of the stack (flow runs, Ray workers)")

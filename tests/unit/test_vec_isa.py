@@ -47,14 +47,15 @@ def test_the_first_process_checks_and_records_and_the_next_takes_the_record(tmp_
 
 
 def test_a_failed_candidate_keeps_inductors_own_check_in_every_process(tmp_path, caplog):
-    first = Inductor(valid=CANDIDATES[1:])  # the compiler cannot build AMX code
+    first = Inductor(valid=CANDIDATES[1:])  # the compiler cannot build AMX code (or its probe timed out)
     out = first.settle(tmp_path)
-    assert (out.check, first.ok) == (IsaCheck.FAILED_CANDIDATE, False)
+    assert (out.check, out.valid, first.ok) == (IsaCheck.FAILED_CANDIDATE, CANDIDATES[1:], False)
     assert "avx512 avx512_vnni amx_tile" in caplog.text
-    second = Inductor(valid=CANDIDATES[1:])
+    assert list(tmp_path.iterdir()) == []  # not recorded: a failure once is not the host's answer
+    second = Inductor()  # the next process checks again, and this time every candidate passes
     out = second.settle(tmp_path)
-    # recorded, but never taken as "all valid": the switch stays unset, inductor checks itself
-    assert (out.check, out.valid, second.checks, second.ok) == (IsaCheck.FAILED_CANDIDATE, CANDIDATES[1:], 0, False)
+    assert (out.check, second.checks, second.ok) == (IsaCheck.CHECKED, 1, True)
+    assert Inductor().settle(tmp_path).check is IsaCheck.RECORDED
 
 
 def test_another_host_or_another_compiler_checks_again(tmp_path):
@@ -65,9 +66,12 @@ def test_another_host_or_another_compiler_checks_again(tmp_path):
     fewer = Inductor(valid=CANDIDATES[1:])  # same digest, other candidates: not this host's record
     assert fewer.settle(tmp_path, host=Host(candidates=CANDIDATES[1:], digest="a" * 24)).check is IsaCheck.CHECKED
     assert fewer.checks == 1
+    other = Inductor()  # a record of another host's candidates under this digest is not taken either
+    assert other.settle(tmp_path).check is IsaCheck.CHECKED and other.checks == 1
 
 
-@pytest.mark.parametrize("damage", ["writable by others", "not json", "valid not a list", "other format"])
+@pytest.mark.parametrize("damage", ["writable by others", "not json", "a list", "null", "candidates not a list",
+                                    "valid not a list", "other format"])
 def test_a_record_that_cannot_be_trusted_or_read_is_not_taken(tmp_path, damage, caplog):
     Inductor().settle(tmp_path)
     path = tmp_path / f"{HOST.digest}.json"
@@ -76,6 +80,12 @@ def test_a_record_that_cannot_be_trusted_or_read_is_not_taken(tmp_path, damage, 
         os.chmod(path, 0o666)
     elif damage == "not json":
         path.write_text("{")
+    elif damage == "a list":
+        path.write_text("[1]")
+    elif damage == "null":
+        path.write_text("null")
+    elif damage == "candidates not a list":
+        path.write_text(json.dumps({**record, "candidates": 5}))
     elif damage == "valid not a list":
         path.write_text(json.dumps({**record, "valid": "avx2"}))
     else:
@@ -88,11 +98,18 @@ def test_a_record_that_cannot_be_trusted_or_read_is_not_taken(tmp_path, damage, 
         assert oct(path.stat().st_mode & 0o777) == "0o600"  # replaced by a private one
 
 
-def test_a_folder_that_cannot_be_written_loses_only_the_record(tmp_path, caplog):
+def test_a_folder_that_cannot_be_written_loses_only_the_record(tmp_path, caplog, monkeypatch):
     (tmp_path / "file").write_text("")
     inductor = Inductor()
     out = inductor.settle(tmp_path / "file" / "cpu-isa")  # under a file: cannot be made
     assert (out.check, inductor.ok) == (IsaCheck.CHECKED, True) and "not written" in caplog.text
+
+    def cannot_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(vec_isa.os, "replace", cannot_replace)  # the write fails after its temporary file
+    vec_isa.write_record(tmp_path / "full", HOST, CANDIDATES, 1.0)
+    assert list((tmp_path / "full").iterdir()) == []  # nothing left behind
 
 
 def test_the_users_own_switch_and_a_host_without_the_check_are_left_alone(tmp_path):

@@ -2,27 +2,32 @@
 
 Before its first CPU kernel, inductor checks every vector ISA the CPU's flags claim (AMX,
 AVX-512 VNNI, AVX-512, AVX2 here) by building a small test library with that ISA's flags and
-loading it in a child Python process (`torch._inductor.cpu_vec_isa`). Every new process pays it:
-measured on the 2026-12-05 host, 8.2 s with an empty inductor folder (a cold compile) and 1.7 s
-with the test libraries restored from the archive (a warm one), on each rank's and each spare's
-compile. Its outcome depends only on the host (the CPU's flags, the C++ compiler, torch and the
-Python that loads the library), so:
+loading it in a child Python process (`torch._inductor.cpu_vec_isa`), and then some of their
+sub-features (AVX-512 BF16, VNNI, AMX tiles) the same way. Every new process pays it: measured on
+the 2026-12-05 host, 8.0 s of a cold compile (an empty inductor folder) and 1.2-1.4 s of a warm one
+(the test libraries restored from the archive), on each rank's, spare's and pooled worker's
+compile. The base check's outcome depends only on the host (the CPU's flags, the C++ compiler,
+torch and the Python that loads the library), so:
 
-- the first compiling process of a host (per compile-cache root) checks as inductor does and
-  records the outcome (`cpu-isa/<digest>.json`, the digest over what the check depends on);
-- a later process whose digest has a record in which every candidate passed sets inductor's own
-  switch (`config.cpp.vec_isa_ok`, what `TORCHINDUCTOR_VEC_ISA_OK=1` sets), which takes the
-  same candidates as valid without building or loading anything: the same ISA is picked, so
-  the same kernels;
+- the first compiling process of a host (per compile-cache root) checks as inductor does and,
+  when every candidate passed, records it (`cpu-isa/<digest>.json`, the digest over what the
+  check depends on);
+- a later process whose digest has that record sets inductor's own switch
+  (`config.cpp.vec_isa_ok`, what `TORCHINDUCTOR_VEC_ISA_OK=1` sets), which takes the candidates'
+  base check as passed; their sub-feature checks still run as before, so the same ISA and the
+  same flags are picked, the same kernels built (tests/integration/test_vec_isa_choice.py);
+  measured: 1.1 s less a warm compile (`python -m ettflow.bench.isa_check`);
 - the first process sets the switch too once its check passed, so every process of the host
   compiles with the same setting: it is part of inductor's cache key (the archive's key says
   so, `ISA_CHECK`).
 
-A host where a candidate failed keeps inductor's per-process check (the record says which
-failed). A user's own `TORCHINDUCTOR_VEC_ISA_OK` wins: nothing is read or set. Only x86-64 has
-the check (inductor takes other architectures' ISAs without one). The record is JSON, read only
-from a folder this user owns and nobody else can write (`trust.py`). Runs without the compile
-cache switch (the untuned baseline) keep torch's default.
+A host where a candidate failed records nothing and keeps inductor's per-process check (a check
+that failed once, say a probe that timed out on a loaded host, is not taken as the host's answer).
+A user's own `TORCHINDUCTOR_VEC_ISA_OK` wins: nothing is read or set. Only x86-64 has the check
+(inductor takes other architectures' ISAs without one). The record is JSON, read only from a
+folder this user owns and nobody else can write (`trust.py`); at worst a forged one makes the
+base check pass for ISAs the CPU claims. Runs without the compile cache switch (the untuned
+baseline) keep torch's default.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class IsaCheck(Enum):
     NOT_X86 = "not-x86"  # no check to skip
     RECORDED = "recorded"  # an earlier process's record: every candidate passed, switch set
     CHECKED = "checked"  # checked here, every candidate passed, recorded, switch set
-    FAILED_CANDIDATE = "failed-candidate"  # a candidate failed (here or in the record): inductor checks per process
+    FAILED_CANDIDATE = "failed-candidate"  # a candidate failed here: not recorded, inductor checks per process
 
 
 @dataclass(frozen=True)
@@ -96,11 +101,12 @@ def read_record(folder: Path, host: Host) -> tuple[str, ...] | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if (data.get("format") != RECORD_FORMAT or data.get("digest") != host.digest
-            or tuple(data.get("candidates", ())) != host.candidates):
+    if not isinstance(data, dict):
         return None
-    valid = data.get("valid")
-    if not isinstance(valid, list) or not all(isinstance(v, str) for v in valid):
+    valid, candidates = data.get("valid"), data.get("candidates")
+    if (data.get("format") != RECORD_FORMAT or data.get("digest") != host.digest
+            or not isinstance(candidates, list) or tuple(candidates) != host.candidates
+            or not isinstance(valid, list) or not all(isinstance(v, str) for v in valid)):
         return None
     return tuple(valid)
 
@@ -113,10 +119,16 @@ def write_record(folder: Path, host: Host, valid: Sequence[str], seconds: float)
         body = json.dumps({"format": RECORD_FORMAT, "digest": host.digest, "candidates": list(host.candidates),
                            "valid": list(valid), "check_s": round(seconds, 3), "at": time.time()})
         fd, tmp = tempfile.mkstemp(prefix=".cpu-isa-", dir=folder)
+    except OSError as exc:
+        log.warning("cpu ISA record not written in %s (%s): the next process checks again", folder, exc)
+        return
+    try:
         with os.fdopen(fd, "w") as f:
             f.write(body)
         os.replace(tmp, folder / f"{host.digest}.json")
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         log.warning("cpu ISA record not written in %s (%s): the next process checks again", folder, exc)
 
 
@@ -129,19 +141,17 @@ def settle(folder: Path, host: Host | None, *, check: Callable[[], Sequence[str]
     if host is None:
         return Outcome(IsaCheck.NOT_X86)
     recorded = read_record(folder, host)
-    if recorded is not None:
-        if tuple(recorded) == host.candidates:
-            set_ok()
-            return Outcome(IsaCheck.RECORDED, tuple(recorded))
-        return Outcome(IsaCheck.FAILED_CANDIDATE, tuple(recorded))
+    if recorded is not None and recorded == host.candidates:
+        set_ok()
+        return Outcome(IsaCheck.RECORDED, recorded)
     t0 = clock()
     valid = tuple(check())
     seconds = clock() - t0
-    write_record(folder, host, valid, seconds)
     if valid == host.candidates:
+        write_record(folder, host, valid, seconds)
         set_ok()
         return Outcome(IsaCheck.CHECKED, valid, seconds)
-    log.warning("inductor's CPU ISA check failed for %s (valid: %s): each process checks again",
+    log.warning("inductor's CPU ISA check failed for %s (valid: %s): not recorded, each process checks again",
                 sorted(set(host.candidates) - set(valid)), list(valid))
     return Outcome(IsaCheck.FAILED_CANDIDATE, valid, seconds)
 
