@@ -107,7 +107,7 @@ INIT_FROM_LOCAL = Internal(module=_SHARDED, attr="ShardedTensor._init_from_local
 PROCESS_GROUP = Internal(module=_SHARDED, attr="ShardedTensor._process_group", consequence=_STAGING)
 REMOTE_DEVICE = Internal(module="torch.distributed.remote_device", attr="_remote_device", consequence=_STAGING)
 _ISA = ("every compiling process runs inductor's CPU ISA check again (a test library built and loaded per "
-        "ISA: ~1.7 s a warm compile, ~8 s a cold one here) instead of once per host (compile/vec_isa.py)")
+        "ISA: ~1.1 s of a warm compile, ~8 s of a cold one here) instead of once per host (compile/vec_isa.py)")
 _VEC_ISA = "torch._inductor.cpu_vec_isa"
 ISA_FLAGS = Internal(module=_VEC_ISA, attr="x86_isa_checker", consequence=_ISA)
 ISA_LIST = Internal(module=_VEC_ISA, attr="supported_vec_isa_list", consequence=_ISA)
