@@ -427,7 +427,15 @@ def test_a_rank_killed_mid_delta_chain_restores_base_and_deltas_and_a_damaged_de
     (fallback,) = [e for e in events if e.phase == "checkpoint_fallback"]
     assert (fallback.attempt, fallback.attrs["damaged_step"], fallback.attrs["restored_step"]) == (2, 20, 15)
     assert "rank-1.bin" in fallback.attrs["reason"] and fallback.attrs["file"] == "rank-1.bin"
-    assert m.replayed_steps == 2 * (17 - 15) + 2 * (22 - 15) and m.effective_steps == 2 * STEPS
+    # what each kill lost is what each rank recorded past the restored step 15: the killed rank up
+    # to the step before its kill; its peer finished that step too, but may be torn down before it
+    # records it (CI, on a loaded host: 17 replayed steps where both had recorded would give 18)
+    lost = {(a, r): [e.attrs["step"] for e in by(events, "train_step", rank=r, attempt=a) if e.attrs["step"] >= 15]
+            for a in (0, 1) for r in (0, 1)}
+    assert max(lost[0, 1]) == 16 and max(lost[0, 0]) in (15, 16), lost
+    assert max(lost[1, 1]) == 21 and max(lost[1, 0]) in (20, 21), lost
+    assert all(sorted(s) == list(range(15, max(s) + 1)) for s in lost.values()), lost
+    assert m.replayed_steps == sum(map(len, lost.values())) and m.effective_steps == 2 * STEPS
     m.check_partition()
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
     # the anchor is a base; the chain of the newest delta (20, rewritten whole) is kept entire
