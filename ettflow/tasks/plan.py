@@ -67,7 +67,7 @@ __all__ = ["ParameterError", "RefreshParameters", "RefreshPlan", "WindowChoice",
            "select_windows", "slug", "trainer_config", "with_interval", "with_lineage", "with_spares"]
 
 # The embedded default data: windows sized so that each refresh trains at least about 30 s on a
-# 2-core CPU host (3,840 steps of 2 ranks x 128 rows a window: about 40 s on the 2026-12-05
+# 2-core CPU host (3,840 steps of 2 ranks x 128 rows a window: 38.7-51.4 s on the 2026-12-05
 # host, which trained the earlier 737,280-row windows in 26.8-29.8 s, under the 30 s; the first
 # refresh trains two; a real hourly window is millions of rows and trains for tens of minutes on
 # accelerators), so ETT means what it means for a real refresh (issue 40 #5: at 368,640 rows the
