@@ -215,7 +215,8 @@ def interval_of(costs: JobCosts, policy: Policy, rate_per_s: float) -> float:
 def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | None, gpus: int, rng: random.Random,
                      *, run_id: str = "sim", failure_times: Sequence[float] | None = None) -> list[PhaseEvent]:
     """One refresh's events (see the module docstring). `failure_times`: failures at these
-    seconds from the submission instead of drawn ones (a measured run replayed)."""
+    seconds of the ranks' running time instead of drawn ones (a measured run replayed,
+    `simulate_inputs.measure_run` says how its failures' running times are read)."""
     rate = failures.rate_per_s(gpus) if failures is not None else 0.0
     interval = min(max(interval_of(costs, policy, rate), 1e-6), costs.train_s)
     block = max(interval / BLOCKS_PER_INTERVAL, costs.train_s / MAX_BLOCKS)
@@ -245,8 +246,12 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
     spares: list[float] = [costs.spare_start_s] * policy.spares
     spare_events: list[tuple[float, bool, float]] = []  # (requested, used, ended) per spare node
 
-    # the failure process's clock: the ranks' running time for drawn failures, the wall clock for
-    # a measured run's (a failure due while no rank runs fires as the ranks start again)
+    # the failure process's clock: the ranks' running time (their start, training and saves; not
+    # scheduling, a hand-off or a detection), for drawn and replayed failures alike: a replayed one
+    # then falls at the same point of the training however far the replay's recoveries, each its
+    # mean, drift from the measured ones (on a wall clock, a replay that ran 0.4 s ahead finished
+    # before a measured run's last failure and lost it); one due while no rank runs fires as the
+    # ranks start again
     busy = 0.0
 
     def next_failure() -> float:
@@ -259,7 +264,7 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
     def run_for(t: float, seconds: float) -> tuple[float, float | None]:
         """Advance the ranks `seconds` from `t`: (end, None) or (t_failed, the failure's time)."""
         nonlocal busy
-        now = t if scripted is not None else busy
+        now = busy
         if now + seconds <= fail_at:
             busy += seconds
             return t + seconds, None
@@ -276,7 +281,7 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
         cursors, so ETT and its components are the same (and `measure_run` reads the saves'
         count and steps); an attempt's first step record is the long one, so no later block
         reads as a stall. Returns (t, position, saved, failed_at)."""
-        now = t if scripted is not None else busy
+        now = busy
         room = fail_at - now - 1e-9  # the blocks and saves that fit before the failure
         saves_left = (blocks - position - 1) // per_interval  # the saves between here and the end
         whole = per_interval * block + costs.save_blocking_s  # an interval and its save

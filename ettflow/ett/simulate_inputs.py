@@ -11,7 +11,10 @@ its costs (`model_costs`: the median of each cost over the runs that measured it
 - training: the effective seconds (new data); the checkpoint interval from how many steps
   were saved (spread evenly); a save's blocking: the durable save's mean (CSBT) plus the in-memory copies'
   blocking spread over the durable saves;
-- failures: their times from the submission, detection (mean), each recovery from detection
+- failures: their times on the ranks' running clock (the simulator's failure clock: from the
+  end of the start's scheduling, less each recovery from its failure to the next attempt's
+  first step, a restart's start kept as the simulator keeps it), so a replay fails at the same
+  point of its training; detection (mean), each recovery from detection
   to the next attempt's first step less its replay: a restart (every rank), a live recovery
   with a ready spare, or one whose spare started at the loss (its start measured apart);
 - the shutdown: from the last step to the end of the wall.
@@ -103,7 +106,31 @@ def measure_run(events: Sequence[PhaseEvent]) -> MeasuredRun:
     policy = Policy(name="measured", live_recovery=live, spares=len(held_spares), interval_s=max(interval_s, 1e-3),
                     prewarm=pooled, gpus_per_node=1)
     return MeasuredRun(run_id=m.run_id, costs=costs, policy=policy, gpus=m.held.slots,
-                       failure_times=tuple(f.failed_at - w0 for f in m.failures), metrics=m)
+                       failure_times=_running_times(m, steps, costs, handoffs), metrics=m)
+
+
+def _running_times(m: RunMetrics, steps: Sequence[PhaseEvent], costs: JobCosts,
+                   handoffs: dict[int, PhaseEvent]) -> tuple[float, ...]:
+    """Each failure's time on the ranks' running clock, as `simulate.simulate_refresh` keeps
+    it: the ranks run from the end of the start's scheduling to the first failure, and in each
+    later attempt from its first step (a restart: less its start's init and compile, which the
+    simulator runs on that clock, scaled as it scales them) to its failure. A failure of an
+    attempt that never stepped (lost in its hand-off or start) is due as its ranks start."""
+    first_step: dict[int, float] = {}
+    for e in steps:
+        first_step.setdefault(e.attempt, e.start)
+    start = costs.cold
+    scale = min(1.0, costs.restart_s / start.total_s) if start.total_s > 0 else 0.0
+    running, out = 0.0, []
+    began: float | None = m.wall_start + start.scheduling_s
+    for f in sorted(m.failures, key=lambda f: f.failed_at):
+        if began is not None:
+            running += max(0.0, f.failed_at - began)
+        out.append(running)
+        resumed = first_step.get(f.attempt + 1)
+        restarted = f.attempt + 1 not in handoffs
+        began = None if resumed is None else resumed - (scale * (start.init_s + start.compile_s) if restarted else 0.0)
+    return tuple(out)
 
 
 def model_costs(runs: Sequence[MeasuredRun], default: JobCosts = ASSUMED_COSTS) -> JobCosts:

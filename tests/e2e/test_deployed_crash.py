@@ -57,6 +57,22 @@ def flow_run_process(worker: psutil.Process, flow_run_id: str) -> psutil.Process
     return top[0] if top else None
 
 
+def left_of_run(started: list[psutil.Process], home, worker: subprocess.Popen) -> list[psutil.Process]:
+    """The killed flow process's own (the processes it started: its Ray), still running. The
+    worker's live descendants are not: the flow process is dead, so what is below the worker now
+    is its crash handling, which `worker.wait` waits for next."""
+    try:
+        handling = {p.pid for p in psutil.Process(worker.pid).children(recursive=True)} | {worker.pid}
+    except psutil.Error:
+        handling = {worker.pid}
+    seen, left = set(), []
+    for p in alive(started) + processes_of(home):
+        if p.pid not in handling and p.pid not in seen:
+            seen.add(p.pid)
+            left.append(p)
+    return left
+
+
 def api_state(api: str, flow_run_id: str) -> dict:
     return httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()
 
@@ -104,8 +120,9 @@ def test_a_killed_deployed_flow_run_is_crashed_with_an_orchestrator_failure(
                            BOUND_S, "the flow run to be CRASHED", poll_s=0.05)
         actors_gone = wait_for(lambda: not alive(actors) and time.monotonic(), BOUND_S,
                                "the trainer actors to die with their flow process")
-        ray_gone = wait_for(lambda: not [p for p in alive(started) + processes_of(home) if p.pid != worker.pid]
-                            and time.monotonic(), BOUND_S, "the flow process's Ray to stop")
+        ray_gone = wait_for(lambda: not left_of_run(started, home, worker) and time.monotonic(), BOUND_S,
+                            "the flow process's Ray to stop",
+                            detail=lambda: describe(left_of_run(started, home, worker)))
         worker.wait(timeout=BOUND_S)  # --run-once: it exits once the crash is handled (hooks included)
         archived = time.monotonic()
     finally:

@@ -11,14 +11,16 @@ import pytest
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.1) -> T:
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.1,
+             detail: Callable[[], object] | None = None) -> T:
     """`predicate()`'s first truthy value, polled every `poll_s`; the test fails after
-    `timeout_s` naming `what`."""
+    `timeout_s` naming `what` (and what `detail()` says of the state it was left in)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+            said = f": {detail()}" if detail is not None else ""
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}{said}")
         time.sleep(poll_s)
