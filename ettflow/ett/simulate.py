@@ -189,6 +189,13 @@ def recovery_s(costs: JobCosts, *, live: bool, spare_ready: bool) -> float:
     return costs.live_recovery_s + (0.0 if spare_ready else costs.spare_start_s)
 
 
+def restart_share(costs: JobCosts, start: StartCosts) -> float:
+    """The share of `start` a restart plays again: the measured restart split in the start's
+    proportions (`simulate_refresh`), its init and compile on the ranks' running clock
+    (`simulate_inputs.measure_run` places a replay's failures on that clock with it)."""
+    return min(1.0, costs.restart_s / start.total_s) if start.total_s > 0 else 0.0
+
+
 def spare_inputs(costs: JobCosts, *, world_size: int, wall_s: float, rate_per_s: float, scripted_failures: int = 0,
                  live_at_loss: bool = True, slots_per_spare: float = 1.0, sources: str = "") -> SpareInputs:
     """What the spare decision (`spare_sizing.size_spares`) reads, from this model's costs: the
@@ -310,7 +317,7 @@ def simulate_refresh(costs: JobCosts, policy: Policy, failures: FailureModel | N
         if restart_kind in (None, "restart"):  # a start: every rank placed, built, compiled
             scale, teardown = 1.0, 0.0
             if restart_kind == "restart":  # the measured restart, its start's parts in proportion
-                scale = min(1.0, costs.restart_s / start.total_s) if start.total_s > 0 else 0.0
+                scale = restart_share(costs, start)
                 teardown = max(0.0, costs.restart_s - start.total_s)
                 run.ev("shutdown", t, t + teardown, DRIVER)  # the failed attempt's teardown, restore
                 t += teardown

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 
 from .events import TRAIN_STEP, PhaseEvent
 from .run_metrics import RunMetrics, compute_run_metrics
-from .simulate import ASSUMED_COSTS, JobCosts, Policy, StartCosts
+from .simulate import ASSUMED_COSTS, JobCosts, Policy, StartCosts, restart_share
 from .spare_sizing import AT_LOSS
 
 
@@ -119,8 +119,8 @@ def _running_times(m: RunMetrics, steps: Sequence[PhaseEvent], costs: JobCosts,
     first_step: dict[int, float] = {}
     for e in steps:
         first_step.setdefault(e.attempt, e.start)
-    start = costs.cold
-    scale = min(1.0, costs.restart_s / start.total_s) if start.total_s > 0 else 0.0
+    start = costs.cold  # measure_run's cold and warm starts are the same measured one
+    scale = restart_share(costs, start)
     running, out = 0.0, []
     began: float | None = m.wall_start + start.scheduling_s
     for f in sorted(m.failures, key=lambda f: f.failed_at):
