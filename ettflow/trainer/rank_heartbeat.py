@@ -20,12 +20,20 @@ bound (`PhaseBounds`, from `TrainerConfig`). The rules:
 - Among the hung ranks the culprit is the one that progressed least (in init before training;
   at step s before inside step s; a lower step first), then the one hung longest: its peers
   wait for it in a collective.
+- Time the rank's process did not run is not the rank's: the pauses its beat reports, and the
+  silence since a beat overdue by more than `PAUSE_MIN_S` (a pause not yet seen by the thread,
+  which is not running either), are left out of its phase's time, at most one bound's worth (a
+  process stopped for good, or one whose hang holds the interpreter lock and so silences its
+  beat, is still hung, at twice the bound). A host that starves both ranks
+  of CPU for seconds must not cost the run a full restart (a loaded CI host declared a 3-s step
+  bound hung after 2.3 s of starvation).
 
 The thread also notices when its own process was not running (`Pause`, pure): it woke more
 than `PAUSE_MIN_S` later than it meant to while the process used less than
 `PAUSE_CPU_SHARE` of that gap in CPU time (SIGSTOP, a frozen VM, a host starving it; a
 training thread holding the lock would have used the CPU). It hands the span to `on_pause`
-(the rank records a `process_paused` event: the evidence that owns a stalled step to the host).
+(the rank records a `process_paused` event: the evidence that owns a stalled step to the host),
+and its beat carries the newest ones to the watchdog.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ STARTUP_STAGES = ("device_init", "process_group_init", "preproc_creation", "trai
 
 PAUSE_MIN_S = 1.0  # a wake-up later than planned by more than this may be a pause
 PAUSE_CPU_SHARE = 0.1  # ... when the process used less CPU than this share of the gap
+BEAT_EVERY_S = 0.5  # the thread's beat period
+PAUSES_KEPT = 8  # the newest pauses a beat carries (older ones predate any phase still open)
 
 
 @dataclass(frozen=True)
@@ -122,16 +132,26 @@ class RankBeat:
     training_since: float | None = None
     step: int | None = None
     in_step: bool = False
+    pauses: tuple[Pause, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": self.pid, "beat": self.beat, "phases": dict(self.phases),
-                "training_since": self.training_since, "step": self.step, "in_step": self.in_step}
+                "training_since": self.training_since, "step": self.step, "in_step": self.in_step,
+                "pauses": [[p.start, p.end] for p in self.pauses]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RankBeat:
         return cls(rank=int(d["rank"]), pid=int(d["pid"]), beat=float(d["beat"]),
                    phases={str(k): float(v) for k, v in d.get("phases", {}).items()},
-                   training_since=d.get("training_since"), step=d.get("step"), in_step=bool(d.get("in_step")))
+                   training_since=d.get("training_since"), step=d.get("step"), in_step=bool(d.get("in_step")),
+                   pauses=tuple(Pause(float(a), float(b)) for a, b in d.get("pauses", ())))
+
+    def not_running(self, since: float, now: float) -> float:
+        """How much of [since, now] the rank's process did not run: its reported pauses, and
+        the silence past an overdue beat (a pause its thread has not woken to report)."""
+        reported = sum(max(0.0, min(p.end, now) - max(p.start, since)) for p in self.pauses)
+        overdue = now - max(self.beat, since) - BEAT_EVERY_S
+        return reported + (overdue if overdue > PAUSE_MIN_S else 0.0)
 
 
 def write_beat(path: Path, beat: RankBeat) -> None:
@@ -159,10 +179,12 @@ class Hang:
     for_s: float
     bound_s: float
     step: int | None = None
+    not_running_s: float = 0.0  # of `for_s`, the time its process did not run (not counted)
 
     def failure(self, attempt: int) -> Failure:
+        paused = f", {self.not_running_s:.1f} s of it not running" if self.not_running_s else ""
         return Failure(failure_class=FailureClass.INFRASTRUCTURE, rank=self.rank, attempt=attempt, step=self.step,
-                       hang=True, reason=f"rank {self.rank} hung in {self.phase} for {self.for_s:.1f} s "
+                       hang=True, reason=f"rank {self.rank} hung in {self.phase} for {self.for_s:.1f} s{paused} "
                               f"(bound {self.bound_s:g} s)")
 
 
@@ -186,7 +208,7 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
                 if not all_training:
                     continue  # waits for a peer still in init: the peer's bound judges it
                 since = max(since, train_clock)
-            hang = _overdue(rank, phase, since, bounds, now, step=b.step if training else None)
+            hang = _overdue(rank, phase, since, bounds, now, step=b.step if training else None, beat=b)
             if hang is not None:
                 progress = (1, b.step if b.step is not None else -1, int(b.in_step or phase == SAVE)) \
                     if training else (0, -1, 0)
@@ -195,17 +217,19 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
 
 
 def _overdue(rank: int, phase: str, since: float, bounds: PhaseBounds, now: float,
-             step: int | None = None) -> Hang | None:
+             step: int | None = None, beat: RankBeat | None = None) -> Hang | None:
     bound = bounds.bound(phase)
-    if now - since <= bound:
+    not_running = min(bound, beat.not_running(since, now)) if beat is not None else 0.0
+    if now - since - not_running <= bound:
         return None
-    return Hang(rank=rank, phase=phase, since=since, for_s=now - since, bound_s=bound, step=step)
+    return Hang(rank=rank, phase=phase, since=since, for_s=now - since, bound_s=bound, step=step,
+                not_running_s=not_running)
 
 
 class RankHeartbeat:
     """The rank side: phases entered and left by the training code, written by a daemon thread."""
 
-    def __init__(self, path: Path | str, rank: int, *, every_s: float = 0.5,
+    def __init__(self, path: Path | str, rank: int, *, every_s: float = BEAT_EVERY_S,
                  clock: Callable[[], float] = time.time, on_pause: Callable[[Pause], None] | None = None) -> None:
         self.path, self.rank, self.every_s, self.clock = Path(path), rank, every_s, clock
         self.on_pause = on_pause
@@ -214,6 +238,7 @@ class RankHeartbeat:
         self._training_since: float | None = None
         self._step: int | None = None
         self._in_step = False
+        self._pauses: tuple[Pause, ...] = ()
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -234,7 +259,8 @@ class RankHeartbeat:
     def snapshot(self) -> RankBeat:
         with self._lock:
             return RankBeat(rank=self.rank, pid=os.getpid(), beat=self.clock(), phases=dict(self._phases),
-                            training_since=self._training_since, step=self._step, in_step=self._in_step)
+                            training_since=self._training_since, step=self._step, in_step=self._in_step,
+                            pauses=self._pauses)
 
     # ---- what the training code calls ---------------------------------------------------
     def enter(self, phase: str) -> None:
@@ -289,6 +315,9 @@ class RankHeartbeat:
             pause = Pause.between(last_wall, wall, slept_s=mono - last_mono, planned_s=self.every_s,
                                   cpu_s=cpu - last_cpu)
             last_wall, last_mono, last_cpu = wall, mono, cpu
+            if pause is not None:  # in this very beat: the watchdog leaves it out of the phase's time
+                with self._lock:
+                    self._pauses = (*self._pauses, pause)[-PAUSES_KEPT:]
             self._write()
             if pause is not None and self.on_pause is not None:
                 try:

@@ -18,6 +18,7 @@ from ettflow.trainer.group.driver import TrainingDriver
 from ettflow.trainer.rank_heartbeat import (
     SAVE,
     TRAINING,
+    Pause,
     PhaseBounds,
     RankBeat,
     RankHeartbeat,
@@ -31,10 +32,13 @@ BOUNDS = PhaseBounds(startup_s=10, compile_s=5, restore_s=4, step_s=2, save_s=3)
 INFRA, PREEMPTION = FailureClass.INFRASTRUCTURE, FailureClass.PREEMPTION
 
 
+FRESH = float("inf")  # a beat written at the moment the watchdog reads it, whatever the test's clock
+
+
 def beat(rank: int, phases: dict, *, training_since: float | None = None, step: int | None = None,
-         in_step: bool = False) -> RankBeat:
-    return RankBeat(rank=rank, pid=1, beat=0.0, phases=phases, training_since=training_since, step=step,
-                    in_step=in_step)
+         in_step: bool = False, at: float = FRESH, pauses: tuple[Pause, ...] = ()) -> RankBeat:
+    return RankBeat(rank=rank, pid=1, beat=at, phases=phases, training_since=training_since, step=step,
+                    in_step=in_step, pauses=pauses)
 
 
 def test_every_phase_has_its_bound():
@@ -86,6 +90,35 @@ def test_the_culprit_is_the_rank_that_progressed_least():
     assert (hang.rank, hang.phase, hang.step) == (1, TRAINING, 7)
     # a finished rank is never judged
     assert find_hang(beats, BOUNDS, 125.0, launched_at=90.0, done={0, 1}) is None
+
+
+def test_time_a_ranks_process_did_not_run_is_not_its_phases_up_to_one_bound():
+    # a step began at 100 (bound 2 s); the host starved the process from 100.5 to 102.8 and the
+    # thread reported it on waking: 1.2 s of the 3.5 s ran, not hung
+    starved = (Pause(100.5, 102.8),)
+    beats = {0: beat(0, {TRAINING: 100.0}, training_since=100.0, step=9, in_step=True, at=103.4, pauses=starved)}
+    assert find_hang(beats, BOUNDS, 103.5, launched_at=90.0) is None
+    # it ran on past its bound: hung, and the reason says how much of the time did not count
+    hang = find_hang(beats, BOUNDS, 104.5, launched_at=90.0)
+    assert (hang.rank, hang.step, hang.for_s, hang.not_running_s) == (0, 9, 4.5, 2.0)  # capped at the bound
+    assert hang.failure(1).reason == "rank 0 hung in train_step for 4.5 s, 2.0 s of it not running (bound 2 s)"
+    # a pause before the phase began is not the phase's
+    early = beat(0, {TRAINING: 100.0}, training_since=100.0, step=9, at=102.4, pauses=(Pause(90.0, 99.0),))
+    assert find_hang({0: early}, BOUNDS, 102.5, launched_at=90.0) is not None
+
+
+def test_a_silent_beat_is_a_pause_not_yet_reported_and_a_process_stopped_for_good_hangs_at_twice_the_bound():
+    # the last beat at 100.2; at 103 the thread has not woken since: 2.3 s past its period, not
+    # running as far as the watchdog can tell
+    silent = {0: beat(0, {"pt2_compile": 100.0}, at=100.2)}
+    assert find_hang(silent, BOUNDS, 103.0 + BOUNDS.compile_s - 2.3, launched_at=90.0) is None
+    # ... but never more than one bound's worth: a process stopped for good is hung at 2 x bound
+    assert find_hang(silent, BOUNDS, 100.0 + 2 * BOUNDS.compile_s, launched_at=90.0) is None
+    hang = find_hang(silent, BOUNDS, 100.1 + 2 * BOUNDS.compile_s, launched_at=90.0)
+    assert (hang.phase, hang.not_running_s) == ("pt2_compile", BOUNDS.compile_s)
+    # a beat late by less than a pause is on time (a busy host's scheduling)
+    late = {0: beat(0, {"pt2_compile": 100.0}, at=104.0)}
+    assert find_hang(late, BOUNDS, 105.4, launched_at=90.0).not_running_s == 0.0
 
 
 def test_the_heartbeat_thread_beats_while_its_rank_hangs(tmp_path):

@@ -27,7 +27,7 @@ from ettflow.trainer.group.pooled_worker import PooledWorker, record_start
 from ettflow.trainer.model_config import ModelConfig
 from ettflow.trainer.placement import SpareBundles
 from ettflow.trainer.protocol import MEMORY, AnchorHandOff, PollStatus, PrewarmTimings, RestorePoint
-from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, write_beat
+from ettflow.trainer.rank_heartbeat import TRAINING, RankBeat, beat_file, read_beat, write_beat
 
 from helpers.group_ops import RecordingOps
 from helpers.rank_results import finished
@@ -51,9 +51,10 @@ class ScriptedGroup:
     """Each poll advances the clock one second; each rank trains one step per poll (written
     to the spool like a real rank, with its step) until its script says finish, die, raise or
     hang. Each rank's heartbeat says it trains since its last step's end, like a real rank's
-    (a hung rank's stops moving). Scripted faults (`fail_at`) fire as in a real rank: the run's config less the items
-    that fired (`pending_faults`), each recorded with its index when it fires. With
-    `run.restore_step` set, a restart resumes every rank from that checkpointed step."""
+    (a hung rank's thread beats on, its phase's start unchanged). Scripted faults (`fail_at`)
+    fire as in a real rank: the run's config less the items that fired (`pending_faults`),
+    each recorded with its index when it fires. With `run.restore_step` set, a restart resumes
+    every rank from that checkpointed step."""
 
     def __init__(self, run, attempt: int, script: dict) -> None:
         self.run, self.attempt, self.script = run, attempt, script
@@ -103,6 +104,7 @@ class ScriptedGroup:
             if rank in self.killed:
                 failed.append(died(rank))
             elif rank in self.hung:
+                self.keep_beating(rank)
                 continue
             elif fault is not None:
                 record_fired(fault, w, rank=rank, step=cursor, at=t0)
@@ -138,7 +140,8 @@ class ScriptedGroup:
             elif action == "bad-data":
                 failed.append(Failure(failure_class=DATA, rank=rank, path="x.parquet",
                                       reason=f"rank {rank}: x.parquet: column 'cat_1' is not integer"))
-            # "hang": no step, no outcome
+            elif action == "hang":  # no step, no outcome; its thread beats on
+                self.keep_beating(rank)
         return PollStatus(finished=done, failed=tuple(failed))
 
     def beat(self, rank: int, *, since: float) -> None:
@@ -146,6 +149,12 @@ class ScriptedGroup:
         write_beat(beat_file(self.run.spool, self.run.run_id, self.attempt, rank),
                    RankBeat(rank=rank, pid=0, beat=since, phases={TRAINING: since}, training_since=started,
                             step=self.run.cursor[rank]))
+
+    def keep_beating(self, rank: int) -> None:
+        """The rank's heartbeat thread writes its unchanged state at the poll's time."""
+        path = beat_file(self.run.spool, self.run.run_id, self.attempt, rank)
+        if (last := read_beat(path)) is not None:
+            write_beat(path, replace(last, beat=self.run.clock.t))
 
     def kill(self, rank: int) -> None:
         self.killed.append(rank)
