@@ -20,6 +20,15 @@ The TTRs come from the fleet simulator's recovery model (`simulate.spare_inputs`
 replications this closed form predicts: `tests/unit/test_simulate.py` checks that it holds the
 number of spares they find best, so the decision and `ettflow simulate` price spares alike.
 
+Shared spares (`size_shared_spares`): on a cluster whose pool (trainer/group/pool_service.py)
+serves every run of a model, the pool holds the model's spares instead of each run holding its
+own, and a spare serves whichever run loses a rank first. Each training run brings its share
+(`SpareShare`: per second it trains, the slot-seconds a ready spare is expected to save it, and
+its failure rate); per second held, the first spare saves the sum of the shares and
+costs `slots_per_spare`, the k-th saves the first's times p^(k-1) with p from the summed
+failure rate. For one run it holds what `size_spares` holds (both sides divided by the wall);
+two runs whose own spares would each not pay may together pay one.
+
 Defaults, stated where they are used (`SpareInputs`): with no history, `DEFAULT_RATE_PER_H`;
 the TTRs are this machine's measured ones (BENCHMARKS.md, live recovery on against off) until
 the model's own are measured; likewise a spare's start at a loss (`DEFAULT_REPLACE_S`) until
@@ -29,10 +38,12 @@ the model's spares started at a loss are (the failure history's `spare_start_s`)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 RULE = "spare-by-saving"  # a spare held ahead of a failure because its expected saving pays
+SHARED = "spare-shared"  # held by the cluster's pool while a model's runs train, for whichever loses a rank
 AT_LOSS = "spare-at-loss"  # none held: a spare started when a rank was lost, its start part of the recovery
 DEFAULT_RATE_PER_H = 1.0  # failures per hour of training, a model with no history (the history's prior)
 DEFAULT_TTR_WITH_S = 2.0  # a lost rank replaced by a ready spare (BENCHMARKS.md: 1.5-2.2 s measured)
@@ -66,7 +77,8 @@ class SpareInputs:
 
 @dataclass(frozen=True, kw_only=True)
 class SpareDecision:
-    """`spares`: how many the run holds; the numbers behind it, in slot-seconds."""
+    """`spares`: how many the run holds; the numbers behind it, in slot-seconds (a shared
+    decision, `rule` SHARED: per second held, and `expected_failures` per second)."""
 
     spares: int
     expected_failures: float
@@ -99,3 +111,46 @@ def size_spares(inputs: SpareInputs, *, max_spares: int = 1) -> SpareDecision:
               f"{first_s:.1f} slot-s against {cost:.1f} slot-s held: a spare {verdict}"
               + (f" ({inputs.sources})" if inputs.sources else ""))
     return SpareDecision(spares=held, expected_failures=n, saving_slot_s=savings, cost_slot_s=cost, reason=reason)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareShare:
+    """One training run's part in its model's shared spares, per second it trains."""
+
+    run_id: str
+    saving_per_s: float  # slot-seconds a ready spare saves it: N x (TTR without - TTR with) x world_size / wall
+    failures_per_s: float  # its failure rate: what a used spare's replacement risks (as `size_spares`'s p)
+    replace_s: float = DEFAULT_REPLACE_S
+    slots_per_spare: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.saving_per_s < 0 or self.failures_per_s < 0 or self.replace_s < 0 or self.slots_per_spare <= 0:
+            raise ValueError(f"spare share out of range: {self}")
+
+    @classmethod
+    def of(cls, run_id: str, inputs: SpareInputs) -> SpareShare:
+        """The share of a run whose own decision reads `inputs` (its expected failures over its wall)."""
+        wall = max(inputs.wall_s, 1e-9)
+        gain = max(inputs.ttr_without_s - inputs.ttr_with_s, 0.0)
+        return cls(run_id=run_id, saving_per_s=inputs.expected_failures * gain * inputs.world_size / wall,
+                   failures_per_s=inputs.rate_per_s, replace_s=inputs.replace_s,
+                   slots_per_spare=inputs.slots_per_spare)
+
+
+def size_shared_spares(shares: Sequence[SpareShare], *, max_spares: int = 1) -> SpareDecision:
+    """The spares a pool holds for the runs of one model training now (module docstring): the
+    decision's savings and cost are slot-seconds per second held."""
+    first = sum(s.saving_per_s for s in shares)
+    rate = sum(s.failures_per_s for s in shares)
+    replace_s = max((s.replace_s for s in shares), default=DEFAULT_REPLACE_S)
+    cost = max((s.slots_per_spare for s in shares), default=1.0)
+    p = 1.0 - math.exp(-rate * replace_s)
+    savings = tuple(first * p ** k for k in range(max_spares))
+    held = 0
+    while held < max_spares and savings[held] > cost:
+        held += 1
+    verdict = f"{held} shared spare(s) pay" if held else "a shared spare does not pay"
+    reason = (f"{len(shares)} run(s) training: {first:.3g} slot-s saved per s held against {cost:g} slot(s): "
+              f"{verdict}")
+    return SpareDecision(spares=held, expected_failures=rate, saving_slot_s=savings, cost_slot_s=cost,
+                         reason=reason, rule=SHARED)

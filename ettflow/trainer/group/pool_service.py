@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
+from ettflow.ett.spare_sizing import SHARED, SpareDecision, SpareShare, size_shared_spares
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.hold_rule import (
     MAX_EXPLORATIONS,
@@ -95,16 +96,19 @@ class PoolPolicy:
     prewarm and twice its spread), and how long after the scheduled time its unclaimed workers
     are kept. max_keep_alive_s: the longest an unscheduled run's ready worker is held (the
     break-even keep-alive is its share of the start saved, bounded by this). reap_every_s: how often the
-    reaper checks (a planned prewarm wakes it on time)."""
+    reaper checks (a planned prewarm wakes it on time). max_shared_spares: the most spares held
+    for one model's training runs (each only while their summed saving pays for it)."""
 
     max_workers: int = 8
+    max_shared_spares: int = 2  # spares held per model for its runs training now (`share_spares`)
     margin_s: float = 30.0
     max_keep_alive_s: float = 600.0
     reap_every_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.max_workers < 0:
-            raise ValueError(f"max_workers must be 0 or more, got {self.max_workers}")
+        if self.max_workers < 0 or self.max_shared_spares < 0:
+            raise ValueError(f"max_workers and max_shared_spares must be 0 or more, got {self.max_workers}, "
+                             f"{self.max_shared_spares}")
         if self.margin_s < 0 or self.reap_every_s <= 0 or self.max_keep_alive_s < 0:
             raise ValueError(f"margin_s and max_keep_alive_s must be >= 0 and reap_every_s positive, got "
                              f"{self.margin_s}, {self.max_keep_alive_s}, {self.reap_every_s}")
@@ -143,6 +147,18 @@ class _Keeper:
     model: str
     name: str = ""  # its Ray name (`state_keeper.pooled_keeper_name`)
     holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class _Sharing:
+    """A model's runs training now that share its spares (`share_spares`), and how to start one."""
+
+    shares: dict[str, SpareShare]  # by run id
+    owners: dict[str, OwnerHandle | None]  # by run id: the run's process's probe (its death unshares it)
+    config: TrainerConfig
+    spool_root: str
+    actor_cls: type
+    decision: SpareDecision | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +207,7 @@ class PoolService:
         self.explored: dict[str, int] = {}  # by model: holds granted to measure a pooled start (`hold_rule`)
         self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
+        self.sharing: dict[str, _Sharing] = {}  # by model: its runs training now, sharing its spares
         self._journal_failed = False
         self._start = start
         self._lock = threading.RLock()
@@ -302,8 +319,8 @@ class PoolService:
     def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type) -> int:
         key, model = warm_key(config), model_name(config)
         with self._lock:
-            self._drop(lambda e: e.model == model and e.key != key, "reshaped")
-            have = len([e for e in self.entries if e.key == key])
+            self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
+            have = len([e for e in self.entries if e.key == key and e.rule != SHARED])
             started = max(min(count, self.policy.max_workers) - have, 0)
             hold = self.holds.get(model)
             for _ in range(started):
@@ -343,12 +360,15 @@ class PoolService:
             released = self.released_at.pop(model, None)
             if released is not None:  # the gap from the model's last release to this run: its arrivals
                 _add_newest(self.gaps, model, max(now - released, 0.0))
-            taken = take_for_nodes([e for e in self._ready() if e.key == key], nodes)
+            ready = sorted((e for e in self._ready() if e.key == key), key=lambda e: e.rule == SHARED)
+            taken = take_for_nodes(ready, nodes)
             for worker in filter(None, taken):
                 self.entries.remove(worker)
                 if owner is not None:
                     self.given.append(_Given(worker.actor, owner, run_id, worker.model, "worker", now,
                                              worker.gpus, worker.cpus, worker.rss_bytes))
+            if any(w is not None and w.rule == SHARED for w in taken):
+                self._size_shared(model, now)  # the next one prepares now, for the model's other losses
         self._journal()
         return taken
 
@@ -381,6 +401,7 @@ class PoolService:
 
         with self._lock:
             owners = {id(g.owner): g.owner for g in self.given}
+            owners.update({id(o): o for sh in self.sharing.values() for o in sh.owners.values() if o is not None})
         dead = set()
         for key, owner in owners.items():
             try:
@@ -396,6 +417,7 @@ class PoolService:
                 if id(g.owner) not in dead:
                     g.seen_alive_at = now
             self.given = [g for g in self.given if id(g.owner) not in dead]
+            gone = [run for sh in self.sharing.values() for run, o in sh.owners.items() if id(o) in dead]
             for g in orphans:
                 with contextlib.suppress(Exception):
                     ray.kill(g.actor, no_restart=True)
@@ -404,22 +426,80 @@ class PoolService:
                             reason="owner_died", slots=1.0 if g.kind == "worker" else 0.0, gpus=g.gpus,
                             cpus=g.cpus, memory_bytes=g.memory_bytes)
                 self.ledger[h.holding_id] = h
+        for run_id in gone:
+            log.warning("cluster pool: run %s's process is gone: it no longer shares its model's spares", run_id)
+            self.unshare(run_id, now)
         if orphans:
             log.warning("cluster pool: stopped %d actor(s) of run(s) %s whose process is gone", len(orphans),
                         ", ".join(sorted({g.run_id for g in orphans})))
         return len(orphans)
 
+    # ---- shared spares (ett.spare_sizing.size_shared_spares) -------------------------------
+    def share_spares(self, share: SpareShare, config: TrainerConfig, spool_root: str, *, actor_cls: type,
+                     owner: OwnerHandle | None = None, now: float | None = None) -> SpareDecision:
+        """A run of `config`'s model trains from now and shares its spares: the pool holds the
+        spares the model's training runs' summed `share`s pay for (started and prewarmed now, rule
+        `spare-shared`), and whichever loses a rank takes one (`take`, after the next run's
+        workers); a taken one is replaced while they still pay. `owner`: the run's process's
+        probe: when it dies without `unshare`, the orphan check unshares it."""
+        model = model_name(config)
+        with self._lock:
+            sharing = self.sharing.setdefault(model, _Sharing({}, {}, config, spool_root, actor_cls))
+            sharing.shares[share.run_id], sharing.owners[share.run_id] = share, owner
+            sharing.config, sharing.spool_root, sharing.actor_cls = config, spool_root, actor_cls
+            decision = self._size_shared(model, now)
+        self._journal()
+        return decision
+
+    def unshare(self, run_id: str, now: float | None = None) -> SpareDecision | None:
+        """The run stopped training (its release): the spares its model's remaining runs do not
+        pay for are released (a ledger line each, rule `spare-shared`); the model's decision
+        now, or None when the run shared nothing."""
+        with self._lock:
+            model = next((m for m, sh in self.sharing.items() if run_id in sh.shares), None)
+            if model is None:
+                return None
+            sharing = self.sharing[model]
+            del sharing.shares[run_id], sharing.owners[run_id]
+            decision = self._size_shared(model, now)
+        self._journal()
+        return decision
+
+    def _size_shared(self, model: str, now: float | None = None) -> SpareDecision:
+        """Hold what the model's training runs' shares pay for (the lock held)."""
+        now = time.time() if now is None else now
+        sharing = self.sharing[model]
+        decision = sharing.decision = size_shared_spares(list(sharing.shares.values()),
+                                                         max_spares=self.policy.max_shared_spares)
+        held = [e for e in self.entries if e.model == model and e.rule == SHARED]
+        key = warm_key(sharing.config)
+        stale = [e for e in held if e.key != key] + [e for e in held if e.key == key][decision.spares:]
+        reason = "no_run_training" if not sharing.shares else "does_not_pay"
+        self._drop(lambda e: any(e is s for s in stale), reason, now)
+        for _ in range(decision.spares - (len(held) - len(stale))):
+            worker = self._start(sharing.config, POOL_RUN_ID, sharing.spool_root, actor_cls=sharing.actor_cls)
+            worker.prewarmed = worker.actor.prewarm.remote()
+            worker.rule = SHARED
+            self.entries.append(worker)
+        if not sharing.shares:
+            del self.sharing[model]
+        log.info("cluster pool: %s: %s", model, decision.reason)
+        return decision
+
     # ---- what it holds -------------------------------------------------------------------
     def status(self) -> list[PooledInfo]:
         with self._lock:
             self._ready()
-            def why(model: str) -> str:
+            def why(model: str, rule: str = "") -> str:
+                if rule == SHARED:
+                    shared = self.sharing.get(model)
+                    return shared.decision.reason if shared is not None and shared.decision is not None else ""
                 hold = self.holds.get(model)
                 return hold.reason if hold is not None else ""
 
             workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
                                   e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node,
-                                  rule=e.rule, why=why(e.model))
+                                  rule=e.rule, why=why(e.model, e.rule))
                        for e in self.entries]
             return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None,
                                          actor=k.name)
@@ -481,8 +561,9 @@ class PoolService:
             self.ledger[e.holding_id] = _worker_line(e, now, reason)
 
     def _drop_model(self, model: str, reason: str, now: float) -> None:
-        """Release everything held for `model`'s next run (its workers and keepers)."""
-        self._drop(lambda e: e.model == model, reason, now)
+        """Release everything held for `model`'s next run (its workers and keepers; not the
+        spares its training runs share)."""
+        self._drop(lambda e: e.model == model and e.rule != SHARED, reason, now)
         self._drop_keepers(lambda k: k.model == model, reason, now)
 
     def _drop_keepers(self, which, reason: str, now: float | None = None) -> int:
@@ -509,7 +590,7 @@ class PoolService:
                 return
             self.start_planned(time.time())
             self.reap(time.time())
-            if self.given and time.time() - self._orphans_checked > ORPHANS_EVERY_S:
+            if (self.given or self.sharing) and time.time() - self._orphans_checked > ORPHANS_EVERY_S:
                 self._orphans_checked = time.time()
                 self.reap_orphans()
             self._journal()  # the beat: a death loses at most one tick of held time to the ledger
@@ -532,7 +613,7 @@ class PoolService:
         with its model's last worker. How many were released."""
         with self._lock:
             self._ready()
-            old = [e for e in self.entries if (hold := self.holds.get(e.model)) is not None
+            old = [e for e in self.entries if e.rule != SHARED and (hold := self.holds.get(e.model)) is not None
                    and hold.expired(now, ready_at=e.timings.ready_at if e.timings is not None else None)]
             self._drop(lambda e: any(e is o for o in old), "expired", now)
             models = {e.model for e in self.entries}
