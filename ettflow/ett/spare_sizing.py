@@ -154,3 +154,45 @@ def size_shared_spares(shares: Sequence[SpareShare], *, max_spares: int = 1) -> 
               f"{verdict}")
     return SpareDecision(spares=held, expected_failures=rate, saving_slot_s=savings, cost_slot_s=cost,
                          reason=reason, rule=SHARED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedHold:
+    """A run's part of one shared spare's hold: `slots` (its fraction of the spare's slot) from
+    `start` to `end`; `used`: the spare replaced a rank (of whichever run) at its end, else it
+    was released unused there. The run records it as its own `spare_start` (`ett.capacity`)."""
+
+    holding_id: str
+    start: float
+    end: float
+    slots: float
+    used: bool
+    cpus: float = 0.0
+    gpus: float = 0.0
+
+    def to_attrs(self) -> dict[str, Any]:
+        """The `spare_start` attributes of this part (`event_attrs.SpareAttrs`)."""
+        ended = {"taken_at": self.end} if self.used else {"released_at": self.end}
+        return {"pooled": True, "used": self.used, **ended, "slots": round(self.slots, 6), "rule": SHARED,
+                "cpus": self.cpus, "gpus": self.gpus}
+
+
+def split_shared_hold(log: Sequence[tuple[float, dict[str, float]]], start: float, end: float,
+                      skip: frozenset[str] | set[str] = frozenset()) -> dict[str, list[tuple[float, float, float]]]:
+    """Each run's (from, to, fraction of the spare) of a shared spare held over [start, end]:
+    `log` lists, oldest first, each change of the model's sharing runs (when, and each run's
+    saving per second from then); over each span the spare is split by those savings (equally
+    when they are all 0). Runs in `skip` were accounted already (they left before the end).
+    The fractions of every run over a span sum to 1: the hold is counted once, never dropped."""
+    out: dict[str, list[tuple[float, float, float]]] = {}
+    for i, (at, shares) in enumerate(log):
+        upto = log[i + 1][0] if i + 1 < len(log) else end
+        lo, hi = max(at, start), min(upto, end)
+        if hi <= lo or not shares:
+            continue
+        total = sum(shares.values())
+        for run, saving in shares.items():
+            if run not in skip:
+                share = saving / total if total > 0 else 1.0 / len(shares)
+                out.setdefault(run, []).append((lo, hi, share))
+    return out

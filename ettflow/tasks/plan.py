@@ -48,6 +48,7 @@ from ettflow.ett.spare_sizing import (
     DEFAULT_TTR_WITHOUT_S,
     DEFAULT_WALL_S,
     SpareDecision,
+    SpareShare,
     size_spares,
 )
 from ettflow.trainer.config import TrainerConfig
@@ -102,6 +103,9 @@ class RefreshPlan:
     # the hot spares the run holds, sized by their expected saving (`with_spares`; None: not sized,
     # the trainer's default of one)
     spares: SpareDecision | None = None
+    # its part in the spares a cluster's pool holds for the model's training runs together
+    # (`ett.spare_sizing.SpareShare`: the same inputs per second; used where the run joins one)
+    spare_share: SpareShare | None = None
 
     @property
     def model(self) -> str:
@@ -275,9 +279,11 @@ def with_spares(plan: RefreshPlan, estimate: HistoryEstimate | None) -> RefreshP
     sources.append("without a spare: " + (f"a spare started at the loss ({measured})" if at_loss
                                           else "every rank restarts"))
     costs = replace(ASSUMED_COSTS, detect_s=0.0, live_recovery_s=ready, restart_s=restart, spare_start_s=spare_start)
-    decision = size_spares(spare_inputs(costs, world_size=t.world_size, wall_s=wall, rate_per_s=rate,
-                                        scripted_failures=kills, live_at_loss=at_loss, sources="; ".join(sources)))
-    return replace(plan, spares=decision, trainer=replace(t, spares=decision.spares))
+    inputs = spare_inputs(costs, world_size=t.world_size, wall_s=wall, rate_per_s=rate, scripted_failures=kills,
+                          live_at_loss=at_loss, sources="; ".join(sources))
+    decision = size_spares(inputs)
+    return replace(plan, spares=decision, spare_share=SpareShare.of(plan.run_id, inputs),
+                   trainer=replace(t, spares=decision.spares))
 
 
 def _recovers_live_without_spare(t: TrainerConfig) -> bool:

@@ -117,10 +117,14 @@ def new_lease(plan: RefreshPlan, first_attempt: int) -> TrainerLease:
         # the process's pool (the cluster's, once this process joined one: `ensure_ray`); the
         # deployment's next scheduled run, asked when the run ends, times the pool's prewarm
         return RayWorkerGroup(plan.trainer, plan.run_id, attempt, plan.spool_root, actor_cls=TrainerActor,
-                              pool=POOL, next_run_at=lambda: next_scheduled_run(plan.run_id))
+                              pool=POOL, next_run_at=lambda: next_scheduled_run(plan.run_id),
+                              spare_share=plan.spare_share)
+
+    def end() -> None:  # the run's parts of its model's shared spares go to its last attempt
+        end_run(plan.run_id, POOL, spool_root=plan.spool_root, attempt=plan.recorder.last_attempt())
 
     return TrainerLease(run_id=plan.run_id, spool_root=plan.spool_root, world_size=plan.trainer.world_size,
-                        make_group=make_group, first_attempt=first_attempt, end_run=lambda: end_run(plan.run_id, POOL),
+                        make_group=make_group, first_attempt=first_attempt, end_run=end,
                         hold_after_training=plan.publish_in_trainer)
 
 

@@ -4,10 +4,13 @@ fake start), exact numbers."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
-from ettflow.ett.capacity import UNCLAIMED_WORKER
-from ettflow.ett.spare_sizing import SHARED, SpareInputs, SpareShare
+import pytest
+
+from ettflow.ett.capacity import SPARE
+from ettflow.ett.spare_sizing import SHARED, SpareInputs, SpareShare, split_shared_hold
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.group.hold_rule import MAX_EXPLORATIONS
@@ -26,34 +29,40 @@ class RankActor:
 
 
 def pool_and_config(tmp_path, monkeypatch):
-    """A pool whose workers are fakes (started ready; a stopped one is listed in `stopped`)."""
+    """A pool whose workers are fakes (started ready at `clock[0]`; a stopped one is listed)."""
     from ettflow.trainer.group import pool_service
 
-    started, stopped = [], []
+    started, stopped, clock = [], [], [100.0]
     monkeypatch.setattr(pool_service, "stop", stopped.append)
 
     def start(config, run_id, spool_root, *, actor_cls):
         assert actor_cls is RankActor and run_id == POOL_RUN_ID
-        worker = PooledWorker(SimpleNamespace(prewarm=SimpleNamespace(remote=lambda: None)), None, 100.0 + len(started),
+        worker = PooledWorker(SimpleNamespace(prewarm=SimpleNamespace(remote=lambda: None)), None, clock[0],
                               warm_key(config), model_name(config), cpus=1.0)
-        worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0, ready_at=110.0)
+        worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0, ready_at=clock[0])
         started.append(worker)
         return worker
 
     cfg = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"),
                         compile_cache_root=str(tmp_path / "dlrm" / "compile-cache")).with_switches(
                             memory_checkpoint=False)
-    return PoolService(PoolPolicy(reap_every_s=3600.0), start=start), cfg, started, stopped
+    return PoolService(PoolPolicy(reap_every_s=3600.0), start=start), cfg, started, stopped, clock
 
 
 def shared(pool: PoolService) -> list[PooledWorker]:
     return [e for e in pool.entries if e.rule == SHARED]
 
 
-def test_runs_share_the_spares_their_summed_saving_pays_and_release_them_as_they_leave(tmp_path, monkeypatch):
-    pool, cfg, started, stopped = pool_and_config(tmp_path, monkeypatch)
+def parts(left) -> list[tuple]:
+    return sorted((h.start, h.end, round(h.slots, 4), h.used) for h in left.holds)
+
+
+def test_runs_share_the_spares_their_summed_saving_pays_and_each_records_its_part_of_their_hold(
+        tmp_path, monkeypatch):
+    pool, cfg, started, stopped, clock = pool_and_config(tmp_path, monkeypatch)
 
     def join(run: str, now: float):
+        clock[0] = now
         return pool.share_spares(SpareShare.of(run, ALONE), cfg, str(tmp_path), actor_cls=RankActor, now=now)
 
     assert join("a", 100.0).spares == 0 and pool.entries == []  # alone, a spare does not pay
@@ -64,13 +73,16 @@ def test_runs_share_the_spares_their_summed_saving_pays_and_release_them_as_they
     [status] = {(s.rule, s.why) for s in pool.status() if s.kind == "worker"}
     assert status == (SHARED, third.reason)
 
-    # run b loses a rank: it takes a shared spare, and the pool prepares its replacement at once
-    [taken] = pool.take(cfg, [None], run_id="b")
+    # at 110 run b loses a rank: it takes the oldest shared spare, and the pool prepares its replacement at once
+    clock[0] = 110.0
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: 110.0)
+        [taken] = pool.take(cfg, [None], run_id="b")
     assert taken is started[0] and taken.rule == SHARED and len(shared(pool)) == 2 and len(started) == 3
 
     # the next run's hold never releases them: nothing held for it (a run hours ahead), no expiry
     pool.explored[model_name(cfg)] = MAX_EXPLORATIONS
-    assert pool.fill(cfg, 2, str(tmp_path), next_run_at=200_000.0, now=103.0, actor_cls=RankActor,
+    assert pool.fill(cfg, 2, str(tmp_path), next_run_at=200_000.0, now=110.0, actor_cls=RankActor,
                      start=StartSample(seconds=60.0, pooled=False)) == 0
     assert pool.reap(now=100_000.0) == 0 and len(shared(pool)) == 2
     # ... and the next run's ranks take its own workers before the spares
@@ -78,22 +90,33 @@ def test_runs_share_the_spares_their_summed_saving_pays_and_release_them_as_they
     [own] = pool.take(cfg, [None], run_id="d")
     assert own.rule != SHARED and len(shared(pool)) == 2
 
-    # c and b release: one spare no longer pays, then none; each goes to the ledger, for nobody
-    assert pool.unshare("c", now=150.0).spares == 1 and len(shared(pool)) == 1
-    assert pool.unshare("b", now=160.0).spares == 0 and shared(pool) == []
+    # c leaves at 150, b at 160, a at 170: one spare no longer pays, then none
+    third_left = pool.unshare("c", now=150.0)
+    assert third_left.decision.spares == 1 and len(shared(pool)) == 1
+    second_left = pool.unshare("b", now=160.0)
+    assert second_left.decision.spares == 0 and shared(pool) == []
     assert stopped == [started[2], started[1]]  # the newest first; the one b took is b's to stop
-    assert pool.unshare("b") is None  # twice: nothing
-    lines = sorted(pool.drain(), key=lambda h: h.released_at)
-    assert [(h.kind, h.run_id, h.used, h.rule, h.reason, h.released_at) for h in lines] == [
-        (UNCLAIMED_WORKER, None, False, SHARED, "does_not_pay", 150.0),
-        (UNCLAIMED_WORKER, None, False, SHARED, "does_not_pay", 160.0)]
-    assert pool.unshare("a", now=170.0).spares == 0 and pool.sharing == {}
+    # b's parts: the spare it took (101-110: half, then a third; used), the replacement (110-150: a
+    # third) and the other (102-150: a third, then half until it left)
+    third = round(1 / 3, 4)
+    assert parts(second_left) == [(101.0, 102.0, 0.5, True), (102.0, 110.0, third, True),
+                                  (102.0, 150.0, third, False), (110.0, 150.0, third, False),
+                                  (150.0, 160.0, 0.5, False)]
+    first_left = pool.unshare("a", now=170.0)
+    assert pool.unshare("a") is None and pool.sharing == {}
+    # each spare's hold counted once, split among the runs that shared it: 9 + 58 + 40 slot-s
+    total = sum(h.slots * (h.end - h.start) for left in (first_left, second_left, third_left) for h in left.holds)
+    assert total == pytest.approx((110 - 101) + (160 - 102) + (150 - 110))
+    assert pool.drain() == []  # nothing for nobody: every part is a run's
+    # as a run records them (end_run): its spare_start attributes, fractional slots
+    assert first_left.holds[0].to_attrs() == {"pooled": True, "used": True, "taken_at": 102.0, "slots": 0.5,
+                                              "rule": SHARED, "cpus": 0.5, "gpus": 0.0}
 
 
-def test_a_sharing_run_whose_process_died_leaves_the_sharing(tmp_path, monkeypatch):
+def test_a_sharing_run_whose_process_died_leaves_the_sharing_and_its_part_is_in_the_ledger(tmp_path, monkeypatch):
     import ray
 
-    pool, cfg, started, stopped = pool_and_config(tmp_path, monkeypatch)
+    pool, cfg, started, stopped, clock = pool_and_config(tmp_path, monkeypatch)
     alive, dead = object(), object()  # what each owner's ping returns, as the ref `ray.get` reads
     owners = {run: SimpleNamespace(ping=SimpleNamespace(remote=lambda ref=ref: ref))
               for run, ref in (("a", alive), ("b", dead))}
@@ -110,4 +133,15 @@ def test_a_sharing_run_whose_process_died_leaves_the_sharing(tmp_path, monkeypat
     assert pool.reap_orphans(now=200.0) == 0  # nothing it took to stop
     assert list(pool.sharing[model_name(cfg)].shares) == ["a"] and shared(pool) == [] and stopped == started
     [line] = pool.drain()
-    assert (line.rule, line.reason, line.released_at) == (SHARED, "does_not_pay", 200.0)
+    assert (line.kind, line.run_id, line.used, line.rule, line.reason, line.slots, line.held_s) == (
+        SPARE, "b", False, SHARED, "owner_died", 0.5, 100.0)
+    assert parts(pool.unshare("a", now=300.0)) == [(100.0, 200.0, 0.5, False)]
+
+
+def test_a_hold_is_split_by_the_runs_savings_and_counted_once():
+    log = [(0.0, {"a": 3.0}), (10.0, {"a": 3.0, "b": 1.0}), (20.0, {"b": 1.0}), (30.0, {})]
+    assert split_shared_hold(log, 5.0, 25.0) == {"a": [(5.0, 10.0, 1.0), (10.0, 20.0, 0.75)],
+                                                 "b": [(10.0, 20.0, 0.25), (20.0, 25.0, 1.0)]}
+    assert split_shared_hold(log, 5.0, 25.0, skip={"a"}) == {"b": [(10.0, 20.0, 0.25), (20.0, 25.0, 1.0)]}
+    assert split_shared_hold([(0.0, {"a": 0.0, "b": 0.0})], 0.0, 4.0) == {"a": [(0.0, 4.0, 0.5)],
+                                                                         "b": [(0.0, 4.0, 0.5)]}

@@ -48,8 +48,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ettflow.ett.capacity import ORPHANED, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
-from ettflow.ett.spare_sizing import SHARED, SpareDecision, SpareShare, size_shared_spares
+from ettflow.ett.capacity import ORPHANED, SPARE, UNCLAIMED_KEEPER, UNCLAIMED_WORKER, Holding
+from ettflow.ett.spare_sizing import (
+    SHARED,
+    SharedHold,
+    SpareDecision,
+    SpareShare,
+    size_shared_spares,
+    split_shared_hold,
+)
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.hold_rule import (
     MAX_EXPLORATIONS,
@@ -159,6 +166,22 @@ class _Sharing:
     spool_root: str
     actor_cls: type
     decision: SpareDecision | None = None
+    # each change of `shares`, oldest first: when, and each run's saving per second from then
+    # (what a spare's hold is split by: `spare_sizing.split_shared_hold`)
+    log: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+
+    def changed(self, now: float) -> None:
+        self.log.append((now, {run: s.saving_per_s for run, s in self.shares.items()}))
+
+
+@dataclass(frozen=True)
+class LeftSharing:
+    """What `unshare` answers: the model's decision without the run, and the run's parts of
+    the shared spares held while it trained (it records them as its own `spare_start`s)."""
+
+    model: str
+    decision: SpareDecision
+    holds: tuple[SharedHold, ...]
 
 
 @dataclass(frozen=True)
@@ -208,6 +231,8 @@ class PoolService:
         self.released_at: dict[str, float] = {}  # by model: its last run's release (a fill), until a take
         self.given: list[_Given] = []  # taken by runs whose process may die without stopping them
         self.sharing: dict[str, _Sharing] = {}  # by model: its runs training now, sharing its spares
+        self.shared_holds: dict[str, list[SharedHold]] = {}  # by run: its parts of shared spares' holds so far
+        self._accounted: dict[str, set[str]] = {}  # by a held shared spare's holding id: runs given their part
         self._journal_failed = False
         self._start = start
         self._lock = threading.RLock()
@@ -367,7 +392,10 @@ class PoolService:
                 if owner is not None:
                     self.given.append(_Given(worker.actor, owner, run_id, worker.model, "worker", now,
                                              worker.gpus, worker.cpus, worker.rss_bytes))
-            if any(w is not None and w.rule == SHARED for w in taken):
+            for worker in taken:
+                if worker is not None and worker.rule == SHARED and model in self.sharing:
+                    self._account(worker, self.sharing[model], now, used=True)
+            if any(w is not None and w.rule == SHARED for w in taken) and model in self.sharing:
                 self._size_shared(model, now)  # the next one prepares now, for the model's other losses
         self._journal()
         return taken
@@ -386,8 +414,14 @@ class PoolService:
         return NamedKeeper(keeper.actor, keeper.name)
 
     def forget(self, run_id: str) -> int:
-        """A run stopped what it took (its normal end): nothing of it is the pool's to stop."""
+        """A run stopped what it took (its normal end): nothing of it is the pool's to stop, and
+        it shares its model's spares no more (`unshare`: its parts of their holds, which it
+        did not take to record, go to the ledger as its lines)."""
+        left = self.unshare(run_id)
         with self._lock:
+            for h in left.holds if left is not None else ():
+                line = _shared_line(h, run_id, model=left.model, reason="not_recorded")
+                self.ledger[line.holding_id] = line
             before = len(self.given)
             self.given = [g for g in self.given if g.run_id != run_id]
             return before - len(self.given)
@@ -428,7 +462,11 @@ class PoolService:
                 self.ledger[h.holding_id] = h
         for run_id in gone:
             log.warning("cluster pool: run %s's process is gone: it no longer shares its model's spares", run_id)
-            self.unshare(run_id, now)
+            left = self.unshare(run_id, now)
+            with self._lock:  # its parts of the shared spares' holds, which it can no longer record
+                for h in left.holds if left is not None else ():
+                    line = _shared_line(h, run_id, model=left.model, reason="owner_died")
+                    self.ledger[line.holding_id] = line
         if orphans:
             log.warning("cluster pool: stopped %d actor(s) of run(s) %s whose process is gone", len(orphans),
                         ", ".join(sorted({g.run_id for g in orphans})))
@@ -440,42 +478,63 @@ class PoolService:
         """A run of `config`'s model trains from now and shares its spares: the pool holds the
         spares the model's training runs' summed `share`s pay for (started and prewarmed now, rule
         `spare-shared`), and whichever loses a rank takes one (`take`, after the next run's
-        workers); a taken one is replaced while they still pay. `owner`: the run's process's
-        probe: when it dies without `unshare`, the orphan check unshares it."""
+        workers); a taken one is replaced while they still pay. Each spare's hold is split among
+        the runs sharing it, by their savings (`unshare` gives a run its parts). `owner`: the
+        run's process's probe: when it dies without `unshare`, the orphan check unshares it."""
+        now = time.time() if now is None else now
         model = model_name(config)
         with self._lock:
             sharing = self.sharing.setdefault(model, _Sharing({}, {}, config, spool_root, actor_cls))
             sharing.shares[share.run_id], sharing.owners[share.run_id] = share, owner
             sharing.config, sharing.spool_root, sharing.actor_cls = config, spool_root, actor_cls
+            sharing.changed(now)
             decision = self._size_shared(model, now)
         self._journal()
         return decision
 
-    def unshare(self, run_id: str, now: float | None = None) -> SpareDecision | None:
-        """The run stopped training (its release): the spares its model's remaining runs do not
-        pay for are released (a ledger line each, rule `spare-shared`); the model's decision
-        now, or None when the run shared nothing."""
+    def unshare(self, run_id: str, now: float | None = None) -> LeftSharing | None:
+        """The run stopped training (its end): its parts of the model's shared spares' holds
+        so far are its to record, and the spares the model's remaining runs do not pay for are
+        released (each remaining run's part in theirs). None when the run shared nothing."""
+        now = time.time() if now is None else now
         with self._lock:
             model = next((m for m, sh in self.sharing.items() if run_id in sh.shares), None)
             if model is None:
                 return None
             sharing = self.sharing[model]
+            for e in [e for e in self.entries if e.model == model and e.rule == SHARED]:
+                self._account(e, sharing, now, used=False, only=run_id)  # held on after it left: its part so far
             del sharing.shares[run_id], sharing.owners[run_id]
+            sharing.changed(now)
             decision = self._size_shared(model, now)
+            holds = tuple(self.shared_holds.pop(run_id, ()))
         self._journal()
-        return decision
+        return LeftSharing(model, decision, holds)
 
-    def _size_shared(self, model: str, now: float | None = None) -> SpareDecision:
+    def _account(self, e: PooledWorker, sharing: _Sharing, now: float, *, used: bool, only: str | None = None) -> None:
+        """Give the runs sharing `e` their parts of its hold up to `now` (the lock held): every
+        run not yet given its part, or `only` that one (it leaves while `e` is held on)."""
+        done = self._accounted.setdefault(e.holding_id, set())
+        parts = split_shared_hold(sharing.log, e.requested_at, now, skip=done)
+        for run, spans in parts.items():
+            if only is not None and run != only:
+                continue
+            done.add(run)
+            self.shared_holds.setdefault(run, []).extend(
+                SharedHold(holding_id=e.holding_id, start=lo, end=hi, slots=share, used=used, cpus=e.cpus * share,
+                           gpus=e.gpus * share) for lo, hi, share in spans)
+        if only is None:
+            del self._accounted[e.holding_id]
+
+    def _size_shared(self, model: str, now: float) -> SpareDecision:
         """Hold what the model's training runs' shares pay for (the lock held)."""
-        now = time.time() if now is None else now
         sharing = self.sharing[model]
         decision = sharing.decision = size_shared_spares(list(sharing.shares.values()),
                                                          max_spares=self.policy.max_shared_spares)
         held = [e for e in self.entries if e.model == model and e.rule == SHARED]
         key = warm_key(sharing.config)
         stale = [e for e in held if e.key != key] + [e for e in held if e.key == key][decision.spares:]
-        reason = "no_run_training" if not sharing.shares else "does_not_pay"
-        self._drop(lambda e: any(e is s for s in stale), reason, now)
+        self._drop(lambda e: any(e is s for s in stale), "does_not_pay", now)
         for _ in range(decision.spares - (len(held) - len(stale))):
             worker = self._start(sharing.config, POOL_RUN_ID, sharing.spool_root, actor_cls=sharing.actor_cls)
             worker.prewarmed = worker.actor.prewarm.remote()
@@ -483,6 +542,10 @@ class PoolService:
             self.entries.append(worker)
         if not sharing.shares:
             del self.sharing[model]
+        else:  # the log need not reach back before the oldest spare held
+            oldest = min((e.requested_at for e in self.entries if e.model == model and e.rule == SHARED), default=now)
+            while len(sharing.log) > 1 and sharing.log[1][0] <= oldest:
+                del sharing.log[0]
         log.info("cluster pool: %s: %s", model, decision.reason)
         return decision
 
@@ -558,7 +621,11 @@ class PoolService:
         for e in [e for e in self.entries if which(e)]:
             self.entries.remove(e)
             stop(e)
-            self.ledger[e.holding_id] = _worker_line(e, now, reason)
+            sharing = self.sharing.get(e.model) if e.rule == SHARED else None
+            if sharing is not None:  # held for the model's training runs: each gets its part
+                self._account(e, sharing, now, used=False)
+            else:
+                self.ledger[e.holding_id] = _worker_line(e, now, reason)
 
     def _drop_model(self, model: str, reason: str, now: float) -> None:
         """Release everything held for `model`'s next run (its workers and keepers; not the
@@ -629,6 +696,14 @@ def _worker_line(e: PooledWorker, now: float, reason: str) -> Holding:
     return Holding(holding_id=e.holding_id, model=e.model, kind=UNCLAIMED_WORKER, run_id=None, used=False,
                    requested_at=e.requested_at, released_at=max(now, e.requested_at), reason=reason,
                    gpus=e.gpus, cpus=e.cpus, memory_bytes=e.rss_bytes, rule=e.rule)
+
+
+def _shared_line(h: SharedHold, run_id: str, *, model: str, reason: str) -> Holding:
+    """The ledger line of a run's part of a shared spare, when the run cannot record it (its
+    process died, or did not ask for it)."""
+    return Holding(holding_id=f"{h.holding_id}:{run_id}:{h.start:.6f}", model=model, kind=SPARE, run_id=run_id,
+                   used=h.used, requested_at=h.start, released_at=h.end, reason=reason, slots=h.slots,
+                   gpus=h.gpus, cpus=h.cpus, rule=SHARED)
 
 
 def _keeper_line(k: _Keeper, now: float, reason: str) -> Holding:

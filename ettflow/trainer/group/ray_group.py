@@ -39,6 +39,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ettflow.ett.events import SPARE_PLAN
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, keeper_name, start_keeper
@@ -55,6 +56,7 @@ from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_th
 from ettflow.trainer.protocol import MEMORY, PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
 
 if TYPE_CHECKING:
+    from ettflow.ett.spare_sizing import SpareShare
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
     from ettflow.trainer.group.pool_service import PoolHandle
 
@@ -205,9 +207,16 @@ def _alive(actor) -> bool:
     return True
 
 
-def end_run(run_id: str, pool: WarmPool = POOL) -> None:
+def end_run(run_id: str, pool: WarmPool = POOL, *, spool_root: Path | str | None = None, attempt: int = 0) -> None:
     """Free what a run keeps across its attempts (its in-memory checkpoint keeper); what it took
-    from the cluster's pool is stopped, so the pool no longer watches it."""
+    from the cluster's pool is stopped, so the pool no longer watches it. With `spool_root`, the
+    run's parts of the spares the pool held for its model's training runs are recorded as its
+    own (`spare_start`, in `attempt`: capacity held for it, `ett.capacity`)."""
+    left = pool.unshare(run_id) if spool_root is not None else None
+    if left is not None and left.holds:
+        with contextlib.suppress(OSError), SpoolWriter(spool_root, run_id, attempt, -1) as rec:
+            for h in left.holds:
+                rec.record("spare_start", h.start, h.end, **h.to_attrs())
     pool.forget(run_id)
     named = _KEEPERS.pop(run_id, None)
     audit = _AUDITS.pop(run_id, None)
@@ -260,14 +269,18 @@ def raylet_refuses(node: dict) -> bool:
 class RayWorkerGroup:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, spool_root: Path | str,
                  *, actor_cls: type, reserve_timeout_s: float | None = None, pool: WarmPool = POOL,
-                 next_run_at: Callable[[], float | None] | None = None) -> None:
+                 next_run_at: Callable[[], float | None] | None = None,
+                 spare_share: SpareShare | None = None) -> None:
         """`actor_cls`: the rank's actor class (`trainer.rank.actor.TrainerActor`; passed in: the
         driver's side never imports the rank's); `reserve_timeout_s`: the bound on the
         placement's wait (default: the run's `placement.capacity_wait_s`); `pool`: the warm pool
         ranks, spares and keeper are taken from and a finished run fills (this process's);
-        `next_run_at`: asked at the end, when the run's deployment runs next (None: unscheduled)."""
+        `next_run_at`: asked at the end, when the run's deployment runs next (None: unscheduled).
+        `spare_share`: the run's share in its model's spares (`ett.spare_sizing.SpareShare`): on a
+        CPU placement of a cluster with a pool, the pool holds the spares the model's training
+        runs pay for together and the run none of its own; None: the run holds what it decided."""
         self.config, self.run_id, self.attempt, self.actor_cls = config, run_id, attempt, actor_cls
-        self.pool, self.next_run_at = pool, next_run_at
+        self.pool, self.next_run_at, self.spare_share = pool, next_run_at, spare_share
         self.spool_root = str(spool_root)
         self.reserve_timeout_s = config.placement.capacity_wait_s if reserve_timeout_s is None else reserve_timeout_s
         self.world_size = config.world_size  # this attempt's ranks: fewer on an elastic restart
@@ -388,6 +401,19 @@ class RayWorkerGroup:
                                     bundle=(self.pg, self.bundles.spare) if gpu else None)
             if gpu:  # it holds its device from now: its process starts now (its prewarm later)
                 self.spares.start()
+            elif self.spare_share is not None:
+                self._share_spares()
+
+    def _share_spares(self) -> None:
+        """Join the model's training runs in the spares the cluster's pool holds for them; the
+        decision is the run's `spare_plan` from here (its ETT artifact shows it)."""
+        shared = self.pool.share_spares(self.spare_share, self.config, self.spool_root, self.actor_cls)
+        if shared is None:
+            return
+        self.spares.shared = shared
+        with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, self.attempt, -1) as rec:
+            rec.mark(SPARE_PLAN, time.time(), **shared.to_attrs())
+        log.info("attempt %d: the cluster pool holds this model's spares: %s", self.attempt, shared.reason)
 
     def _bundle_nodes(self) -> list[str | None]:
         """Each bundle's node, by rank (None where Ray does not say)."""
@@ -636,9 +662,11 @@ class RayWorkerGroup:
         if self.spares is not None:
             self.spares.close(self.attempt)  # to the warm pool when the process keeps one
         if self.world_size and len(self.finished) == self.world_size:
-            end_run(self.run_id, self.pool)  # trained to the end: nothing will restore from memory
+            # trained to the end: nothing will restore from memory
+            end_run(self.run_id, self.pool, spool_root=self.spool_root, attempt=self.attempt)
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on
-                spares = SPARES_AHEAD if self.config.holds_spare else 0
+                # spares of its own ahead of the next run, unless the cluster's pool holds the model's
+                spares = SPARES_AHEAD if self.config.holds_spare and self.spare_share is None else 0
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None,

@@ -22,7 +22,10 @@ so the next failure still finds one.
 
 When this process keeps a warm pool (warm_pool.py), a CPU placement's first spare is one the
 pool prepared before the run (`pooled`), and a spare the run did not use goes back to the pool
-at the end; a GPU spare belongs to its placement and is stopped with it.
+at the end; a GPU spare belongs to its placement and is stopped with it. On a cluster whose
+pool serves every run of the model (`shared`: pool_service.py's `share_spares`), the run holds
+no spare of its own: the pool holds the ones the model's training runs pay for together, and a
+loss takes one of them (`take`, rule `spare-shared`), the pool preparing the next.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ettflow.ett.spare_sizing import AT_LOSS as SPARE_AT_LOSS
 from ettflow.ett.spare_sizing import RULE as SPARE_BY_SAVING
+from ettflow.ett.spare_sizing import SHARED as SPARE_SHARED
+from ettflow.ett.spare_sizing import SpareDecision
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.warm_pool import PooledWorker, WarmPool, record_start, start_worker
@@ -70,12 +75,16 @@ class SparePool:
         self._pinged_at = 0.0
         self._pid: int | None = None  # the waiting spare's process, once a ping answered
         self.replaced = 0  # spares lost or failed and replaced in this run
+        # the cluster's pool holds the model's spares for its training runs (pool_service.py,
+        # `share_spares`): the run holds none of its own; a loss takes one of the pool's (`start`)
+        self.shared: SpareDecision | None = None
 
     @property
     def held(self) -> bool:
         """A spare is held ahead of a failure (`ett.spare_sizing` found it pays); False: one is
-        started only when a rank is lost (`take`), its start part of that recovery."""
-        return self.config.holds_spare
+        started only when a rank is lost (`take`), its start part of that recovery, or taken from
+        the spares the cluster's pool holds for the model's training runs (`shared`)."""
+        return self.config.holds_spare and self.shared is None
 
     @property
     def has_spare(self) -> bool:
@@ -93,7 +102,8 @@ class SparePool:
             self._spare = start_worker(self.config, self.run_id, self.spool_root, actor_cls=self.actor_cls,
                                        bundle=self.bundle)
             self._pooled = False
-        self._spare.rule = self._rule  # held for this run from now: the ledger says why
+        if not (self._pooled and self._spare.rule == SPARE_SHARED):  # a shared one says so
+            self._spare.rule = self._rule  # held for this run from now: the ledger says why
 
     @property
     def _rule(self) -> str:
@@ -181,7 +191,12 @@ class SparePool:
                 ray.kill(spare.actor, no_restart=True)
             raise SpareUnavailable(f"no warm spare within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
         with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
-            record_start(rec, spare, timings, pooled=pooled, used=True, taken_at=time.time())
+            now = time.time()
+            if pooled and spare.rule == SPARE_SHARED:  # its hold so far is its sharing runs' parts (`end_run`)
+                rec.record("spare_start", now, now, pooled=True, used=True, taken_at=now, **timings.spool_attrs(),
+                           **spare.holding_attrs())
+            else:
+                record_start(rec, spare, timings, pooled=pooled, used=True, taken_at=now)
         return spare.actor, info
 
     def close(self, attempt: int | None = None) -> None:

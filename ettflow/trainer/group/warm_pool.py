@@ -59,8 +59,9 @@ from ettflow.trainer.group.pooled_worker import (
 from ettflow.trainer.protocol import PrewarmTimings, StartSample
 
 if TYPE_CHECKING:
+    from ettflow.ett.spare_sizing import SpareDecision, SpareShare
     from ettflow.trainer.checkpoint.state_keeper import NamedKeeper
-    from ettflow.trainer.group.pool_service import OwnerHandle, PoolHandle
+    from ettflow.trainer.group.pool_service import LeftSharing, OwnerHandle, PoolHandle
 
 __all__ = ["POOL", "POOL_RUN_ID", "PooledWorker", "WarmPool", "record_start", "start_worker", "warm_key"]
 
@@ -194,6 +195,34 @@ class WarmPool:
                 return None
         keeper, self.keeper = self.keeper, None
         return keeper
+
+    def share_spares(self, share: SpareShare, config: TrainerConfig, spool_root: Path | str,
+                     actor_cls: type) -> SpareDecision | None:
+        """The run trains from now and shares its model's spares held by the cluster's pool
+        (`PoolService.share_spares`); the model's decision, or None: no cluster pool (or it did
+        not answer), the run holds its own as decided."""
+        if self.service is None or not config.switches.warm_pool:
+            return None
+        try:
+            return ray.get(self.service.share_spares.remote(share, config, str(spool_root), actor_cls=actor_cls,
+                                                            owner=self._run_owner()), timeout=30)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            log.warning("cluster pool: could not share its spares (%s: %s); the run holds its own as decided",
+                        type(exc).__name__, short_reason(str(exc)))
+            return None
+
+    def unshare(self, run_id: str) -> LeftSharing | None:
+        """The run stopped training: its parts of the shared spares' holds (`PoolService.unshare`),
+        or None (it shared nothing, or the pool did not answer: then `forget` puts them in the
+        pool's ledger as the run's lines)."""
+        if self.service is None:
+            return None
+        try:
+            return ray.get(self.service.unshare.remote(run_id), timeout=30)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            log.warning("cluster pool: could not end the run's share of its spares (%s: %s)", type(exc).__name__,
+                        short_reason(str(exc)))
+            return None
 
     def forget(self, run_id: str) -> None:
         """The run stopped what it took from the cluster's pool (its normal end)."""
