@@ -261,6 +261,75 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_before_it_is_needed(traine
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
+def test_two_runs_training_at_once_share_the_cluster_pools_spare_and_each_records_its_part(
+        trainer_world, compile_cache, clean_run, tmp_path):
+    """Issue 40 #2: two runs of one model train at once on a cluster whose pool holds the
+    model's spares; their summed saving pays one (`PoolPolicy.max_shared_spares` 1 here). Run A
+    loses rank 1 at step 10 and takes the pool's spare (live, rule `spare-shared`); the pool
+    prepares the next. Each run records its part of every shared spare's hold, split by their
+    savings (A 3 : B 1), as its own capacity; the pool keeps none of it for nobody."""
+    import ray
+
+    from ettflow.ett.spare_sizing import SHARED, SpareShare
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService
+    from ettflow.trainer.group.warm_pool import POOL
+
+    spool = trainer_world / "spool"
+    service = ray.remote(PoolService).options(num_cpus=0, max_restarts=0, max_concurrency=8).remote(
+        PoolPolicy(max_shared_spares=1))
+    POOL.close()
+    POOL.service, POOL.keeping = service, False
+    shares = {"share-a": SpareShare(run_id="share-a", saving_per_s=3.0, failures_per_s=0.1),
+              "share-b": SpareShare(run_id="share-b", saving_per_s=1.0, failures_per_s=0.01)}
+    faults = {"share-a": (FailAt(kind="kill", rank=1, step=10),), "share-b": ()}
+    outcomes: dict[str, object] = {}
+
+    def train(run_id: str) -> None:
+        cfg = config(trainer_world, run_id, compile_cache, failures=faults[run_id], eval_batches=0, spares=0)
+        try:
+            outcomes[run_id] = drive(trainer_world, cfg, run_id, group_factory=lambda a: RayWorkerGroup(
+                cfg, run_id, a, spool, actor_cls=TrainerActor, pool=POOL, spare_share=shares[run_id]))
+        except BaseException as exc:  # noqa: BLE001 - the main thread reports it
+            outcomes[run_id] = exc
+
+    threads = [threading.Thread(target=train, args=(run_id,)) for run_id in shares]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        left = ray.get(service.status.remote())
+        unclaimed = ray.get(service.drain.remote())
+    finally:
+        POOL.close()
+        ray.kill(service, no_restart=True)
+    for run_id, outcome in outcomes.items():
+        assert not isinstance(outcome, BaseException), f"{run_id}: {outcome!r}"
+    assert sorted(outcomes) == sorted(shares)
+    (result_a, events_a, m_a), (_, events_b, m_b) = outcomes["share-a"], outcomes["share-b"]
+    # A recovered live on the pool's spare: one group, no restart of its other rank
+    assert result_a.attempts == 2 and m_a.nof == 1 and m_b.nof == 0
+    (used,) = [e for e in by(events_a, "spare_start") if e.attrs.get("used") and e.attrs.get("for_rank") is None
+               and e.duration == 0]
+    assert used.attrs["rule"] == SHARED and used.attrs["pooled"], used.attrs
+    (restore,) = by(events_a, "checkpoint_restore", rank=1, attempt=1)
+    assert restore.attrs["source"] == "memory"
+    # each run's parts: fractions of one spare, A's 3/4 and B's 1/4 while both trained (alone: all)
+    for name, events, own, m in (("A", events_a, 0.75, m_a), ("B", events_b, 0.25, m_b)):
+        parts = [e for e in by(events, "spare_start") if e.attrs.get("rule") == SHARED and e.duration > 0]
+        print(f"\nrun {name}: ETT {m.ett_pct:.1f}%, capETT {m.capacity_ett_pct:.1f}%; its parts of the shared "
+              f"spares: " + ", ".join(f"{e.attrs['slots']:g} x {e.duration:.2f} s"
+                                      f"{' (used)' if e.attrs['used'] else ''}" for e in parts))
+        assert parts and {e.attrs["slots"] for e in parts} <= {own, 1.0}, [e.attrs for e in parts]
+        assert own in {e.attrs["slots"] for e in parts}
+    assert any(e.attrs["used"] for e in by(events_a, "spare_start") if e.attrs.get("rule") == SHARED
+               and e.duration > 0)  # the spare A took: its hold up to the take, A's and B's parts
+    # what the spares held is the runs': in their capacity-inclusive ETT, nothing left for nobody
+    assert m_a.held.spare_s > 0 and m_b.held.spare_s > 0 and m_b.capacity_ett_pct < m_b.ett_pct
+    assert [h for h in unclaimed if h.rule == SHARED] == [] and [s for s in left if s.rule == SHARED] == []
+    assert_same_parameters(result_a.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
+
+
 def test_a_corrupt_in_memory_copy_falls_back_to_the_durable_checkpoint(trainer_world, compile_cache, clean_run,
                                                                        tmp_path):
     # rank 1's in-memory copies are damaged from step 6 on; it is killed at step 11, while the

@@ -145,3 +145,13 @@ def test_a_hold_is_split_by_the_runs_savings_and_counted_once():
     assert split_shared_hold(log, 5.0, 25.0, skip={"a"}) == {"b": [(10.0, 20.0, 0.25), (20.0, 25.0, 1.0)]}
     assert split_shared_hold([(0.0, {"a": 0.0, "b": 0.0})], 0.0, 4.0) == {"a": [(0.0, 4.0, 0.5)],
                                                                          "b": [(0.0, 4.0, 0.5)]}
+
+
+def test_a_lost_rank_may_take_a_shared_spare_still_prewarming_a_starting_rank_may_not(tmp_path, monkeypatch):
+    pool, cfg, started, _, _ = pool_and_config(tmp_path, monkeypatch)
+    for run in ("a", "b"):
+        pool.share_spares(SpareShare.of(run, ALONE), cfg, str(tmp_path), actor_cls=RankActor, now=100.0)
+    [spare] = shared(pool)
+    spare.timings = None  # its prewarm still runs
+    assert pool.take(cfg, [None], run_id="c") == [None]  # a rank starting needs a ready worker
+    assert pool.take(cfg, [None], run_id="a", spare=True) == [spare]  # a loss waits for it instead

@@ -63,7 +63,7 @@ class ScriptedRay:
 
 
 class NoPool:
-    def take(self, config, ranks, run_id):
+    def take(self, config, ranks, run_id, *, spare=False):
         return [None for _ in ranks]
 
 

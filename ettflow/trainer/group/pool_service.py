@@ -375,10 +375,12 @@ class PoolService:
 
     # ---- taking --------------------------------------------------------------------------
     def take(self, config: TrainerConfig, nodes: list[str | None], owner: OwnerHandle | None = None,
-             run_id: str = "") -> list[PooledWorker | None]:
+             run_id: str = "", *, spare: bool = False) -> list[PooledWorker | None]:
         """For each wanted node (None: any), a prewarmed worker of `config`'s shape there (its
         `timings` read), or None. Taken workers are the caller's to stop; `owner` (the run's
-        `RunOwner`): if it dies first, the pool stops them (`reap_orphans`)."""
+        `RunOwner`): if it dies first, the pool stops them (`reap_orphans`). `spare`: for a lost
+        rank, a shared spare still prewarming is given too when none is ready (nearer ready than
+        one started at the loss; the caller waits for its prewarm)."""
         key, model = warm_key(config), model_name(config)
         now = time.time()
         with self._lock:
@@ -386,6 +388,8 @@ class PoolService:
             if released is not None:  # the gap from the model's last release to this run: its arrivals
                 _add_newest(self.gaps, model, max(now - released, 0.0))
             ready = sorted((e for e in self._ready() if e.key == key), key=lambda e: e.rule == SHARED)
+            if spare:
+                ready += [e for e in self.entries if e.key == key and e.rule == SHARED and e.timings is None]
             taken = take_for_nodes(ready, nodes)
             for worker in filter(None, taken):
                 self.entries.remove(worker)

@@ -95,7 +95,7 @@ class SparePool:
         dense step's compile) waits for `prewarm`, so it does not compete with the ranks' own start."""
         if self._spare is not None:
             return
-        (pooled,) = self.pool.take(self.config, [None], self.run_id) if self.bundle is None else (None,)
+        (pooled,) = self.pool.take(self.config, [None], self.run_id, spare=True) if self.bundle is None else (None,)
         if pooled is not None:  # a pooled worker holds no bundle of this placement
             self._spare, self._pooled = pooled[0], True
         else:

@@ -154,12 +154,13 @@ class WarmPool:
 
     # ---- taking --------------------------------------------------------------------------
     def take(self, config: TrainerConfig, nodes: list[str | None],
-             run_id: str = "") -> list[tuple[PooledWorker, PrewarmTimings] | None]:
+             run_id: str = "", *, spare: bool = False) -> list[tuple[PooledWorker, PrewarmTimings | None] | None]:
         """For each wanted node (None: any node), a prewarmed worker of `config`'s shape on it
         and its prewarm timings, or None (that rank starts the usual way). Taken workers are
-        the caller's; workers for another shape are stopped."""
+        the caller's; workers for another shape are stopped. `spare`: for a lost rank (the
+        cluster's pool may give a shared spare still prewarming: timings None)."""
         if self.service is not None and config.switches.warm_pool:
-            return self._take_from_cluster(config, nodes, run_id)
+            return self._take_from_cluster(config, nodes, run_id, spare=spare)
         if not config.switches.warm_pool or not self.workers:
             return [None] * len(nodes)
         key = warm_key(config)
@@ -169,10 +170,11 @@ class WarmPool:
             self.workers.remove(worker)
         return [None if w is None else (w, w.timings) for w in taken]
 
-    def _take_from_cluster(self, config: TrainerConfig, nodes: list[str | None],
-                           run_id: str) -> list[tuple[PooledWorker, PrewarmTimings] | None]:
+    def _take_from_cluster(self, config: TrainerConfig, nodes: list[str | None], run_id: str, *,
+                           spare: bool = False) -> list[tuple[PooledWorker, PrewarmTimings | None] | None]:
         try:
-            found = ray.get(self.service.take.remote(config, nodes, self._run_owner(), run_id), timeout=30)
+            found = ray.get(self.service.take.remote(config, nodes, self._run_owner(), run_id, spare=spare),
+                            timeout=30)
         except (GetTimeoutError, RayActorError, RayTaskError) as exc:  # the pool is gone or busy: start as usual
             # Ray's message of a dead actor runs to a dozen lines (its name, class, pid...): the first says it
             log.warning("cluster pool: could not take workers (%s: %s); the ranks start the usual way",
