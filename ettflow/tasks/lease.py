@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ettflow.ett.failures import Failure
+from ettflow.ett.spare_sizing import SpareDecision
 from ettflow.tasks.run_spool import RunRecorder
 from ettflow.trainer.group.driver import LiveGroup, OwnedGroup, PlacedGroup, ReleasingGroup, WorkerGroup
 from ettflow.trainer.protocol import PollStatus
@@ -130,6 +131,12 @@ class TrainerLease:
         self.groups.append(group)
         group.reserve()
         self._reserved = group
+
+    def shared_spares(self) -> SpareDecision | None:
+        """The reserved group's shared-spare decision (`RayWorkerGroup.shared_spares`: the
+        cluster's pool holds the model's spares), None where the run holds its own."""
+        group = self._reserved.group if self._reserved is not None else None
+        return getattr(group, "shared_spares", None)  # a group with no cluster pool (scripted, local) has none
 
     @property
     def has_reserved(self) -> bool:

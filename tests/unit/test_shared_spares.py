@@ -73,11 +73,13 @@ def test_runs_share_the_spares_their_summed_saving_pays_and_each_records_its_par
     [status] = {(s.rule, s.why) for s in pool.status() if s.kind == "worker"}
     assert status == (SHARED, third.reason)
 
+    # a run's starting rank never takes them (their hold is their sharers')
+    assert pool.take(cfg, [None], run_id="d") == [None]
     # at 110 run b loses a rank: it takes the oldest shared spare, and the pool prepares its replacement at once
     clock[0] = 110.0
     with monkeypatch.context() as m:
         m.setattr(time, "time", lambda: 110.0)
-        [taken] = pool.take(cfg, [None], run_id="b")
+        [taken] = pool.take(cfg, [None], run_id="b", spare=True)
     assert taken is started[0] and taken.rule == SHARED and len(shared(pool)) == 2 and len(started) == 3
 
     # the next run's hold never releases them: nothing held for it (a run hours ahead), no expiry
@@ -85,9 +87,9 @@ def test_runs_share_the_spares_their_summed_saving_pays_and_each_records_its_par
     assert pool.fill(cfg, 2, str(tmp_path), next_run_at=200_000.0, now=110.0, actor_cls=RankActor,
                      start=StartSample(seconds=60.0, pooled=False)) == 0
     assert pool.reap(now=100_000.0) == 0 and len(shared(pool)) == 2
-    # ... and the next run's ranks take its own workers before the spares
+    # ... and a lost rank takes the next run's workers before them
     pool._fill_now(cfg, 1, str(tmp_path), RankActor)
-    [own] = pool.take(cfg, [None], run_id="d")
+    [own] = pool.take(cfg, [None], run_id="d", spare=True)
     assert own.rule != SHARED and len(shared(pool)) == 2
 
     # c leaves at 150, b at 160, a at 170: one spare no longer pays, then none
@@ -147,11 +149,11 @@ def test_a_hold_is_split_by_the_runs_savings_and_counted_once():
                                                                          "b": [(0.0, 4.0, 0.5)]}
 
 
-def test_a_lost_rank_may_take_a_shared_spare_still_prewarming_a_starting_rank_may_not(tmp_path, monkeypatch):
+def test_a_lost_rank_may_take_a_shared_spare_still_prewarming(tmp_path, monkeypatch):
     pool, cfg, started, _, _ = pool_and_config(tmp_path, monkeypatch)
     for run in ("a", "b"):
         pool.share_spares(SpareShare.of(run, ALONE), cfg, str(tmp_path), actor_cls=RankActor, now=100.0)
     [spare] = shared(pool)
     spare.timings = None  # its prewarm still runs
-    assert pool.take(cfg, [None], run_id="c") == [None]  # a rank starting needs a ready worker
+    assert pool.take(cfg, [None], run_id="c") == [None]  # never a starting rank's
     assert pool.take(cfg, [None], run_id="a", spare=True) == [spare]  # a loss waits for it instead

@@ -379,15 +379,17 @@ class PoolService:
         """For each wanted node (None: any), a prewarmed worker of `config`'s shape there (its
         `timings` read), or None. Taken workers are the caller's to stop; `owner` (the run's
         `RunOwner`): if it dies first, the pool stops them (`reap_orphans`). `spare`: for a lost
-        rank, a shared spare still prewarming is given too when none is ready (nearer ready than
-        one started at the loss; the caller waits for its prewarm)."""
+        rank, which may take the model's shared spares (never a starting rank: their hold is
+        their sharers'), after the next run's workers, and one still prewarming when none is
+        ready (nearer ready than one started at the loss; the caller waits for its prewarm)."""
         key, model = warm_key(config), model_name(config)
         now = time.time()
         with self._lock:
             released = self.released_at.pop(model, None)
             if released is not None:  # the gap from the model's last release to this run: its arrivals
                 _add_newest(self.gaps, model, max(now - released, 0.0))
-            ready = sorted((e for e in self._ready() if e.key == key), key=lambda e: e.rule == SHARED)
+            ready = sorted((e for e in self._ready() if e.key == key and (spare or e.rule != SHARED)),
+                           key=lambda e: e.rule == SHARED)
             if spare:
                 ready += [e for e in self.entries if e.key == key and e.rule == SHARED and e.timings is None]
             taken = take_for_nodes(ready, nodes)

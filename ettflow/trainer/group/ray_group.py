@@ -39,7 +39,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ettflow.ett.events import SPARE_PLAN
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, keeper_name, start_keeper
@@ -56,7 +55,7 @@ from ettflow.trainer.placement import SpareBundles, attempt_world_size, ranks_th
 from ettflow.trainer.protocol import MEMORY, PollStatus, RankResult, RestorePoint, StartSample, WorkerInfo
 
 if TYPE_CHECKING:
-    from ettflow.ett.spare_sizing import SpareShare
+    from ettflow.ett.spare_sizing import SpareDecision, SpareShare
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
     from ettflow.trainer.group.pool_service import PoolHandle
 
@@ -405,15 +404,20 @@ class RayWorkerGroup:
                 self._share_spares()
 
     def _share_spares(self) -> None:
-        """Join the model's training runs in the spares the cluster's pool holds for them; the
-        decision is the run's `spare_plan` from here (its ETT artifact shows it)."""
+        """Join the model's training runs in the spares the cluster's pool holds for them."""
         shared = self.pool.share_spares(self.spare_share, self.config, self.spool_root, self.actor_cls)
         if shared is None:
             return
         self.spares.shared = shared
-        with contextlib.suppress(OSError), SpoolWriter(self.spool_root, self.run_id, self.attempt, -1) as rec:
-            rec.mark(SPARE_PLAN, time.time(), **shared.to_attrs())
         log.info("attempt %d: the cluster pool holds this model's spares: %s", self.attempt, shared.reason)
+
+    @property
+    def shared_spares(self) -> SpareDecision | None:
+        """The cluster pool's decision on the spares it holds for the model's training runs,
+        this run's share included (None: the run holds its own, as its plan decided). The flow
+        records it as the run's `spare_plan`, after the reservation's scheduling: a marker
+        recorded during the reservation would end the run's wait before it was over."""
+        return self.spares.shared if self.spares is not None else None
 
     def _bundle_nodes(self) -> list[str | None]:
         """Each bundle's node, by rank (None where Ray does not say)."""
@@ -666,7 +670,8 @@ class RayWorkerGroup:
             end_run(self.run_id, self.pool, spool_root=self.spool_root, attempt=self.attempt)
             if not self.gpu:  # the next run's ranks and spares, prewarmed from now on
                 # spares of its own ahead of the next run, unless the cluster's pool holds the model's
-                spares = SPARES_AHEAD if self.config.holds_spare and self.spare_share is None else 0
+                shared = self.spares is not None and self.spares.shared is not None
+                spares = SPARES_AHEAD if self.config.holds_spare and not shared else 0
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None,
