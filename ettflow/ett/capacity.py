@@ -29,7 +29,8 @@ what it held (slots, GPUs, CPUs, memory), for whom, whether it was used, and why
 a run's own (`holdings_of_run`, from its events) and what the cluster's pool released that
 no run took (prewarmed for a next run that did not come in time: `run_id` None, pure cost).
 Each line names the rule that held it (the pool's just-in-time or keep-alive, a spare's
-spare-by-saving or spare-at-loss, the worker's prefetch) and its outcome, used or released
+spare-by-saving, spare-at-loss or spare-shared (a run's fractional part of a spare the cluster's
+pool held for its model's runs training at once), the worker's prefetch) and its outcome, used or released
 unused (`held_by_rule`).
 """
 

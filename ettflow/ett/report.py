@@ -152,8 +152,9 @@ def held_rule_table(rows: Sequence[HeldByRule]) -> pd.DataFrame:
 HELD_RULE_NOTE = ("Rules: just-in-time (the pool prewarmed for a scheduled run, its measured prewarm ahead), "
                   "keep-alive (kept after a release while the model's gaps say a run comes in time), "
                   "spare-by-saving (held ahead of a failure: its expected saving exceeds its slot-s), "
-                  "spare-at-loss (started when a rank was lost), worker-prefetch (the Prefect worker started "
-                  "the flow process ahead of its scheduled time).")
+                  "spare-at-loss (started when a rank was lost), spare-shared (a run's part of a spare the "
+                  "cluster's pool held for its model's training runs, by their savings), worker-prefetch (the "
+                  "Prefect worker started the flow process ahead of its scheduled time).")
 
 HELD_NOTE = ("Held capacity: pooled workers and spares (one trainer slot each; a GPU where their bundle has one), "
              "keepers and flow processes a worker started ahead of their scheduled time (no slot), from request to "

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields, replace
 from .events import TRAIN_STEP, PhaseEvent
 from .run_metrics import RunMetrics, compute_run_metrics
 from .simulate import ASSUMED_COSTS, JobCosts, Policy, StartCosts, restart_share
-from .spare_sizing import AT_LOSS
+from .spare_sizing import AT_LOSS, SHARED
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,10 @@ def measure_run(events: Sequence[PhaseEvent]) -> MeasuredRun:
 
     handoffs = {e.attempt: e for e in events if e.phase == "spare_handoff" and e.info.handed}
     at_loss = [e for e in events if e.phase == "spare_start" and e.info.for_rank is None and e.info.rule == AT_LOSS]
+    # a run's own spares held ahead (not its parts of a cluster pool's shared spares: the replay
+    # prices a run's own; a sharing run replays as holding none of its own)
     held_spares = [e for e in events if e.phase == "spare_start" and e.info.for_rank is None and e.attempt == 0
-                   and e.info.rule != AT_LOSS]
+                   and e.info.rule not in (AT_LOSS, SHARED)]
     restarts, lives, starts = [], [], [e.duration for e in at_loss]
     for f in m.failures:
         nxt = f.attempt + 1
