@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 RULE = "spare-by-saving"  # a spare held ahead of a failure because its expected saving pays
@@ -86,6 +86,11 @@ class SpareDecision:
     cost_slot_s: float  # one spare held for the run's wall
     reason: str
     rule: str = RULE
+
+    def beside(self, own: SpareDecision) -> SpareDecision:
+        """This shared decision as a run's plan: its reason also gives the run's own decision
+        (its inputs and their sources), which its share was priced from."""
+        return replace(self, reason=f"{self.reason}; this run alone: {own.reason}")
 
     def to_attrs(self) -> dict[str, Any]:
         """The run's `spare_plan` marker attributes (and its ETT artifact's row)."""

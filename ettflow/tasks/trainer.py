@@ -209,7 +209,9 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     if plan.interval is not None:  # stored with the run: its warehouse tag and the ETT artifact show it
         plan.recorder.record_interval(first, plan.interval, time.time())
     if plan.spares is not None:  # the ETT artifact shows it (the cluster pool's, where it holds the model's spares)
-        plan.recorder.record_spare_plan(first, lease.shared_spares() or plan.spares, time.time())
+        shared = lease.shared_spares()
+        plan.recorder.record_spare_plan(first, plan.spares if shared is None else shared.beside(plan.spares),
+                                        time.time())
     policy = failure_policy(plan)
     prior = plan.recorder.failures()
     if prior:

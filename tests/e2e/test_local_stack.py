@@ -279,7 +279,10 @@ def _what_the_api_shows(api: str, home, run_id: str, api_port: int) -> None:
     assert {"ett-refresh-scheduled", "ett-timeline-refresh-scheduled", "snapshot-refresh-scheduled"} <= set(keys)
     assert keys.count("training-progress-refresh-scheduled") == 1
     (table,) = [a for a in found if a["key"] == "ett-refresh-scheduled"]  # the spares it held, and why
+    # the pool holds the model's spares for its training runs (this one alone: none pays), the
+    # run's own decision beside it
     assert "spares: " in table["description"] and "a spare does not pay" in table["description"], table
+    assert "a shared spare does not pay; this run alone: " in table["description"], table
     for a in found:  # the progress artifact ends at the final state and its message
         head = r"Completed · ETT \d+\.\d% · NoF 0 · TTS" if a["type"] == "progress" else \
             r"ETT \d+\.\d% · NoF 0 · Completed"

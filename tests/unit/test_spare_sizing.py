@@ -69,6 +69,9 @@ def test_runs_whose_own_spares_would_not_pay_pay_one_together_and_none_train_hol
     assert together.saving_slot_s == pytest.approx((1.6, 1.6 * p)) and together.spares == 2
     assert together.reason == "3 run(s) training: 1.6 slot-s saved per s held against 1 slot(s): 2 shared spare(s) pay"
     assert together.to_attrs()["rule"] == "spare-shared"
+    own = size_spares(inputs)
+    assert together.beside(own).reason == f"{together.reason}; this run alone: {own.reason}"
+    assert together.beside(own).spares == 2 and together.beside(own).rule == SHARED
     assert size_shared_spares([]).spares == 0
     with pytest.raises(ValueError, match="spare share out of range"):
         SpareShare(run_id="a", saving_per_s=-1.0, failures_per_s=0.0)
