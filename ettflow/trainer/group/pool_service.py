@@ -398,10 +398,10 @@ class PoolService:
                 if owner is not None:
                     self.given.append(_Given(worker.actor, owner, run_id, worker.model, "worker", now,
                                              worker.gpus, worker.cpus, worker.rss_bytes))
-            for worker in taken:
-                if worker is not None and worker.rule == SHARED and model in self.sharing:
+            shared = [w for w in taken if w is not None and w.rule == SHARED]
+            if shared and model in self.sharing:
+                for worker in shared:
                     self._account(worker, self.sharing[model], now, used=True)
-            if any(w is not None and w.rule == SHARED for w in taken) and model in self.sharing:
                 self._size_shared(model, now)  # the next one prepares now, for the model's other losses
         self._journal()
         return taken
@@ -423,11 +423,8 @@ class PoolService:
         """A run stopped what it took (its normal end): nothing of it is the pool's to stop, and
         it shares its model's spares no more (`unshare`: its parts of their holds, which it
         did not take to record, go to the ledger as its lines)."""
-        left = self.unshare(run_id)
+        self._unshare_to_ledger(run_id, "not_recorded")
         with self._lock:
-            for h in left.holds if left is not None else ():
-                line = _shared_line(h, run_id, model=left.model, reason="not_recorded")
-                self.ledger[line.holding_id] = line
             before = len(self.given)
             self.given = [g for g in self.given if g.run_id != run_id]
             return before - len(self.given)
@@ -468,11 +465,7 @@ class PoolService:
                 self.ledger[h.holding_id] = h
         for run_id in gone:
             log.warning("cluster pool: run %s's process is gone: it no longer shares its model's spares", run_id)
-            left = self.unshare(run_id, now)
-            with self._lock:  # its parts of the shared spares' holds, which it can no longer record
-                for h in left.holds if left is not None else ():
-                    line = _shared_line(h, run_id, model=left.model, reason="owner_died")
-                    self.ledger[line.holding_id] = line
+            self._unshare_to_ledger(run_id, "owner_died", now)
         if orphans:
             log.warning("cluster pool: stopped %d actor(s) of run(s) %s whose process is gone", len(orphans),
                         ", ".join(sorted({g.run_id for g in orphans})))
@@ -516,6 +509,15 @@ class PoolService:
             holds = tuple(self.shared_holds.pop(run_id, ()))
         self._journal()
         return LeftSharing(model, decision, holds)
+
+    def _unshare_to_ledger(self, run_id: str, reason: str, now: float | None = None) -> None:
+        """`unshare` a run that will not record its parts of the shared spares' holds (its
+        process died, or it ended without asking): they become its ledger lines."""
+        left = self.unshare(run_id, now)
+        with self._lock:
+            for h in left.holds if left is not None else ():
+                line = _shared_line(h, run_id, model=left.model, reason=reason)
+                self.ledger[line.holding_id] = line
 
     def _account(self, e: PooledWorker, sharing: _Sharing, now: float, *, used: bool, only: str | None = None) -> None:
         """Give the runs sharing `e` their parts of its hold up to `now` (the lock held): every

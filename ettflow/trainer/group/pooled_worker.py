@@ -130,7 +130,9 @@ def stop(worker: PooledWorker) -> None:
         ray.kill(worker.actor, no_restart=True)
 
 
-def record_start(rec: Any, worker: PooledWorker, timings: PrewarmTimings, **attrs: Any) -> None:
-    """A prepared worker's start, off the clock: from its request to the end of its prewarm."""
-    rec.record("spare_start", worker.requested_at, timings.ready_at, **attrs, **timings.spool_attrs(),
-               **worker.holding_attrs())
+def record_start(rec: Any, worker: PooledWorker, timings: PrewarmTimings, *, since: float | None = None,
+                 **attrs: Any) -> None:
+    """A prepared worker's start, off the clock: from its request (or `since`, where its hold
+    before is recorded elsewhere) to the end of its prewarm (or `since`, if later)."""
+    start, end = (worker.requested_at, timings.ready_at) if since is None else (since, max(since, timings.ready_at))
+    rec.record("spare_start", start, end, **attrs, **timings.spool_attrs(), **worker.holding_attrs())

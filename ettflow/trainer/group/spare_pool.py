@@ -192,11 +192,9 @@ class SparePool:
             raise SpareUnavailable(f"no warm spare within {timeout_s:g} s: {type(exc).__name__}: {exc}") from exc
         with SpoolWriter(self.spool_root, self.run_id, attempt, -1) as rec:
             now = time.time()
-            if pooled and spare.rule == SPARE_SHARED:  # its hold so far is its sharing runs' parts (`end_run`)
-                rec.record("spare_start", now, now, pooled=True, used=True, taken_at=now, **timings.spool_attrs(),
-                           **spare.holding_attrs())
-            else:
-                record_start(rec, spare, timings, pooled=pooled, used=True, taken_at=now)
+            # a shared one's hold so far is its sharing runs' parts (`end_run`): none of it here
+            shared = pooled and spare.rule == SPARE_SHARED
+            record_start(rec, spare, timings, since=now if shared else None, pooled=pooled, used=True, taken_at=now)
         return spare.actor, info
 
     def close(self, attempt: int | None = None) -> None:
