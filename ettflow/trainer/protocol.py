@@ -191,6 +191,17 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StageRequest:
+    """A prewarmed worker's staging of the anchor its next run will likely warm start from
+    (`checkpoint/staged_anchor.py`): the folder, the most bytes it may hold, and how long it
+    waits for the folder's seal."""
+
+    path: str
+    max_bytes: int
+    wait_s: float = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrewarmTimings:
     """A prepared worker's `prewarm` (spare.py): building the dense part, compiling it (with
     the compile cache's hit; None: not compiled, or no cache), reading the data footers, and

@@ -4,7 +4,8 @@ A data root grows one hourly window at a time (`ettflow data append`); refreshes
 
     r1  windows w0 (w1 held out)        cold                      published
     +w2
-    r2  w1 (w2 held out)                warm from r1's anchor     published
+    r2  w1 (w2 held out)                warm from r1's anchor     published, on ranks r1's release
+                                        prewarmed, r1's anchor staged in their memory
     +w3
     r3  w2, a user error at the same step twice                   failed: the watermark stays at w1
     r4  w2 (w3 held out), on 1 rank     warm from r2's 2-rank anchor (resharded)   published
@@ -14,7 +15,7 @@ A data root grows one hourly window at a time (`ettflow data append`); refreshes
 
 Checked: each trains only its new windows (every step's cursor is in them, the step counter
 starts at 0); r2's parameters just before its first step are bitwise r1's anchor (the
-sha256 of every piece each rank restored, against the anchor read whole); the watermark; the
+sha256 of every piece each rank restored from its staged copy, against the anchor read whole); the watermark; the
 lineage and the manifests' parents; r4 starts on 1 rank from r2's 2-rank anchor (DCP reshards
 the TorchRec state), bitwise. The gate is off here (a held-out AUC on 640 rows is
 noisy) except for r6, whose model learns the inverse of the labels, so its AUC on the next
@@ -95,10 +96,18 @@ def invert_labels(data_root, window) -> None:
 def sequence(env):
     data = env["data_root"]
     out = {}
-    out["r1"] = run(env)
-    out["mark1"] = watermark(env)
-    assert data_cli(["append", "--root", data]) == 0
-    out["r2"] = run(env)
+    from ettflow.trainer.group.warm_pool import POOL
+
+    POOL.keep_warm(True)  # r1's release prewarms r2's ranks, which stage r1's anchor meanwhile
+    try:
+        out["r1"] = run(env)
+        out["pooled_ready"] = POOL.wait_ready(120)
+        POOL.keep_warm(False)  # r2 takes them and leaves nothing for the runs after it
+        out["mark1"] = watermark(env)
+        assert data_cli(["append", "--root", data]) == 0
+        out["r2"] = run(env)
+    finally:
+        POOL.close()
     out["mark2"] = watermark(env)
     assert data_cli(["append", "--root", data]) == 0
     out["r3"] = run(env, fail_at=["raise:rank=1:step=2", "raise:rank=1:step=2"])  # stopped: user x2
@@ -144,6 +153,12 @@ def test_the_warm_start_begins_bitwise_at_the_parent_anchor(env, sequence):
     for e in restores:
         assert e.attrs["source"] == "parent" and e.attrs["path"] == s1.result()["anchor"]
         assert e.attrs["parent_world_size"] == 2 and len(e.attrs["fingerprint"]) > 4
+    # r2's ranks were prewarmed at r1's release and staged r1's anchor in memory meanwhile: each
+    # restored from there (checked against its manifest at staging), not from the disk
+    assert sequence["pooled_ready"] == 2
+    pooled = [e for e in events(env, r2, "spare_start", attempt=0) if e.attrs.get("for_rank") is not None]
+    assert sorted(e.attrs["for_rank"] for e in pooled) == [0, 1], [e.attrs for e in pooled]
+    assert [e.attrs.get("staged") for e in restores] == [True, True], [e.attrs for e in restores]
     # every piece each rank held just before its first step (restore -> step 0) is bitwise the parent anchor's
     assert restored_matches_anchor(restores, s1.result()["anchor"]) == []
     for e in restores:  # each rank restored before its own first step

@@ -16,6 +16,14 @@ from ettflow.ett.run_metrics import compute_run_metrics
 from helpers.timelines import Timeline
 
 
+@pytest.fixture(autouse=True)
+def no_ray_kill(monkeypatch):
+    """The pools here hold fake actors: stopping one is nothing (`ray.kill` would start a local Ray)."""
+    from ettflow.trainer.group import pool_service
+
+    monkeypatch.setattr(pool_service, "stop", lambda worker: None)
+
+
 def _run(*, spare: dict | None) -> Timeline:
     t = Timeline("held")  # submitted at 10; 2 ranks train 12-22: effective 10 s of a 12 s wall
     t.ev("spare_start", 0, 5, rank=-1, pooled=True, for_rank=0, taken_at=11)  # prewarmed 0-5, taken at 11

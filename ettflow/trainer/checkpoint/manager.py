@@ -69,6 +69,7 @@ from ettflow.trainer.checkpoint.layout import remove_tree, tmp_dir
 from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, SafeLoadPlanner
 from ettflow.trainer.checkpoint.results import CommitResult, RestoreResult, SaveResult, StagingWait
 from ettflow.trainer.checkpoint.save_errors import Outcome, Report, describe, failure_report, save_error
+from ettflow.trainer.checkpoint.staged_anchor import StagedAnchor, StagedReader
 from ettflow.trainer.checkpoint.staging import make_stager
 from ettflow.trainer.checkpoint.state import TrainState
 from ettflow.trainer.checkpoint.verify import CheckpointInfo, verify
@@ -350,7 +351,8 @@ class CheckpointManager:
         state.apply(template, rank=self.group.rank)
         return RestoreResult(checkpoint=info, start=start, end=time.time())
 
-    def load_parent(self, state: TrainState, path: Path | str | CheckpointInfo) -> RestoreResult:
+    def load_parent(self, state: TrainState, path: Path | str | CheckpointInfo, *,
+                    staged: StagedAnchor | None = None) -> RestoreResult:
         """Warm start: restore only the model and optimizer state of `path` (another run's
         committed checkpoint, e.g. the parent refresh's anchor) into `state`, verified as in
         `load`. The parent may have had another world size: DCP reads every shard the new
@@ -359,20 +361,25 @@ class CheckpointManager:
         starts at step 0 with a fresh cursor over its own windows, and `state.step` and
         `state.cursor` are left as they are.
 
+        `staged`: `path` staged in this process's memory, its files already checked against
+        its manifest and its seal still the one staged (`staged_anchor.py`): read from there, not
+        the disk (another rank may read the disk: both are the sealed bytes).
+
         Collective: every rank calls it with the same path."""
         start = time.time()
-        info, template = self._read(path, lambda saved: state.weights_template(), same_world=False)
+        info, template = self._read(path, lambda saved: state.weights_template(), same_world=False, staged=staged)
         state.apply_weights(template)
         return RestoreResult(checkpoint=info, start=start, end=time.time())
 
     def _read(self, path: Path | str | CheckpointInfo, template_of: Callable[[Mapping[str, Any]], dict[str, Any]],
-              *, same_world: bool) -> tuple[CheckpointInfo, dict[str, Any]]:
+              *, same_world: bool, staged: StagedAnchor | None = None) -> tuple[CheckpointInfo, dict[str, Any]]:
         """Verify `path` on every rank, build the template from its DCP metadata and let DCP
-        load into it (see `load`); every rank refuses together, none hangs in DCP."""
+        load into it (see `load`); every rank refuses together, none hangs in DCP. `staged`:
+        this rank's checked copy of `path` in memory (its verify was the staging's)."""
         self._wait_quietly()
         path = Path(path.path if isinstance(path, CheckpointInfo) else path)
         try:
-            info, problem = verify(path), None
+            info, problem = (staged.info if staged is not None else verify(path)), None
         except CheckpointError as e:
             info, problem = None, str(e)
         problems = [p for p in self.group.all_gather(problem) if p]
@@ -384,7 +391,7 @@ class CheckpointManager:
                 f"{self.group.world_size}: per-rank data cursors and RNG state cannot be "
                 "mapped; restore with the same number of ranks"
             )
-        reader = SafeFileSystemReader(str(path))  # after verify: see the docstring
+        reader = SafeFileSystemReader(str(path)) if staged is None else StagedReader(staged)  # after verify
         try:
             saved = reader.read_metadata().state_dict_metadata
             template: dict[str, Any] = dict(template_of(saved))

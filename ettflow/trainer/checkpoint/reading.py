@@ -68,13 +68,14 @@ class MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(folder: Path | str) -> Metadata:
-    """The DCP metadata of a checkpoint folder, through `MetadataUnpickler`.
+def read_dcp_metadata(folder: Path | str, data: bytes | None = None) -> Metadata:
+    """The DCP metadata of a checkpoint folder, through `MetadataUnpickler` (`data`: the
+    file's bytes, already read and checked: a staged anchor's, `staged_anchor.py`).
 
     Raises CheckpointError when the file is unreadable or names a global outside the list."""
     path = Path(folder) / DCP_METADATA
     try:
-        with open(path, "rb") as f:
+        with (open(path, "rb") if data is None else io.BytesIO(data)) as f:
             metadata = MetadataUnpickler(f).load()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as e:
         raise CheckpointError(f"refusing to read {path}: {e}") from e
@@ -89,7 +90,9 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("per-rank DCP metadata files are not used by ettflow checkpoints")
-        metadata = read_dcp_metadata(Path(self.path))
+        return self._with_load_id(read_dcp_metadata(Path(self.path)))
+
+    def _with_load_id(self, metadata: Metadata) -> Metadata:
         if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -138,7 +138,8 @@ def _check_sha(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
         raise TornCheckpointError(path, f"{rel} sha256 mismatch (its bytes changed after the commit)", file=rel)
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The sealed manifest of a checkpoint folder, its own sha256 and COMMITTED checked (not its files)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
         recorded = manifest.pop("manifest_sha256")
@@ -167,23 +168,28 @@ def verify(path: Path | str) -> CheckpointInfo:
     every file it lists. Raises TornCheckpointError saying what is wrong (and `.file`, which
     file). Reads every byte once; unpickles nothing."""
     path = Path(path)
-    parsed = parse_name(path.name)
-    if parsed is None or parsed[1] != "final":
-        raise TornCheckpointError(path, "not a committed checkpoint folder name (step_<n>)")
-    if not (path / COMMITTED).is_file():
-        raise TornCheckpointError(path, f"no {COMMITTED} marker: the save never committed", file=COMMITTED)
-    manifest = _read_manifest(path)
-    if manifest["step"] != parsed[0]:
-        raise TornCheckpointError(path, f"manifest step {manifest['step']} != folder step", file=MANIFEST)
+    manifest = committed_manifest(path)
     files = manifest["files"]
     for rel in sorted(files):  # sizes first: a missing or cut file is found without hashing
         _check_size(path, rel, files[rel])
     for rel in sorted(files):
         _check_sha(path, rel, files[rel])
-    return CheckpointInfo(
-        step=manifest["step"],
-        path=path,
-        world_size=manifest["world_size"],
-        cursors=tuple(manifest["cursors"]),
-        created_at=manifest["created_at"],
-    )
+    return info_of(path, manifest)
+
+
+def committed_manifest(path: Path) -> dict[str, Any]:
+    """A committed checkpoint folder's manifest: its name, marker and manifest checked (its files not)."""
+    parsed = parse_name(path.name)
+    if parsed is None or parsed[1] != "final":
+        raise TornCheckpointError(path, "not a committed checkpoint folder name (step_<n>)")
+    if not (path / COMMITTED).is_file():
+        raise TornCheckpointError(path, f"no {COMMITTED} marker: the save never committed", file=COMMITTED)
+    manifest = read_manifest(path)
+    if manifest["step"] != parsed[0]:
+        raise TornCheckpointError(path, f"manifest step {manifest['step']} != folder step", file=MANIFEST)
+    return manifest
+
+
+def info_of(path: Path, manifest: Mapping[str, Any]) -> CheckpointInfo:
+    return CheckpointInfo(step=manifest["step"], path=path, world_size=manifest["world_size"],
+                          cursors=tuple(manifest["cursors"]), created_at=manifest["created_at"])

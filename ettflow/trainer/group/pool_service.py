@@ -70,15 +70,18 @@ from ettflow.trainer.group.hold_rule import (
 from ettflow.trainer.group.pool_journal import POOL_LOST, PoolJournal, Recovered
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
+    STAGE_MAX_BYTES,
     PooledWorker,
+    begin_prewarm,
     model_name,
     probe,
+    stage_request,
     start_worker,
     stop,
     take_for_nodes,
     warm_key,
 )
-from ettflow.trainer.protocol import PooledInfo, StartSample
+from ettflow.trainer.protocol import PooledInfo, StageRequest, StartSample
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -104,15 +107,21 @@ class PoolPolicy:
     are kept. max_keep_alive_s: the longest an unscheduled run's ready worker is held (the
     break-even keep-alive is its share of the start saved, bounded by this). reap_every_s: how often the
     reaper checks (a planned prewarm wakes it on time). max_shared_spares: the most spares held
-    for one model's training runs (each only while their summed saving pays for it)."""
+    for one model's training runs (each only while their summed saving pays for it).
+    stage_max_bytes: the largest anchor a next run's worker stages in memory while it prewarms
+    (the releasing run's, which that run will likely warm start from: `staged_anchor.py`); 0:
+    none staged."""
 
     max_workers: int = 8
     max_shared_spares: int = 2  # spares held per model for its runs training now (`share_spares`)
     margin_s: float = 30.0
     max_keep_alive_s: float = 600.0
     reap_every_s: float = 2.0
+    stage_max_bytes: int = STAGE_MAX_BYTES
 
     def __post_init__(self) -> None:
+        if self.stage_max_bytes < 0:
+            raise ValueError(f"stage_max_bytes must be 0 (stage nothing) or more, got {self.stage_max_bytes}")
         if self.max_workers < 0 or self.max_shared_spares < 0:
             raise ValueError(f"max_workers and max_shared_spares must be 0 or more, got {self.max_workers}, "
                              f"{self.max_shared_spares}")
@@ -193,6 +202,7 @@ class PlannedFill:
     count: int
     spool_root: str
     actor_cls: type
+    stage: StageRequest | None = None
 
     @property
     def at(self) -> float:
@@ -307,7 +317,8 @@ class PoolService:
                            slots=slots, workers=workers, explore=explore)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: str, next_run_at: float | None = None,
-             now: float | None = None, *, actor_cls: type, start: StartSample | None = None) -> int:
+             now: float | None = None, *, actor_cls: type, start: StartSample | None = None,
+             anchor: str | None = None) -> int:
         """Hold `count` workers (at most the policy's bound) of `config`'s shape for the model's
         next run, under the hold the rule decides (`decide`): `next_run_at` (when its
         deployment's next run is scheduled; Prefect knows it) prewarms just in time and holds
@@ -315,9 +326,12 @@ class PoolService:
         The model's workers of another shape are stopped. Returns how many started now.
         `actor_cls`: the rank's actor class the workers are (the caller's: the pool, on the
         driver's side, never imports the rank's). `start`: the releasing run's measured start
-        (its ranks cold or pooled), added to the model's before deciding."""
+        (its ranks cold or pooled), added to the model's before deciding. `anchor`: the releasing
+        run's anchor, which the workers stage in memory for the next run's warm start (up to
+        the policy's `stage_max_bytes`)."""
         now = time.time() if now is None else now
         model = model_name(config)
+        stage = stage_request(anchor, self.policy.stage_max_bytes)
         if start is not None:
             with self._lock:
                 _add_newest(self.starts, (model, start.pooled), start.seconds)
@@ -335,22 +349,29 @@ class PoolService:
                 return 0
             if not hold.starts_now(now):
                 self.planned[model] = PlannedFill(hold=hold, config=config, count=count, spool_root=spool_root,
-                                                  actor_cls=actor_cls)
+                                                  actor_cls=actor_cls, stage=stage)
                 self._drop_model(model, "until_scheduled", now)  # nothing held from the release to the run
                 self._wake.set()
                 return 0
-            return self._fill_now(config, count, spool_root, actor_cls)
+            return self._fill_now(config, count, spool_root, actor_cls, stage)
 
-    def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type) -> int:
+    def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type,
+                  stage: StageRequest | None = None) -> int:
         key, model = warm_key(config), model_name(config)
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
-            have = len([e for e in self.entries if e.key == key and e.rule != SHARED])
+            kept = [e for e in self.entries if e.key == key and e.rule != SHARED]
+            if stage is not None:  # workers kept from before stage an older anchor: this one is the parent
+                for worker in kept:
+                    if worker.staging != stage.path:
+                        worker.actor.stage.remote(stage)
+                        worker.staging = stage.path
+            have = len(kept)
             started = max(min(count, self.policy.max_workers) - have, 0)
             hold = self.holds.get(model)
             for _ in range(started):
                 worker = self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
-                worker.prewarmed = worker.actor.prewarm.remote()
+                begin_prewarm(worker, stage)
                 worker.rule = str(hold.rule) if hold is not None else ""
                 self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
@@ -545,7 +566,7 @@ class PoolService:
         self._drop(lambda e: any(e is s for s in stale), "does_not_pay", now)
         for _ in range(decision.spares - (len(held) - len(stale))):
             worker = self._start(sharing.config, POOL_RUN_ID, sharing.spool_root, actor_cls=sharing.actor_cls)
-            worker.prewarmed = worker.actor.prewarm.remote()
+            begin_prewarm(worker)  # a spare joins a live recovery: nothing to stage
             worker.rule = SHARED
             self.entries.append(worker)
         if not sharing.shares:
@@ -570,7 +591,8 @@ class PoolService:
 
             workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
                                   e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node,
-                                  rule=e.rule, why=why(e.model, e.rule))
+                                  rule=e.rule,
+                                  why=why(e.model, e.rule) + (f"; stages {e.staging}" if e.staging else ""))
                        for e in self.entries]
             return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None,
                                          actor=k.name)
@@ -677,7 +699,7 @@ class PoolService:
             started = 0
             for model in due:
                 plan = self.planned.pop(model)
-                started += self._fill_now(plan.config, plan.count, plan.spool_root, plan.actor_cls)
+                started += self._fill_now(plan.config, plan.count, plan.spool_root, plan.actor_cls, plan.stage)
         if due:
             log.info("cluster pool: prewarming %d worker(s) for the next scheduled run of %s", started, ", ".join(due))
         return started

@@ -21,10 +21,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.protocol import PrewarmTimings
+from ettflow.trainer.protocol import PrewarmTimings, StageRequest
 
 log = logging.getLogger("ettflow.trainer")
 POOL_RUN_ID = "warm-pool"  # a pooled worker's run until a run takes it
+# the largest anchor a next run's worker stages in memory by default (`PoolPolicy.stage_max_bytes`):
+# the whole anchor, in host memory beside the worker's own model, so a bound a CPU host can spare
+STAGE_MAX_BYTES = 2 << 30
 
 
 def warm_key(config: TrainerConfig) -> str:
@@ -65,6 +68,7 @@ class PooledWorker:
     holding_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # its ledger line, if nobody takes it
     rule: str = ""  # the pool's hold rule it was prewarmed under (`hold_rule.HoldRule`; "": none, a run's spare)
     measured: bool = False  # its prewarm duration was counted in its model's estimate (pool_service.py)
+    staging: str | None = None  # the anchor it stages in memory for the next run (`begin_prewarm`)
 
     def holding_attrs(self) -> dict[str, Any]:
         return {"gpus": self.gpus, "cpus": self.cpus, **({"rss_bytes": self.rss_bytes} if self.rss_bytes else {}),
@@ -91,6 +95,19 @@ def start_worker(config: TrainerConfig, run_id: str, spool_root: Path | str, *, 
         config, run_id, -1, -1, str(spool_root), requested_at)
     return PooledWorker(actor, None, requested_at, warm_key(config), model_name(config),
                         gpus=float(options.get("num_gpus", 0)), cpus=float(config.threads_per_rank))
+
+
+def begin_prewarm(worker: PooledWorker, stage: StageRequest | None = None) -> None:
+    """Ask `worker` to prewarm (its result: `worker.prewarmed`), staging `stage`'s anchor in
+    memory meanwhile (a worker for a model's next run: `checkpoint/staged_anchor.py`)."""
+    worker.prewarmed = worker.actor.prewarm.remote(stage) if stage is not None else worker.actor.prewarm.remote()
+    worker.staging = stage.path if stage is not None else None
+
+
+def stage_request(anchor: str | None, max_bytes: int) -> StageRequest | None:
+    """What a next run's workers stage: the releasing run's anchor, unless there is none or
+    staging is off (`max_bytes` 0)."""
+    return StageRequest(path=anchor, max_bytes=max_bytes) if anchor and max_bytes > 0 else None
 
 
 def probe(workers: list[PooledWorker], who: str) -> list[PooledWorker]:

@@ -292,6 +292,7 @@ class RayWorkerGroup:
         self.spares: SparePool | None = None  # live recovery (a spare, on GPU in a bundle of its own)
         self.joining: int | None = None  # the rank a spare took (live recovery)
         self.finished: set[int] = set()  # ranks whose training returned
+        self.anchored: str | None = None  # the anchor a finished rank named (rank 0's)
         self.preempting = False  # `preempt` was called: the ranks end because they were told to
         self.gpu = False  # the placement holds GPUs (no warm pool; the spare in a bundle)
         self.bundles = SpareBundles.plan(0, spare=False)  # a GPU placement's ranks' and spare's bundles
@@ -552,7 +553,7 @@ class RayWorkerGroup:
         self.actors[failure.rank], self.info[failure.rank] = spare, info
         if self.spares.bundle is not None:  # the next spare starts in the bundle the failed rank left
             self.spares.bundle = (self.pg, self.bundles.hand_off(failure.rank))
-        self.attempt, self.joining, self.finished = attempt, failure.rank, set()
+        self.attempt, self.joining, self.finished, self.anchored = attempt, failure.rank, set(), None
         self.cluster_owned.discard(failure.rank)  # a spare's owner is not tracked: its loss is typed as it is
         self.asked_at = None  # the loop starts again on every rank: not a start the pool can save
 
@@ -580,6 +581,8 @@ class RayWorkerGroup:
             try:
                 finished[rank] = ray.get(ref)
                 self.finished.add(rank)
+                if finished[rank].anchor:
+                    self.anchored = finished[rank].anchor
                 if finished[rank].trained_from is not None:
                     self.trained_from[rank] = finished[rank].trained_from
             except (RayActorError, RayTaskError) as exc:  # the process died, or the rank raised
@@ -675,7 +678,12 @@ class RayWorkerGroup:
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None,
-                               start=self.start_sample())
+                               start=self.start_sample(), anchor=self.anchor())
+
+    def anchor(self) -> str | None:
+        """This attempt's anchor (rank 0 names it; with release-before-seal, where the driver is
+        sealing it): the next run's likely parent, which the pool's workers stage for it."""
+        return self.anchored
 
     def start_sample(self) -> StartSample | None:
         """This attempt's start, for the pool's hold rule: from asking for the ranks to the last

@@ -47,16 +47,19 @@ from ettflow.ett.run_summary import short_reason
 from ettflow.trainer.config import TrainerConfig
 from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
+    STAGE_MAX_BYTES,
     PooledWorker,
+    begin_prewarm,
     model_name,
     probe,
     record_start,
+    stage_request,
     start_worker,
     stop,
     take_for_nodes,
     warm_key,
 )
-from ettflow.trainer.protocol import PrewarmTimings, StartSample
+from ettflow.trainer.protocol import PrewarmTimings, StageRequest, StartSample
 
 if TYPE_CHECKING:
     from ettflow.ett.spare_sizing import SpareDecision, SpareShare
@@ -102,10 +105,12 @@ class WarmPool:
         self.keeping = on
 
     # ---- filling -------------------------------------------------------------------------
-    def start(self, config: TrainerConfig, spool_root: Path | str, actor_cls: type) -> PooledWorker:
-        """A new worker for `config`, prewarming in the background (not in the pool yet)."""
+    def start(self, config: TrainerConfig, spool_root: Path | str, actor_cls: type,
+              stage: StageRequest | None = None) -> PooledWorker:
+        """A new worker for `config`, prewarming in the background (not in the pool yet);
+        `stage`: the anchor it stages in memory meanwhile (`begin_prewarm`)."""
         worker = start_worker(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
-        worker.prewarmed = worker.actor.prewarm.remote()
+        begin_prewarm(worker, stage)
         return worker
 
     def give(self, worker: PooledWorker) -> None:
@@ -117,22 +122,25 @@ class WarmPool:
             stop(worker)
 
     def fill(self, config: TrainerConfig, count: int, spool_root: Path | str, actor_cls: type, *,
-             next_run_at: float | None = None, start: StartSample | None = None) -> int:
+             next_run_at: float | None = None, start: StartSample | None = None, anchor: str | None = None) -> int:
         """Start workers (of `actor_cls`, the rank's actor class) until the pool holds `count`
         for `config` (workers for another shape are stopped); returns how many started.
         Nothing when the pool is not kept. `next_run_at`: when the run's deployment runs next
         (Prefect's schedule): the cluster's pool prewarms ahead of it rather than holding
         workers till then. `start`: the releasing run's measured start, which the cluster's
-        pool weighs against what a prewarm holds (`hold_rule.py`)."""
+        pool weighs against what a prewarm holds (`hold_rule.py`). `anchor`: the releasing run's,
+        staged in memory by the new workers for the next run's warm start (`staged_anchor.py`)."""
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
             return 0
         if self.service is not None:  # the cluster's pool starts them (the call returns at once)
-            self.service.fill.remote(config, count, str(spool_root), next_run_at, actor_cls=actor_cls, start=start)
+            self.service.fill.remote(config, count, str(spool_root), next_run_at, actor_cls=actor_cls, start=start,
+                                     anchor=anchor)
             return 0
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
-        self.workers += [self.start(config, spool_root, actor_cls) for _ in range(started)]
+        stage = stage_request(anchor, STAGE_MAX_BYTES)
+        self.workers += [self.start(config, spool_root, actor_cls, stage) for _ in range(started)]
         if config.switches.memory_checkpoint and self.keeper is None:
             from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from ettflow.ett.failures import FailureError
 from ettflow.trainer.classify import failure_from_exception
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.protocol import PrewarmTimings, RankResult, RestorePoint, WorkerInfo
+from ettflow.trainer.protocol import PrewarmTimings, RankResult, RestorePoint, StageRequest, WorkerInfo
 from ettflow.trainer.rank.phase import RankLifecycle, RankPhase
 
 
@@ -33,6 +33,7 @@ class TrainerActor:
         self.spool_root = Path(spool_root)
         self.session = None  # kept only while PARKED (live recovery)
         self.warm = None  # a spare's or pooled worker's prepared state (spare.py) while PREWARMED
+        self.staging = None  # a pooled worker's staged parent anchor (checkpoint/staged_anchor.py)
         self.lifecycle = RankLifecycle(_who(rank))
         # Ray may hand this actor a worker process it started earlier (its pool): the rank's
         # own start counts from when the driver asked for it, never before.
@@ -84,9 +85,11 @@ class TrainerActor:
         self.lifecycle.require("train", RankPhase.IDLE, RankPhase.PREWARMED)
         self.lifecycle.enter(RankPhase.TRAINING, "train")
         warm, self.warm = self.warm, None
+        staging, self.staging = self.staging, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
                                  master_addr, master_port, keeper=keeper, warm=warm, restart_point=point,
-                                 process_started_at=None if warm is not None else self.started_at)
+                                 process_started_at=None if warm is not None else self.started_at,
+                                 staging=staging)
         return self._typed(session, session.run)
 
     def interrupt(self) -> None:
@@ -110,17 +113,33 @@ class TrainerActor:
         session = self.session
         return self._typed(session, lambda: session.rejoin(config, attempt, (master_addr, master_port), point))
 
-    def prewarm(self) -> PrewarmTimings:
-        """A spare: prepare everything of a rank's start that needs no rank (spare.py)."""
+    def prewarm(self, stage: StageRequest | None = None) -> PrewarmTimings:
+        """A spare: prepare everything of a rank's start that needs no rank (spare.py). `stage`:
+        the anchor the next run will likely warm start from, read into memory meanwhile by a
+        thread of its own (a pooled worker's; staged_anchor.py)."""
         from ettflow.trainer.rank.session import pick_device
         from ettflow.trainer.rank.spare import prewarm
 
         self.lifecycle.require("prewarm", RankPhase.IDLE)
         t0 = time.time()
+        if stage is not None:
+            from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
+
+            self.staging = AnchorStaging.start(stage)
         self.warm = prewarm(self.config, pick_device(self.config))
         self.lifecycle.enter(RankPhase.PREWARMED, "prewarm")
         done = time.time()
         return replace(self.warm.timings, started_at=self.started_at, ready_at=done, prewarm_s=done - t0)
+
+    def stage(self, request: StageRequest) -> None:
+        """A pooled worker kept for a model's next run stages that run's likely parent instead of
+        what it staged before (a newer run sealed its anchor); returns at once."""
+        from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
+
+        self.lifecycle.require("stage", RankPhase.IDLE, RankPhase.PREWARMED)
+        old, self.staging = self.staging, AnchorStaging.start(request)
+        if old is not None:
+            old.discard()
 
     def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
              keeper, point: RestorePoint) -> RankResult:
@@ -134,6 +153,9 @@ class TrainerActor:
         session = TrainerSession(config, self.run_id, attempt, rank, self.spool_root, master_addr, master_port,
                                  keeper=keeper)
         warm, self.warm = self.warm, None
+        if self.staging is not None:  # a live recovery restores the run's point, not a parent
+            self.staging.discard()
+            self.staging = None
         return self._typed(session, lambda: session.join(warm, point))
 
     def _become(self, rank: int) -> None:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from torchrec.distributed import DistributedModelParallel
 
     from ettflow.trainer.checkpoint.delta import DeltaInfo
+    from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
     from ettflow.trainer.collectives import Groups
 
@@ -57,16 +58,19 @@ DENSE_MODULES = ("dense_arch", "inter_arch", "over_arch")  # the replicated part
 class Checkpointing:
     def __init__(self, config: TrainerConfig, rank: int, rec: SpoolWriter, resume: CheckpointInfo | None,
                  parent: Path | None = None, *, keeper: KeeperHandle | None = None,
-                 resume_deltas: tuple[DeltaInfo, ...] = ()) -> None:
+                 resume_deltas: tuple[DeltaInfo, ...] = (), staging: AnchorStaging | None = None) -> None:
         """resume: the run's own latest checkpoint (a restart), else None, and resume_deltas the
         deltas on it a restore applies in order (its chain, `catalog.Chain`); parent: the anchor
         to warm start from when there is no own checkpoint (model and optimizer state only:
         the step counter starts at 0 and the data cursor at the start of the run's windows).
-        keeper: the run's in-memory checkpoint keeper (None: no in-memory tier)."""
+        keeper: the run's in-memory checkpoint keeper (None: no in-memory tier). staging: the
+        anchor this process staged in memory before the run (a pooled worker's), read for the
+        warm start when it is the parent."""
         if resume is not None and parent is not None:
             raise ValueError("a rank restores its run's own checkpoint or warm starts from a parent, not both")
         self.ctx = TierContext(config=config, rank=rank, rec=rec)
         self.resume, self.parent = resume, parent
+        self.staging = staging
         self.resume_deltas = tuple(resume_deltas) if resume is not None else ()
         self.durable = DurableTier(self.ctx)
         memory = (HostMemoryTier(self.ctx, keeper)
@@ -177,8 +181,13 @@ class Checkpointing:
     # ---- restores -----------------------------------------------------------------------
     def restore(self) -> RestoreReport:
         """The `checkpoint_restore` stage: the run's own latest checkpoint (or chain), or the parent anchor."""
+        staging, self.staging = self.staging, None  # one restore reads it; the memory goes with it
         if self.resume is None:
-            return self._restored(self.durable.warm_start(self.parent))
+            staged, miss = staging.take(self.parent) if staging is not None else (None, None)
+            report = self.durable.warm_start(self.parent, staged=staged)
+            return self._restored(replace(report, staged_miss=miss, staged=False) if miss else report)
+        if staging is not None:
+            staging.discard()  # a restart or retry restores the run's own checkpoint
         if self.resharded:
             if not self.config.placement.elastic:
                 raise RuntimeError(

@@ -27,6 +27,7 @@ from ettflow.trainer.checkpoint.fingerprint import state_fingerprint
 from ettflow.trainer.checkpoint.latest import checked_scan, mark_fallbacks
 from ettflow.trainer.checkpoint.layout import parse_name
 from ettflow.trainer.checkpoint.results import RestoreResult
+from ettflow.trainer.checkpoint.staged_anchor import StagedAnchor
 from ettflow.trainer.data.windows import Cursor
 from ettflow.trainer.protocol import MEMORY, RestorePoint
 from ettflow.trainer.rank.numerics import refuse_nonfinite
@@ -252,16 +253,17 @@ class DurableTier:
         return RestoreReport(source=RestoreSource.OWN, step=own.step, path=str(restored.checkpoint.path),
                              cursor=cursor.as_tuple(), resharded_from=own.world_size, world_size=cfg.world_size)
 
-    def warm_start(self, parent: Path) -> RestoreReport:
-        """The parent refresh's anchor: model and optimizer state (the step and cursor start over)."""
+    def warm_start(self, parent: Path, *, staged: StagedAnchor | None = None) -> RestoreReport:
+        """The parent refresh's anchor: model and optimizer state (the step and cursor start over);
+        `staged`: its copy this process staged in memory (`staged_anchor.py`), read instead of the disk."""
         assert self.manager is not None
-        restored = self.manager.load_parent(self.ctx.train_state, parent)
+        restored = self.manager.load_parent(self.ctx.train_state, parent, staged=staged)
         got = restored.checkpoint
         fingerprint = state_fingerprint(self.ctx.train_state.model.state_dict())
         log.info("warm start from %s (step %d of %d ranks)", got.path, got.step, got.world_size)
         return RestoreReport(source=RestoreSource.PARENT, path=str(got.path), parent_step=got.step,
                              parent_world_size=got.world_size, world_size=self.ctx.config.world_size,
-                             fingerprint=fingerprint)
+                             fingerprint=fingerprint, staged=True if staged is not None else None)
 
     def _load_chain(self, base: CheckpointInfo | Path | str, deltas: tuple[DeltaInfo, ...]
                     ) -> tuple[RestoreResult, ChainRead | None]:

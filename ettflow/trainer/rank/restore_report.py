@@ -44,6 +44,10 @@ class RestoreReport:
     memory_deltas: int | None = None
     memory_problem: str | None = None
     chain_resumed: int | None = None  # a memory restore: the durable chain's link the next delta builds on
+    # a warm start on a worker that staged an anchor ahead (`staged_anchor.py`): whether it read
+    # the parent from memory, else why not (None: nothing was staged)
+    staged: bool | None = None
+    staged_miss: str | None = None
 
     def at(self, point: RestorePoint, *, memory_problem: str | None = None) -> RestoreReport:
         """This restore as the answer to `point` (and why its memory copies were not used)."""
@@ -59,7 +63,7 @@ class RestoreReport:
                     "parent_step": self.parent_step, "parent_world_size": self.parent_world_size,
                     "fingerprint": self.fingerprint, "memory_deltas": self.memory_deltas,
                     "chain_resumed": self.chain_resumed,
-                    "memory_problem": self.memory_problem}
+                    "memory_problem": self.memory_problem, "staged": self.staged, "staged_miss": self.staged_miss}
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.chain is not None:
             out.update(base_step=self.chain.base_step, deltas=list(self.chain.deltas), delta_rows=self.chain.rows)

@@ -66,6 +66,7 @@ from ettflow.trainer.rank.spare import WarmSpare
 from ettflow.trainer.rank_heartbeat import Pause, RankHeartbeat, beat_file
 
 if TYPE_CHECKING:
+    from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
     from ettflow.trainer.checkpoint.state_keeper import KeeperHandle
 
 log = logging.getLogger("ettflow.trainer")
@@ -101,11 +102,14 @@ class TrainerSession:
     def __init__(self, config: TrainerConfig, run_id: str, attempt: int, rank: int,
                  spool_root: Path | str, master_addr: str, master_port: int,
                  *, process_started_at: float | None = None, keeper: KeeperHandle | None = None,
-                 warm: WarmSpare | None = None, restart_point: RestorePoint | None = None) -> None:
+                 warm: WarmSpare | None = None, restart_point: RestorePoint | None = None,
+                 staging: AnchorStaging | None = None) -> None:
         """`keeper`: the run's in-memory checkpoint keeper (`checkpoint/memory_tier.py`), or
         None (no in-memory tier). `warm`: what this process prepared before the run (a pooled
         worker, warm_pool.py): the device, dense modules, dense optimizer and compiled step that
-        `device_init`, `train_module_creation` and `pt2_compile` then take instead of building."""
+        `device_init`, `train_module_creation` and `pt2_compile` then take instead of building.
+        `staging`: the anchor it staged in memory meanwhile (`staged_anchor.py`), which the warm
+        start reads when it is the run's parent."""
         self.config, self.run_id, self.attempt, self.rank = config, run_id, attempt, rank
         self.spool_root = spool_root
         self.master = (master_addr, master_port)
@@ -121,6 +125,7 @@ class TrainerSession:
         self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank, on_pause=self._record_pause)
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
         self.warm = warm
+        self.staging = staging
         # what a prewarmed process's prewarm met: its compile-cache hit (never restored twice), a refused archive
         self.warm_timings = warm.timings if warm is not None else None
         PREEMPTION.attach(self.rec)
@@ -177,7 +182,9 @@ class TrainerSession:
         # the compile cache first: its environment is set before anything imports inductor
         self.state.compiler = CompilePlugin(self.config, self.rank, self.rec, warm=self.warm_timings)
         self.state.checkpointing = Checkpointing(self.config, self.rank, self.rec, self.resume, self.parent,
-                                                 keeper=self.keeper, resume_deltas=self.resume_deltas)
+                                                 keeper=self.keeper, resume_deltas=self.resume_deltas,
+                                                 staging=self.staging)
+        self.staging = None
 
     def compile_cache_restore(self) -> dict[str, Any]:
         return self.state.compiler.restore()

@@ -1,0 +1,187 @@
+"""A parent anchor staged in host memory ahead of the run that warm starts from it.
+
+A worker the pool prewarms for a model's next run (`pooled_worker.begin_prewarm`) is told the
+anchor that run will most likely warm start from: the releasing run's (`StageRequest`). Its
+`AnchorStaging` thread waits for that anchor's seal (with release-before-seal the driver seals
+it after the devices are released, while the pool already prewarms), reads every file the
+manifest lists into memory and checks each one's size and sha256 against it: the check
+`verify.verify` makes on disk, so what a rank restores from memory was checksummed. When the
+worker becomes a rank of a run whose `warm_start_from` is that folder, and the folder's
+COMMITTED still names the manifest staged, the restore reads DCP from memory (`StagedReader`):
+a warm run's init is the hand-off, not the read and its checksum pass. Anything else (another
+parent, a folder sealed again since, a staging that failed, timed out or was over its bound)
+reads the disk as before, and the restore's `staged_miss` says why.
+
+A staged worker holds the whole anchor (every rank's files: it does not know its rank until a
+run takes it, and a warm start may reshard); `StageRequest.max_bytes` bounds it (the pool's
+policy), and the bytes are dropped once the restore has read them.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
+from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA
+from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, read_dcp_metadata
+from ettflow.trainer.checkpoint.verify import CheckpointInfo, committed_manifest, info_of
+from ettflow.trainer.protocol import StageRequest
+
+log = logging.getLogger("ettflow.trainer")
+POLL_S = 0.1  # how often a staging looks for the anchor's seal
+
+
+@dataclass(frozen=True, eq=False)
+class StagedAnchor:
+    """A sealed anchor's files in memory, each checked against its manifest: `digest` is the
+    manifest's sha256 (what COMMITTED names), `read_s` the read and check."""
+
+    path: Path
+    digest: str
+    manifest: Mapping[str, Any]
+    files: Mapping[str, bytes]
+    read_s: float
+
+    @property
+    def info(self) -> CheckpointInfo:
+        return info_of(self.path, self.manifest)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.files.values())
+
+    def still_sealed(self) -> str | None:
+        """None when the folder's COMMITTED still names the manifest staged; else why not."""
+        try:
+            on_disk = (self.path / COMMITTED).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            return f"{self.path}'s {COMMITTED} is unreadable now ({exc})"
+        return None if on_disk == self.digest else f"{self.path} was sealed again since it was staged"
+
+
+def stage_anchor(path: Path, *, max_bytes: int, wait_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> StagedAnchor:
+    """Wait up to `wait_s` for `path`'s seal, then read and check every file its manifest lists.
+    Raises CheckpointError saying why nothing was staged (no seal in time, over `max_bytes`,
+    a file that does not match its manifest: `TornCheckpointError`)."""
+    deadline = clock() + wait_s
+    while not (path / COMMITTED).is_file():
+        if clock() >= deadline:
+            raise CheckpointError(f"{path} was not sealed within {wait_s:g} s")
+        sleep(POLL_S)
+    t0 = time.perf_counter()
+    manifest = committed_manifest(path)
+    digest = (path / COMMITTED).read_text(encoding="utf-8").strip()
+    listed = manifest["files"]
+    total = sum(int(f["size"]) for f in listed.values())
+    if total > max_bytes:
+        raise CheckpointError(f"{path} holds {total} bytes, over the staging bound of {max_bytes}")
+    files = {rel: _read_checked(path, rel, listed[rel]) for rel in sorted(listed)}
+    return StagedAnchor(path=path, digest=digest, manifest=manifest, files=files, read_s=time.perf_counter() - t0)
+
+
+def _read_checked(path: Path, rel: str, expect: Mapping[str, Any]) -> bytes:
+    import hashlib
+
+    try:
+        data = (path / rel).read_bytes()
+    except OSError as exc:
+        raise TornCheckpointError(path, f"storage file {rel} is unreadable ({exc})", file=rel) from exc
+    if len(data) != expect["size"]:
+        raise TornCheckpointError(path, f"storage file {rel} has {len(data)} bytes, the manifest recorded "
+                                        f"{expect['size']}", file=rel)
+    if hashlib.sha256(data).hexdigest() != expect["sha256"]:
+        raise TornCheckpointError(path, f"{rel} sha256 mismatch (its bytes changed after the commit)", file=rel)
+    return data
+
+
+class AnchorStaging:
+    """One worker's staging of one anchor, in a thread of its own (the worker's prewarm goes on
+    meanwhile); `take` hands it to the restore of the run's parent, once."""
+
+    def __init__(self, request: StageRequest) -> None:
+        self.request = request
+        self._staged: StagedAnchor | None = None
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="ettflow-stage-anchor", daemon=True)
+
+    @classmethod
+    def start(cls, request: StageRequest) -> AnchorStaging:
+        staging = cls(request)
+        staging._thread.start()
+        return staging
+
+    def _run(self) -> None:
+        req = self.request
+        try:
+            staged = stage_anchor(Path(req.path), max_bytes=req.max_bytes, wait_s=req.wait_s)
+        except (CheckpointError, OSError) as exc:
+            self._error = str(exc)
+            log.warning("staging the next run's parent anchor: nothing staged (%s)", exc)
+            return
+        self._staged = staged
+        log.info("staged the next run's parent anchor %s in memory (%d bytes, read and checked in %.2f s)",
+                 staged.path, staged.nbytes, staged.read_s)
+
+    def take(self, parent: Path) -> tuple[StagedAnchor | None, str | None]:
+        """The staged anchor when it is `parent`, still sealed as staged (waiting for a staging
+        under way: it reads what the restore would), else None and why not. Once: the worker's
+        memory is the restore's from here on."""
+        if Path(self.request.path).resolve() != Path(parent).resolve():
+            self.discard()
+            return None, f"staged {self.request.path}, the run warm starts from {parent}"
+        self._thread.join(self.request.wait_s)
+        staged, error = self._staged, self._error
+        self.discard()
+        if staged is None:
+            return None, error or f"staging {parent} had not finished"
+        problem = staged.still_sealed()
+        return (None, problem) if problem else (staged, None)
+
+    def discard(self) -> None:
+        """Drop the staged bytes (a run that restores something else, a spare that joins)."""
+        self._staged = None
+
+
+class _MemoryFiles(FileSystem):
+    """DCP's file system, reading a staged anchor's files (read-only)."""
+
+    def __init__(self, staged: StagedAnchor) -> None:
+        self.staged = staged
+
+    @contextmanager
+    def create_stream(self, path: str | Any, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise CheckpointError(f"a staged anchor is read-only (asked to open {path} with {mode!r})")
+        rel = Path(path).relative_to(self.staged.path).as_posix()
+        data = self.staged.files.get(rel)
+        if data is None:
+            raise CheckpointError(f"{self.staged.path}: DCP reads {rel}, which its manifest does not list")
+        with io.BytesIO(data) as stream:  # shares the bytes: nothing copied until a slice is read
+            yield stream
+
+
+class StagedReader(SafeFileSystemReader):
+    """DCP's reader of a staged anchor: its `.metadata` through the restricted unpickler, its
+    storage files from memory (`SafeLoadPlanner` reads non-tensor values as for the disk)."""
+
+    def __init__(self, staged: StagedAnchor) -> None:
+        super().__init__(str(staged.path))
+        self.fs = _MemoryFiles(staged)
+        self.staged = staged
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("per-rank DCP metadata files are not used by ettflow checkpoints")
+        return self._with_load_id(read_dcp_metadata(self.staged.path, self.staged.files[DCP_METADATA]))
