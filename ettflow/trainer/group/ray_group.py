@@ -292,7 +292,9 @@ class RayWorkerGroup:
         self.spares: SparePool | None = None  # live recovery (a spare, on GPU in a bundle of its own)
         self.joining: int | None = None  # the rank a spare took (live recovery)
         self.finished: set[int] = set()  # ranks whose training returned
-        self.anchored: str | None = None  # the anchor a finished rank named (rank 0's)
+        # the anchor a finished rank named (rank 0's; with release-before-seal, where the driver seals
+        # it): the next run's likely parent, which the pool's workers stage for it (staged_anchor.py)
+        self.anchored: str | None = None
         self.preempting = False  # `preempt` was called: the ranks end because they were told to
         self.gpu = False  # the placement holds GPUs (no warm pool; the spare in a bundle)
         self.bundles = SpareBundles.plan(0, spare=False)  # a GPU placement's ranks' and spare's bundles
@@ -678,12 +680,7 @@ class RayWorkerGroup:
                 self.pool.fill(self.config, self.world_size + spares,
                                self.spool_root, self.actor_cls,
                                next_run_at=self.next_run_at() if self.next_run_at is not None else None,
-                               start=self.start_sample(), anchor=self.anchor())
-
-    def anchor(self) -> str | None:
-        """This attempt's anchor (rank 0 names it; with release-before-seal, where the driver is
-        sealing it): the next run's likely parent, which the pool's workers stage for it."""
-        return self.anchored
+                               start=self.start_sample(), anchor=self.anchored)
 
     def start_sample(self) -> StartSample | None:
         """This attempt's start, for the pool's hold rule: from asking for the ranks to the last
