@@ -75,6 +75,7 @@ from ettflow.trainer.group.pooled_worker import (
     begin_prewarm,
     model_name,
     probe,
+    restage,
     stage_request,
     start_worker,
     stop,
@@ -361,11 +362,7 @@ class PoolService:
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
             kept = [e for e in self.entries if e.key == key and e.rule != SHARED]
-            if stage is not None:  # workers kept from before stage an older anchor: this one is the parent
-                for worker in kept:
-                    if worker.staging != stage.path:
-                        worker.actor.stage.remote(stage)
-                        worker.staging = stage.path
+            restage(kept, stage)
             have = len(kept)
             started = max(min(count, self.policy.max_workers) - have, 0)
             hold = self.holds.get(model)

@@ -104,6 +104,17 @@ def begin_prewarm(worker: PooledWorker, stage: StageRequest | None = None) -> No
     worker.staging = stage.path if stage is not None else None
 
 
+def restage(kept: list[PooledWorker], stage: StageRequest | None) -> None:
+    """Workers kept from an earlier release (or a run's spare given back) stage `stage`'s anchor
+    instead of what they staged before: the newest release's is the next run's likely parent."""
+    if stage is None:
+        return
+    for worker in kept:
+        if worker.staging != stage.path:
+            worker.actor.stage.remote(stage)
+            worker.staging = stage.path
+
+
 def stage_request(anchor: str | None, max_bytes: int) -> StageRequest | None:
     """What a next run's workers stage: the releasing run's anchor, unless there is none or
     staging is off (`max_bytes` 0)."""

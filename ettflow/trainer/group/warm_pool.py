@@ -53,6 +53,7 @@ from ettflow.trainer.group.pooled_worker import (
     model_name,
     probe,
     record_start,
+    restage,
     stage_request,
     start_worker,
     stop,
@@ -140,6 +141,7 @@ class WarmPool:
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
         stage = stage_request(anchor, STAGE_MAX_BYTES)
+        restage(self.workers, stage)
         self.workers += [self.start(config, spool_root, actor_cls, stage) for _ in range(started)]
         if config.switches.memory_checkpoint and self.keeper is None:
             from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper
