@@ -70,6 +70,48 @@ def test_an_anchor_over_the_bound_is_not_staged_and_says_its_size(anchor):
     path, _ = anchor
     with pytest.raises(CheckpointError, match=r"holds \d+ bytes, over the staging bound of 100"):
         stage_anchor(path, max_bytes=100, wait_s=0)
+    with open(path / "__0_0.distcp", "ab") as f:  # a file grown on disk is refused by its size, before any read
+        f.write(b"x" * 4096)
+    with pytest.raises(TornCheckpointError, match=r"__0_0.distcp has \d+ bytes, the manifest recorded"):
+        stage_anchor(path, max_bytes=BIG, wait_s=0)
+
+
+def test_a_discarded_staging_stops_and_keeps_nothing(anchor):
+    import threading
+
+    path, _ = anchor
+    gone = threading.Event()
+    gone.set()
+    with pytest.raises(CheckpointError, match="was given up"):
+        stage_anchor(path, max_bytes=BIG, wait_s=0, cancelled=gone)
+    staging = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG))
+    staging.discard()
+    staging._thread.join()
+    assert staging._staged is None
+
+
+def test_only_a_warm_start_keeps_a_staged_parent(tmp_path):
+    """Checkpointing drops the staging of a run that restores its own checkpoint or starts cold
+    (its memory and its reading), keeps it for a warm start, and drops it at its close."""
+    from ettflow.ett.spool import SpoolWriter
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.rank.checkpointing import Checkpointing
+
+    class Staging:
+        discarded = 0
+
+        def discard(self):
+            self.discarded += 1
+
+    cfg = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
+    rec = SpoolWriter(tmp_path / "spool", "r", 0, 0)
+    cold, warm = Staging(), Staging()
+    assert Checkpointing(cfg, 0, rec, None, None, staging=cold).staging is None and cold.discarded == 1
+    kept = Checkpointing(cfg, 0, rec, None, tmp_path / "step_0000000003", staging=warm)
+    assert kept.staging is warm and warm.discarded == 0
+    kept.close()
+    assert kept.staging is None and warm.discarded == 1
 
 
 def test_staging_waits_for_the_seal_and_gives_up_at_its_bound(anchor):
@@ -100,7 +142,11 @@ def test_take_gives_the_staged_parent_once_and_says_why_when_it_cannot(anchor, t
     staging = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG))
     got, miss = staging.take(path)
     assert got is not None and got.path == path and miss is None
-    assert staging.take(path) == (None, "staging " + str(path) + " had not finished")  # once: the memory went with it
+    assert staging.take(path) == (None, "the staged copy was already handed to a restore")  # once: the memory went
+    linked = tmp_path / "current"  # the run names its parent by another spelling: its restore names it so
+    linked.symlink_to(path)
+    got, miss = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG)).take(linked)
+    assert miss is None and got.path == linked and got.info.path == linked
 
     other = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG))
     assert other.take(tmp_path / "step_0000000009") == (

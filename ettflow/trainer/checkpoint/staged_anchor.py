@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
 from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA
 from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, read_dcp_metadata
-from ettflow.trainer.checkpoint.verify import CheckpointInfo, committed_manifest, info_of
+from ettflow.trainer.checkpoint.verify import CheckpointInfo, committed_manifest, info_of, manifest_digest
 from ettflow.trainer.protocol import StageRequest
 
 log = logging.getLogger("ettflow.trainer")
@@ -71,10 +71,12 @@ class StagedAnchor:
 
 
 def stage_anchor(path: Path, *, max_bytes: int, wait_s: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> StagedAnchor:
-    """Wait up to `wait_s` for `path`'s seal, then read and check every file its manifest lists.
-    Raises CheckpointError saying why nothing was staged (no seal in time, over `max_bytes`,
-    a file that does not match its manifest: `TornCheckpointError`)."""
+                 sleep: Callable[[float], None] = time.sleep,
+                 cancelled: threading.Event | None = None) -> StagedAnchor:
+    """Wait up to `wait_s` for `path`'s seal, then read and check every file its manifest lists
+    (sizes on disk first: nothing over `max_bytes` is read). Raises CheckpointError saying why
+    nothing was staged (no seal in time, over `max_bytes`, a file that does not match its
+    manifest: `TornCheckpointError`, `cancelled` set: nobody wants it any more)."""
     deadline = clock() + wait_s
     while not (path / COMMITTED).is_file():
         if clock() >= deadline:
@@ -82,13 +84,29 @@ def stage_anchor(path: Path, *, max_bytes: int, wait_s: float, clock: Callable[[
         sleep(POLL_S)
     t0 = time.perf_counter()
     manifest = committed_manifest(path)
-    digest = (path / COMMITTED).read_text(encoding="utf-8").strip()
     listed = manifest["files"]
+    for rel, expect in listed.items():
+        _check_size(path, rel, expect)
     total = sum(int(f["size"]) for f in listed.values())
     if total > max_bytes:
         raise CheckpointError(f"{path} holds {total} bytes, over the staging bound of {max_bytes}")
-    files = {rel: _read_checked(path, rel, listed[rel]) for rel in sorted(listed)}
-    return StagedAnchor(path=path, digest=digest, manifest=manifest, files=files, read_s=time.perf_counter() - t0)
+    files = {}
+    for rel in sorted(listed):
+        if cancelled is not None and cancelled.is_set():
+            raise CheckpointError(f"staging {path} was given up: the worker is restoring something else")
+        files[rel] = _read_checked(path, rel, listed[rel])
+    return StagedAnchor(path=path, digest=manifest_digest(manifest), manifest=manifest, files=files,
+                        read_s=time.perf_counter() - t0)
+
+
+def _check_size(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
+    try:
+        size, want = (path / rel).stat().st_size, int(expect["size"])
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise TornCheckpointError(path, f"storage file {rel} cannot be checked ({exc})", file=rel) from exc
+    if size != want:
+        raise TornCheckpointError(path, f"storage file {rel} has {size} bytes, the manifest recorded {want}",
+                                  file=rel)
 
 
 def _read_checked(path: Path, rel: str, expect: Mapping[str, Any]) -> bytes:
@@ -98,7 +116,7 @@ def _read_checked(path: Path, rel: str, expect: Mapping[str, Any]) -> bytes:
         data = (path / rel).read_bytes()
     except OSError as exc:
         raise TornCheckpointError(path, f"storage file {rel} is unreadable ({exc})", file=rel) from exc
-    if len(data) != expect["size"]:
+    if len(data) != expect["size"]:  # changed since its size was checked
         raise TornCheckpointError(path, f"storage file {rel} has {len(data)} bytes, the manifest recorded "
                                         f"{expect['size']}", file=rel)
     if hashlib.sha256(data).hexdigest() != expect["sha256"]:
@@ -114,6 +132,8 @@ class AnchorStaging:
         self.request = request
         self._staged: StagedAnchor | None = None
         self._error: str | None = None
+        self._taken = False
+        self._cancelled = threading.Event()  # discarded: the thread stops reading, keeps nothing
         self._thread = threading.Thread(target=self._run, name="ettflow-stage-anchor", daemon=True)
 
     @classmethod
@@ -125,10 +145,14 @@ class AnchorStaging:
     def _run(self) -> None:
         req = self.request
         try:
-            staged = stage_anchor(Path(req.path), max_bytes=req.max_bytes, wait_s=req.wait_s)
-        except (CheckpointError, OSError) as exc:
-            self._error = str(exc)
-            log.warning("staging the next run's parent anchor: nothing staged (%s)", exc)
+            staged = stage_anchor(Path(req.path), max_bytes=req.max_bytes, wait_s=req.wait_s,
+                                  cancelled=self._cancelled)
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the restore reads the disk and says why
+            self._error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
+            if not self._cancelled.is_set():
+                log.warning("staging the next run's parent anchor: nothing staged (%s)", self._error)
+            return
+        if self._cancelled.is_set():
             return
         self._staged = staged
         log.info("staged the next run's parent anchor %s in memory (%d bytes, read and checked in %.2f s)",
@@ -137,7 +161,11 @@ class AnchorStaging:
     def take(self, parent: Path) -> tuple[StagedAnchor | None, str | None]:
         """The staged anchor when it is `parent`, still sealed as staged (waiting for a staging
         under way: it reads what the restore would), else None and why not. Once: the worker's
-        memory is the restore's from here on."""
+        memory is the restore's from here on. The copy is named as `parent` is (every rank's
+        restore names the folder alike, staged or not)."""
+        if self._taken:
+            return None, "the staged copy was already handed to a restore"
+        self._taken = True
         if Path(self.request.path).resolve() != Path(parent).resolve():
             self.discard()
             return None, f"staged {self.request.path}, the run warm starts from {parent}"
@@ -145,12 +173,14 @@ class AnchorStaging:
         staged, error = self._staged, self._error
         self.discard()
         if staged is None:
-            return None, error or f"staging {parent} had not finished"
+            return None, error or f"staging {parent} had not finished within {self.request.wait_s:g} s"
         problem = staged.still_sealed()
-        return (None, problem) if problem else (staged, None)
+        return (None, problem) if problem else (replace(staged, path=Path(parent)), None)
 
     def discard(self) -> None:
-        """Drop the staged bytes (a run that restores something else, a spare that joins)."""
+        """Drop the staged bytes, and stop a staging still reading (a run that restores something
+        else, a spare that joins, a worker told to stage a newer anchor)."""
+        self._cancelled.set()
         self._staged = None
 
 

@@ -190,6 +190,11 @@ def committed_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def manifest_digest(manifest: Mapping[str, Any]) -> str:
+    """The sha256 a manifest (as `read_manifest` returns it) records of itself: what COMMITTED names."""
+    return _canonical_sha(manifest)
+
+
 def info_of(path: Path, manifest: Mapping[str, Any]) -> CheckpointInfo:
     return CheckpointInfo(step=manifest["step"], path=path, world_size=manifest["world_size"],
                           cursors=tuple(manifest["cursors"]), created_at=manifest["created_at"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +35,9 @@ class TrainerActor:
         self.session = None  # kept only while PARKED (live recovery)
         self.warm = None  # a spare's or pooled worker's prepared state (spare.py) while PREWARMED
         self.staging = None  # a pooled worker's staged parent anchor (checkpoint/staged_anchor.py)
+        # `stage` may come from the pool on the actor's second thread while a run's `train` or
+        # `join` starts on the first: the phase check and the staging's hand-over are one step
+        self._staging_lock = threading.Lock()
         self.lifecycle = RankLifecycle(_who(rank))
         # Ray may hand this actor a worker process it started earlier (its pool): the rank's
         # own start counts from when the driver asked for it, never before.
@@ -82,10 +86,11 @@ class TrainerActor:
         parked here for a `rejoin`."""
         from ettflow.trainer.rank.session import TrainerSession
 
-        self.lifecycle.require("train", RankPhase.IDLE, RankPhase.PREWARMED)
-        self.lifecycle.enter(RankPhase.TRAINING, "train")
+        with self._staging_lock:
+            self.lifecycle.require("train", RankPhase.IDLE, RankPhase.PREWARMED)
+            self.lifecycle.enter(RankPhase.TRAINING, "train")
+            staging, self.staging = self.staging, None
         warm, self.warm = self.warm, None
-        staging, self.staging = self.staging, None
         session = TrainerSession(self.config, self.run_id, self.attempt, self.rank, self.spool_root,
                                  master_addr, master_port, keeper=keeper, warm=warm, restart_point=point,
                                  process_started_at=None if warm is not None else self.started_at,
@@ -123,39 +128,43 @@ class TrainerActor:
         self.lifecycle.require("prewarm", RankPhase.IDLE)
         t0 = time.time()
         if stage is not None:
-            from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
-
-            self.staging = AnchorStaging.start(stage)
+            self.stage(stage)
         self.warm = prewarm(self.config, pick_device(self.config))
         self.lifecycle.enter(RankPhase.PREWARMED, "prewarm")
         done = time.time()
         return replace(self.warm.timings, started_at=self.started_at, ready_at=done, prewarm_s=done - t0)
 
-    def stage(self, request: StageRequest) -> None:
-        """A pooled worker kept for a model's next run stages that run's likely parent instead of
-        what it staged before (a newer run sealed its anchor); returns at once."""
+    def stage(self, request: StageRequest) -> bool:
+        """A pooled worker stages its next run's likely parent (instead of what it staged before:
+        a newer run sealed its anchor); returns at once, False when a run already took it (too
+        late: nothing staged)."""
         from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
 
-        self.lifecycle.require("stage", RankPhase.IDLE, RankPhase.PREWARMED)
-        old, self.staging = self.staging, AnchorStaging.start(request)
+        with self._staging_lock:
+            if self.lifecycle.phase not in (RankPhase.IDLE, RankPhase.PREWARMED):
+                logging.getLogger("ettflow.trainer").info("not staging %s: this worker already trains", request.path)
+                return False
+            old, self.staging = self.staging, AnchorStaging.start(request)
         if old is not None:
             old.discard()
+        return True
 
     def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
              keeper, point: RestorePoint) -> RankResult:
         """A spare takes `rank` in `attempt` (live_recovery.py)."""
         from ettflow.trainer.rank.session import TrainerSession
 
-        self.lifecycle.require("join", RankPhase.PREWARMED)  # a spare prepares first
-        self.lifecycle.enter(RankPhase.TRAINING, "join")
+        with self._staging_lock:
+            self.lifecycle.require("join", RankPhase.PREWARMED)  # a spare prepares first
+            self.lifecycle.enter(RankPhase.TRAINING, "join")
+            staging, self.staging = self.staging, None
+        if staging is not None:  # a live recovery restores the run's point, not a parent
+            staging.discard()
         self.config, self.attempt = config, attempt
         self._become(rank)
         session = TrainerSession(config, self.run_id, attempt, rank, self.spool_root, master_addr, master_port,
                                  keeper=keeper)
         warm, self.warm = self.warm, None
-        if self.staging is not None:  # a live recovery restores the run's point, not a parent
-            self.staging.discard()
-            self.staging = None
         return self._typed(session, lambda: session.join(warm, point))
 
     def _become(self, rank: int) -> None:

@@ -70,7 +70,10 @@ class Checkpointing:
             raise ValueError("a rank restores its run's own checkpoint or warm starts from a parent, not both")
         self.ctx = TierContext(config=config, rank=rank, rec=rec)
         self.resume, self.parent = resume, parent
-        self.staging = staging
+        # only a warm start reads a staged parent: anything else drops it now (its memory, its reading)
+        self.staging = staging if resume is None and parent is not None else None
+        if staging is not None and self.staging is None:
+            staging.discard()
         self.resume_deltas = tuple(resume_deltas) if resume is not None else ()
         self.durable = DurableTier(self.ctx)
         memory = (HostMemoryTier(self.ctx, keeper)
@@ -181,13 +184,8 @@ class Checkpointing:
     # ---- restores -----------------------------------------------------------------------
     def restore(self) -> RestoreReport:
         """The `checkpoint_restore` stage: the run's own latest checkpoint (or chain), or the parent anchor."""
-        staging, self.staging = self.staging, None  # one restore reads it; the memory goes with it
         if self.resume is None:
-            staged, miss = staging.take(self.parent) if staging is not None else (None, None)
-            report = self.durable.warm_start(self.parent, staged=staged)
-            return self._restored(replace(report, staged_miss=miss, staged=False) if miss else report)
-        if staging is not None:
-            staging.discard()  # a restart or retry restores the run's own checkpoint
+            return self._restored(self._warm_start())
         if self.resharded:
             if not self.config.placement.elastic:
                 raise RuntimeError(
@@ -208,8 +206,10 @@ class Checkpointing:
         except NoTierHolds as exc:
             if fallback and self.parent is not None:
                 first = exc.problems[0][1] if len(exc.problems) > 1 else None
-                return self._restored(self.durable.warm_start(self.parent).at(point, memory_problem=first))
+                return self._restored(self._warm_start().at(point, memory_problem=first))
             raise CheckpointError(f"live recovery: {exc}; every rank restarts") from exc
+        finally:
+            self._drop_staging()  # a point in a tier is restored, not the parent
         self.live_point = (report.step, Cursor.from_dict(self.ctx.train_state.cursor))
         if report.source == RestoreSource.MEMORY:
             report = replace(report, chain_resumed=self.resume_chain())
@@ -232,6 +232,19 @@ class Checkpointing:
         assert record is not None and links is not None
         deltas.resumed(links, dict(record.rows))
         return step
+
+    def _warm_start(self) -> RestoreReport:
+        """The parent anchor, from this process's staged copy when it is that anchor (once: the
+        memory goes with it), else from disk; the report says which, and why not."""
+        staging, self.staging = self.staging, None
+        staged, miss = staging.take(self.parent) if staging is not None else (None, None)
+        report = self.durable.warm_start(self.parent, staged=staged)
+        return replace(report, staged_miss=miss, staged=False) if miss else report
+
+    def _drop_staging(self) -> None:
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.discard()
 
     def _restored(self, report: RestoreReport) -> RestoreReport:
         """Keep what this attempt's restore read (the anchor reuses a checkpoint it restored)."""
@@ -295,6 +308,7 @@ class Checkpointing:
         return Path(got.path)
 
     def close(self) -> None:
+        self._drop_staging()
         for tier in self.tiers:
             tier.close()
 

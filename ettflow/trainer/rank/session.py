@@ -414,6 +414,9 @@ class TrainerSession:
     def close(self, *, failed: bool = False) -> None:
         """End the session: `failed` when it ends with an error (NCCL's communicators are then
         aborted before the groups are destroyed: a peer may be gone)."""
+        if self.staging is not None:  # ended before its checkpointing took it
+            self.staging.discard()
+            self.staging = None
         if self.state.is_set("checkpointing"):
             self.state.checkpointing.close()
         if self.state.is_set("batches") and hasattr(self.state.batches, "close"):
