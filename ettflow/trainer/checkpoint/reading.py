@@ -90,13 +90,15 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("per-rank DCP metadata files are not used by ettflow checkpoints")
-        return self._with_load_id(read_dcp_metadata(Path(self.path)))
-
-    def _with_load_id(self, metadata: Metadata) -> Metadata:
+        metadata = self._metadata()
         if getattr(metadata, "storage_meta", None) is None:  # what FileSystemReader does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _metadata(self) -> Metadata:
+        """The checkpoint's `.metadata` (from its folder; a staged anchor's from memory)."""
+        return read_dcp_metadata(Path(self.path))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -35,7 +35,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ettflow.trainer.checkpoint.config import CheckpointError, TornCheckpointError
 from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA
 from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, read_dcp_metadata
-from ettflow.trainer.checkpoint.verify import CheckpointInfo, committed_manifest, info_of, manifest_digest
+from ettflow.trainer.checkpoint.verify import (
+    CheckpointInfo,
+    check_sha,
+    check_size,
+    committed_manifest,
+    info_of,
+    manifest_digest,
+)
 from ettflow.trainer.protocol import StageRequest
 
 log = logging.getLogger("ettflow.trainer")
@@ -86,7 +93,7 @@ def stage_anchor(path: Path, *, max_bytes: int, wait_s: float, clock: Callable[[
     manifest = committed_manifest(path)
     listed = manifest["files"]
     for rel, expect in listed.items():
-        _check_size(path, rel, expect)
+        check_size(path, rel, expect)
     total = sum(int(f["size"]) for f in listed.values())
     if total > max_bytes:
         raise CheckpointError(f"{path} holds {total} bytes, over the staging bound of {max_bytes}")
@@ -99,28 +106,15 @@ def stage_anchor(path: Path, *, max_bytes: int, wait_s: float, clock: Callable[[
                         read_s=time.perf_counter() - t0)
 
 
-def _check_size(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
-    try:
-        size, want = (path / rel).stat().st_size, int(expect["size"])
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise TornCheckpointError(path, f"storage file {rel} cannot be checked ({exc})", file=rel) from exc
-    if size != want:
-        raise TornCheckpointError(path, f"storage file {rel} has {size} bytes, the manifest recorded {want}",
-                                  file=rel)
-
-
 def _read_checked(path: Path, rel: str, expect: Mapping[str, Any]) -> bytes:
+    """The file's bytes, read once and checked against the manifest (as `verify` hashes it on disk)."""
     import hashlib
 
     try:
         data = (path / rel).read_bytes()
     except OSError as exc:
         raise TornCheckpointError(path, f"storage file {rel} is unreadable ({exc})", file=rel) from exc
-    if len(data) != expect["size"]:  # changed since its size was checked
-        raise TornCheckpointError(path, f"storage file {rel} has {len(data)} bytes, the manifest recorded "
-                                        f"{expect['size']}", file=rel)
-    if hashlib.sha256(data).hexdigest() != expect["sha256"]:
-        raise TornCheckpointError(path, f"{rel} sha256 mismatch (its bytes changed after the commit)", file=rel)
+    check_sha(path, rel, expect, hashlib.sha256(data).hexdigest())
     return data
 
 
@@ -211,7 +205,5 @@ class StagedReader(SafeFileSystemReader):
         self.fs = _MemoryFiles(staged)
         self.staged = staged
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointError("per-rank DCP metadata files are not used by ettflow checkpoints")
-        return self._with_load_id(read_dcp_metadata(self.staged.path, self.staged.files[DCP_METADATA]))
+    def _metadata(self) -> Metadata:
+        return read_dcp_metadata(self.staged.path, self.staged.files[DCP_METADATA])

@@ -122,7 +122,8 @@ def seal(path: Path, *, step: int, world_size: int, cursors: Sequence[Mapping[st
     return sum(f["size"] for f in files.values())
 
 
-def _check_size(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
+def check_size(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
+    """The file `rel` of `path` is there, with the size its manifest entry `expect` records."""
     f = path / rel
     if not f.is_file():
         raise TornCheckpointError(path, f"storage file {rel} is missing", file=rel)
@@ -134,7 +135,12 @@ def _check_size(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
 
 
 def _check_sha(path: Path, rel: str, expect: Mapping[str, Any]) -> None:
-    if sha256_file(path / rel) != expect["sha256"]:
+    check_sha(path, rel, expect, sha256_file(path / rel))
+
+
+def check_sha(path: Path, rel: str, expect: Mapping[str, Any], digest: str) -> None:
+    """`digest` (of the file `rel` of `path`, or of its bytes already read) is the one its manifest records."""
+    if digest != expect["sha256"]:
         raise TornCheckpointError(path, f"{rel} sha256 mismatch (its bytes changed after the commit)", file=rel)
 
 
@@ -171,7 +177,7 @@ def verify(path: Path | str) -> CheckpointInfo:
     manifest = committed_manifest(path)
     files = manifest["files"]
     for rel in sorted(files):  # sizes first: a missing or cut file is found without hashing
-        _check_size(path, rel, files[rel])
+        check_size(path, rel, files[rel])
     for rel in sorted(files):
         _check_sha(path, rel, files[rel])
     return info_of(path, manifest)

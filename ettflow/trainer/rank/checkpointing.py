@@ -239,7 +239,7 @@ class Checkpointing:
         staging, self.staging = self.staging, None
         staged, miss = staging.take(self.parent) if staging is not None else (None, None)
         report = self.durable.warm_start(self.parent, staged=staged)
-        return replace(report, staged_miss=miss, staged=False) if miss else report
+        return report if staging is None else replace(report, staged=staged is not None, staged_miss=miss)
 
     def _drop_staging(self) -> None:
         staging, self.staging = self.staging, None

@@ -263,7 +263,7 @@ class DurableTier:
         log.info("warm start from %s (step %d of %d ranks)", got.path, got.step, got.world_size)
         return RestoreReport(source=RestoreSource.PARENT, path=str(got.path), parent_step=got.step,
                              parent_world_size=got.world_size, world_size=self.ctx.config.world_size,
-                             fingerprint=fingerprint, staged=True if staged is not None else None)
+                             fingerprint=fingerprint)
 
     def _load_chain(self, base: CheckpointInfo | Path | str, deltas: tuple[DeltaInfo, ...]
                     ) -> tuple[RestoreResult, ChainRead | None]:
