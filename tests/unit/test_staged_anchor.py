@@ -175,9 +175,11 @@ def test_the_restore_event_says_whether_the_parent_was_read_from_memory_and_why_
 
 
 def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor(tmp_path, monkeypatch):
-    """Each worker a release prewarms (now, or just in time for a scheduled run) is asked to
-    stage the releasing run's anchor, bounded by the policy; workers kept from an earlier
-    release stage the newer one instead; a policy of 0 bytes stages nothing (a fake start: no Ray)."""
+    """The workers a release prewarms for the next run's ranks (now, or just in time for a
+    scheduled run) are asked to stage the releasing run's anchor, bounded by the policy; workers
+    kept from an earlier release stage the newer one instead; the run's spares stage nothing, and
+    a take gives the staged ones to ranks, an unstaged one to a spare; a policy of 0 bytes stages
+    nothing (a fake start: no Ray)."""
     import time
     from types import SimpleNamespace
 
@@ -192,8 +194,10 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     asked: list[tuple[str, object]] = []
     monkeypatch.setattr(pool_service, "stop", lambda worker: None)  # fake actors (ray.kill would start a Ray)
 
+    started = iter(range(100))
+
     def start(config, run_id, spool_root, *, actor_cls):
-        n = len(asked)
+        n = next(started)
         actor = SimpleNamespace(prewarm=SimpleNamespace(remote=lambda *a: asked.append((f"prewarm {n}", a))),
                                 stage=SimpleNamespace(remote=lambda r: asked.append((f"stage {n}", r))))
         worker = PooledWorker(actor, None, time.time(), warm_key(config), model_name(config))
@@ -224,7 +228,17 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     newer = StageRequest(path="/c/step_0000000020", max_bytes=1000)
     assert [r for _, r in asked] == [newer, newer] and [e.staging for e in pool.entries] == [newer.path] * 2
 
+    asked.clear()  # the next run's spare too (2 ranks + 1): it joins a live recovery, so it stages nothing
+    assert pool.fill(cfg, 3, str(tmp_path), None, anchor="/c/step_0000000020", **pays) == 1
+    assert asked == [("prewarm 2", ())] and [e.staging for e in pool.entries] == [newer.path] * 2 + [None]
+    # the ranks take the staged workers, a lost rank's spare the other
+    spare = pool.entries[2]
+    assert pool.take(cfg, [None], spare=True) == [spare]
+    pool.entries.append(spare)
+    assert {w.staging for w in pool.take(cfg, [None, None])} == {newer.path}
+
     pool.stop()
+    started = iter(range(100))
     asked.clear()  # a run far ahead: its planned prewarm stages the anchor of the release that planned it
     pool = pool_of(PoolPolicy(reap_every_s=3600.0, stage_max_bytes=1000))
     pool.starts[("dlrm", False)] = [600.0]
@@ -233,6 +247,7 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     assert asked == [("prewarm 0", (StageRequest(path="/c/step_0000000030", max_bytes=1000),))]
 
     pool.stop()
+    started = iter(range(100))
     asked.clear()
     pool = pool_of(PoolPolicy(reap_every_s=3600.0, stage_max_bytes=0))
     assert pool.fill(cfg, 1, str(tmp_path), None, anchor="/c/step_0000000040", **pays) == 1

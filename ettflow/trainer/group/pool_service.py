@@ -74,7 +74,9 @@ from ettflow.trainer.group.pooled_worker import (
     PooledWorker,
     begin_prewarm,
     model_name,
+    prewarm_for_ranks,
     probe,
+    ranks_first,
     restage,
     stage_request,
     start_worker,
@@ -362,13 +364,13 @@ class PoolService:
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
             kept = [e for e in self.entries if e.key == key and e.rule != SHARED]
-            restage(kept, stage)
+            staged = restage(kept, stage, config.world_size)
             have = len(kept)
             started = max(min(count, self.policy.max_workers) - have, 0)
             hold = self.holds.get(model)
-            for _ in range(started):
-                worker = self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
-                begin_prewarm(worker, stage)
+            new = [self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls) for _ in range(started)]
+            prewarm_for_ranks(new, stage, config.world_size, staged)
+            for worker in new:
                 worker.rule = str(hold.rule) if hold is not None else ""
                 self.entries.append(worker)
             if config.switches.memory_checkpoint and not self.keepers:
@@ -406,8 +408,9 @@ class PoolService:
             released = self.released_at.pop(model, None)
             if released is not None:  # the gap from the model's last release to this run: its arrivals
                 _add_newest(self.gaps, model, max(now - released, 0.0))
+            prefer = ranks_first(spare)
             ready = sorted((e for e in self._ready() if e.key == key and (spare or e.rule != SHARED)),
-                           key=lambda e: e.rule == SHARED)
+                           key=lambda e: (e.rule == SHARED, prefer(e)))
             if spare:
                 ready += [e for e in self.entries if e.key == key and e.rule == SHARED and e.timings is None]
             taken = take_for_nodes(ready, nodes)

@@ -104,15 +104,34 @@ def begin_prewarm(worker: PooledWorker, stage: StageRequest | None = None) -> No
     worker.staging = stage.path if stage is not None else None
 
 
-def restage(kept: list[PooledWorker], stage: StageRequest | None) -> None:
+def restage(kept: list[PooledWorker], stage: StageRequest | None, ranks: int) -> int:
     """Workers kept from an earlier release (or a run's spare given back) stage `stage`'s anchor
-    instead of what they staged before: the newest release's is the next run's likely parent."""
+    instead of what they staged before: the newest release's is the next run's likely parent.
+    At most `ranks` of them (the next run's ranks restore its parent; its spares join a live
+    recovery and read none), those already staging first. Returns how many stage it."""
     if stage is None:
-        return
-    for worker in kept:
+        return 0
+    chosen = sorted(kept, key=lambda w: w.staging is None)[:ranks]
+    for worker in chosen:
         if worker.staging != stage.path:
             worker.actor.stage.remote(stage)
             worker.staging = stage.path
+    return len(chosen)
+
+
+def prewarm_for_ranks(workers: list[PooledWorker], stage: StageRequest | None, ranks: int, staged: int) -> None:
+    """Ask new `workers` to prewarm, the first of them staging `stage` until `ranks` workers of
+    the pool stage it (`staged` already do): a next run's spares stage nothing."""
+    for worker in workers:
+        begin_prewarm(worker, stage if staged < ranks else None)
+        staged += worker.staging is not None
+
+
+def ranks_first(spare: bool):
+    """The order a take prefers its ready workers in: a starting rank takes a worker that
+    stages its likely parent (its warm start reads that copy), a lost rank's spare one that
+    does not (it joins from its peers' memory), so each staged copy goes where it is read."""
+    return lambda worker: (worker.staging is None) != spare
 
 
 def stage_request(anchor: str | None, max_bytes: int) -> StageRequest | None:

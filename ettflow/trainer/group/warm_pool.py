@@ -49,9 +49,10 @@ from ettflow.trainer.group.pooled_worker import (
     POOL_RUN_ID,
     STAGE_MAX_BYTES,
     PooledWorker,
-    begin_prewarm,
     model_name,
+    prewarm_for_ranks,
     probe,
+    ranks_first,
     record_start,
     restage,
     stage_request,
@@ -60,7 +61,7 @@ from ettflow.trainer.group.pooled_worker import (
     take_for_nodes,
     warm_key,
 )
-from ettflow.trainer.protocol import PrewarmTimings, StageRequest, StartSample
+from ettflow.trainer.protocol import PrewarmTimings, StartSample
 
 if TYPE_CHECKING:
     from ettflow.ett.spare_sizing import SpareDecision, SpareShare
@@ -106,14 +107,6 @@ class WarmPool:
         self.keeping = on
 
     # ---- filling -------------------------------------------------------------------------
-    def start(self, config: TrainerConfig, spool_root: Path | str, actor_cls: type,
-              stage: StageRequest | None = None) -> PooledWorker:
-        """A new worker for `config`, prewarming in the background (not in the pool yet);
-        `stage`: the anchor it stages in memory meanwhile (`begin_prewarm`)."""
-        worker = start_worker(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls)
-        begin_prewarm(worker, stage)
-        return worker
-
     def give(self, worker: PooledWorker) -> None:
         """Keep `worker` (a spare its run did not need) for the next run, when the pool is kept
         here (a worker this process owns dies with it: the cluster's pool starts its own)."""
@@ -141,8 +134,10 @@ class WarmPool:
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
         stage = stage_request(anchor, STAGE_MAX_BYTES)
-        restage(self.workers, stage)
-        self.workers += [self.start(config, spool_root, actor_cls, stage) for _ in range(started)]
+        staged = restage(self.workers, stage, config.world_size)
+        new = [start_worker(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls) for _ in range(started)]
+        prewarm_for_ranks(new, stage, config.world_size, staged)
+        self.workers += new
         if config.switches.memory_checkpoint and self.keeper is None:
             from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper
 
@@ -175,7 +170,7 @@ class WarmPool:
             return [None] * len(nodes)
         key = warm_key(config)
         self._drop(lambda w: w.key != key)
-        taken = take_for_nodes(self._ready(), nodes)
+        taken = take_for_nodes(sorted(self._ready(), key=ranks_first(spare)), nodes)
         for worker in filter(None, taken):
             self.workers.remove(worker)
         return [None if w is None else (w, w.timings) for w in taken]
