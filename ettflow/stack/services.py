@@ -205,6 +205,9 @@ def prefect_server(cfg: StackConfig, record: StackRecord | None, stack_id: str) 
     return Service.of_process("prefect-server", cfg.api_url, proc, log=str(log))
 
 
+NO_DRAIN = ("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")  # a head's SIGTERM stops it at once (`ray_head`)
+
+
 def ray_head(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Service:
     """The Ray head flow runs join (`RAY_ADDRESS` in the worker's environment); none when the
     caller names a cluster of its own."""
@@ -229,7 +232,13 @@ def ray_head(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Ser
     argv = [RAY, "start", "--head", "--block", "--node-ip-address", cfg.host, "--port", str(cfg.ray_port),
             "--ray-client-server-port", str(cfg.ray_client_port), "--num-cpus", str(cfg.cpus),
             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(temp)]
-    proc, log = start_process(cfg, "ray-head", argv, service_env(cfg, stack_id))
+    env = service_env(cfg, stack_id)
+    # `down` cancels the runs and stops the pool before it stops the head: Ray 2.60's drain on
+    # SIGTERM (for Serve replicas behind a proxy) would then wait its whole default 30 s for a
+    # raylet that does not exit on its own (an idle head: 35 s from SIGTERM to exit, 4.7 s with
+    # the drain off), and `down` would SIGKILL it after `stop_s`. A value of the user's is kept.
+    env.setdefault(NO_DRAIN[0], NO_DRAIN[1])
+    proc, log = start_process(cfg, "ray-head", argv, env)
 
     def started() -> bool:
         return answers(cfg.host, cfg.ray_port) and "Ray runtime started" in log.read_text(errors="replace")

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ettflow.stack.services import NO_DRAIN
+
 from helpers.prefect_cli import REPO
 
 
@@ -58,6 +60,7 @@ def ray_head(cpus: int = 4, timeout_s: float = 120.0) -> Iterator[dict[str, str]
     join = {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    env.setdefault(*NO_DRAIN)  # as `ettflow up` starts it: its stop is not a 30 s drain
     with open(log_path, "wb") as log:
         head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                                  "--node-ip-address", "127.0.0.1", "--port", str(port), "--ray-client-server-port",
