@@ -37,8 +37,11 @@ PLANTED = "planted"  # the file names of the corrupt archive's entries (inductor
 
 
 def run_python(code: str) -> dict:
+    # without the suite's OMP_NUM_THREADS (scripts/test.sh): a child's thread count is what the
+    # code under test pins, not what it inherited
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr}"
     return json.loads(lines[-1][len("RESULT "):])

@@ -199,7 +199,8 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     def start(config, run_id, spool_root, *, actor_cls):
         n = next(started)
         actor = SimpleNamespace(prewarm=SimpleNamespace(remote=lambda *a: asked.append((f"prewarm {n}", a))),
-                                stage=SimpleNamespace(remote=lambda r: asked.append((f"stage {n}", r))))
+                                stage=SimpleNamespace(remote=lambda r: asked.append((f"stage {n}", r))),
+                                unstage=SimpleNamespace(remote=lambda: asked.append((f"unstage {n}", None))))
         worker = PooledWorker(actor, None, time.time(), warm_key(config), model_name(config))
         worker.timings = PrewarmTimings(build_s=0, compile_s=0, cache_hit=True, footers_s=0, ready_at=time.time())
         return worker
@@ -231,11 +232,28 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     asked.clear()  # the next run's spare too (2 ranks + 1): it joins a live recovery, so it stages nothing
     assert pool.fill(cfg, 3, str(tmp_path), None, anchor="/c/step_0000000020", **pays) == 1
     assert asked == [("prewarm 2", ())] and [e.staging for e in pool.entries] == [newer.path] * 2 + [None]
-    # the ranks take the staged workers, a lost rank's spare the other
+    # the ranks take the staged workers, a lost rank's spare the other (whatever their order)
     spare = pool.entries[2]
     assert pool.take(cfg, [None], spare=True) == [spare]
-    pool.entries.append(spare)
+    pool.entries.insert(0, spare)
     assert {w.staging for w in pool.take(cfg, [None, None])} == {newer.path}
+    assert pool.entries == [spare]
+
+    # the kept spare (worker 2) stages for a rank now, and one of the 2 new workers (3, 4)
+    asked.clear()
+    pool.fill(cfg, 3, str(tmp_path), None, anchor="/c/step_0000000020", **pays)
+    assert [e.staging for e in pool.entries] == [newer.path, newer.path, None]
+    assert [a for a, _ in asked] == ["stage 2", "prewarm 3", "prewarm 4"] and asked[2][1] == ()
+    # kept workers: one staging an older anchor restages before an unstaged one; those beyond the
+    # ranks drop what they stage, and one already staging this anchor keeps its copy
+    pool.entries[1].staging = "/c/step_0000000010"
+    asked.clear()
+    pool.fill(cfg, 3, str(tmp_path), None, anchor="/c/step_0000000020", **pays)
+    assert asked == [("stage 3", newer)] and pool.entries[2].staging is None
+    pool.entries[2].staging = "/c/step_0000000010"
+    asked.clear()
+    pool.fill(cfg, 3, str(tmp_path), None, anchor="/c/step_0000000020", **pays)
+    assert asked == [("unstage 4", None)] and [e.staging for e in pool.entries] == [newer.path, newer.path, None]
 
     pool.stop()
     started = iter(range(100))

@@ -79,6 +79,7 @@ from ettflow.trainer.group.pooled_worker import (
     ranks_first,
     restage,
     stage_request,
+    staged_workers,
     start_worker,
     stop,
     take_for_nodes,
@@ -330,7 +331,7 @@ class PoolService:
         `actor_cls`: the rank's actor class the workers are (the caller's: the pool, on the
         driver's side, never imports the rank's). `start`: the releasing run's measured start
         (its ranks cold or pooled), added to the model's before deciding. `anchor`: the releasing
-        run's anchor, which the workers stage in memory for the next run's warm start (up to
+        run's anchor, which the workers for the next run's ranks stage in memory for its warm start (up to
         the policy's `stage_max_bytes`)."""
         now = time.time() if now is None else now
         model = model_name(config)
@@ -364,12 +365,13 @@ class PoolService:
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
             kept = [e for e in self.entries if e.key == key and e.rule != SHARED]
-            staged = restage(kept, stage, config.world_size)
+            ranks = staged_workers(config)
+            staged = restage(kept, stage, ranks)
             have = len(kept)
             started = max(min(count, self.policy.max_workers) - have, 0)
             hold = self.holds.get(model)
             new = [self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls) for _ in range(started)]
-            prewarm_for_ranks(new, stage, config.world_size, staged)
+            prewarm_for_ranks(new, stage, ranks, staged)
             for worker in new:
                 worker.rule = str(hold.rule) if hold is not None else ""
                 self.entries.append(worker)

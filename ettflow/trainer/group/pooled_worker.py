@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,15 +109,28 @@ def restage(kept: list[PooledWorker], stage: StageRequest | None, ranks: int) ->
     """Workers kept from an earlier release (or a run's spare given back) stage `stage`'s anchor
     instead of what they staged before: the newest release's is the next run's likely parent.
     At most `ranks` of them (the next run's ranks restore its parent; its spares join a live
-    recovery and read none), those already staging first. Returns how many stage it."""
+    recovery and read none), those already staging it first, then those staging an older one;
+    the others drop what they stage. Returns how many stage it."""
     if stage is None:
         return 0
-    chosen = sorted(kept, key=lambda w: w.staging is None)[:ranks]
-    for worker in chosen:
+    order = sorted(kept, key=lambda w: (w.staging != stage.path, w.staging is None))
+    for worker in order[:ranks]:
         if worker.staging != stage.path:
             worker.actor.stage.remote(stage)
             worker.staging = stage.path
-    return len(chosen)
+    for worker in order[ranks:]:
+        if worker.staging is not None:
+            worker.actor.unstage.remote()
+            worker.staging = None
+    return min(len(order), ranks)
+
+
+def staged_workers(config: TrainerConfig) -> int:
+    """How many of a next run's prewarmed workers stage its parent: as many as it has ranks on a
+    cluster of one node; on several, every worker (where a worker runs is known only once it
+    does, and a rank takes a worker on its own node)."""
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive")) if ray.is_initialized() else 1
+    return config.world_size if nodes <= 1 else 1 << 30
 
 
 def prewarm_for_ranks(workers: list[PooledWorker], stage: StageRequest | None, ranks: int, staged: int) -> None:
@@ -127,7 +141,7 @@ def prewarm_for_ranks(workers: list[PooledWorker], stage: StageRequest | None, r
         staged += worker.staging is not None
 
 
-def ranks_first(spare: bool):
+def ranks_first(spare: bool) -> Callable[[PooledWorker], bool]:
     """The order a take prefers its ready workers in: a starting rank takes a worker that
     stages its likely parent (its warm start reads that copy), a lost rank's spare one that
     does not (it joins from its peers' memory), so each staged copy goes where it is read."""

@@ -56,6 +56,7 @@ from ettflow.trainer.group.pooled_worker import (
     record_start,
     restage,
     stage_request,
+    staged_workers,
     start_worker,
     stop,
     take_for_nodes,
@@ -123,7 +124,7 @@ class WarmPool:
         (Prefect's schedule): the cluster's pool prewarms ahead of it rather than holding
         workers till then. `start`: the releasing run's measured start, which the cluster's
         pool weighs against what a prewarm holds (`hold_rule.py`). `anchor`: the releasing run's,
-        staged in memory by the new workers for the next run's warm start (`staged_anchor.py`)."""
+        staged in memory by the workers for the next run's ranks, for its warm start (`staged_anchor.py`)."""
         if not self.keeping or not config.switches.warm_pool or not ray.is_initialized():
             return 0
         if self.service is not None:  # the cluster's pool starts them (the call returns at once)
@@ -134,9 +135,10 @@ class WarmPool:
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
         stage = stage_request(anchor, STAGE_MAX_BYTES)
-        staged = restage(self.workers, stage, config.world_size)
+        ranks = staged_workers(config)
+        staged = restage(self.workers, stage, ranks)
         new = [start_worker(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls) for _ in range(started)]
-        prewarm_for_ranks(new, stage, config.world_size, staged)
+        prewarm_for_ranks(new, stage, ranks, staged)
         self.workers += new
         if config.switches.memory_checkpoint and self.keeper is None:
             from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper

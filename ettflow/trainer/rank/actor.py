@@ -149,6 +149,13 @@ class TrainerActor:
             old.discard()
         return True
 
+    def unstage(self) -> None:
+        """Drop what this pooled worker stages (the pool keeps it for a spare's place: nothing read)."""
+        with self._staging_lock:
+            old, self.staging = self.staging, None
+        if old is not None:
+            old.discard()
+
     def join(self, config: TrainerConfig, attempt: int, rank: int, master_addr: str, master_port: int,
              keeper, point: RestorePoint) -> RankResult:
         """A spare takes `rank` in `attempt` (live_recovery.py)."""
