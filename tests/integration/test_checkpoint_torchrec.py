@@ -322,6 +322,7 @@ def faults(root: Path, ckpt_pg, output_dtensor: bool, state, sync_mgr, at3: dict
 
     # a full disk on rank 1 during an async save: a storage error with the path on every rank
     async_mgr = CheckpointManager(CheckpointConfig(root=root, mode="async", keep_last=2), process_group=ckpt_pg)
+    dist.barrier()  # every rank's manager started before a save (see `scenario`)
     plain_writer = manager_mod.FileSystemWriter
     manager_mod.FileSystemWriter = full_disk_writer(failing_rank=1)
     try:
@@ -359,6 +360,10 @@ def scenario(root: Path, ckpt_pg, output_dtensor: bool, rec: Record) -> None:
     train(state, range(3))
     at3 = full_state(state)
     async_mgr = CheckpointManager(CheckpointConfig(root=root, mode="async", keep_last=2), process_group=ckpt_pg)
+    # a manager's start (rank 0) removes the .tmp folders under its root: every rank has started
+    # its manager before any saves (in a run, the training steps' collectives order them; here
+    # rank 1's save of step 6 was once removed as rank 0's new manager started: FileExistsError)
+    dist.barrier()
     plain_writer = manager_mod.FileSystemWriter
     manager_mod.FileSystemWriter = writer = gated_writer()
     saved = async_mgr.save(3, state)
@@ -375,6 +380,7 @@ def scenario(root: Path, ckpt_pg, output_dtensor: bool, rec: Record) -> None:
     async_mgr.close()
     at6 = full_state(state)
     sync_mgr = CheckpointManager(CheckpointConfig(root=root, mode="sync", keep_last=2), process_group=ckpt_pg)
+    dist.barrier()  # as above
     rec["sync6_committed"] = sync_mgr.save(6, state).commit_result().committed
     draws6 = draws()
     train(state, range(6, 9))

@@ -99,7 +99,10 @@ class CheckpointManager:
     next `wait`/`save` call after it failed (async mode); CheckpointStorageError (also an
     OSError, with errno and path) when the storage failed.
     Starting a manager removes the `.tmp`/`.trash` folders a crash left under the root (rank
-    0, before any save of this job; committed checkpoints are never touched).
+    0, before any save of this job; committed checkpoints are never touched): so no rank may
+    save before rank 0's manager has started (a collective between them, as a run's restore
+    and training steps are; not a barrier here, which every caller, a live recovery's rebind
+    included, would have to reach in the same order as its other collectives).
     """
 
     def __init__(
