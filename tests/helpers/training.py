@@ -120,6 +120,7 @@ def train_and_anchor(rank: int, run: AnchorRun,
     sharded = build_sharded(run.model, run.schema)
     step, cursor = train(rank, run, sharded)
     manager = CheckpointManager(CheckpointConfig(root=str(run.checkpoints), mode="sync"), process_group=ckpt_pg)
+    dist.barrier()  # rank 0's manager cleans the root's .tmp folders as it starts: before any rank saves
     sharded.state.step, sharded.state.cursor = step, cursor.to_dict()
     manager.save(step, sharded.state)
     manager.close()
