@@ -237,7 +237,7 @@ def ray_head(cfg: StackConfig, record: StackRecord | None, stack_id: str) -> Ser
     # SIGTERM (for Serve replicas behind a proxy) would then wait its whole default 30 s for a
     # raylet that does not exit on its own (an idle head: 35 s from SIGTERM to exit, 4.7 s with
     # the drain off), and `down` would SIGKILL it after `stop_s`. A value of the user's is kept.
-    env.setdefault(NO_DRAIN[0], NO_DRAIN[1])
+    env.setdefault(*NO_DRAIN)
     proc, log = start_process(cfg, "ray-head", argv, env)
 
     def started() -> bool:

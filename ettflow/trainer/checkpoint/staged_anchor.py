@@ -1,16 +1,16 @@
 """A parent anchor staged in host memory ahead of the run that warm starts from it.
 
-A worker the pool prewarms for one of a model's next run's ranks (`pooled_worker.restage`,
-`prewarm_for_ranks`; its spares stage nothing) is told the anchor that run will most likely warm
-start from: the releasing run's (`StageRequest`). Its `AnchorStaging` thread waits for that
-anchor's seal (with release-before-seal the driver seals it after the devices are released,
-while the pool already prewarms), reads every file the manifest lists into memory and checks
-each one's size and sha256 against it: the check `verify.verify` makes on disk, so what a rank
-restores from memory was checksummed. When the worker becomes a rank of a run whose
-`warm_start_from` is that folder, and the folder's COMMITTED still names the manifest staged,
-the restore reads DCP from memory (`StagedReader`): a warm run's init is the hand-off, not the
-read and its checksum pass. Anything else (another parent, a folder sealed again since, a
-staging that failed, timed out or was over its bound) reads the disk as before, and the
+A worker the pool prewarms for one of a model's next run's ranks
+(`pooled_worker.prewarm_for_next_run`; its spares stage nothing) is told the anchor that run
+will most likely warm start from: the releasing run's (`StageRequest`). Its `AnchorStaging`
+thread waits for that anchor's seal (with release-before-seal the driver seals it after the
+devices are released, while the pool already prewarms), reads every file the manifest lists into
+memory and checks each one's size and sha256 against it: the check `verify.verify` makes on
+disk, so what a rank restores from memory was checksummed. When the worker becomes a rank of a
+run whose `warm_start_from` is that folder, and the folder's COMMITTED still names the manifest
+staged, the restore reads DCP from memory (`StagedReader`): a warm run's init is the hand-off,
+not the read and its checksum pass. Anything else (another parent, a folder sealed again since,
+a staging that failed, timed out or was over its bound) reads the disk as before, and the
 restore's `staged_miss` says why.
 
 A staged worker holds the whole anchor (every rank's files: it does not know its rank until a

@@ -74,12 +74,10 @@ from ettflow.trainer.group.pooled_worker import (
     PooledWorker,
     begin_prewarm,
     model_name,
-    prewarm_for_ranks,
+    prewarm_for_next_run,
     probe,
     ranks_first,
-    restage,
     stage_request,
-    staged_workers,
     start_worker,
     stop,
     take_for_nodes,
@@ -365,13 +363,11 @@ class PoolService:
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
             kept = [e for e in self.entries if e.key == key and e.rule != SHARED]
-            ranks = staged_workers(config)
-            staged = restage(kept, stage, ranks)
             have = len(kept)
             started = max(min(count, self.policy.max_workers) - have, 0)
             hold = self.holds.get(model)
             new = [self._start(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls) for _ in range(started)]
-            prewarm_for_ranks(new, stage, ranks, staged)
+            prewarm_for_next_run(kept, new, stage, config)
             for worker in new:
                 worker.rule = str(hold.rule) if hold is not None else ""
                 self.entries.append(worker)

@@ -125,18 +125,17 @@ def restage(kept: list[PooledWorker], stage: StageRequest | None, ranks: int) ->
     return min(len(order), ranks)
 
 
-def staged_workers(config: TrainerConfig) -> int:
-    """How many of a next run's prewarmed workers stage its parent: as many as it has ranks on a
-    cluster of one node; on several, every worker (where a worker runs is known only once it
-    does, and a rank takes a worker on its own node)."""
+def prewarm_for_next_run(kept: list[PooledWorker], new: list[PooledWorker], stage: StageRequest | None,
+                         config: TrainerConfig) -> None:
+    """Ask the `new` workers for `config`'s next run to prewarm, and `stage`'s anchor staged by as
+    many of the pool's workers (`kept` ones first: `restage`) as the run has ranks: its spares
+    join a live recovery from their peers' memory and read no parent. On a cluster of several
+    nodes every worker stages it (where a worker runs is known only once it does, and a rank
+    takes a worker on its own node)."""
     nodes = sum(1 for n in ray.nodes() if n.get("Alive")) if ray.is_initialized() else 1
-    return config.world_size if nodes <= 1 else 1 << 30
-
-
-def prewarm_for_ranks(workers: list[PooledWorker], stage: StageRequest | None, ranks: int, staged: int) -> None:
-    """Ask new `workers` to prewarm, the first of them staging `stage` until `ranks` workers of
-    the pool stage it (`staged` already do): a next run's spares stage nothing."""
-    for worker in workers:
+    ranks = config.world_size if nodes <= 1 else len(kept) + len(new)
+    staged = restage(kept, stage, ranks)
+    for worker in new:
         begin_prewarm(worker, stage if staged < ranks else None)
         staged += worker.staging is not None
 

@@ -50,13 +50,11 @@ from ettflow.trainer.group.pooled_worker import (
     STAGE_MAX_BYTES,
     PooledWorker,
     model_name,
-    prewarm_for_ranks,
+    prewarm_for_next_run,
     probe,
     ranks_first,
     record_start,
-    restage,
     stage_request,
-    staged_workers,
     start_worker,
     stop,
     take_for_nodes,
@@ -135,10 +133,8 @@ class WarmPool:
         self._drop(lambda w: w.key != key)
         started = max(count - len(self.workers), 0)
         stage = stage_request(anchor, STAGE_MAX_BYTES)
-        ranks = staged_workers(config)
-        staged = restage(self.workers, stage, ranks)
         new = [start_worker(config, POOL_RUN_ID, spool_root, actor_cls=actor_cls) for _ in range(started)]
-        prewarm_for_ranks(new, stage, ranks, staged)
+        prewarm_for_next_run(self.workers, new, stage, config)
         self.workers += new
         if config.switches.memory_checkpoint and self.keeper is None:
             from ettflow.trainer.checkpoint.state_keeper import NamedKeeper, pooled_keeper_name, start_keeper
