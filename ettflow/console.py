@@ -9,7 +9,10 @@ third-party noise is dropped at its source, by name, from one table (`KNOWN_NOIS
   matches; the logger's other records pass;
 - a line a Ray worker or the raylet forwards to the driver is dropped by the driver through
   Ray's own `RAY_DEDUP_LOGS_SKIP_REGEX` (every pattern of the table), which Ray reads when it
-  is imported: call `quiet_third_party` before anything imports `ray`.
+  is imported: call `quiet_third_party` before anything imports `ray`;
+- ettflow's own lines from its rank and spare processes (`RANK_LINE_FORMAT`) are never folded
+  by Ray's deduplication (`RAY_DEDUP_LOGS_ALLOW_REGEX`): folded, two ranks' lines that differ
+  only in numbers became one line carrying Ray's note on how to turn deduplication off.
 
 The CLI calls it first thing; each Ray trainer actor calls it in its constructor, with the
 verbosity the CLI left in `ETTFLOW_VERBOSE` (Ray's processes inherit the environment of the
@@ -37,6 +40,11 @@ from dataclasses import dataclass
 
 VERBOSE_ENV = "ETTFLOW_VERBOSE"  # "1": show everything (set by the CLI, read by trainer processes)
 RAY_SKIP_ENV = "RAY_DEDUP_LOGS_SKIP_REGEX"
+RAY_ALLOW_ENV = "RAY_DEDUP_LOGS_ALLOW_REGEX"
+# how a rank's or a spare's process formats its log lines (`trainer/rank/actor.py`), and the
+# expression that recognises them among the lines Ray forwards to the driver
+RANK_LINE_FORMAT = "[{who}] %(message)s"
+RANK_LINE = r"^\[(?:rank \d+|spare)\] "
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +160,12 @@ def ray_skip_regex(noise: tuple[Noise, ...] = KNOWN_NOISE) -> str:
     return "|".join(f"(?:{n.message.lstrip('^')})" for n in noise)
 
 
+def ray_allow_regex(noise: tuple[Noise, ...] = KNOWN_NOISE) -> str:
+    """What Ray never folds: a rank's or a spare's own line (`RANK_LINE`) that is not noise (Ray
+    lets an allowed line through before it looks at the skip regex)."""
+    return f"{RANK_LINE}(?!.*(?:{ray_skip_regex(noise)}))"
+
+
 def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> None:
     """Install `noise` (default: `KNOWN_NOISE`) in this process, unless `verbose`; record the
     choice in `ETTFLOW_VERBOSE` for the processes this one starts. Safe to call again."""
@@ -160,6 +174,7 @@ def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> 
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         return
     os.environ.setdefault(RAY_SKIP_ENV, ray_skip_regex(noise))
+    os.environ.setdefault(RAY_ALLOW_ENV, ray_allow_regex(noise))
     by_logger: dict[str, list[str]] = {}
     for n in noise:
         if n.category is not None:

@@ -83,6 +83,22 @@ class Pause:
         return Pause(start=last_wall, end=wall)
 
 
+@dataclass
+class PauseNotices:
+    """Which of a process's pauses the console hears of: the first, then only one at least twice
+    as long as the longest it heard of (a starved host pauses a rank again and again; one line
+    says so). Every pause is recorded in the run's timeline whatever this says."""
+
+    longest_told_s: float = 0.0
+
+    def tell(self, pause: Pause) -> bool:
+        took = pause.end - pause.start
+        if took < 2 * self.longest_told_s:
+            return False
+        self.longest_told_s = took
+        return True
+
+
 def beat_file(root: Path | str, run_id: str, attempt: int, rank: int) -> Path:
     return Path(root) / run_id / f"attempt-{attempt:03d}.rank-{rank}.beat.json"
 

@@ -29,7 +29,8 @@ THIRD_PARTY = re.compile(
 
 def refresh(home: Path, *args: str) -> list[str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "ETTFLOW_VERBOSE", "RAY_DEDUP_LOGS_SKIP_REGEX", "ETTFLOW_WAREHOUSE_URL")}
+           if k not in ("RAY_ADDRESS", "ETTFLOW_VERBOSE", "RAY_DEDUP_LOGS_SKIP_REGEX", "RAY_DEDUP_LOGS_ALLOW_REGEX",
+                        "ETTFLOW_WAREHOUSE_URL")}
     env.update(ETTFLOW_HOME=str(home), RAY_USAGE_STATS_ENABLED="0", PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
     done = subprocess.run([str(ETTFLOW), "refresh", *args], cwd=ROOT, env=env, capture_output=True, text=True,

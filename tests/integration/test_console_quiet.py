@@ -34,7 +34,8 @@ def emit_script(verbose: bool) -> str:
 
 
 def run_python(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("ETTFLOW_VERBOSE", "RAY_DEDUP_LOGS_SKIP_REGEX")}
+    env = {k: v for k, v in os.environ.items() if k not in ("ETTFLOW_VERBOSE", "RAY_DEDUP_LOGS_SKIP_REGEX",
+                                                             "RAY_DEDUP_LOGS_ALLOW_REGEX")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120, check=True)
     return done.stdout + done.stderr
@@ -55,6 +56,6 @@ def test_quiet_drops_exactly_the_known_messages_and_verbose_keeps_them():
 def test_quiet_mode_is_passed_to_child_processes():
     code = ("import os; from ettflow.console import quiet_third_party, verbose_from_env\n"
             "quiet_third_party(verbose={v}); print(verbose_from_env(), os.environ.get('RAY_DEDUP_LOGS_SKIP_REGEX') "
-            "is not None)")
-    assert run_python(code.format(v=False)).split() == ["False", "True"]
-    assert run_python(code.format(v=True)).split() == ["True", "False"]
+            "is not None, os.environ.get('RAY_DEDUP_LOGS_ALLOW_REGEX') is not None)")
+    assert run_python(code.format(v=False)).split() == ["False", "True", "True"]
+    assert run_python(code.format(v=True)).split() == ["True", "False", "False"]

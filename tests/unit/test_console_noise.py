@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ettflow.console import KNOWN_NOISE, Noise, ray_skip_regex
+from ettflow.console import KNOWN_NOISE, RANK_LINE, RANK_LINE_FORMAT, Noise, ray_allow_regex, ray_skip_regex
 
 from helpers.console_samples import sample_for
 
@@ -100,3 +100,31 @@ def test_no_help_page_shows_a_note_written_for_developers():
     seen = dict(pages(build_parser()))
     assert len(seen) > 15 and "ettflow up" in seen and "ettflow publish" in seen
     assert not [prog for prog, text in seen.items() if "register(" in text or "main(argv)" in text]
+
+
+def test_ray_never_folds_the_ranks_own_lines_and_still_drops_their_noise():
+    """Ray's driver folds a line that another process sent (numbers aside) into one line with its
+    note on deduplication: two ranks' starvation warnings became third-party text on the console.
+    Fed through Ray's own deduplicator with the table's expressions, every rank's and spare's line
+    is printed as it came; a noise line still is not; without the allow expression they fold."""
+    from ray._private.ray_logging import LogDeduplicator
+
+    own = [RANK_LINE_FORMAT.format(who=who) % {"message": f"{who}: its process did not run for {s} s"}
+           for who, s in (("rank 0", 1.6), ("rank 1", 1.4), ("spare", 2.5), ("rank 1", 1.7))]
+    noise = "[rank 0] " + sample_for(KNOWN_NOISE[0])
+    clock = [0.0]
+
+    def printed(allow: str | None) -> list[str]:
+        dedup = LogDeduplicator(5, allow, ray_skip_regex(), _timesource=lambda: clock[0])
+        lines = []
+        for pid, line in enumerate([*own, noise]):
+            clock[0] += 0.1
+            for batch in dedup.deduplicate({"ip": "10.0.0.1", "pid": 100 + pid, "lines": [line]}):
+                lines += batch["lines"]
+        clock[0] += 10  # past the aggregation window: what was folded comes out now
+        return lines + [line for batch in dedup.flush() for line in batch["lines"]]
+
+    assert printed(ray_allow_regex()) == own
+    folded = printed(None)
+    assert folded[:1] == own[:1] and len(folded) < len(own), folded  # what the console printed before
+    assert re.fullmatch(RANK_LINE + ".*", own[2])

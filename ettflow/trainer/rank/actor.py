@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ettflow.console import RANK_LINE_FORMAT
 from ettflow.ett.failures import FailureError
 from ettflow.trainer.classify import failure_from_exception
 from ettflow.trainer.config import TrainerConfig
@@ -205,4 +206,4 @@ def _who(rank: int) -> str:
 
 def _log_as(who: str) -> None:
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(f"[{who}] %(message)s"))
+        handler.setFormatter(logging.Formatter(RANK_LINE_FORMAT.format(who=who)))

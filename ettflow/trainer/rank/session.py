@@ -63,7 +63,7 @@ from ettflow.trainer.rank.loop import TrainLoop
 from ettflow.trainer.rank.preemption import PREEMPTION
 from ettflow.trainer.rank.rank_state import RankState
 from ettflow.trainer.rank.spare import WarmSpare
-from ettflow.trainer.rank_heartbeat import Pause, RankHeartbeat, beat_file
+from ettflow.trainer.rank_heartbeat import Pause, PauseNotices, RankHeartbeat, beat_file
 
 if TYPE_CHECKING:
     from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging
@@ -122,6 +122,7 @@ class TrainerSession:
         self.resume: CheckpointInfo | None = None  # the run's own latest checkpoint (the base of its chain)
         self.resume_deltas: tuple = ()  # the deltas on it, in order (`catalog.Chain`)
         self.parent: Path | None = None  # the anchor to warm start from (only when there is no own one)
+        self.pause_notices = PauseNotices()
         self.beat = RankHeartbeat(beat_file(spool_root, run_id, attempt, rank), rank, on_pause=self._record_pause)
         self.parked = False  # kept through a peer's failure, waiting to rejoin (live_recovery.py)
         self.warm = warm
@@ -134,8 +135,12 @@ class TrainerSession:
         """The heartbeat thread's evidence that this process was not running (`ett.timeline`
         owns a step that stalled meanwhile to the host)."""
         self.rec.record(PROCESS_PAUSED, pause.start, pause.end, sync=False)
-        log.warning("rank %d: its process did not run for %.1f s (stopped, or starved of CPU by its host)",
-                    self.rank, pause.end - pause.start)
+        took = pause.end - pause.start
+        if not self.pause_notices.tell(pause):
+            log.debug("rank %d: its process did not run for %.1f s", self.rank, took)
+            return
+        log.warning("rank %d: its process did not run for %.1f s (stopped, or starved of CPU by its host; "
+                    "later pauses under twice this go to the run's timeline only)", self.rank, took)
 
     # ---- stages -------------------------------------------------------------------------
     def device_init(self) -> torch.device:
