@@ -101,7 +101,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
                      "in the ledger as pool_lost")
         print(f"  {h.kind:<7} model {h.model:<10} shape {h.key:<10} {h.state:<10} {since}"
               + (f" on node {h.node[:12]}" if h.node else "") + (f" [{h.rule}]" if h.rule else "")
-              + (f", actor {h.actor}" if h.actor else ""))
+              + (f", actor {h.actor}" if h.actor else "") + (f"; {h.staging}" if h.staging else ""))
     for model, why in sorted({(h.model, h.why) for h in held if h.why}):
         print(f"  rule    model {model:<10} {why}")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from ettflow.ett.checkpoint_tier import CheckpointTier
@@ -201,6 +202,37 @@ class StageRequest:
     wait_s: float = 60.0
 
 
+class StagingState(str, Enum):
+    """Where a pooled worker's staging of an anchor stands."""
+
+    READING = "reading"
+    STAGED = "staged"
+    FAILED = "not staged"
+    TAKEN = "handed to a restore"
+    DISCARDED = "dropped"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingStatus:
+    """A pooled worker's staging of its next run's likely parent, as the worker sees it now
+    (`checkpoint/staged_anchor.py`): `ettflow pool status` says what it holds, not what it was
+    asked to. `nbytes` and `read_s` once staged; `error` why it was not."""
+
+    path: str
+    state: StagingState
+    nbytes: int = 0
+    read_s: float | None = None
+    error: str | None = None
+
+    def describe(self) -> str:
+        if self.state is StagingState.STAGED:
+            return (f"stages {self.path} ({self.nbytes / 2**20:.1f} MiB in memory, read and checked in "
+                    f"{self.read_s:.2f} s)")
+        if self.state is StagingState.FAILED:
+            return f"stages {self.path}: {self.state.value} ({self.error})"
+        return f"stages {self.path}: {self.state.value}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrewarmTimings:
     """A prepared worker's `prewarm` (spare.py): building the dense part, compiling it (with
@@ -261,6 +293,7 @@ class PooledInfo:
     rule: str = ""  # the hold rule it is held under (`group/hold_rule.py`)
     why: str = ""  # the rule's numbers (the model's measured prewarm, the schedule)
     actor: str = ""  # a keeper's Ray name (`state_keeper.pooled_keeper_name`), as the run's warnings give it
+    staging: str = ""  # a worker's staging of its next run's parent, as the worker answered (`StagingStatus`)
 
     @property
     def holds_actor(self) -> bool:

@@ -73,3 +73,35 @@ def test_what_a_dead_run_took_is_stopped_and_recorded_and_a_finished_run_is_forg
     assert pool.reap_orphans(now=t0 + 61) == 0 and _alive(kept)  # nothing of a forgotten run is stopped
     pool.stop()
     ray.kill(kept)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class StagingWorker:
+    """A pooled worker's answers on its staging: one that stages, one that stages nothing, one
+    whose process is gone, one too busy to answer in time."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+
+    def staging_status(self):
+        from ettflow.trainer.protocol import StagingState, StagingStatus
+
+        if self.answer == "slow":
+            time.sleep(30)
+        return (StagingStatus(path="/c/step_0000000020", state=StagingState.READING)
+                if self.answer == "reading" else None)
+
+
+def test_the_pools_status_says_how_each_workers_staging_stands_or_that_it_did_not_answer(ray_session):
+    from ettflow.trainer.group.pool_service import staging_answers
+
+    workers = {n: StagingWorker.remote(answer) for n, answer in enumerate(("reading", "nothing", "gone", "slow"))}
+    ray.kill(workers[2], no_restart=True)
+    t0 = time.monotonic()
+    assert staging_answers(workers, timeout_s=3.0) == {
+        0: "stages /c/step_0000000020: reading", 1: "stages nothing",
+        2: "no answer on its staging (ActorDiedError)", 3: "no answer on its staging within 3 s"}
+    assert time.monotonic() - t0 < 20  # the slow worker's 30 s is not waited out
+    assert staging_answers({}) == {}
+    for worker in workers.values():
+        ray.kill(worker, no_restart=True)

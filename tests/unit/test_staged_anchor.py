@@ -13,7 +13,7 @@ from ettflow.trainer.checkpoint import CheckpointError, TornCheckpointError
 from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST, final_dir
 from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging, stage_anchor
 from ettflow.trainer.checkpoint.verify import _canonical_sha
-from ettflow.trainer.protocol import StageRequest
+from ettflow.trainer.protocol import StageRequest, StagingState, StagingStatus
 from ettflow.trainer.rank.restore_report import RestoreReport
 from tests.unit.test_checkpoint_protocol import make_state, manager, snapshot, train
 
@@ -137,6 +137,32 @@ def test_staging_waits_for_the_seal_and_gives_up_at_its_bound(anchor):
         stage_anchor(path, max_bytes=BIG, wait_s=0.5, clock=lambda: now[0], sleep=wait)
 
 
+def test_a_staging_says_how_far_it_got_reading_staged_refused_dropped_or_handed_over(anchor):
+    path, _ = anchor
+    sealed = (path / COMMITTED).read_text()
+    (path / COMMITTED).unlink()  # not sealed yet: the staging waits for the seal, reading
+    waiting = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG, wait_s=30))
+    assert waiting.status() == StagingStatus(path=str(path), state=StagingState.READING)
+    assert waiting.status().describe() == f"stages {path}: reading"
+    (path / COMMITTED).write_text(sealed)
+    waiting._thread.join(30)
+    staged = waiting.status()
+    assert staged.state is StagingState.STAGED and staged.nbytes > 0 and staged.read_s >= 0
+    assert staged.describe() == (f"stages {path} ({staged.nbytes / 2**20:.1f} MiB in memory, read and checked in "
+                                 f"{staged.read_s:.2f} s)")
+    waiting.take(path)
+    assert waiting.status().state is StagingState.TAKEN
+
+    refused = AnchorStaging.start(StageRequest(path=str(path), max_bytes=10))
+    refused._thread.join(30)
+    assert refused.status().state is StagingState.FAILED
+    assert refused.status().describe().startswith(f"stages {path}: not staged (") and "staging bound of 10" in \
+        refused.status().describe()
+    dropped = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG))
+    dropped.discard()
+    assert dropped.status() == StagingStatus(path=str(path), state=StagingState.DISCARDED)
+
+
 def test_take_gives_the_staged_parent_once_and_says_why_when_it_cannot(anchor, tmp_path):
     path, _ = anchor
     staging = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG))
@@ -211,8 +237,12 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     t0 = time.time()
     pays = dict(actor_cls=object, now=t0)
 
+    def answers(actors):  # each worker says how its staging stands (TrainerActor.staging_status)
+        return {key: StagingStatus(path="/c/step_0000000010", state=StagingState.STAGED, nbytes=3 << 20,
+                                   read_s=0.25).describe() for key in actors}
+
     def pool_of(policy: PoolPolicy) -> PoolService:
-        pool = PoolService(policy, start=start)
+        pool = PoolService(policy, start=start, ask_staging=answers)
         pool.explored["dlrm"] = MAX_EXPLORATIONS
         pool.starts[("dlrm", False)], pool.starts[("dlrm", True)] = [60.0], [1.0]  # a pooled start pays
         return pool
@@ -222,7 +252,9 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     want = StageRequest(path="/c/step_0000000010", max_bytes=1000)
     assert asked == [("prewarm 0", (want,)), ("prewarm 1", (want,))]
     assert [e.staging for e in pool.entries] == ["/c/step_0000000010"] * 2
-    assert [w.why.endswith("; stages /c/step_0000000010") for w in pool.status() if w.kind == "worker"] == [True] * 2
+    # the pool's status says what each worker answered it holds, not what it was asked to
+    assert [w.staging for w in pool.status() if w.kind == "worker"] == [
+        "stages /c/step_0000000010 (3.0 MiB in memory, read and checked in 0.25 s)"] * 2
     asked.clear()  # the next run released without taking them: they stage its anchor, none restarts
     assert pool.fill(cfg, 2, str(tmp_path), None, anchor="/c/step_0000000020",
                      start=StartSample(seconds=1.0, pooled=True), **pays) == 0

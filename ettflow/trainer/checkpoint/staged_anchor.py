@@ -44,7 +44,7 @@ from ettflow.trainer.checkpoint.verify import (
     info_of,
     manifest_digest,
 )
-from ettflow.trainer.protocol import StageRequest
+from ettflow.trainer.protocol import StageRequest, StagingState, StagingStatus
 
 log = logging.getLogger("ettflow.trainer")
 POLL_S = 0.1  # how often a staging looks for the anchor's seal
@@ -171,6 +171,20 @@ class AnchorStaging:
             return None, error or f"staging {parent} had not finished within {self.request.wait_s:g} s"
         problem = staged.still_sealed()
         return (None, problem) if problem else (replace(staged, path=Path(parent)), None)
+
+    def status(self) -> StagingStatus:
+        """Where this staging stands now (a read of its fields: the thread may move on after)."""
+        path = self.request.path
+        staged, error = self._staged, self._error
+        if self._taken:
+            return StagingStatus(path=path, state=StagingState.TAKEN)
+        if self._cancelled.is_set():
+            return StagingStatus(path=path, state=StagingState.DISCARDED)
+        if staged is not None:
+            return StagingStatus(path=path, state=StagingState.STAGED, nbytes=staged.nbytes, read_s=staged.read_s)
+        if error is not None:
+            return StagingStatus(path=path, state=StagingState.FAILED, error=error)
+        return StagingStatus(path=path, state=StagingState.READING)
 
     def discard(self) -> None:
         """Drop the staged bytes, and stop a staging still reading (a run that restores something

@@ -222,15 +222,44 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
+def staging_answers(actors: dict[int, Any], timeout_s: float = 5.0) -> dict[int, str]:
+    """Each worker's answer on its staging (`TrainerActor.staging_status`), described, by the
+    same keys as `actors`; a worker that did not answer within `timeout_s` (busy, or gone) is
+    said so."""
+    if not actors:
+        return {}
+    import ray
+    from ray.exceptions import RayError
+
+    asked = {key: actor.staging_status.remote() for key, actor in actors.items()}
+    done, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+    answers = {}
+    for key, ref in asked.items():
+        if ref not in done:
+            answers[key] = f"no answer on its staging within {timeout_s:g} s"
+            continue
+        try:
+            status = ray.get(ref)
+        except RayError as exc:
+            answers[key] = f"no answer on its staging ({type(exc).__name__})"
+            continue
+        answers[key] = status.describe() if status is not None else "stages nothing"
+    return answers
+
+
 class PoolService:
     """The pool's actor (start it with `service()`); every method runs in the cluster."""
 
     def __init__(self, policy: PoolPolicy = PoolPolicy(), start: Callable[..., PooledWorker] = start_worker,
-                 journal: str | None = None) -> None:
+                 journal: str | None = None,
+                 ask_staging: Callable[[dict[int, Any]], dict[int, str]] | None = None) -> None:
         """`journal`: the file this service writes what it holds to as it changes, and where
         it finds what an earlier service of the same home held when that one died
-        (`pool_journal.py`); None: none (what a killed service held is lost to the ledger)."""
+        (`pool_journal.py`); None: none (what a killed service held is lost to the ledger).
+        `ask_staging`: asks workers (by key: their actor) how their staging stands, for `status`
+        (`staging_answers`)."""
         self.policy = policy
+        self.ask_staging = ask_staging or staging_answers
         self.entries: list[PooledWorker] = []
         self.keepers: list[_Keeper] = []
         self.ledger: dict[str, Holding] = {}  # released unclaimed, not yet in a warehouse (by holding_id)
@@ -579,6 +608,9 @@ class PoolService:
     # ---- what it holds -------------------------------------------------------------------
     def status(self) -> list[PooledInfo]:
         with self._lock:
+            staging = {id(e): e.actor for e in self.entries if e.staging}
+        answers = self.ask_staging(staging)  # asked outside the lock: a busy worker does not hold up a take
+        with self._lock:
             self._ready()
             def why(model: str, rule: str = "") -> str:
                 if rule == SHARED:
@@ -589,8 +621,8 @@ class PoolService:
 
             workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
                                   e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node,
-                                  rule=e.rule,
-                                  why=why(e.model, e.rule) + (f"; stages {e.staging}" if e.staging else ""))
+                                  rule=e.rule, why=why(e.model, e.rule),
+                                  staging=answers.get(id(e), f"asked to stage {e.staging}") if e.staging else "")
                        for e in self.entries]
             return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None,
                                          actor=k.name)

@@ -18,7 +18,14 @@ from ettflow.console import RANK_LINE_FORMAT
 from ettflow.ett.failures import FailureError
 from ettflow.trainer.classify import failure_from_exception
 from ettflow.trainer.config import TrainerConfig
-from ettflow.trainer.protocol import PrewarmTimings, RankResult, RestorePoint, StageRequest, WorkerInfo
+from ettflow.trainer.protocol import (
+    PrewarmTimings,
+    RankResult,
+    RestorePoint,
+    StageRequest,
+    StagingStatus,
+    WorkerInfo,
+)
 from ettflow.trainer.rank.phase import RankLifecycle, RankPhase
 
 
@@ -149,6 +156,11 @@ class TrainerActor:
         if old is not None:
             old.discard()
         return True
+
+    def staging_status(self) -> StagingStatus | None:
+        """What this pooled worker stages now, and how far it got (None: nothing)."""
+        with self._staging_lock:
+            return self.staging.status() if self.staging is not None else None
 
     def unstage(self) -> None:
         """Drop what this pooled worker stages (the pool keeps it for a spare's place: nothing read)."""
