@@ -10,9 +10,11 @@ third-party noise is dropped at its source, by name, from one table (`KNOWN_NOIS
 - a line a Ray worker or the raylet forwards to the driver is dropped by the driver through
   Ray's own `RAY_DEDUP_LOGS_SKIP_REGEX` (every pattern of the table), which Ray reads when it
   is imported: call `quiet_third_party` before anything imports `ray`;
-- ettflow's own lines from its rank and spare processes (`RANK_LINE_FORMAT`) are never folded
-  by Ray's deduplication (`RAY_DEDUP_LOGS_ALLOW_REGEX`): folded, two ranks' lines that differ
-  only in numbers became one line carrying Ray's note on how to turn deduplication off.
+- ettflow's own lines from its rank and spare processes (`RANK_LINE_FORMAT`: a record's first
+  line; a traceback's lines carry no prefix) are never folded by Ray's deduplication
+  (`RAY_DEDUP_LOGS_ALLOW_REGEX`), unless the skip expression in force drops them: folded, two
+  ranks' lines that differ only in numbers became one line carrying Ray's note on how to turn
+  deduplication off.
 
 The CLI calls it first thing; each Ray trainer actor calls it in its constructor, with the
 verbosity the CLI left in `ETTFLOW_VERBOSE` (Ray's processes inherit the environment of the
@@ -65,8 +67,8 @@ class Noise:
         if self.category is not None and self.logger is not None:
             raise ValueError(f"Noise({self.source!r}) is a warning or a log record, not both: "
                              "give category or logger")
-        try:
-            re.compile(self.message)
+        try:  # as Ray and the filters use it: inside a group (an inline flag there is an error)
+            re.compile(f"(?:{self.message})")
         except re.error as exc:
             raise ValueError(f"Noise({self.source!r}).message is not a regular expression: {exc}") from None
 
@@ -160,10 +162,11 @@ def ray_skip_regex(noise: tuple[Noise, ...] = KNOWN_NOISE) -> str:
     return "|".join(f"(?:{n.message.lstrip('^')})" for n in noise)
 
 
-def ray_allow_regex(noise: tuple[Noise, ...] = KNOWN_NOISE) -> str:
-    """What Ray never folds: a rank's or a spare's own line (`RANK_LINE`) that is not noise (Ray
-    lets an allowed line through before it looks at the skip regex)."""
-    return f"{RANK_LINE}(?!.*(?:{ray_skip_regex(noise)}))"
+def ray_allow_regex(skip: str) -> str:
+    """What Ray never folds: a rank's or a spare's own line (`RANK_LINE`) that `skip` (the skip
+    expression in force) does not drop: Ray lets an allowed line through before it looks at
+    the skip expression."""
+    return f"{RANK_LINE}(?!.*(?:{skip}))" if skip else RANK_LINE
 
 
 def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> None:
@@ -174,7 +177,7 @@ def quiet_third_party(verbose: bool, noise: tuple[Noise, ...] = KNOWN_NOISE) -> 
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         return
     os.environ.setdefault(RAY_SKIP_ENV, ray_skip_regex(noise))
-    os.environ.setdefault(RAY_ALLOW_ENV, ray_allow_regex(noise))
+    os.environ.setdefault(RAY_ALLOW_ENV, ray_allow_regex(os.environ[RAY_SKIP_ENV]))  # a user's own kept
     by_logger: dict[str, list[str]] = {}
     for n in noise:
         if n.category is not None:

@@ -205,6 +205,7 @@ class StageRequest:
 class StagingState(str, Enum):
     """Where a pooled worker's staging of an anchor stands."""
 
+    WAITING = "waiting for its seal"
     READING = "reading"
     STAGED = "staged"
     FAILED = "not staged"
@@ -226,10 +227,10 @@ class StagingStatus:
 
     def describe(self) -> str:
         if self.state is StagingState.STAGED:
-            return (f"stages {self.path} ({self.nbytes / 2**20:.1f} MiB in memory, read and checked in "
-                    f"{self.read_s:.2f} s)")
+            took = f", read and checked in {self.read_s:.2f} s" if self.read_s is not None else ""
+            return f"stages {self.path} ({self.nbytes / 2**20:.1f} MiB in memory{took})"
         if self.state is StagingState.FAILED:
-            return f"stages {self.path}: {self.state.value} ({self.error})"
+            return f"staging {self.path} failed: {self.error}"
         return f"stages {self.path}: {self.state.value}"
 
 

@@ -95,12 +95,14 @@ class StagingWorker:
 def test_the_pools_status_says_how_each_workers_staging_stands_or_that_it_did_not_answer(ray_session):
     from ettflow.trainer.group.pool_service import staging_answers
 
-    workers = {n: StagingWorker.remote(answer) for n, answer in enumerate(("reading", "nothing", "gone", "slow"))}
-    ray.kill(workers[2], no_restart=True)
+    workers = {f"w{n}": StagingWorker.remote(answer)
+               for n, answer in enumerate(("reading", "nothing", "gone", "slow"))}
+    ray.get([w.__ray_ready__.remote() for w in workers.values()], timeout=120)  # started: a slow start is no answer
+    ray.kill(workers["w2"], no_restart=True)
     t0 = time.monotonic()
     assert staging_answers(workers, timeout_s=3.0) == {
-        0: "stages /c/step_0000000020: reading", 1: "stages nothing",
-        2: "no answer on its staging (ActorDiedError)", 3: "no answer on its staging within 3 s"}
+        "w0": "stages /c/step_0000000020: reading", "w1": "stages nothing",
+        "w2": "no answer on its staging (ActorDiedError)", "w3": "no answer on its staging within 3 s"}
     assert time.monotonic() - t0 < 20  # the slow worker's 30 s is not waited out
     assert staging_answers({}) == {}
     for worker in workers.values():

@@ -102,12 +102,15 @@ def test_no_help_page_shows_a_note_written_for_developers():
     assert not [prog for prog, text in seen.items() if "register(" in text or "main(argv)" in text]
 
 
-def test_ray_never_folds_the_ranks_own_lines_and_still_drops_their_noise():
+def test_ray_never_folds_the_ranks_own_lines_and_still_drops_their_noise(monkeypatch):
     """Ray's driver folds a line that another process sent (numbers aside) into one line with its
     note on deduplication: two ranks' starvation warnings became third-party text on the console.
     Fed through Ray's own deduplicator with the table's expressions, every rank's and spare's line
     is printed as it came; a noise line still is not; without the allow expression they fold."""
+    from ray._private import ray_logging
     from ray._private.ray_logging import LogDeduplicator
+
+    monkeypatch.setattr(ray_logging, "RAY_DEDUP_LOGS", True)  # whatever this shell says
 
     own = [RANK_LINE_FORMAT.format(who=who) % {"message": f"{who}: its process did not run for {s} s"}
            for who, s in (("rank 0", 1.6), ("rank 1", 1.4), ("spare", 2.5), ("rank 1", 1.7))]
@@ -124,7 +127,9 @@ def test_ray_never_folds_the_ranks_own_lines_and_still_drops_their_noise():
         clock[0] += 10  # past the aggregation window: what was folded comes out now
         return lines + [line for batch in dedup.flush() for line in batch["lines"]]
 
-    assert printed(ray_allow_regex()) == own
+    assert printed(ray_allow_regex(ray_skip_regex())) == own
     folded = printed(None)
     assert folded[:1] == own[:1] and len(folded) < len(own), folded  # what the console printed before
     assert re.fullmatch(RANK_LINE + ".*", own[2])
+    # a skip expression of the user's own is kept: what it drops is never allowed past it
+    assert not re.search(ray_allow_regex("did not run"), own[0]) and re.search(ray_allow_regex(""), own[0])

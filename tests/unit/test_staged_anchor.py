@@ -140,10 +140,10 @@ def test_staging_waits_for_the_seal_and_gives_up_at_its_bound(anchor):
 def test_a_staging_says_how_far_it_got_reading_staged_refused_dropped_or_handed_over(anchor):
     path, _ = anchor
     sealed = (path / COMMITTED).read_text()
-    (path / COMMITTED).unlink()  # not sealed yet: the staging waits for the seal, reading
+    (path / COMMITTED).unlink()  # not sealed yet: the staging waits for the seal
     waiting = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG, wait_s=30))
-    assert waiting.status() == StagingStatus(path=str(path), state=StagingState.READING)
-    assert waiting.status().describe() == f"stages {path}: reading"
+    assert waiting.status() == StagingStatus(path=str(path), state=StagingState.WAITING)
+    assert waiting.status().describe() == f"stages {path}: waiting for its seal"
     (path / COMMITTED).write_text(sealed)
     waiting._thread.join(30)
     staged = waiting.status()
@@ -156,7 +156,7 @@ def test_a_staging_says_how_far_it_got_reading_staged_refused_dropped_or_handed_
     refused = AnchorStaging.start(StageRequest(path=str(path), max_bytes=10))
     refused._thread.join(30)
     assert refused.status().state is StagingState.FAILED
-    assert refused.status().describe().startswith(f"stages {path}: not staged (") and "staging bound of 10" in \
+    assert refused.status().describe().startswith(f"staging {path} failed: ") and "staging bound of 10" in \
         refused.status().describe()
     dropped = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG))
     dropped.discard()
@@ -238,8 +238,9 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     pays = dict(actor_cls=object, now=t0)
 
     def answers(actors):  # each worker says how its staging stands (TrainerActor.staging_status)
-        return {key: StagingStatus(path="/c/step_0000000010", state=StagingState.STAGED, nbytes=3 << 20,
-                                   read_s=0.25).describe() for key in actors}
+        asked.append(("status", sorted(actors)))
+        return {key: StagingStatus(path="/c/step_0000000010", state=StagingState.STAGED, nbytes=(n + 1) << 20,
+                                   read_s=0.25).describe() for n, key in enumerate(sorted(actors))}
 
     def pool_of(policy: PoolPolicy) -> PoolService:
         pool = PoolService(policy, start=start, ask_staging=answers)
@@ -252,9 +253,15 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     want = StageRequest(path="/c/step_0000000010", max_bytes=1000)
     assert asked == [("prewarm 0", (want,)), ("prewarm 1", (want,))]
     assert [e.staging for e in pool.entries] == ["/c/step_0000000010"] * 2
-    # the pool's status says what each worker answered it holds, not what it was asked to
-    assert [w.staging for w in pool.status() if w.kind == "worker"] == [
-        "stages /c/step_0000000010 (3.0 MiB in memory, read and checked in 0.25 s)"] * 2
+    # the pool's status says what each worker answered it holds, not what it was asked to: each
+    # worker's own answer (by its holding id), asked only of the workers that stage
+    asked.clear()
+    by_id = sorted(e.holding_id for e in pool.entries)
+    workers = [w for w in pool.status() if w.kind == "worker"]  # in the pool's order
+    assert asked == [("status", by_id)]
+    assert [w.staging for w in workers] == [
+        f"stages /c/step_0000000010 ({by_id.index(e.holding_id) + 1}.0 MiB in memory, read and checked in 0.25 s)"
+        for e in pool.entries]
     asked.clear()  # the next run released without taking them: they stage its anchor, none restarts
     assert pool.fill(cfg, 2, str(tmp_path), None, anchor="/c/step_0000000020",
                      start=StartSample(seconds=1.0, pooled=True), **pays) == 0
@@ -264,6 +271,9 @@ def test_the_pools_workers_for_a_models_next_run_stage_the_releasing_runs_anchor
     asked.clear()  # the next run's spare too (2 ranks + 1): it joins a live recovery, so it stages nothing
     assert pool.fill(cfg, 3, str(tmp_path), None, anchor="/c/step_0000000020", **pays) == 1
     assert asked == [("prewarm 2", ())] and [e.staging for e in pool.entries] == [newer.path] * 2 + [None]
+    asked.clear()  # the status asks only the workers that stage
+    assert [w.staging == "" for w in pool.status() if w.kind == "worker"] == [False, False, True]
+    assert asked == [("status", sorted(e.holding_id for e in pool.entries[:2]))]
     # the ranks take the staged workers, a lost rank's spare the other (whatever their order)
     spare = pool.entries[2]
     assert pool.take(cfg, [None], spare=True) == [spare]

@@ -80,16 +80,19 @@ class StagedAnchor:
 
 def stage_anchor(path: Path, *, max_bytes: int, wait_s: float, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 cancelled: threading.Event | None = None) -> StagedAnchor:
+                 cancelled: threading.Event | None = None, sealed: threading.Event | None = None) -> StagedAnchor:
     """Wait up to `wait_s` for `path`'s seal, then read and check every file its manifest lists
     (sizes on disk first: nothing over `max_bytes` is read). Raises CheckpointError saying why
     nothing was staged (no seal in time, over `max_bytes`, a file that does not match its
-    manifest: `TornCheckpointError`, `cancelled` set: nobody wants it any more)."""
+    manifest: `TornCheckpointError`, `cancelled` set: nobody wants it any more). `sealed` is set
+    once the seal is seen and the reading begins."""
     deadline = clock() + wait_s
     while not (path / COMMITTED).is_file():
         if clock() >= deadline:
             raise CheckpointError(f"{path} was not sealed within {wait_s:g} s")
         sleep(POLL_S)
+    if sealed is not None:
+        sealed.set()
     t0 = time.perf_counter()
     manifest = committed_manifest(path)
     listed = manifest["files"]
@@ -129,6 +132,7 @@ class AnchorStaging:
         self._error: str | None = None
         self._taken = False
         self._cancelled = threading.Event()  # discarded: the thread stops reading, keeps nothing
+        self._sealed = threading.Event()  # the anchor's seal was seen: reading it
         self._thread = threading.Thread(target=self._run, name="ettflow-stage-anchor", daemon=True)
 
     @classmethod
@@ -141,7 +145,7 @@ class AnchorStaging:
         req = self.request
         try:
             staged = stage_anchor(Path(req.path), max_bytes=req.max_bytes, wait_s=req.wait_s,
-                                  cancelled=self._cancelled)
+                                  cancelled=self._cancelled, sealed=self._sealed)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the restore reads the disk and says why
             self._error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {exc}"
             if not self._cancelled.is_set():
@@ -184,7 +188,7 @@ class AnchorStaging:
             return StagingStatus(path=path, state=StagingState.STAGED, nbytes=staged.nbytes, read_s=staged.read_s)
         if error is not None:
             return StagingStatus(path=path, state=StagingState.FAILED, error=error)
-        return StagingStatus(path=path, state=StagingState.READING)
+        return StagingStatus(path=path, state=StagingState.READING if self._sealed.is_set() else StagingState.WAITING)
 
     def discard(self) -> None:
         """Drop the staged bytes, and stop a staging still reading (a run that restores something

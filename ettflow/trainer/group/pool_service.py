@@ -222,7 +222,7 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
-def staging_answers(actors: dict[int, Any], timeout_s: float = 5.0) -> dict[int, str]:
+def staging_answers(actors: dict[str, Any], timeout_s: float = 5.0) -> dict[str, str]:
     """Each worker's answer on its staging (`TrainerActor.staging_status`), described, by the
     same keys as `actors`; a worker that did not answer within `timeout_s` (busy, or gone) is
     said so."""
@@ -252,12 +252,12 @@ class PoolService:
 
     def __init__(self, policy: PoolPolicy = PoolPolicy(), start: Callable[..., PooledWorker] = start_worker,
                  journal: str | None = None,
-                 ask_staging: Callable[[dict[int, Any]], dict[int, str]] | None = None) -> None:
+                 ask_staging: Callable[[dict[str, Any]], dict[str, str]] | None = None) -> None:
         """`journal`: the file this service writes what it holds to as it changes, and where
         it finds what an earlier service of the same home held when that one died
         (`pool_journal.py`); None: none (what a killed service held is lost to the ledger).
-        `ask_staging`: asks workers (by key: their actor) how their staging stands, for `status`
-        (`staging_answers`)."""
+        `ask_staging`: asks workers (their actors by holding id) how their staging stands, for
+        `status` (`staging_answers`)."""
         self.policy = policy
         self.ask_staging = ask_staging or staging_answers
         self.entries: list[PooledWorker] = []
@@ -608,7 +608,7 @@ class PoolService:
     # ---- what it holds -------------------------------------------------------------------
     def status(self) -> list[PooledInfo]:
         with self._lock:
-            staging = {id(e): e.actor for e in self.entries if e.staging}
+            staging = {e.holding_id: e.actor for e in self.entries if e.staging}
         answers = self.ask_staging(staging)  # asked outside the lock: a busy worker does not hold up a take
         with self._lock:
             self._ready()
@@ -622,7 +622,7 @@ class PoolService:
             workers = [PooledInfo("worker", e.model, digest(e.key), "ready" if e.timings is not None else "prewarming",
                                   e.requested_at, e.timings.ready_at if e.timings is not None else None, e.node,
                                   rule=e.rule, why=why(e.model, e.rule),
-                                  staging=answers.get(id(e), f"asked to stage {e.staging}") if e.staging else "")
+                                  staging=answers.get(e.holding_id, f"asked to stage {e.staging}") if e.staging else "")
                        for e in self.entries]
             return workers + [PooledInfo("keeper", k.model, "-", "ready", k.requested_at, None, None,
                                          actor=k.name)
