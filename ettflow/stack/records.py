@@ -8,7 +8,11 @@ session of its own (its pid is the session id), and `down` also stops every proc
 session (`session_processes`): Ray's agents retitle themselves (`ray::DashboardAgent`), which
 overwrites the environment the kernel shows, and one left to init by its raylet was found
 running after `down` (2026-12-05). A recorded pid counts as the same process only while its
-start time matches the record (a pid can be reused).
+start matches the record (a pid can be reused): on Linux the clock ticks from boot to its start
+(`/proc/<pid>/stat`), which no setting of the wall clock moves. psutil's `create_time()` is those
+ticks plus the boot time read now, which is the wall clock minus the uptime: an NTP step between
+`up` and a later `up` moved it by more than a second on a CI host (2026-12-06), so the second
+`up` took its own running services for someone else's and started a second worker (psutil #2526).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class Service:
     name: str
     address: str
     pid: int | None = None
-    create_time: float | None = None
+    create_time: float | None = None  # wall clock, for people; the identity is `start_ticks`
+    start_ticks: int | None = None  # clock ticks from boot to its start (Linux; None elsewhere)
     log: str | None = None
     detail: str = ""
 
@@ -46,15 +51,31 @@ class Service:
             return None
         try:
             proc = psutil.Process(self.pid)
-            if self.create_time is not None and abs(proc.create_time() - self.create_time) > 1.0:
-                return None  # the pid was reused
+            if self.start_ticks is not None:
+                if start_ticks(self.pid) != self.start_ticks:
+                    return None  # the pid was reused
+            elif self.create_time is not None and abs(proc.create_time() - self.create_time) > 1.0:
+                return None  # the pid was reused (a record without ticks: another OS, or an older `up`)
             return proc if proc.status() != psutil.STATUS_ZOMBIE else None
         except psutil.Error:
             return None
 
     @classmethod
     def of_process(cls, name: str, address: str, proc: psutil.Process, **kw) -> Service:
-        return cls(name=name, address=address, pid=proc.pid, create_time=proc.create_time(), **kw)
+        return cls(name=name, address=address, pid=proc.pid, create_time=proc.create_time(),
+                   start_ticks=start_ticks(proc.pid), **kw)
+
+
+def start_ticks(pid: int) -> int | None:
+    """Clock ticks from boot to the start of process `pid` (field 22 of `/proc/<pid>/stat`,
+    read after the command name, which may hold spaces and parentheses); None where there is no
+    such file (another OS, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[19])  # fields 3.. after the name: starttime is field 22
 
 
 @dataclass(frozen=True, kw_only=True)

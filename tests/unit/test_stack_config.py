@@ -4,14 +4,18 @@ parameters `ettflow up --refreshes` gives its deployment runs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shutil
 import stat
+import subprocess
+import time
 
 import pytest
 
 from ettflow.stack.cli import refresh_parameters
 from ettflow.stack.config import StackConfig, StackError
-from ettflow.stack.records import Service, StackRecord
+from ettflow.stack.records import Service, StackRecord, start_ticks
 
 
 def test_config_refuses_what_cannot_work(tmp_path):
@@ -52,6 +56,39 @@ def test_a_recorded_pid_is_the_same_process_only_while_its_start_time_matches():
     assert Service(name="x", address="", pid=os.getpid(), create_time=me.create_time()).process() is not None
     assert Service(name="x", address="", pid=os.getpid(), create_time=me.create_time() - 100).process() is None
     assert Service(name="x", address="", pid=None).process() is None  # found, not started
+
+
+def test_a_recorded_process_stays_ours_when_the_wall_clock_is_set(tmp_path):
+    # psutil's create_time() is the ticks since boot plus a boot time read from the wall clock now:
+    # an NTP step moves it (psutil #2526). The record's ticks are what identify the process
+    import psutil
+
+    me = Service.of_process("x", "", psutil.Process())
+    assert me.start_ticks == _ticks_by_psutil(os.getpid())
+    stepped = dataclasses.replace(me, create_time=me.create_time - 30.0)  # as read before a 30 s step
+    assert stepped.process() is not None
+    assert dataclasses.replace(me, start_ticks=me.start_ticks - 1).process() is None  # a reused pid
+    # a command name with spaces and a closing parenthesis does not shift the fields
+    odd = tmp_path / "a) b (c"
+    shutil.copy(shutil.which("sleep"), odd)
+    child = subprocess.Popen([str(odd), "30"])
+    try:
+        for _ in range(500):  # until it has exec'd (its name is its file's)
+            if psutil.Process(child.pid).name() == odd.name:
+                break
+            time.sleep(0.01)
+        assert psutil.Process(child.pid).name() == odd.name
+        assert start_ticks(child.pid) == _ticks_by_psutil(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert start_ticks(child.pid) is None  # gone
+
+
+def _ticks_by_psutil(pid: int) -> int:
+    import psutil
+
+    return round(psutil.Process(pid)._proc.create_time(monotonic=True) * os.sysconf("SC_CLK_TCK"))
 
 
 def _args(**kw):
