@@ -10,11 +10,12 @@ third-party noise is dropped at its source, by name, from one table (`KNOWN_NOIS
 - a line a Ray worker or the raylet forwards to the driver is dropped by the driver through
   Ray's own `RAY_DEDUP_LOGS_SKIP_REGEX` (every pattern of the table), which Ray reads when it
   is imported: call `quiet_third_party` before anything imports `ray`;
-- ettflow's own lines from its rank and spare processes (`RANK_LINE_FORMAT`: a record's first
-  line; a traceback's lines carry no prefix) are never folded by Ray's deduplication
-  (`RAY_DEDUP_LOGS_ALLOW_REGEX`), unless the skip expression in force drops them: folded, two
-  ranks' lines that differ only in numbers became one line carrying Ray's note on how to turn
-  deduplication off.
+- ettflow's own lines from its rank and spare processes (`RankLineFormatter`: every line of a
+  record, its traceback's too, prefixed by who wrote it, as torchrun prefixes a rank's output)
+  are never folded by Ray's deduplication (`RAY_DEDUP_LOGS_ALLOW_REGEX`), unless the skip
+  expression in force drops them: folded, two ranks' lines that differ only in numbers became
+  one line carrying Ray's note on how to turn deduplication off, and two ranks' tracebacks of
+  one error lost the second's lines (its header printed above the first's frames).
 
 The CLI calls it first thing; each Ray trainer actor calls it in its constructor, with the
 verbosity the CLI left in `ETTFLOW_VERBOSE` (Ray's processes inherit the environment of the
@@ -43,10 +44,22 @@ from dataclasses import dataclass
 VERBOSE_ENV = "ETTFLOW_VERBOSE"  # "1": show everything (set by the CLI, read by trainer processes)
 RAY_SKIP_ENV = "RAY_DEDUP_LOGS_SKIP_REGEX"
 RAY_ALLOW_ENV = "RAY_DEDUP_LOGS_ALLOW_REGEX"
-# how a rank's or a spare's process formats its log lines (`trainer/rank/actor.py`), and the
-# expression that recognises them among the lines Ray forwards to the driver
-RANK_LINE_FORMAT = "[{who}] %(message)s"
+# the expression that recognises a rank's or a spare's own lines (`RankLineFormatter`) among
+# the lines Ray forwards to the driver
 RANK_LINE = r"^\[(?:rank \d+|spare)\] "
+
+
+class RankLineFormatter(logging.Formatter):
+    """How a rank's or a spare's process formats its log records (`trainer/rank/actor.py`):
+    `[rank N] ` or `[spare] ` before every line a record prints, its message's and its
+    traceback's, so each one is the process's own line to Ray's deduplication (`RANK_LINE`)."""
+
+    def __init__(self, who: str) -> None:
+        super().__init__("%(message)s")
+        self.prefix = f"[{who}] "
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(self.prefix + line for line in super().format(record).split("\n"))
 
 
 @dataclass(frozen=True, kw_only=True)

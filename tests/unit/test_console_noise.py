@@ -5,12 +5,13 @@ the real command's console: e2e/test_console.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 import pytest
 
-from ettflow.console import KNOWN_NOISE, RANK_LINE, RANK_LINE_FORMAT, Noise, ray_allow_regex, ray_skip_regex
+from ettflow.console import KNOWN_NOISE, RANK_LINE, Noise, RankLineFormatter, ray_allow_regex, ray_skip_regex
 
 from helpers.console_samples import sample_for
 
@@ -108,28 +109,68 @@ def test_ray_never_folds_the_ranks_own_lines_and_still_drops_their_noise(monkeyp
     Fed through Ray's own deduplicator with the table's expressions, every rank's and spare's line
     is printed as it came; a noise line still is not; without the allow expression they fold."""
     from ray._private import ray_logging
-    from ray._private.ray_logging import LogDeduplicator
 
     monkeypatch.setattr(ray_logging, "RAY_DEDUP_LOGS", True)  # whatever this shell says
 
-    own = [RANK_LINE_FORMAT.format(who=who) % {"message": f"{who}: its process did not run for {s} s"}
+    own = [RankLineFormatter(who).format(_record(f"{who}: its process did not run for {s} s"))
            for who, s in (("rank 0", 1.6), ("rank 1", 1.4), ("spare", 2.5), ("rank 1", 1.7))]
     noise = "[rank 0] " + sample_for(KNOWN_NOISE[0])
-    clock = [0.0]
-
-    def printed(allow: str | None) -> list[str]:
-        dedup = LogDeduplicator(5, allow, ray_skip_regex(), _timesource=lambda: clock[0])
-        lines = []
-        for pid, line in enumerate([*own, noise]):
-            clock[0] += 0.1
-            for batch in dedup.deduplicate({"ip": "10.0.0.1", "pid": 100 + pid, "lines": [line]}):
-                lines += batch["lines"]
-        clock[0] += 10  # past the aggregation window: what was folded comes out now
-        return lines + [line for batch in dedup.flush() for line in batch["lines"]]
-
-    assert printed(ray_allow_regex(ray_skip_regex())) == own
-    folded = printed(None)
+    assert printed([*own, noise], ray_allow_regex(ray_skip_regex())) == own
+    folded = printed([*own, noise], None)
     assert folded[:1] == own[:1] and len(folded) < len(own), folded  # what the console printed before
     assert re.fullmatch(RANK_LINE + ".*", own[2])
     # a skip expression of the user's own is kept: what it drops is never allowed past it
     assert not re.search(ray_allow_regex("did not run"), own[0]) and re.search(ray_allow_regex(""), own[0])
+
+
+def _record(message: str, exc_info=None) -> logging.LogRecord:
+    return logging.makeLogRecord({"msg": message, "levelno": logging.WARNING, "levelname": "WARNING",
+                                  "exc_info": exc_info})
+
+
+def printed(lines: list[str], allow: str | None, pids: list[int] | None = None) -> list[str]:
+    """What Ray's driver prints of `lines` (each from its own process, or from `pids`), sent a
+    tenth of a second apart through its own deduplicator with the table's skip expression."""
+    from ray._private.ray_logging import LogDeduplicator
+
+    clock = [0.0]
+    dedup = LogDeduplicator(5, allow, ray_skip_regex(), _timesource=lambda: clock[0])
+    out = []
+    for i, line in enumerate(lines):
+        clock[0] += 0.1
+        pid = 100 + (pids[i] if pids is not None else i)
+        for batch in dedup.deduplicate({"ip": "10.0.0.1", "pid": pid, "lines": [line]}):
+            out += batch["lines"]
+    clock[0] += 10  # past the aggregation window: what was folded comes out now
+    return out + [line for batch in dedup.flush() for line in batch["lines"]]
+
+
+def test_two_ranks_tracebacks_of_one_error_each_come_out_whole_and_prefixed(monkeypatch):
+    """A record's traceback lines carry their process's prefix too (as torchrun prefixes every
+    line of a rank's output): two ranks failing at one place print two whole tracebacks, each
+    line saying whose it is, where Ray's deduplication folded the second's frames before (they
+    differ from the first's in numbers only)."""
+    from ray._private import ray_logging
+
+    monkeypatch.setattr(ray_logging, "RAY_DEDUP_LOGS", True)
+
+    def failed(rank: int) -> list[str]:
+        try:
+            raise RuntimeError(f"step {10 + rank}: the loss is not finite")
+        except RuntimeError:
+            import sys
+
+            text = RankLineFormatter(f"rank {rank}").format(_record(f"rank {rank}: attempt 0 failed", sys.exc_info()))
+        return text.split("\n")
+
+    traces = [failed(rank) for rank in range(3)]
+    lines = [line for trace in traces for line in trace]
+    pids = [rank for rank, trace in enumerate(traces) for _ in trace]
+    assert len(traces[0]) >= 4 and traces[0][1] == "[rank 0] Traceback (most recent call last):"
+    assert all(re.match(RANK_LINE, line) for line in lines), traces[0]
+    assert printed(lines, ray_allow_regex(ray_skip_regex()), pids) == lines
+    # unprefixed, as the frames were before: the later ranks' frames fold into one line each,
+    # printed after Ray's aggregation window, away from their headers
+    bare = [line if i == 0 else line.split("] ", 1)[1] for trace in traces for i, line in enumerate(trace)]
+    kept = printed(bare, ray_allow_regex(ray_skip_regex()), pids)
+    assert len(kept) < len(bare) and any("[repeated 2x across cluster]" in line for line in kept), kept

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ettflow.console import RANK_LINE_FORMAT
+from ettflow.console import RankLineFormatter
 from ettflow.ett.failures import FailureError
 from ettflow.trainer.classify import failure_from_exception
 from ettflow.trainer.config import TrainerConfig
@@ -218,4 +218,4 @@ def _who(rank: int) -> str:
 
 def _log_as(who: str) -> None:
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(RANK_LINE_FORMAT.format(who=who)))
+        handler.setFormatter(RankLineFormatter(who))
