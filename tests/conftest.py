@@ -249,14 +249,18 @@ RUN_LAST = ("test_multinode.py",)
 # The suite runs on two pytest-xdist workers (scripts/test.sh: `-n 2`). Each test file is one
 # unit of work, sent whole to one worker, so a file's module fixtures are built once; session
 # fixtures are built at most once per worker. The files below share a unit because they share
-# costly session fixtures (the real Prefect server, the measured runs of tests/e2e/conftest.py).
-UNITS = {**{name: "deployed-path" for name in ("test_automations.py", "test_browser.py", "test_deployed_crash.py")},
+# costly session fixtures (the real Prefect server, the measured runs of tests/e2e/conftest.py):
+# apart, each worker started its own server for them.
+UNITS = {**{name: "deployed-path" for name in ("test_automations.py", "test_browser.py", "test_deployed_crash.py",
+                                                "test_deployed_pool.py")},
          **{name: "trainer" for name in ("test_trainer.py", "test_trainer_faults.py")}}  # e2e/conftest `clean_run`
 # Under xdist the costliest units go first, largest first (as a two-worker run's durations rank
 # them, setup included: `.ci/run` prints them), so that the two workers end about together; the
-# rest keep their order. (A worker takes its next unit while its last two tests still run.)
-COSTLY_FIRST = ("trainer", "test_local_stack.py", "test_fault_matrix.py", "test_console.py", "test_bench.py",
-                "test_flow_refresh.py", "test_refresh_process.py", "test_continuous_refresh.py", "deployed-path",
+# rest keep their order; a costly file left out of the list runs among the last and keeps the
+# other worker idle at the end (test_deployed_pool.py did: about 2.5 of a run's 34 minutes).
+# (A worker takes its next unit while its last two tests still run.)
+COSTLY_FIRST = ("trainer", "deployed-path", "test_local_stack.py", "test_fault_matrix.py", "test_continuous_refresh.py",
+                "test_console.py", "test_bench.py", "test_refresh_process.py", "test_flow_refresh.py",
                 "test_compile_cache.py")
 
 
