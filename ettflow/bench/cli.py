@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pandas as pd
-
-from .output import Clock, write_tables
-
 if TYPE_CHECKING:
+    import pandas as pd
+
     from .jobs import JobResult
     from .suite import Bench
 
@@ -114,6 +112,8 @@ def parse_switches(items: list[str]) -> dict[str, bool]:
 
 
 def _targets(pairs, ablation, checkpoints, shutdown, overhead, ttr_ratio=None) -> pd.DataFrame:
+    import pandas as pd
+
     first = pairs[min(pairs)]
     longest = pairs[max(pairs)]
     gain = first[1].metrics.ett_pct - first[0].metrics.ett_pct
@@ -190,6 +190,8 @@ def measure(bench: Bench, skip: set[str]) -> Measured:
 def build_tables(jobs: list[JobResult], measured: Measured) -> tuple[dict[str, pd.DataFrame], pd.DataFrame, dict]:
     """Every results table by name (in print order), and the sync wasted-training curve with
     its optimal interval (for the picture)."""
+    import pandas as pd
+
     from .suite import (
         attribution_table,
         checkpoint_table,
@@ -235,6 +237,7 @@ def save_results(out: Path, tables: dict[str, pd.DataFrame], pairs: dict[int, tu
                  curve: pd.DataFrame, choice: dict, *, header: str) -> None:
     """Print every table, and write it as CSV and into `results.md`; draw the pictures."""
     from . import plots
+    from .output import write_tables
 
     plots.components_bars(pairs, out / "components.png")
     plots.ett_vs_length(tables["job_length"], out / "ett_vs_length.png")
@@ -271,6 +274,7 @@ def main(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
 
     quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported
+    from .output import Clock
     from .suite import Bench
 
     plan = plan_from(args)

@@ -40,14 +40,16 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from ettflow.ett.failure_history import EstimateConfig
 from ettflow.ett.failures import FailureClass
 from ettflow.ett.interval_plan import TAG, IntervalSource, PlannedInterval, plan_interval
 from ettflow.ett.run_metrics import RunMetrics, compute_run_metrics
+
+if TYPE_CHECKING:  # imported where they are used: every `ettflow` command imports this module
+    import numpy as np
+    import pandas as pd
 
 POLICIES = ("fixed", "probe", "history")
 MODEL = "bench-intervals"
@@ -184,6 +186,8 @@ class IntervalBench:
         self.say(f"calibration: {step_s * 1000:.1f} ms a step, {csbt * 1000:.1f} ms save blocking; "
                  f"{p.steps} steps a refresh ({p.steps * step_s:.1f} s of training), "
                  f"{p.rate_per_s * p.steps * step_s:.2f} failures expected a refresh")
+        import numpy as np
+
         rng = np.random.default_rng(p.seed)
         kills = [kill_steps(rng, rate_per_s=p.rate_per_s, train_s=p.steps * step_s, steps=p.steps,
                             max_kills=p.max_kills) for _ in range(p.refreshes)]
@@ -221,6 +225,8 @@ class IntervalBench:
         return kills, step_s, csbt
 
     def tables(self, kills: list[tuple[int, ...]]) -> dict[str, pd.DataFrame]:
+        import pandas as pd
+
         p = self.plan
         per_job = pd.DataFrame([{
             "refresh": j.refresh, "policy": j.policy, "kills": " ".join(map(str, j.kills)) or "-",

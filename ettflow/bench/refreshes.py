@@ -34,14 +34,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from ettflow.ett.events import PhaseEvent
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.timeline import faults, intervals_of, sweep
 from ettflow.tasks.parameters import RefreshParameters
+
+if TYPE_CHECKING:  # imported where a table is built: every `ettflow` command imports this module
+    import pandas as pd
 
 TTS_PARTS: tuple[str, ...] = ("scheduling", "init", "restore", "compile", "other")
 MODES: tuple[str, ...] = ("optimized", "baseline")
@@ -105,6 +106,8 @@ def measure_refresh(mode: str, refresh: int, result: dict[str, Any], events: Seq
 
 def sequence_table(rows: Sequence[RefreshMeasure]) -> pd.DataFrame:
     """One line per refresh, in the order given, seconds rounded to 0.01."""
+    import pandas as pd
+
     return pd.DataFrame([{
         "mode": r.mode, "path": r.path, "refresh": r.refresh, "windows": len(r.windows), "trained": _span(r.windows),
         "start": "warm" if r.warm else "cold", "outcome": r.outcome, "TTS_s": round(r.tts_s, 2),
@@ -116,6 +119,8 @@ def sequence_table(rows: Sequence[RefreshMeasure]) -> pd.DataFrame:
 
 def warm_tts_summary(rows: Sequence[RefreshMeasure]) -> pd.DataFrame:
     """Per mode, the mean over its warm refreshes of TTS and of each TTS part (seconds)."""
+    import pandas as pd
+
     out = []
     for mode in dict.fromkeys(r.mode for r in rows):
         warm = [r for r in rows if r.mode == mode and r.warm]
@@ -252,6 +257,8 @@ def run_movielens(refresher: Refresher, source_cache: Path, *, bar: Any = None,
     window after it, and a from-scratch model on the same cumulative windows; held-out AUC and
     log loss of both on the whole next window (the gate's scoring), and the AUC there of the
     snapshot that was current before the refresh (what the gate compared with, on its sample)."""
+    import pandas as pd
+
     from ettflow.publish import PublishConfig, read_current, read_manifest
     from ettflow.publish.gate import score_snapshot
     from ettflow.trainer.data.movielens import movielens_windows

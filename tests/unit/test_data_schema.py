@@ -45,12 +45,10 @@ def test_a_fitting_file_passes_and_reports_its_rows(tmp_path):
 def test_a_footer_is_read_once_per_process_until_the_file_changes(tmp_path, monkeypatch):
     import os
 
-    import ettflow.trainer.data.schema as schema_mod
-
     path = _write(tmp_path / "once.parquet", _table())
     reads = []
     real = pq.ParquetFile
-    monkeypatch.setattr(schema_mod.pq, "ParquetFile", lambda p: reads.append(p) or real(p))
+    monkeypatch.setattr(pq, "ParquetFile", lambda p: reads.append(p) or real(p))
     assert validate_parquet(path, SCHEMA) == validate_parquet(path, SCHEMA) == 2
     assert len(reads) == 1  # the second check is a stat
     _write(path, pa.concat_tables([_table(), _table()]))

@@ -14,10 +14,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+if TYPE_CHECKING:  # imported by the checks below: the CLI imports this module for the config's types
+    import pyarrow as pa
 
 
 class DataError(ValueError):
@@ -142,25 +142,35 @@ def movielens_schema() -> FeatureSchema:
 
 
 def _plain(t: pa.DataType) -> pa.DataType:
+    import pyarrow as pa
+
     return t.value_type if pa.types.is_dictionary(t) else t
 
 
 def _is_numeric(t: pa.DataType) -> bool:
+    import pyarrow as pa
+
     t = _plain(t)
     return pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
 def _is_id(t: pa.DataType) -> bool:
+    import pyarrow as pa
+
     t = _plain(t)
     return pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
 def _is_list(t: pa.DataType) -> bool:
+    import pyarrow as pa
+
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
 def column_problem(schema: FeatureSchema, name: str, t: pa.DataType) -> str | None:
     """What is wrong with column `name` of Arrow type `t` under `schema`; None if it fits."""
+    import pyarrow as pa
+
     if name in schema.dense:
         ok, want = _is_numeric(t), "an integer or floating type (a dense feature)"
     elif name == schema.label:
@@ -200,6 +210,9 @@ _CHECKED_MAX = 200_000
 
 def validate_parquet(path: str | Path, schema: FeatureSchema) -> int:
     """Check one file against `schema` from its footer alone; return its row count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         st = os.stat(path)
         key = (str(path), st.st_size, st.st_mtime_ns, schema)
