@@ -2,7 +2,7 @@
 
 Once the windows are claimed (`tasks.claims`), every file of the training windows and of the
 held-out windows is checked against the declared schema from its Parquet footer alone (the
-columns, their types: `trainer.data.schema.validate_parquet`, as the ranks check them), and
+columns, their types: `trainer.data.parquet_check.validate_parquet`, as the ranks check them), and
 the training windows must hold at least one full batch for every rank. A file that fails
 refuses the refresh here, with the file and column named and what to do, in one line (no
 traceback), with nothing reserved or trained: like a refused parameter, no ETT row and no

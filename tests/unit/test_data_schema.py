@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ettflow.trainer.data.parquet_check import validate_parquet
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
 from ettflow.trainer.data.schema import (
     DataError,
@@ -13,7 +14,6 @@ from ettflow.trainer.data.schema import (
     SparseFeature,
     criteo_schema,
     movielens_schema,
-    validate_parquet,
 )
 from ettflow.trainer.data.windows import Cursor
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ettflow.trainer.data.cli import main, register
+from ettflow.trainer.data.parquet_check import validate_parquet
 from ettflow.trainer.data.pipeline import DataConfig, DataPipeline
-from ettflow.trainer.data.schema import criteo_schema, validate_parquet
+from ettflow.trainer.data.schema import criteo_schema
 from ettflow.trainer.data.synthetic import (
     EFFECT_FEATURES,
     SyntheticConfig,

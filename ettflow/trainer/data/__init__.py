@@ -1,6 +1,6 @@
 """Data windows and the data preprocessing pipeline (DPP).
 
-- schema: FeatureSchema / SparseFeature, criteo_schema(), movielens_schema(), DataError
+- schema: FeatureSchema / SparseFeature, criteo_schema(), movielens_schema(), DataError; parquet_check: validate_parquet
 - windows: window folders on disk, Cursor (window, file, row), StreamIndex
 - batch: Batch (dense, KeyedJaggedTensor, labels, cursors), synthetic_batch (the fast batch)
 - pipeline: DataConfig, DataPipeline (sharded fixed-size batches, resume), full_batches
@@ -17,7 +17,7 @@ from typing import Any
 
 _EXPORTS = {
     "DataError": "schema", "FeatureSchema": "schema", "SparseFeature": "schema",
-    "criteo_schema": "schema", "movielens_schema": "schema", "validate_parquet": "schema",
+    "criteo_schema": "schema", "movielens_schema": "schema", "validate_parquet": "parquet_check",
     "Cursor": "windows", "StreamIndex": "windows", "list_windows": "windows",
     "Batch": "batch", "synthetic_batch": "batch", "table_to_batch": "batch",
     "DataConfig": "pipeline", "DataPipeline": "pipeline", "full_batches": "pipeline",

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ettflow.trainer.data.schema import DataError, FeatureSchema, validate_parquet
+from ettflow.trainer.data.parquet_check import validate_parquet
+from ettflow.trainer.data.schema import DataError, FeatureSchema
 
 if TYPE_CHECKING:
     from ettflow.trainer.config import TrainerConfig
