@@ -114,6 +114,10 @@ ISA_LIST = Internal(module=_VEC_ISA, attr="supported_vec_isa_list", consequence=
 ISA_VALID = Internal(module=_VEC_ISA, attr="valid_vec_isa_list", consequence=_ISA)
 ISA_OK = Internal(module="torch._inductor.config", attr="cpp.vec_isa_ok", consequence=_ISA)
 CPP_COMPILER = Internal(module="torch._inductor.cpp_builder", attr="get_cpp_compiler", consequence=_ISA)
+PRECOMPILE_HEADERS = Internal(
+    module="torch._inductor.config", attr="cpp_cache_precompile_headers",
+    consequence="a compile-cache archive would carry inductor's ~150 MB precompiled header, and every warm "
+                "process would preprocess that header again before loading its first kernel (compile/env.py)")
 CACHE_DIR = Internal(module="torch._inductor.runtime.cache_dir_utils", attr="cache_dir",
                     consequence="a run without the compile cache cannot name PyTorch's local inductor cache folder")
 # TorchRec (same rule: a private name it could rename in any release)
@@ -126,7 +130,7 @@ INTERNALS: tuple[Internal, ...] = (
     HEADER_DIR, HEADER_LOCK_DIR, PRECOMPILE_HEADER, POOL_SET, COUNTERS, COMPILATION_METRICS,
     CALLBACK_HANDLER, REGISTER_START, REMOVE_START, START_CALLBACKS, CALLBACK_ARGS, TRIGGER_DYNAMO,
     COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE, COLLECTIVE_VALIDATION,
-    CACHE_DIR, ISA_FLAGS, ISA_LIST, ISA_VALID, ISA_OK, CPP_COMPILER,
+    CACHE_DIR, ISA_FLAGS, ISA_LIST, ISA_VALID, ISA_OK, CPP_COMPILER, PRECOMPILE_HEADERS,
 )
 
 
@@ -235,6 +239,18 @@ def valid_cpu_isas() -> list[str]:
 def vec_isa_ok_setting() -> bool | None:
     """`torch._inductor.config.cpp.vec_isa_ok` (TORCHINDUCTOR_VEC_ISA_OK): None, inductor checks."""
     return ISA_OK.resolve()
+
+
+def precompile_headers_setting() -> bool:
+    """`torch._inductor.config.cpp_cache_precompile_headers` (TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS)."""
+    return bool(PRECOMPILE_HEADERS.resolve())
+
+
+def set_precompile_headers(on: bool) -> None:
+    """Whether inductor builds (and every new process checks) a precompiled header for its CPU
+    kernels (`config.cpp_cache_precompile_headers`; part of its FX-graph cache key)."""
+    PRECOMPILE_HEADERS.resolve()
+    importlib.import_module("torch._inductor.config").cpp_cache_precompile_headers = on
 
 
 def set_vec_isa_ok() -> None:

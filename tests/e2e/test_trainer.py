@@ -120,6 +120,22 @@ def test_a_nan_loss_and_a_sigkill_each_restart_every_rank_exactly_and_warm(train
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
+def test_the_archive_a_rank_saved_holds_no_precompiled_header(compile_cache):
+    """The session's archive, saved by rank 0 after compiling in its init thread: compiled without
+    inductor's precompiled header (~150 MB the archive carried), though the process set that in
+    another thread, the actor's start (torch keeps the setting per thread: cache.apply_settings)."""
+    import tarfile
+
+    from ettflow.trainer.compile.archive import SUFFIX
+
+    (archive,) = [p for p in compile_cache.iterdir() if p.name.endswith(tuple(SUFFIX.values()))]
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert any(n.endswith(".so") for n in names)  # the kernels a warm restart loads
+    assert not [n for n in names if n.endswith((".gch", ".pch")) or "precompiled_headers/" in n], names
+    assert archive.stat().st_size < 20 * 2**20, archive.stat().st_size
+
+
 def test_baseline_switches_compile_after_the_first_real_batch(trainer_world, compile_cache):
     switches = Switches(parallel_init=False, fast_batch=False, compile_cache=True, async_checkpoint=False)
     cfg = config(trainer_world, "baseline", compile_cache, switches=switches, max_steps=6, eval_batches=0)

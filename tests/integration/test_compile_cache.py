@@ -37,9 +37,10 @@ PLANTED = "planted"  # the file names of the corrupt archive's entries (inductor
 
 
 def run_python(code: str) -> dict:
-    # without the suite's OMP_NUM_THREADS (scripts/test.sh): a child's thread count is what the
-    # code under test pins, not what it inherited
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    # without the suite's OMP_NUM_THREADS (scripts/test.sh) or a header setting: a child's thread
+    # count and precompiled header are what the code under test sets, not what it inherited
+    dropped = ("OMP_NUM_THREADS", "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=240, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -85,12 +86,14 @@ def cold(tmp_path_factory):
     result = run_python(f"""
         import json, os
         import torch
+        from ettflow.trainer import _torch_compat as compat
         from ettflow.trainer.compile import CompileCache, CompileCacheConfig, CompileEnvError
         from ettflow.trainer.compile.probe_cold_warm import DenseSize, build_dense_forward, train_steps
         size = DenseSize(**{json.dumps(asdict(SIZE))})
         cfg = CompileCacheConfig(root={str(root)!r}, work_dir={str(work)!r}, model={asdict(SIZE)!r}, threads=1)
         cache = CompileCache(cfg)
         cache.prepare_env()
+        header = compat.precompile_headers_setting()
         r = cache.restore()
         left = sorted(os.listdir(cache.inductor_dir))
         steps = train_steps(build_dense_forward(size), size, steps=2)
@@ -108,7 +111,8 @@ def cold(tmp_path_factory):
             key=cache.key, hit=r.hit, miss=r.miss.value if r.miss else None, reason=r.reason, left=left,
             first_step_s=steps[0], stats=s.to_dict(), saved=saved.saved, skipped=saved.skipped_reason,
             archive_bytes=saved.bytes, save_s=saved.seconds, archive=str(saved.path),
-            after_save=after.to_dict(), late=late)))
+            after_save=after.to_dict(), late=late, header=header,
+            header_env=os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"))))
     """)
     assert result["key"] == key  # the planted archive was of A's own key
     return root, dict(result, torn=str(torn), work=str(work))
@@ -132,9 +136,9 @@ def test_cold_run_reports_a_corrupt_archive_compiles_cold_and_replaces_it(cold):
         names = tar.getnames()
     assert any(n.startswith("inductor/fxgraph/") for n in names)
     assert not any(PLANTED in n for n in names)  # nothing of the corrupt archive came along
-    # the precompiled header was redirected into the working folder, so it is archived
-    assert any(n.startswith("inductor/precompiled_headers/") and n.endswith(".gch")
-               for n in names)
+    # compiled without inductor's precompiled header (~150 MB the archive would carry: compile/env.py)
+    assert a["header"] is False and a["header_env"] == "0"
+    assert not any(n.endswith((".gch", ".pch")) or "precompiled_headers/" in n for n in names)
     assert any(n.endswith(".so") for n in names) and "mega_cache.bin" in names
     assert not any(n.endswith(".lock") for n in names)
     # the process's counters go on after the save: a new shape is one recompile
@@ -173,11 +177,18 @@ def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold,
         cache = CompileCache(CompileCacheConfig(root={str(tmp_path / "none")!r}, enabled=False, isolate=False,
                                                 model={asdict(SIZE)!r}, threads=1))
         env = cache.prepare_env()
+        from ettflow.trainer import _torch_compat as compat
+        header = compat.precompile_headers_setting()
+        # A compiled with the archive, so without the precompiled header (part of inductor's key);
+        # an untuned job's own earlier process had the same setting as this one: match A's
+        compat.set_precompile_headers(False)
         r, steps = cache.restore(), train_steps(build_dense_forward(size), size, steps=1)
         print("RESULT " + json.dumps(dict(env=env, work_dir=str(cache.work_dir), miss=r.miss.value,
-                                          saved=cache.save().skipped_reason, stats=cache.stats().to_dict())))
+                                          saved=cache.save().skipped_reason, stats=cache.stats().to_dict(),
+                                          header=header)))
     """)
     assert out["env"] == {"TORCHINDUCTOR_CACHE_DIR": local} and out["work_dir"] == "None"  # not redirected
+    assert out["header"] is True  # prepare_env left torch's default, as an untuned job runs it
     assert out["miss"] == "disabled" and out["saved"] == "compile cache disabled"
     assert out["stats"]["fxgraph_hit"] > 0 and out["stats"]["fxgraph_miss"] == 0  # warm without any archive
     with pytest.raises(ValueError, match="isolate=False"):

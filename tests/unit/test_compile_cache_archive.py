@@ -36,6 +36,9 @@ def test_key_changes_with_what_the_graphs_depend_on(tmp_path):
     assert key != cache_key(key_parts(threads))
     parts = key_parts(base)
     assert parts["device"] == "cpu" and parts["torch"] and parts["python"]
+    # inductor's precompiled-header switch is in its own graph key: archives made with the header
+    # (before env.skip_precompiled_headers) have another key, and are not restored to miss
+    assert parts["cpp_precompiled_headers"] == "off"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -151,3 +154,33 @@ def test_a_pooled_worker_replaces_a_damaged_archive_once(tmp_path):
     assert saves == [True] and verify(dest)  # replaced, whatever the restore said was up to date
     _repair(cache)
     assert saves == [True]  # once
+
+
+def test_compile_settings_apply_in_the_thread_that_compiles(tmp_path, monkeypatch):
+    """torch 2.13 keeps a config setting per context: a rank set them at its start, in the
+    actor's thread, and compiled in an init thread with torch's defaults (the archive carried the
+    ~150 MB precompiled header, the PGO job id was unset). `apply_settings`, which every compile
+    calls first (`compile_dense_step`), sets them where it runs, and only there."""
+    import threading
+
+    import torch
+
+    from ettflow.trainer import _torch_compat as compat
+    from ettflow.trainer.compile import CompileCache
+
+    for var in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "TORCH_COMPILE_JOB_ID"):
+        monkeypatch.setenv(var, "")  # so that the undo removes what apply_settings sets for children
+        monkeypatch.delenv(var)
+    cache = CompileCache(CompileCacheConfig(root=tmp_path, model=asdict(SIZE)))
+    before = compat.precompile_headers_setting(), torch.compiler.config.job_id
+    seen = {}
+
+    def compiling_thread():
+        cache.apply_settings()
+        seen.update(header=compat.precompile_headers_setting(), job=torch.compiler.config.job_id)
+
+    t = threading.Thread(target=compiling_thread)
+    t.start()
+    t.join()
+    assert seen == {"header": False, "job": f"ettflow-{cache.key}"}
+    assert (compat.precompile_headers_setting(), torch.compiler.config.job_id) == before  # not this thread's

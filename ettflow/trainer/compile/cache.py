@@ -15,9 +15,10 @@ writable by others (`trust.py`), and the archive matches its manifest's SHA-256 
 otherwise the restore is a miss (`RestoreMiss.UNTRUSTED` / `UNVERIFIED`), logged with the fix.
 
 What a warm CPU restart needs (measured by leaving each out): the FX-graph and AOTAutograd
-cache entries, the kernel libraries (`<xx>/<hash>.so`: without them all are rebuilt) and the
-precompiled header (`precompiled_headers/<hash>.h.gch`: rebuilt in ~10 s). Sources (.cpp,
-.py, .h) and the PGO state are regenerated cheaply. The mega-cache artifacts
+cache entries and the kernel libraries (`<xx>/<hash>.so`: without them all are rebuilt).
+Sources (.cpp, .py, .h) and the PGO state are regenerated cheaply. A process with the archive
+compiles without inductor's precompiled header (`env.skip_precompiled_headers`: ~150 MB that
+each archive carried and each warm process restored, for a cold compile's sake). The mega-cache artifacts
 (`torch.compiler.save_cache_artifacts`) duplicate the FX-graph/AOTAutograd/PGO entries;
 they are stored too (`mega_cache=True`) so an archive from a torch that moved its folders
 still yields cache hits, but alone they leave every C++ kernel and the header to rebuild.
@@ -112,13 +113,23 @@ class CompileCache:
             atexit.register(self.cleanup)  # a SIGKILLed rank's folder goes at the next start
         trust.make_private_dir(self.work_dir)
         self.env = env.redirect_compile_dirs(self.work_dir)
-        env.set_job_id(f"ettflow-{self.key}")
         env.pin_threads(self.config.threads)
         counter = process_recompile_counter()
         self._baseline = read_counters()
         self._base_compiles, self._base_recompiles = counter.compiles, counter.recompiles
         self._restored = set(self._built_files())
+        self.apply_settings()
         return dict(self.env)
+
+    def apply_settings(self) -> None:
+        """Set the PGO job id and, with the archive, compile without the precompiled header (the key
+        says so: config.PRECOMPILED_HEADERS; without the archive, torch's default). torch 2.13 keeps
+        a config setting in a context variable: one made in another thread (the actor's start) is
+        not seen by a compile in a rank's init thread, so every compile calls this first
+        (`compiled.compile_dense_step`)."""
+        env.set_job_id(f"ettflow-{self.key}")
+        if self.config.enabled:
+            env.skip_precompiled_headers()
 
     def restore(self) -> RestoreResult:
         """Unpack this key's archive into the working folder if it can be trusted (see the module

@@ -32,10 +32,13 @@ def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: Traine
                        device: torch.device) -> torch.nn.Module:
     """`dense_step` compiled by one forward and backward on `batch` with random embeddings;
     nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm.
-    With the compile cache, inductor's CPU ISA check is made once per host (`vec_isa.py`)."""
+    With the compile cache, the process's compile settings apply in this thread (`cache.py`) and
+    inductor's CPU ISA check is made once per host (`vec_isa.py`)."""
     if config.switches.compile_cache:
+        from .process_cache import prepare_compile_env
         from .vec_isa import settle_for
 
+        prepare_compile_env(config).apply_settings()  # in this thread's context (cache.py says why)
         settle_for(config.compile_cache_dir)
     compiled = compile_module(dense_step)
     b = batch.to(device)

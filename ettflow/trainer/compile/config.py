@@ -21,6 +21,10 @@ from typing import Any
 from .vec_isa import ISA_CHECK
 
 ARCHIVE_FORMAT = 1  # bump when the archive layout changes: old archives then just miss
+# inductor's precompiled header in a process with the archive: off (env.skip_precompiled_headers).
+# The switch is part of inductor's own FX-graph key, so it is part of the archive's: an archive
+# compiled with the header (~150 MB of it) would mostly miss in a process without it
+PRECOMPILED_HEADERS = "off"
 CODECS = ("gz", "none")
 
 
@@ -38,12 +42,12 @@ class CompileCacheConfig:
 
     root: str | Path
     enabled: bool = True
-    max_bytes: int = 256 * 2**20  # archive bound (compressed); a CPU archive is ~30 MB
+    max_bytes: int = 256 * 2**20  # archive bound (as stored); the default DLRM's CPU archive is ~2 MB
     model: Mapping[str, Any] = field(default_factory=dict)  # model config + fixed shapes
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     threads: int = 1  # torch intra-op threads, pinned by prepare_env: the same on every rank
     codec: str = "gz"
-    compresslevel: int = 1  # gzip 1 packs the 150 MB CPU header in ~2 s; 6 saves 15% for 2x
+    compresslevel: int = 1  # gzip's level for codec "gz"
     mega_cache: bool = True  # also store torch.compiler.save_cache_artifacts() (see cache.py)
     keep_archives: int = 4  # archives of other keys kept in root (oldest removed first)
     work_dir: str | Path | None = None
@@ -118,6 +122,7 @@ def key_parts(config: CompileCacheConfig) -> dict[str, Any]:
         "python": ".".join(map(str, sys.version_info[:3])),
         "machine": platform.machine(),
         "cpu_isa_check": ISA_CHECK,  # inductor's ISA switch, part of its own key (vec_isa.py)
+        "cpp_precompiled_headers": PRECOMPILED_HEADERS,
     }
 
 

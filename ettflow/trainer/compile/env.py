@@ -1,11 +1,21 @@
-"""Point every folder inductor writes compiled artifacts to into one working folder.
+"""Point every folder inductor writes compiled artifacts to into one working folder, and leave
+out the precompiled header.
 
 On CPU a warm restart needs, besides the FX-graph and AOTAutograd cache entries, the built
-kernel libraries (`<cache>/<xx>/<hash>.so`, found by a hash of their source and flags) and the
-precompiled header (`<hash>.h.gch`, ~150 MB, rebuilt in ~10 s when missing). Inductor puts the
-header in `default_cache_dir()/precompiled_headers` (a folder under the temp dir computed at
-import, deliberately outside TORCHINDUCTOR_CACHE_DIR), so it is redirected here too. On CUDA,
-Triton's binaries land in TRITON_CACHE_DIR, also pointed inside the folder.
+kernel libraries (`<cache>/<xx>/<hash>.so`, found by a hash of their source and flags). On
+CUDA, Triton's binaries land in TRITON_CACHE_DIR, also pointed inside the folder.
+
+Inductor's precompiled header (`cpp_cache_precompile_headers`, on by default) is turned off in a
+process with the archive (`skip_precompiled_headers`): the header (`<hash>.h.gch`) was ~156 MB of
+every 158 MB CPU archive, which every warm process restored (the README job's warm refresh:
+1.7-2.2 s of restore on its critical path, both ranks unpacking at once; 0.8 s without it), and
+with it on, every new process preprocesses the header and hashes the result before loading its
+first kernel, hit or not. What it costs: a cold compile, each kernel parsing the header itself,
+about a quarter slower (BENCHMARKS.md, `python -m ettflow.bench.precompiled_header`); a model
+compiles cold once per key, and warm many times. Inductor still puts
+a header, where one is built (a process without the archive that isolates its folders, or a
+user's setting), in `default_cache_dir()/precompiled_headers` (a folder under the temp dir
+computed at import, outside TORCHINDUCTOR_CACHE_DIR), so that folder is redirected here too.
 
 Must run before torch compiles anything in the process: some paths are memoized on first use.
 """
@@ -70,6 +80,13 @@ def redirect_precompiled_headers(header_dir: Path) -> str:
     return compat.redirect_precompiled_header_dir(header_dir)
 
 
+def skip_precompiled_headers() -> None:
+    """Compile without inductor's precompiled header (the module docstring says why); the
+    environment variable too, for any child process that imports inductor."""
+    os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
+    compat.set_precompile_headers(False)
+
+
 def set_job_id(job_id: str) -> None:
     """PGO (automatic dynamic shapes) state is only kept across processes under a job id."""
     os.environ["TORCH_COMPILE_JOB_ID"] = job_id
@@ -81,7 +98,7 @@ WORK_PREFIX = "ettflow-pt2-"
 
 def make_work_dir(parent: str | None = None) -> Path:
     """A fresh working folder named after this process (`ettflow-pt2-<pid>-<random>`), after
-    removing those of processes that are gone (a killed rank cannot clean up its ~150 MB)."""
+    removing those of processes that are gone (a killed rank cannot clean up its folder)."""
     parent_dir = Path(parent or tempfile.gettempdir())
     sweep_orphan_work_dirs(parent_dir)
     return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=parent_dir))

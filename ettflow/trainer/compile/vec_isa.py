@@ -189,11 +189,15 @@ def settled() -> Outcome | None:
 
 
 def settle_for(compile_cache_dir: Path) -> Outcome:
-    """This process's decision, made on the first call (before its first compile) and kept."""
+    """This process's decision, made on the first call (before its first compile) and kept; the
+    switch it set is set again on each later call, since torch 2.13 keeps a config setting per
+    context (thread): a compile in another thread would otherwise check again, under another key."""
     global _SETTLED
-    if _SETTLED is None:
-        from ettflow.trainer import _torch_compat as compat
+    from ettflow.trainer import _torch_compat as compat
 
+    if _SETTLED is None:
         _SETTLED = settle(Path(compile_cache_dir) / RECORD_DIR, this_host(), check=compat.valid_cpu_isas,
                           set_ok=compat.set_vec_isa_ok, user_set=compat.vec_isa_ok_setting() is not None)
+    elif _SETTLED.check in (IsaCheck.RECORDED, IsaCheck.CHECKED):
+        compat.set_vec_isa_ok()
     return _SETTLED
