@@ -18,10 +18,10 @@ What a warm CPU restart needs (measured by leaving each out): the FX-graph and A
 cache entries and the kernel libraries (`<xx>/<hash>.so`: without them all are rebuilt).
 Sources (.cpp, .py, .h) and the PGO state are regenerated cheaply. A process with the archive
 compiles without inductor's precompiled header (`env.skip_precompiled_headers`: ~150 MB that
-each archive carried and each warm process restored, for a cold compile's sake). The mega-cache artifacts
+only speeds up a cold compile, which each archive carried to every warm process). The mega-cache artifacts
 (`torch.compiler.save_cache_artifacts`) duplicate the FX-graph/AOTAutograd/PGO entries;
 they are stored too (`mega_cache=True`) so an archive from a torch that moved its folders
-still yields cache hits, but alone they leave every C++ kernel and the header to rebuild.
+still yields cache hits, but alone they leave every C++ kernel to rebuild.
 """
 
 from __future__ import annotations
