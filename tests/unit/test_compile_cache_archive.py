@@ -184,3 +184,47 @@ def test_compile_settings_apply_in_the_thread_that_compiles(tmp_path, monkeypatc
     t.join()
     assert seen == {"header": False, "job": f"ettflow-{cache.key}"}
     assert (compat.precompile_headers_setting(), torch.compiler.config.job_id) == before  # not this thread's
+
+
+def test_the_thread_that_trains_applies_the_settings_its_step_was_compiled_with(tmp_path, monkeypatch):
+    """A rank compiles its step in an init thread and trains in another, where dynamo recompiles
+    by itself on a guard failure: `apply_compile_settings` (called by the compile and by the
+    training loop) gives that thread the job id, the header switch and the ISA switch; with the
+    compile cache off it leaves torch's defaults, as an untuned job has them."""
+    import threading
+    from dataclasses import replace
+
+    import torch
+
+    from ettflow.trainer import _torch_compat as compat
+    from ettflow.trainer.compile import CompileCache, process_cache, vec_isa
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+
+    for var in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "TORCH_COMPILE_JOB_ID", "TORCHINDUCTOR_VEC_ISA_OK"):
+        monkeypatch.setenv(var, "")  # so that the undo removes what apply_settings sets for children
+        monkeypatch.delenv(var)
+    config = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
+    cache = CompileCache(process_cache.cache_config(config))  # the process's handle, not prepared:
+    monkeypatch.setattr(process_cache, "_CACHE", cache)  # this test's process keeps its own folders
+    monkeypatch.setattr(vec_isa, "_SETTLED", vec_isa.Outcome(vec_isa.IsaCheck.RECORDED))  # decided earlier
+
+    def seen_in_a_new_thread(cfg: TrainerConfig) -> tuple:
+        seen = []
+
+        def training_thread():
+            process_cache.apply_compile_settings(cfg)
+            seen.append((compat.precompile_headers_setting(), torch.compiler.config.job_id,
+                         compat.vec_isa_ok_setting()))
+
+        t = threading.Thread(target=training_thread)
+        t.start()
+        t.join()
+        return seen[0]
+
+    defaults = (compat.precompile_headers_setting(), torch.compiler.config.job_id, compat.vec_isa_ok_setting())
+    assert seen_in_a_new_thread(config) == (False, f"ettflow-{cache.key}", True)
+    off = replace(config, switches=replace(config.switches, compile_cache=False))
+    assert seen_in_a_new_thread(off) == defaults
+    assert (compat.precompile_headers_setting(), torch.compiler.config.job_id,
+            compat.vec_isa_ok_setting()) == defaults  # nothing leaked into this thread

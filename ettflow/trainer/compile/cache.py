@@ -125,8 +125,8 @@ class CompileCache:
         """Set the PGO job id and, with the archive, compile without the precompiled header (the key
         says so: config.PRECOMPILED_HEADERS; without the archive, torch's default). torch 2.13 keeps
         a config setting in a context variable: one made in another thread (the actor's start) is
-        not seen by a compile in a rank's init thread, so every compile calls this first
-        (`compiled.compile_dense_step`)."""
+        not seen by a compile in a rank's init thread, so every thread that may compile calls
+        this first (`process_cache.apply_compile_settings`)."""
         env.set_job_id(f"ettflow-{self.key}")
         if self.config.enabled:
             env.skip_precompiled_headers()

@@ -34,12 +34,9 @@ def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: Traine
     nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm.
     With the compile cache, the process's compile settings apply in this thread (`cache.py`) and
     inductor's CPU ISA check is made once per host (`vec_isa.py`)."""
-    if config.switches.compile_cache:
-        from .process_cache import prepare_compile_env
-        from .vec_isa import settle_for
+    from .process_cache import apply_compile_settings
 
-        prepare_compile_env(config).apply_settings()  # in this thread's context (cache.py says why)
-        settle_for(config.compile_cache_dir)
+    apply_compile_settings(config)  # in this thread's context (process_cache.py says why)
     compiled = compile_module(dense_step)
     b = batch.to(device)
     n_sparse, dim = len(config.schema.sparse), config.model.embedding_dim

@@ -65,6 +65,21 @@ def prepare_compile_env(config: TrainerConfig) -> CompileCache:
     return _CACHE
 
 
+def apply_compile_settings(config: TrainerConfig) -> None:
+    """The process's compile settings, applied in the calling thread: torch 2.13 keeps a config
+    setting per context (thread), so every thread that may compile calls this first: the one that
+    compiles the step (`compiled.compile_dense_step`), and the one that trains with it, where dynamo
+    recompiles by itself on a guard failure (`rank/loop.py`). With the compile cache off, nothing
+    (torch's defaults, as an untuned job has them). The ISA check is made on the first call in the
+    process (`vec_isa.py`): the training thread's call comes after the compile's and is cheap."""
+    if not config.switches.compile_cache:
+        return
+    from .vec_isa import settle_for
+
+    prepare_compile_env(config).apply_settings()
+    settle_for(config.compile_cache_dir)
+
+
 def has_archive(config: TrainerConfig) -> bool:
     """Whether a compile of `config` would find its archive (read by name only, from any
     process: nothing is prepared or unpacked)."""

@@ -33,6 +33,7 @@ from ettflow.ett.checkpoint_tier import CheckpointTier
 from ettflow.ett.events import DATA_STALL, FAULT_INJECTED
 from ettflow.ett.failures import Failure, FailureClass, FailureError
 from ettflow.ett.spool import SpoolWriter
+from ettflow.trainer.compile.process_cache import apply_compile_settings
 from ettflow.trainer.config import FailAt, TrainerConfig
 from ettflow.trainer.data.prefetch import found_ready
 from ettflow.trainer.faults import due
@@ -81,6 +82,8 @@ class TrainLoop:
         self.params = dense_parameters(self.dmp)
         compiled = state.compiled_step
         self.step_fn = compiled if compiled is not None else state.dense_step
+        if compiled is not None:  # a recompile in this thread compiles as the step's compile did
+            apply_compile_settings(config)
         # each tier's schedule: durable saves (configured, else chosen after the probe save) and
         # in-memory copies (configured, else chosen after a few steps)
         self.durable = TierSchedule(tier=CheckpointTier.DURABLE, interval=config.checkpoint_every_steps)
