@@ -146,13 +146,12 @@ def compile_cache(flow_work_root, tmp_path_factory, ray_session) -> Path:
     from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 
     from helpers.flows import MODEL
-    from helpers.trainer_runs import config, drive
+    from helpers.trainer_runs import config, drive, session_compile_cache
 
     root = flow_work_root / MODEL / "compile-cache"
-    # under xdist, the first worker builds it in the session's folder that holds every worker's
-    # temp folder, and every worker copies it (each its own: a run that misses writes to it)
-    session_tmp = tmp_path_factory.getbasetemp()
-    shared = (session_tmp.parent if os.environ.get("PYTEST_XDIST_WORKER") else session_tmp) / "compile-cache"
+    # under xdist, the first worker builds it, and every worker copies it (each its own: a run
+    # that misses writes to it)
+    shared = session_compile_cache(tmp_path_factory)
     with FileLock(str(shared) + ".lock"):
         world = shared.with_name("compile-cache-build")
         if not (world / "data").is_dir():

@@ -26,6 +26,7 @@ from helpers.trainer_runs import (
     config,
     drive,
     model_tensors,
+    session_compile_cache,
 )
 
 pytestmark = [pytest.mark.slow]
@@ -120,8 +121,28 @@ def test_a_nan_loss_and_a_sigkill_each_restart_every_rank_exactly_and_warm(train
     assert_same_parameters(result.rank0.anchor, clean_run[0].rank0.anchor, tmp_path)
 
 
+def test_the_sessions_cold_compile_ran_in_one_rank_and_the_other_restored_its_archive(compile_cache,
+                                                                                       tmp_path_factory):
+    """The session's archive was built by a run whose two ranks both missed it: one claimed the
+    key, compiled cold and saved; the other waited for that archive, restored it and compiled warm
+    (compile/cold_claim.py), and no claim is left behind."""
+    from ettflow.ett.spool import read_spool
+
+    shared = session_compile_cache(tmp_path_factory)
+    events = read_spool(shared.with_name("compile-cache-build") / "spool", "compile-cache-build").events
+    turns = {e.rank: e.attrs for e in by(events, "pt2_compile", attempt=0)}
+    assert sorted(a["cold_turn"] for a in turns.values()) == ["compile", "restore"], turns
+    (owner,) = [r for r, a in turns.items() if a["cold_claimed"]]
+    (waiter,) = [r for r, a in turns.items() if not a["cold_claimed"]]
+    # (it may have found the archive already saved when it came to compile: then it waited 0 s)
+    assert turns[waiter]["cold_turn"] == "restore" and turns[waiter]["cold_waited_s"] >= 0, turns
+    assert turns[owner]["cold_why"] == "first to miss", turns
+    assert [e.rank for e in by(events, "compile_cache_save")] == [owner]  # the waiter had nothing to add
+    assert not list(shared.glob("*.compiling"))
+
+
 def test_the_archive_a_rank_saved_holds_no_precompiled_header(compile_cache):
-    """The session's archive, saved by rank 0 after compiling in its init thread: compiled without
+    """The session's archive, saved by the rank that compiled it, in its init thread: compiled without
     inductor's precompiled header (~150 MB the archive carried), though the process set that in
     another thread, the actor's start (torch keeps the setting per thread: cache.apply_settings)."""
     import tarfile

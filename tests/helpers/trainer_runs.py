@@ -37,6 +37,16 @@ def config(world: Path, name: str, compile_cache: Path, **over):
     return TrainerConfig(**base)
 
 
+def session_compile_cache(tmp_path_factory) -> Path:
+    """Where the session's compile-cache archive is built (`conftest.compile_cache`): under xdist,
+    in the folder that holds every worker's temp folder (the first worker builds it; its run's
+    folder is `compile-cache-build` beside it)."""
+    import os
+
+    session_tmp = tmp_path_factory.getbasetemp()
+    return (session_tmp.parent if os.environ.get("PYTEST_XDIST_WORKER") else session_tmp) / "compile-cache"
+
+
 def drive(world: Path, cfg, run_id: str, group_factory=None):
     """Run the driver to the end: (result, spooled events, metrics). The run's in-memory
     keeper is freed afterwards, as the flow's lease does."""

@@ -1,7 +1,10 @@
 """A rank's compile cache around PT2's compile of the dense step: `compile_cache_restore`, an
 init stage of its own while the rank restores its checkpoint (a spare's process restored it
 already: its hit is taken, never restored twice in one process), the compile itself, and
-`compile_cache_save` by rank 0 when the archive missed. The process's cache handle lives in
+`compile_cache_save` when the archive missed. Ranks that miss the same key at once do not all
+compile cold: the first claims the key, compiles and saves; the others wait for its archive,
+restore it and compile warm (`compile/cold_claim.py`; the pt2_compile stage's `cold_*`
+attributes say which, and how long it waited). The process's cache handle lives in
 `compile/process_cache.py`."""
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import time
 import torch
 
 from ettflow.ett.spool import SpoolWriter
+from ettflow.trainer.compile import archive
+from ettflow.trainer.compile.cold_claim import ColdClaim, ColdTurn, Turn, take_turn
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
 from ettflow.trainer.config import TrainerConfig
@@ -29,6 +34,8 @@ class CompilePlugin:
         self.config, self.rank, self.rec = config, rank, rec
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
+        self.seen_archive: int | None = None  # the archive the restore found (its mtime, ns), if any
+        self.cold: ColdTurn | None = None  # how a miss took its turn at the cold compile
         if config.switches.compile and config.switches.compile_cache and warm is not None:
             self.cache_hit = bool(warm.cache_hit)  # a spare restored the archive before it compiled (spare.py)
             if warm.cache_miss:
@@ -48,6 +55,7 @@ class CompilePlugin:
         stage's attributes (a miss is reported, never raised: the compile runs cold)."""
         restored = self.cache.restore()
         self.cache_hit = restored.hit
+        self.seen_archive = _mtime(restored.path)
         return {"hit": restored.hit, "bytes": restored.bytes, "reason": restored.reason,
                 "miss": restored.miss.value if restored.miss is not None else None}
 
@@ -60,16 +68,44 @@ class CompilePlugin:
         the archive missed."""
         if compiled is None and batch is None:
             raise ValueError("compile needs a batch, or the step this process compiled before")
-        compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
-        if self.config.switches.compile_cache and not self.cache_hit and self.rank == 0:
-            # Saved at once, before training: a rank killed early must still leave a warm
-            # cache for its restart (a background save was seen cut short by such a kill).
-            # Every rank compiled the same graphs with the same key: rank 0 stores them.
-            with self.rec.span("compile_cache_save") as attrs:
-                saved = self.cache.save()
-                attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
+        claim = None
+        if compiled is None and self.config.switches.compile_cache and not self.cache_hit:
+            claim = ColdClaim(self.cache.config.root, self.cache.key)
+            self.cold = take_turn(claim, self._new_archive, max_wait_s=self.config.compile_timeout_s / 2)
+            if self.cold.turn is Turn.RESTORE:
+                self.cache_hit = self.cache.restore().hit  # a miss here: compile cold (and save) after all
+        try:
+            compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
+            if self.config.switches.compile_cache and not self.cache_hit and (
+                    self.rank == 0 or (self.cold is not None and self.cold.claimed)):
+                # Saved at once, before training: a rank killed early must still leave a warm
+                # cache for its restart (a background save was seen cut short by such a kill).
+                # Every rank compiled the same graphs with the same key: the claim's owner stores
+                # them, and rank 0 when it compiled cold too.
+                with self.rec.span("compile_cache_save") as attrs:
+                    saved = self.cache.save()
+                    attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
+        finally:
+            if claim is not None:
+                claim.release()  # saved, or the compile failed: a waiter claims the key then
         return compiled
+
+    def _new_archive(self) -> bool:
+        """Whether the key has an archive other than the one this process's restore found."""
+        found = archive.find_archive(self.cache.config.root, self.cache.key)
+        return found is not None and _mtime(found) != self.seen_archive
+
+    def cold_attrs(self) -> dict[str, object]:
+        """The pt2_compile stage's account of a miss's turn (nothing when the archive hit)."""
+        return self.cold.to_attrs() if self.cold is not None else {}
 
     def report(self) -> CompileReport:
         return CompileReport(stats=self.cache.stats(), cache_hit=self.cache_hit)
 
+
+
+def _mtime(path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns if path is not None else None
+    except OSError:
+        return None

@@ -247,7 +247,7 @@ class TrainerSession:
                 return {"batch": "none: no data to train"}
         self.state.compiled_step = compiler.compile(self.state.dense_step, self.state.device, batch)
         isa = settled()
-        return {"batch": source, **(isa.to_attrs() if isa is not None else {})}
+        return {"batch": source, **(isa.to_attrs() if isa is not None else {}), **compiler.cold_attrs()}
 
     # ---- the whole rank -----------------------------------------------------------------
     def _watched(self, name: str, run):
