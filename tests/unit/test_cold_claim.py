@@ -122,3 +122,25 @@ def test_a_claim_being_written_is_nobodys_yet_and_never_stale(tmp_path):
     waiter.path.write_text("")  # created by O_EXCL, its record not written yet
     owner = waiter.owner()
     assert owner is not None and owner.pid == 0 and not waiter.stale(owner, 0)
+
+
+def test_a_miss_takes_a_turn_only_where_anothers_archive_could_be_restored(tmp_path):
+    """An untrusted root or archive would refuse the owner's archive too: no claim, no wait (each
+    process compiles, as before); a missing or damaged archive takes a turn."""
+    from dataclasses import asdict
+
+    from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+    from ettflow.trainer.compile.cache import RestoreMiss, RestoreResult
+    from ettflow.trainer.compile.cold_claim import turn_after_miss
+    from ettflow.trainer.compile.probe_cold_warm import DenseSize
+
+    cache = CompileCache(CompileCacheConfig(root=tmp_path, model=asdict(DenseSize(batch=8, sparse=2, dim=4,
+                                                                                  dense_arch=(4,), over_arch=(4, 1)))))
+    untrusted = RestoreResult(hit=False, miss=RestoreMiss.UNTRUSTED, reason="writable by others")
+    assert turn_after_miss(cache, untrusted, max_wait_s=60) == (None, None, False)
+    assert not list(tmp_path.glob("*.compiling"))
+    claim, turn, hit = turn_after_miss(cache, RestoreResult(hit=False, miss=RestoreMiss.NO_ARCHIVE), max_wait_s=60)
+    assert (turn.turn, turn.claimed, hit) == (Turn.COMPILE, True, False)
+    assert claim.path == tmp_path / f"pt2-{cache.key}.compiling" and claim.path.exists()
+    claim.release()
+    assert not claim.path.exists()

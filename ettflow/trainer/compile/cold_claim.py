@@ -3,8 +3,13 @@ ranks on one host, a spare beside them, runs of one model sharing the cache's ro
 compile the same graphs cold, on the same CPUs. The first to claim the key compiles and saves its
 archive; the others wait for it, restore it and compile warm.
 
-    turn = take_turn(ColdClaim(root, key), archive_ready, max_wait_s=...)
-    COMPILE: compile cold (and save, then `release`); RESTORE: the archive is there, restore it
+    claim, turn, hit = turn_after_miss(cache, restored, max_wait_s=...)  # after a restore's miss
+    COMPILE: compile cold (claimed: save, then `release`); RESTORE: another's archive was
+    restored (`hit`), compile warm
+
+A rank takes its turn in its pt2_compile stage (`rank/compile_plugin.py`), a spare or pooled
+worker in its prewarm (`rank/spare.py`). A miss whose cause another's archive would meet too (an
+untrusted root or archive) takes no turn: each process compiles, as before.
 
 The claim is a file beside the archives (`pt2-<key>.compiling`, made with O_EXCL) naming its owner
 (host, pid, when, a token). The owner removes it once its archive is saved, or when its compile
@@ -30,8 +35,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from . import archive
 from .trust import make_private_dir
+
+if TYPE_CHECKING:
+    from .cache import CompileCache, RestoreResult
 
 SUFFIX = ".compiling"
 POLL_S = 0.25
@@ -160,3 +170,32 @@ def take_turn(claim: ColdClaim, archive_ready: Callable[[], bool], *, max_wait_s
             return ColdTurn(Turn.COMPILE, waited_s=waited, owner=waited_for,
                             why=f"no archive within {max_wait_s:.0f} s: compiled beside its owner")
         sleep(poll_s)
+
+
+def turn_after_miss(cache: CompileCache, restored: RestoreResult, *,
+                    max_wait_s: float) -> tuple[ColdClaim | None, ColdTurn | None, bool]:
+    """For a process whose restore missed: its turn at the key's cold compile, and whether it then
+    restored another's archive (a hit). Release the claim after compiling and saving, in a
+    `finally` (a failed compile hands the turn on). No turn (None, None, False) where another's
+    archive would be refused as well (an untrusted root or archive: each process compiles)."""
+    from .cache import RestoreMiss
+
+    if restored.miss not in (RestoreMiss.NO_ARCHIVE, RestoreMiss.UNVERIFIED, RestoreMiss.UNREADABLE):
+        return None, None, False
+    claim = ColdClaim(cache.config.root, cache.key)
+    seen_mtime = _mtime(restored.path)  # the archive it refused, if any
+
+    def new_archive() -> bool:
+        found = archive.find_archive(cache.config.root, cache.key)
+        return found is not None and _mtime(found) != seen_mtime
+
+    turn = take_turn(claim, new_archive, max_wait_s=max_wait_s)
+    hit = turn.turn is Turn.RESTORE and cache.restore().hit  # a miss here: compile cold after all
+    return claim, turn, hit
+
+
+def _mtime(path: Path | None) -> int | None:
+    try:
+        return path.stat().st_mtime_ns if path is not None else None
+    except OSError:
+        return None

@@ -14,8 +14,7 @@ import time
 import torch
 
 from ettflow.ett.spool import SpoolWriter
-from ettflow.trainer.compile import archive
-from ettflow.trainer.compile.cold_claim import ColdClaim, ColdTurn, Turn, take_turn
+from ettflow.trainer.compile.cold_claim import ColdTurn, turn_after_miss
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
 from ettflow.trainer.config import TrainerConfig
@@ -34,7 +33,7 @@ class CompilePlugin:
         self.config, self.rank, self.rec = config, rank, rec
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
-        self.seen_archive: int | None = None  # the archive the restore found (its mtime, ns), if any
+        self.missed = None  # the restore's RestoreResult when it missed
         self.cold: ColdTurn | None = None  # how a miss took its turn at the cold compile
         if config.switches.compile and config.switches.compile_cache and warm is not None:
             self.cache_hit = bool(warm.cache_hit)  # a spare restored the archive before it compiled (spare.py)
@@ -55,7 +54,7 @@ class CompilePlugin:
         stage's attributes (a miss is reported, never raised: the compile runs cold)."""
         restored = self.cache.restore()
         self.cache_hit = restored.hit
-        self.seen_archive = _mtime(restored.path)
+        self.missed = None if restored.hit else restored
         return {"hit": restored.hit, "bytes": restored.bytes, "reason": restored.reason,
                 "miss": restored.miss.value if restored.miss is not None else None}
 
@@ -69,11 +68,9 @@ class CompilePlugin:
         if compiled is None and batch is None:
             raise ValueError("compile needs a batch, or the step this process compiled before")
         claim = None
-        if compiled is None and self.config.switches.compile_cache and not self.cache_hit:
-            claim = ColdClaim(self.cache.config.root, self.cache.key)
-            self.cold = take_turn(claim, self._new_archive, max_wait_s=self.config.compile_timeout_s / 2)
-            if self.cold.turn is Turn.RESTORE:
-                self.cache_hit = self.cache.restore().hit  # a miss here: compile cold (and save) after all
+        if compiled is None and self.missed is not None:
+            claim, self.cold, self.cache_hit = turn_after_miss(self.cache, self.missed,
+                                                               max_wait_s=self.config.compile_timeout_s / 2)
         try:
             compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
             if self.config.switches.compile_cache and not self.cache_hit and (
@@ -90,11 +87,6 @@ class CompilePlugin:
                 claim.release()  # saved, or the compile failed: a waiter claims the key then
         return compiled
 
-    def _new_archive(self) -> bool:
-        """Whether the key has an archive other than the one this process's restore found."""
-        found = archive.find_archive(self.cache.config.root, self.cache.key)
-        return found is not None and _mtime(found) != self.seen_archive
-
     def cold_attrs(self) -> dict[str, object]:
         """The pt2_compile stage's account of a miss's turn (nothing when the archive hit)."""
         return self.cold.to_attrs() if self.cold is not None else {}
@@ -103,9 +95,3 @@ class CompilePlugin:
         return CompileReport(stats=self.cache.stats(), cache_hit=self.cache_hit)
 
 
-
-def _mtime(path) -> int | None:
-    try:
-        return path.stat().st_mtime_ns if path is not None else None
-    except OSError:
-        return None

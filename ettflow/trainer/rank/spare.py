@@ -24,6 +24,7 @@ from torch import nn
 
 from ettflow.trainer.compile.archive import ArchiveUnverified, find_archive, verify
 from ettflow.trainer.compile.cache import CompileCache, RestoreMiss
+from ettflow.trainer.compile.cold_claim import turn_after_miss
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
 from ettflow.trainer.config import TrainerConfig
@@ -61,14 +62,24 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
     compiled = None
     cache_hit, refused = None, None
     if config.switches.compile:
+        claim = turn = None
         if config.switches.compile_cache:
             cache = prepare_compile_env(config)
             restored = cache.restore()
             cache_hit = restored.hit
             refused = restored if restored.miss in REPAIRABLE else None
-        compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config, device)
-        if refused is not None:
-            _repair(cache)
+            if not cache_hit:  # the pool's workers prewarm at once: one compiles cold (cold_claim.py)
+                claim, turn, cache_hit = turn_after_miss(cache, restored, max_wait_s=config.compile_timeout_s / 2)
+        try:
+            compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config,
+                                          device)
+            if refused is not None:
+                _repair(cache)
+            elif turn is not None and turn.claimed:  # the waiters restore what it saves
+                cache.save()
+        finally:
+            if claim is not None:
+                claim.release()
     compiled_at = time.time()
     read_footers(config)
     return WarmSpare(device=device, dense_step=dense_step, dense_opt=dense_opt, compiled_step=compiled,
