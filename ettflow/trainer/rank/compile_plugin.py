@@ -14,6 +14,7 @@ import time
 import torch
 
 from ettflow.ett.spool import SpoolWriter
+from ettflow.trainer.compile.cache import RestoreResult
 from ettflow.trainer.compile.cold_claim import ColdTurn, turn_after_miss
 from ettflow.trainer.compile.compiled import compile_dense_step
 from ettflow.trainer.compile.process_cache import prepare_compile_env
@@ -33,7 +34,7 @@ class CompilePlugin:
         self.config, self.rank, self.rec = config, rank, rec
         self.cache = prepare_compile_env(config)
         self.cache_hit = False
-        self.missed = None  # the restore's RestoreResult when it missed
+        self.missed: RestoreResult | None = None  # the restore's result when it missed
         self.cold: ColdTurn | None = None  # how a miss took its turn at the cold compile
         if config.switches.compile and config.switches.compile_cache and warm is not None:
             self.cache_hit = bool(warm.cache_hit)  # a spare restored the archive before it compiled (spare.py)
@@ -69,16 +70,14 @@ class CompilePlugin:
             raise ValueError("compile needs a batch, or the step this process compiled before")
         claim = None
         if compiled is None and self.missed is not None:
+            # a live owner is waited for until it releases; the phase's watchdog bound is the last one
             claim, self.cold, self.cache_hit = turn_after_miss(self.cache, self.missed,
-                                                               max_wait_s=self.config.compile_timeout_s / 2)
+                                                               max_wait_s=self.config.compile_timeout_s)
         try:
             compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
-            if self.config.switches.compile_cache and not self.cache_hit and (
-                    self.rank == 0 or (self.cold is not None and self.cold.claimed)):
+            if self.config.switches.compile_cache and not self.cache_hit and self._saves():
                 # Saved at once, before training: a rank killed early must still leave a warm
                 # cache for its restart (a background save was seen cut short by such a kill).
-                # Every rank compiled the same graphs with the same key: the claim's owner stores
-                # them, and rank 0 when it compiled cold too.
                 with self.rec.span("compile_cache_save") as attrs:
                     saved = self.cache.save()
                     attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
@@ -87,11 +86,18 @@ class CompilePlugin:
                 claim.release()  # saved, or the compile failed: a waiter claims the key then
         return compiled
 
+    def _saves(self) -> bool:
+        """Every process that missed compiled the same graphs with the same key; one stores them:
+        the claim's owner, else rank 0 where no owner was (no turn taken, or the owner left no
+        archive). Never two at once: two saves racing can pair one's archive with the other's
+        manifest (`archive.pack`), and every restore would refuse it."""
+        if self.cold is None:
+            return self.rank == 0
+        return self.cold.claimed or (self.rank == 0 and self.cold.orphaned)
+
     def cold_attrs(self) -> dict[str, object]:
         """The pt2_compile stage's account of a miss's turn (nothing when the archive hit)."""
         return self.cold.to_attrs() if self.cold is not None else {}
 
     def report(self) -> CompileReport:
         return CompileReport(stats=self.cache.stats(), cache_hit=self.cache_hit)
-
-

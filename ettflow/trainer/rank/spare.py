@@ -69,7 +69,7 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
             cache_hit = restored.hit
             refused = restored if restored.miss in REPAIRABLE else None
             if not cache_hit:  # the pool's workers prewarm at once: one compiles cold (cold_claim.py)
-                claim, turn, cache_hit = turn_after_miss(cache, restored, max_wait_s=config.compile_timeout_s / 2)
+                claim, turn, cache_hit = turn_after_miss(cache, restored, max_wait_s=config.compile_timeout_s)
         try:
             compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config,
                                           device)
