@@ -83,7 +83,7 @@ class CompilePlugin:
                     attrs.update(bytes=saved.bytes, skipped=saved.skipped_reason)
         finally:
             if claim is not None:
-                claim.release()  # saved, or the compile failed: a waiter claims the key then
+                claim.release()  # saved, or the compile failed (then its waiters compile, each)
         return compiled
 
     def _saves(self) -> bool:
