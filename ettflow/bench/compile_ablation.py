@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .child import emit, run_child
 
 MODES = ("whole-model", "dense-step", "warm-restart")
 PREFIX = "ABLATION_RESULT "
@@ -82,13 +82,9 @@ def run_ablation(data: Path, *, batches: int = 8, batch_size: int = 256) -> list
     rows = []
     with tempfile.TemporaryDirectory(prefix="ettflow-ablation-") as tmp:
         for mode in MODES:
-            cmd = [sys.executable, "-m", "ettflow.bench.compile_ablation", "child", mode, str(data),
-                   str(Path(tmp) / "archives"), str(batches), str(batch_size)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PREFIX)]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"compile ablation {mode} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            rows.append(json.loads(lines[-1][len(PREFIX):]))
+            rows.append(run_child("ettflow.bench.compile_ablation",
+                                  ["child", mode, str(data), str(Path(tmp) / "archives"), str(batches),
+                                   str(batch_size)], PREFIX, f"compile ablation {mode}"))
     return rows
 
 
@@ -96,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
         mode, data, root, batches, batch_size = argv[1:6]
-        print(PREFIX + json.dumps(_child(mode, Path(data), Path(root), int(batches), int(batch_size))), flush=True)
+        emit(PREFIX, _child(mode, Path(data), Path(root), int(batches), int(batch_size)))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)

@@ -15,13 +15,13 @@ only when a warm process missed the archive or did not take the path it was mean
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .child import emit, run_child
 
 RESULT = "ISA_CHECK_RESULT "
 
@@ -57,12 +57,8 @@ def child(root: Path, batch_size: int) -> dict:
 
 
 def _spawn(root: Path, batch_size: int) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "ettflow.bench.isa_check", "--child", str(root),
-                           "--batch-size", str(batch_size)], capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the compile process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    return run_child("ettflow.bench.isa_check", ["--child", str(root), "--batch-size", str(batch_size)], RESULT,
+                     "the compile process")
 
 
 def run(pairs: int, batch_size: int) -> int:
@@ -105,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
-        print(RESULT + json.dumps(child(args.child, args.batch_size)), flush=True)
+        emit(RESULT, child(args.child, args.batch_size))
         return 0
     if args.pairs < 1:
         p.error("--pairs must be at least 1")

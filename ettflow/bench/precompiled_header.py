@@ -15,13 +15,13 @@ own clock).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .child import emit, run_child
 
 RESULT = "HEADER_BENCH_RESULT "
 SIDES = ("header", "no header")
@@ -60,13 +60,9 @@ def child(root: Path, header: bool, batch_size: int) -> dict:
 
 
 def _spawn(root: Path, header: bool, batch_size: int) -> dict:
-    argv = [sys.executable, "-m", "ettflow.bench.precompiled_header", "--child", str(root),
-            "--batch-size", str(batch_size)] + (["--header"] if header else [])
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the compile process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    return run_child("ettflow.bench.precompiled_header",
+                     ["--child", str(root), "--batch-size", str(batch_size)] + (["--header"] if header else []),
+                     RESULT, "the compile process")
 
 
 def _spread(values: list[float]) -> str:
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--header", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
-        print(RESULT + json.dumps(child(args.child, args.header, args.batch_size)), flush=True)
+        emit(RESULT, child(args.child, args.header, args.batch_size))
         return 0
     if args.cold < 1 or args.warm < 1:
         p.error("--cold and --warm must be at least 1")
