@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .child import emit, run_child
+from ettflow.child import emit, run_child
 
 MODES = ("whole-model", "dense-step", "warm-restart")
 PREFIX = "ABLATION_RESULT "

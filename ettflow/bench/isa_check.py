@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .child import emit, run_child
+from ettflow.child import emit, run_child
 
 RESULT = "ISA_CHECK_RESULT "
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .child import emit, run_child
+from ettflow.child import emit, run_child
 
 RESULT = "HEADER_BENCH_RESULT "
 SIDES = ("header", "no header")

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ettflow import child
 
 MODES = ("cold", "mega-only", "warm")
 RESULT_PREFIX = "PROBE_RESULT "
@@ -162,13 +163,9 @@ def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, 
 
 
 def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
-    cmd = [sys.executable, "-m", "ettflow.trainer.compile.probe_cold_warm", "child", mode,
-           str(root), str(work), json.dumps(asdict(size)), str(threads), device]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"probe child {mode} failed (rc {proc.returncode}):\n{proc.stderr}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return child.run_child("ettflow.trainer.compile.probe_cold_warm",
+                           ["child", mode, str(root), str(work), json.dumps(asdict(size)), str(threads), device],
+                           RESULT_PREFIX, f"probe child {mode}")
 
 
 def table(rows: list[dict]) -> str:
@@ -195,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         mode, root, work, size_json, threads, device = argv[1:7]
         result = run_child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)),
                            int(threads), device)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        child.emit(RESULT_PREFIX, result)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in asdict(DenseSize()).items():

@@ -1,7 +1,8 @@
-"""A bench's measurement in a fresh Python process: the child prints its result as one marked
-JSON line (`emit`), the parent runs it and reads the last such line (`run_child`). A fresh
-process because what these benches measure (imports, a cold or warm compile, inductor's folders)
-is per process."""
+"""A measurement in a fresh Python process: the child prints its result as one marked JSON line
+(`emit`), the parent runs it and reads the last such line (`run_child`). A fresh process because
+what the benches and the compile probe measure (imports, a cold or warm compile, inductor's
+folders) is per process. Here, not under `bench`, because the trainer's compile probe uses it
+too, and the trainer does not import the bench."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""The benches' fresh-process measurements (bench/child.py): the parent takes the last result the
-child emitted, and a child that failed or emitted nothing is an error naming it, with its stderr."""
+"""Measurements in a fresh process (ettflow/child.py: the benches and the compile probe): the
+parent takes the last result the child emitted, and a child that failed or emitted nothing is an
+error naming it, with its stderr."""
 
 from __future__ import annotations
 
 import pytest
 
-from ettflow.bench.child import run_child
+from ettflow.child import run_child
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def module(tmp_path, monkeypatch):
 
 
 def test_the_last_result_the_child_emitted_is_taken(module):
-    name = module("import sys\nfrom ettflow.bench.child import emit\n"
+    name = module("import sys\nfrom ettflow.child import emit\n"
                   "print('noise'); emit('R ', {'n': 1}); emit('R ', {'n': int(sys.argv[1])})\n")
     assert run_child(name, ["7"], "R ", "the probe") == {"n": 7}
 
