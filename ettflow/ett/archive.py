@@ -126,13 +126,15 @@ CACHE_DAMAGE = ("untrusted", "unverified", "unreadable")
 
 def cache_refusal_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     """The row's record of compile-cache archives refused (empty when none): each distinct
-    refusal once, with the first attempt and rank that met it; those ranks compiled cold."""
+    refusal once, with the first attempt and rank that met it. A rank compiled cold; a pooled
+    worker's prewarm (`pooled`) says what became of it (`repair`)."""
     found: dict[str, dict[str, Any]] = {}
     for e in sorted(events, key=lambda e: (e.attempt, e.rank, e.start)):
         if e.phase == "compile_cache_restore" and e.info.miss in CACHE_DAMAGE:
             found.setdefault(str(e.info.reason), {"attempt": e.attempt, "rank": e.rank, "miss": e.info.miss,
                                                   "reason": e.info.reason,
-                                                  **({"pooled": True} if e.info.pooled else {})})
+                                                  **({"pooled": True} if e.info.pooled else {}),
+                                                  **({"repair": e.info.repair} if e.info.repair else {})})
     return {"compile_cache_refused": list(found.values())} if found else {}
 
 

@@ -198,11 +198,13 @@ class PublishAttrs(EventAttrs):
 @dataclass(frozen=True, kw_only=True)
 class CompileRestoreAttrs(EventAttrs):
     """`compile_cache_restore`: its miss (None: a hit) and why; `pooled`: met by the prewarm of
-    the pooled worker the rank is (before the run: a zero-length record of it)."""
+    the pooled worker the rank is (before the run: a zero-length record of it), and `repair`
+    what became of the damaged archive then (`trainer.protocol.Repair`'s value)."""
 
     miss: str | None = None
     reason: str | None = None
     pooled: bool = False
+    repair: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

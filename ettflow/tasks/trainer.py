@@ -30,12 +30,22 @@ from ettflow.trainer.classify import stop_signal
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision
 from ettflow.trainer.group.stop_request import DeferredStop, StopRequested, note_stop
-from ettflow.trainer.protocol import RankResult
+from ettflow.trainer.protocol import RankResult, Repair
 
 from . import run_spool
 from .archive import archive_on_task_state
 from .lease import TrainerLease
 from .progress import ProgressReporter
+
+# the run's warning on a damaged compile-cache archive its pooled worker met before the run, by
+# what became of it (a record without `repair`, from before it was kept, reads as `REPLACED`)
+POOLED_REPAIR = {
+    Repair.REPLACED.value: "its pooled worker compiled cold before the run and replaced it",
+    Repair.REPLACED_BY_ANOTHER.value: "its pooled worker compiled cold before the run; another worker had replaced it",
+    Repair.RESTORED_REPLACEMENT.value: ("another of the pool's workers compiled cold and replaced it; this rank's "
+                                        "worker restored that and compiled warm"),
+    Repair.NOT_REPLACED.value: "its pooled worker compiled cold before the run; the archive could not be replaced",
+}
 
 if TYPE_CHECKING:  # ray is imported when a trainer is reserved, not with the flow
     from ettflow.trainer.group.ray_group import RayConnection
@@ -248,7 +258,7 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
     evs = plan.recorder.events()
     for refused in cache_refusal_tags(evs).get("compile_cache_refused", []):
-        what = ("its pooled worker compiled cold before the run and replaced it" if refused.get("pooled")
+        what = (POOLED_REPAIR.get(refused.get("repair"), POOLED_REPAIR[Repair.REPLACED.value]) if refused.get("pooled")
                 else "compiled cold; the run's end saves a new one")
         logger.warning("attempt %d, rank %d: the compile cache's archive was refused (%s: %s): %s", refused["attempt"],
                        refused["rank"], refused["miss"], refused["reason"], what)

@@ -234,6 +234,17 @@ class StagingStatus:
         return f"stages {self.path}: {self.state.value}"
 
 
+class Repair(Enum):
+    """What became of a damaged archive that a pool's prewarmed worker refused (`rank/spare.py`).
+    Its workers prewarm at once and take turns at the cold compile (`cold_claim.py`), so only
+    one of them replaces it, and another may restore that replacement and compile warm."""
+
+    REPLACED = "replaced"  # this worker compiled cold and replaced it
+    REPLACED_BY_ANOTHER = "replaced_by_another"  # this worker compiled cold; another's replacement came first
+    RESTORED_REPLACEMENT = "restored_replacement"  # another worker replaced it: this one restored that, warm
+    NOT_REPLACED = "not_replaced"  # this worker compiled cold; its save was skipped (the log says why)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrewarmTimings:
     """A prepared worker's `prewarm` (spare.py): building the dense part, compiling it (with
@@ -248,13 +259,15 @@ class PrewarmTimings:
     ready_at: float | None = None
     prewarm_s: float | None = None
     cache_miss: str | None = None  # the compile cache's archive was refused as damaged (`RestoreMiss`'s value)
-    cache_reason: str = ""  # ... and why (the worker compiled cold and replaced it)
+    cache_reason: str = ""  # ... and why
+    cache_repair: str | None = None  # ... and what became of it (`Repair`'s value)
 
     def spool_attrs(self) -> dict[str, Any]:
         """As a `spare_start` event's attributes."""
         return {"build_s": self.build_s, "compile_s": self.compile_s, "cache_hit": self.cache_hit,
                 "footers_s": self.footers_s, **({"prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {}),
-                **({"cache_miss": self.cache_miss, "cache_reason": self.cache_reason} if self.cache_miss else {})}
+                **({"cache_miss": self.cache_miss, "cache_reason": self.cache_reason,
+                    "cache_repair": self.cache_repair} if self.cache_miss else {})}
 
 
 @dataclass(frozen=True, kw_only=True)

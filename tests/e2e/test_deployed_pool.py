@@ -153,5 +153,5 @@ def test_a_damaged_compile_cache_archive_met_by_a_pooled_worker_is_reported_by_i
                      r"before the run and replaced it", worker_log), worker_log[-4000:]
     row, _, _ = warehouse_row(warehouse, run_id)
     [refused] = row["tags"]["compile_cache_refused"]
-    assert refused["pooled"] and refused["rank"] == 0, refused
+    assert refused["pooled"] and refused["rank"] == 0 and refused["repair"] == "replaced", refused
     assert hashlib.sha256(archive.read_bytes()).hexdigest() == replaced  # once: the run's other rank restored it

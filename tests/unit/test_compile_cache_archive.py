@@ -125,10 +125,12 @@ def test_working_folders_of_dead_processes_are_swept(tmp_path):
 
 def test_a_pooled_worker_replaces_a_damaged_archive_once(tmp_path):
     """Issue 42 #4: a prewarm that refused the archive as damaged compiled cold; it replaces
-    the archive unless another worker of the pool already did (the archive verifies again)."""
+    the archive unless another worker of the pool already did (the archive verifies again), and
+    says which (`Repair`: the run's warning and row read it)."""
     from types import SimpleNamespace
 
     from ettflow.trainer.compile.cache import SaveResult
+    from ettflow.trainer.protocol import Repair
     from ettflow.trainer.rank.spare import _repair
 
     root = tmp_path / "cache"
@@ -137,23 +139,27 @@ def test_a_pooled_worker_replaces_a_damaged_archive_once(tmp_path):
     (src / "fxgraph" / "graph.py").write_text("kernels")
     dest = root / "pt2-dlrm-key.tar"
     pack(src, "inductor", dest, codec="none", compresslevel=0, max_bytes=1 << 20)
-    saves = []
+    saves, skip = [], []
 
     def save(*, force=False):
         saves.append(force)
+        if skip:
+            return SaveResult(skipped_reason=skip[0])
         pack(src, "inductor", dest, codec="none", compresslevel=0, max_bytes=1 << 20)
         return SaveResult(bytes=dest.stat().st_size, path=dest)
 
     cache = SimpleNamespace(config=SimpleNamespace(root=root), key="dlrm-key", save=save)
-    _repair(cache)  # the archive verifies: another worker replaced it since this one's restore
-    assert saves == []
+    # the archive verifies: another worker replaced it since this one's restore
+    assert _repair(cache) is Repair.REPLACED_BY_ANOTHER and saves == []
     dest.write_bytes(dest.read_bytes()[:-100])  # truncated after its manifest was written
     with pytest.raises(ArchiveUnverified):
         verify(dest)
-    _repair(cache)
+    assert _repair(cache) is Repair.REPLACED
     assert saves == [True] and verify(dest)  # replaced, whatever the restore said was up to date
-    _repair(cache)
-    assert saves == [True]  # once
+    assert _repair(cache) is Repair.REPLACED_BY_ANOTHER and saves == [True]  # once
+    dest.write_bytes(dest.read_bytes()[:-100])
+    skip.append("the archive would exceed max_bytes")
+    assert _repair(cache) is Repair.NOT_REPLACED and saves == [True, True]
 
 
 def test_compile_settings_apply_in_the_thread_that_compiles(tmp_path, monkeypatch):

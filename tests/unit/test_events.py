@@ -90,3 +90,18 @@ def test_a_refused_compile_cache_archive_is_reported_once_at_the_runs_level():
         "hit": False, "miss": "unreadable", "reason": "archive x.tar is unreadable", "pooled": True})
     assert cache_refusal_tags([pooled]) == {"compile_cache_refused": [
         {"attempt": 0, "rank": 1, "miss": "unreadable", "reason": "archive x.tar is unreadable", "pooled": True}]}
+    # ... with what became of it: here another worker replaced it, and this one restored that
+    restored = PhaseEvent(run_id="r", phase="compile_cache_restore", start=5.0, end=5.0, attempt=0, rank=1, attrs={
+        **pooled.attrs, "repair": "restored_replacement"})
+    assert cache_refusal_tags([restored])["compile_cache_refused"][0]["repair"] == "restored_replacement"
+
+
+def test_the_run_says_what_became_of_a_damaged_archive_its_pooled_worker_met():
+    """Each outcome of a pooled worker's repair has the train task's words, and a record from
+    before the outcome was kept reads as the one outcome there was then (replaced)."""
+    from ettflow.tasks.trainer import POOLED_REPAIR
+    from ettflow.trainer.protocol import Repair
+
+    assert set(POOLED_REPAIR) == {r.value for r in Repair}
+    assert POOLED_REPAIR[Repair.REPLACED.value].endswith("compiled cold before the run and replaced it")
+    assert "compiled warm" in POOLED_REPAIR[Repair.RESTORED_REPLACEMENT.value]

@@ -41,7 +41,7 @@ class CompilePlugin:
             if warm.cache_miss:
                 now = time.time()
                 rec.record("compile_cache_restore", now, now, hit=False, miss=warm.cache_miss,
-                           reason=warm.cache_reason, pooled=True)
+                           reason=warm.cache_reason, pooled=True, repair=warm.cache_repair)
 
     @staticmethod
     def restores(config: TrainerConfig, warm: PrewarmTimings | None) -> bool:

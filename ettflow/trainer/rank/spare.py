@@ -32,7 +32,7 @@ from ettflow.trainer.data.batch import synthetic_batch
 from ettflow.trainer.data.schema import DataError
 from ettflow.trainer.data.windows import StreamIndex
 from ettflow.trainer.model import DenseStep, build_dlrm
-from ettflow.trainer.protocol import PrewarmTimings
+from ettflow.trainer.protocol import PrewarmTimings, Repair
 
 log = logging.getLogger("ettflow.trainer")
 
@@ -60,7 +60,7 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
     dense_opt = torch.optim.Adam(list(dense_step.parameters()), lr=config.model.dense_lr)
     built = time.time()
     compiled = None
-    cache_hit, refused = None, None
+    cache_hit, refused, repair = None, None, None
     if config.switches.compile:
         claim = turn = None
         if config.switches.compile_cache:
@@ -73,8 +73,8 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
         try:
             compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config,
                                           device)
-            if refused is not None:
-                _repair(cache)
+            if refused is not None:  # met the damage; restored another's replacement, or replaces it
+                repair = Repair.RESTORED_REPLACEMENT if cache_hit else _repair(cache)
             elif turn is not None and turn.claimed:  # the waiters restore what it saves
                 cache.save()
         finally:
@@ -86,7 +86,8 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
                      timings=PrewarmTimings(build_s=built - t0, compile_s=compiled_at - built, cache_hit=cache_hit,
                                             footers_s=time.time() - compiled_at,
                                             cache_miss=refused.miss.value if refused is not None else None,
-                                            cache_reason=refused.reason if refused is not None else ""))
+                                            cache_reason=refused.reason if refused is not None else "",
+                                            cache_repair=repair.value if repair is not None else None))
 
 
 # a damaged archive this process can replace with what it compiled (an untrusted one is left:
@@ -94,7 +95,7 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
 REPAIRABLE = (RestoreMiss.UNVERIFIED, RestoreMiss.UNREADABLE)
 
 
-def _repair(cache: CompileCache) -> None:
+def _repair(cache: CompileCache) -> Repair:
     """Replace the damaged archive with this process's cold compile, unless another worker
     of the pool did since (a prewarmed worker is never rank 0 of a run yet, and rank 0's save
     was the only repair: every prewarm compiled cold until one became rank 0, issue 42 #4)."""
@@ -102,15 +103,16 @@ def _repair(cache: CompileCache) -> None:
     if path is not None:
         try:
             verify(path)
-            return  # repaired by another worker meanwhile
+            return Repair.REPLACED_BY_ANOTHER  # meanwhile
         except (ArchiveUnverified, OSError):
             pass
     saved = cache.save(force=True)
     if saved.saved:
         log.warning("compile cache: the damaged archive was replaced by this pooled worker's cold compile (%s)",
                     saved.path)
-    else:
-        log.warning("compile cache: the damaged archive could not be replaced: %s", saved.skipped_reason)
+        return Repair.REPLACED
+    log.warning("compile cache: the damaged archive could not be replaced: %s", saved.skipped_reason)
+    return Repair.NOT_REPLACED
 
 
 def read_footers(config: TrainerConfig) -> None:
