@@ -127,7 +127,8 @@ CACHE_DAMAGE = ("untrusted", "unverified", "unreadable")
 def cache_refusal_tags(events: Sequence[PhaseEvent]) -> dict[str, Any]:
     """The row's record of compile-cache archives refused (empty when none): each distinct
     refusal once, with the first attempt and rank that met it. A rank compiled cold; a pooled
-    worker's prewarm (`pooled`) says what became of it (`repair`)."""
+    worker's prewarm (`pooled`) says what became of it (`repair`: that first rank's worker's; the
+    others that met the same refusal are in their own events)."""
     found: dict[str, dict[str, Any]] = {}
     for e in sorted(events, key=lambda e: (e.attempt, e.rank, e.start)):
         if e.phase == "compile_cache_restore" and e.info.miss in CACHE_DAMAGE:

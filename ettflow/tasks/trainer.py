@@ -38,14 +38,23 @@ from .lease import TrainerLease
 from .progress import ProgressReporter
 
 # the run's warning on a damaged compile-cache archive its pooled worker met before the run, by
-# what became of it (a record without `repair`, from before it was kept, reads as `REPLACED`)
+# what became of it (`pooled_repair`)
 POOLED_REPAIR = {
     Repair.REPLACED.value: "its pooled worker compiled cold before the run and replaced it",
-    Repair.REPLACED_BY_ANOTHER.value: "its pooled worker compiled cold before the run; another worker had replaced it",
-    Repair.RESTORED_REPLACEMENT.value: ("another of the pool's workers compiled cold and replaced it; this rank's "
-                                        "worker restored that and compiled warm"),
+    Repair.REPLACED_BY_ANOTHER.value: "its pooled worker compiled cold before the run; another process had "
+                                      "replaced it",
+    Repair.RESTORED_REPLACEMENT.value: "another process saved the archive since; its pooled worker restored that "
+                                       "before the run and compiled warm",
     Repair.NOT_REPLACED.value: "its pooled worker compiled cold before the run; the archive could not be replaced",
 }
+
+
+def pooled_repair(repair: str | None) -> str:
+    """The warning's words for a pooled worker's `repair`. A record without one (spooled before it
+    was kept) had one outcome then: replaced."""
+    if repair is None:
+        return POOLED_REPAIR[Repair.REPLACED.value]
+    return POOLED_REPAIR.get(repair, f"its pooled worker's repair: {repair}")
 
 if TYPE_CHECKING:  # ray is imported when a trainer is reserved, not with the flow
     from ettflow.trainer.group.ray_group import RayConnection
@@ -258,7 +267,7 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
     evs = plan.recorder.events()
     for refused in cache_refusal_tags(evs).get("compile_cache_refused", []):
-        what = (POOLED_REPAIR.get(refused.get("repair"), POOLED_REPAIR[Repair.REPLACED.value]) if refused.get("pooled")
+        what = (pooled_repair(refused.get("repair")) if refused.get("pooled")
                 else "compiled cold; the run's end saves a new one")
         logger.warning("attempt %d, rank %d: the compile cache's archive was refused (%s: %s): %s", refused["attempt"],
                        refused["rank"], refused["miss"], refused["reason"], what)

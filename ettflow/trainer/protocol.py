@@ -5,7 +5,8 @@ by string key or parses a message.
 - `RankResult`: what a rank's `train` (or `rejoin`, `join`) returns to the driver when it
   finished, with its `CheckpointReport`, `CompileReport` and `Evaluation`s;
 - `WorkerInfo`: where a trainer actor's process runs (its `ready`/`adopt` answer);
-- `PrewarmTimings`: what a spare's or pooled worker's `prewarm` took;
+- `PrewarmTimings`: what a spare's or pooled worker's `prewarm` took (with `Repair`: what became
+  of a damaged compile-cache archive it met);
 - `RestorePoint`: where a live recovery resumes (the driver picks it, every rank restores it);
   its tier is a `CheckpointTier` (`ett.checkpoint_tier`, shared with the metric core);
 - `PollStatus`: what one look at an attempt's ranks found (a worker group's `poll`).
@@ -236,12 +237,15 @@ class StagingStatus:
 
 class Repair(Enum):
     """What became of a damaged archive that a pool's prewarmed worker refused (`rank/spare.py`).
-    Its workers prewarm at once and take turns at the cold compile (`cold_claim.py`), so only
-    one of them replaces it, and another may restore that replacement and compile warm."""
+    The processes that miss a key take turns at its cold compile (`cold_claim.py`: the pool's
+    workers, a run's ranks, spares), so one of them saves a new archive, and another may restore
+    that and compile warm."""
 
     REPLACED = "replaced"  # this worker compiled cold and replaced it
-    REPLACED_BY_ANOTHER = "replaced_by_another"  # this worker compiled cold; another's replacement came first
-    RESTORED_REPLACEMENT = "restored_replacement"  # another worker replaced it: this one restored that, warm
+    REPLACED_BY_ANOTHER = "replaced_by_another"  # this worker compiled cold; another's new archive came first
+    # another process saved the archive since (a new one, or the one refused mid-save, whole now):
+    # this worker restored it and compiled warm
+    RESTORED_REPLACEMENT = "restored_replacement"
     NOT_REPLACED = "not_replaced"  # this worker compiled cold; its save was skipped (the log says why)
 
 

@@ -131,7 +131,7 @@ def test_a_pooled_worker_replaces_a_damaged_archive_once(tmp_path):
 
     from ettflow.trainer.compile.cache import SaveResult
     from ettflow.trainer.protocol import Repair
-    from ettflow.trainer.rank.spare import _repair
+    from ettflow.trainer.rank.spare import _repair, repair_after
 
     root = tmp_path / "cache"
     src = tmp_path / "inductor"
@@ -158,8 +158,10 @@ def test_a_pooled_worker_replaces_a_damaged_archive_once(tmp_path):
     assert saves == [True] and verify(dest)  # replaced, whatever the restore said was up to date
     assert _repair(cache) is Repair.REPLACED_BY_ANOTHER and saves == [True]  # once
     dest.write_bytes(dest.read_bytes()[:-100])
+    # a worker that restored what another process saved since its refusal replaces nothing
+    assert repair_after(cache, restored_since=True) is Repair.RESTORED_REPLACEMENT and saves == [True]
     skip.append("the archive would exceed max_bytes")
-    assert _repair(cache) is Repair.NOT_REPLACED and saves == [True, True]
+    assert repair_after(cache, restored_since=False) is Repair.NOT_REPLACED and saves == [True, True]
 
 
 def test_compile_settings_apply_in_the_thread_that_compiles(tmp_path, monkeypatch):

@@ -97,11 +97,14 @@ def test_a_refused_compile_cache_archive_is_reported_once_at_the_runs_level():
 
 
 def test_the_run_says_what_became_of_a_damaged_archive_its_pooled_worker_met():
-    """Each outcome of a pooled worker's repair has the train task's words, and a record from
-    before the outcome was kept reads as the one outcome there was then (replaced)."""
-    from ettflow.tasks.trainer import POOLED_REPAIR
+    """Each outcome of a pooled worker's repair has the train task's words, a record from before
+    the outcome was kept reads as the one outcome there was then (replaced), and a value this
+    version does not know is shown as it is."""
+    from ettflow.tasks.trainer import POOLED_REPAIR, pooled_repair
     from ettflow.trainer.protocol import Repair
 
     assert set(POOLED_REPAIR) == {r.value for r in Repair}
-    assert POOLED_REPAIR[Repair.REPLACED.value].endswith("compiled cold before the run and replaced it")
-    assert "compiled warm" in POOLED_REPAIR[Repair.RESTORED_REPLACEMENT.value]
+    assert pooled_repair(None) == pooled_repair("replaced")
+    assert pooled_repair("replaced").endswith("compiled cold before the run and replaced it")
+    assert pooled_repair("restored_replacement").endswith("restored that before the run and compiled warm")
+    assert pooled_repair("mended_by_elves") == "its pooled worker's repair: mended_by_elves"

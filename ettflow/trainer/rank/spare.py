@@ -73,8 +73,8 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
         try:
             compiled = compile_dense_step(dense_step, synthetic_batch(config.schema, config.batch_size), config,
                                           device)
-            if refused is not None:  # met the damage; restored another's replacement, or replaces it
-                repair = Repair.RESTORED_REPLACEMENT if cache_hit else _repair(cache)
+            if refused is not None:  # met the damage
+                repair = repair_after(cache, restored_since=bool(cache_hit))
             elif turn is not None and turn.claimed:  # the waiters restore what it saves
                 cache.save()
         finally:
@@ -93,6 +93,13 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
 # a damaged archive this process can replace with what it compiled (an untrusted one is left:
 # the folder or file is not this user's to overwrite)
 REPAIRABLE = (RestoreMiss.UNVERIFIED, RestoreMiss.UNREADABLE)
+
+
+def repair_after(cache: CompileCache, *, restored_since: bool) -> Repair:
+    """What became of the damaged archive this prewarm refused: another process saved one since
+    and this one restored it (its turn at the cold compile, `cold_claim.py`: nothing to replace),
+    or this one compiled cold and replaces it (`_repair`)."""
+    return Repair.RESTORED_REPLACEMENT if restored_since else _repair(cache)
 
 
 def _repair(cache: CompileCache) -> Repair:
