@@ -37,6 +37,9 @@ from .archive import archive_on_task_state
 from .lease import TrainerLease
 from .progress import ProgressReporter
 
+if TYPE_CHECKING:  # ray is imported when a trainer is reserved, not with the flow
+    from ettflow.trainer.group.ray_group import RayConnection
+
 # the run's warning on a damaged compile-cache archive its pooled worker met before the run, by
 # what became of it (`pooled_repair`)
 POOLED_REPAIR = {
@@ -55,9 +58,6 @@ def pooled_repair(repair: str | None) -> str:
     if repair is None:
         return POOLED_REPAIR[Repair.REPLACED.value]
     return POOLED_REPAIR.get(repair, f"its pooled worker's repair: {repair}")
-
-if TYPE_CHECKING:  # ray is imported when a trainer is reserved, not with the flow
-    from ettflow.trainer.group.ray_group import RayConnection
 
 
 @dataclass(frozen=True)
