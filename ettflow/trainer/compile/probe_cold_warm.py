@@ -127,7 +127,7 @@ def train_steps(model, size: DenseSize, steps: int, device: str = "cpu") -> list
     return seconds
 
 
-def run_child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
+def _child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
     from . import archive, trust
     from .cache import CompileCache
     from .config import CompileCacheConfig
@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
         mode, root, work, size_json, threads, device = argv[1:7]
-        result = run_child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)),
-                           int(threads), device)
+        result = _child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)), int(threads), device)
         child.emit(RESULT_PREFIX, result)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
