@@ -98,6 +98,10 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     Noise(source="torch distributed checkpoint", category=FutureWarning,
           message=r"Please use DTensor instead and we are deprecating ShardedTensor"),
     Noise(source="torch.fx", logger="torch.fx._symbolic_trace", message=r"is_fx_tracing will return true"),
+    # dynamo's caching precompile (compile/cache.py), at each cold compile: the identity guards it
+    # drops (torch.cat, F.linear, the activations), which the compile cache's key pins
+    Noise(source="torch dynamo precompile", logger="torch._dynamo.guards",
+          message=r"guard on .* is dropped with caching_precompile=True"),
     # fbgemm_gpu's import-time deprecation banners
     Noise(source="fbgemm_gpu", category=DeprecationWarning,
           message=r"fbgemm_gpu\S* is now DEPRECATED|Failed to import: fbgemm_gpu"),

@@ -74,6 +74,7 @@ def _child(mode: str, data: Path, archive_root: Path, batches: int, batch_size: 
     stats = cache.stats().to_dict()
     return {"mode": mode, "first_step_s": times[0], "rest_s": sum(times[1:]), "distinct_value_counts": len(lengths),
             "recompiles": stats["recompiles"], "fx_hit": stats["fxgraph_hit"], "fx_miss": stats["fxgraph_miss"],
+            "frames_loaded": stats["frames_loaded"],
             "restore_s": restored.seconds if restored else 0.0, "cache_hit": bool(restored and restored.hit),
             "archive_bytes": saved.bytes if saved else 0}
 

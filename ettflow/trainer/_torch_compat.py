@@ -118,6 +118,10 @@ PRECOMPILE_HEADERS = Internal(
     module="torch._inductor.config", attr="cpp_cache_precompile_headers",
     consequence="a compile-cache archive would carry inductor's ~150 MB precompiled header, and every warm "
                 "process would preprocess that header again before loading its first kernel (compile/env.py)")
+CACHING_PRECOMPILE = Internal(
+    module="torch._dynamo.config", attr="caching_precompile",
+    consequence="a warm process traces the dense step again instead of loading dynamo's stored frame "
+                "(compile/cache.py)")
 CACHE_DIR = Internal(module="torch._inductor.runtime.cache_dir_utils", attr="cache_dir",
                     consequence="a run without the compile cache cannot name PyTorch's local inductor cache folder")
 # TorchRec (same rule: a private name it could rename in any release)
@@ -130,7 +134,7 @@ INTERNALS: tuple[Internal, ...] = (
     HEADER_DIR, HEADER_LOCK_DIR, PRECOMPILE_HEADER, POOL_SET, COUNTERS, COMPILATION_METRICS,
     CALLBACK_HANDLER, REGISTER_START, REMOVE_START, START_CALLBACKS, CALLBACK_ARGS, TRIGGER_DYNAMO,
     COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE, COLLECTIVE_VALIDATION,
-    CACHE_DIR, ISA_FLAGS, ISA_LIST, ISA_VALID, ISA_OK, CPP_COMPILER, PRECOMPILE_HEADERS,
+    CACHE_DIR, ISA_FLAGS, ISA_LIST, ISA_VALID, ISA_OK, CPP_COMPILER, PRECOMPILE_HEADERS, CACHING_PRECOMPILE,
 )
 
 
@@ -251,6 +255,20 @@ def set_precompile_headers(on: bool) -> None:
     kernels (`config.cpp_cache_precompile_headers`; part of its FX-graph cache key)."""
     PRECOMPILE_HEADERS.resolve()
     importlib.import_module("torch._inductor.config").cpp_cache_precompile_headers = on
+
+
+def caching_precompile_setting() -> bool:
+    """Whether dynamo stores and loads its traced frames in this thread's context."""
+    return bool(CACHING_PRECOMPILE.resolve())
+
+
+def set_caching_precompile(on: bool) -> None:
+    """Dynamo's caching precompile (`torch._dynamo.config.caching_precompile`) in this thread's
+    context: a compile stores its traced frame and guards under inductor's cache folder (written by
+    `torch.compiler.save_cache_artifacts`), and a later process loads the frame instead of tracing.
+    On, dynamo drops its identity guards and bundles the AOT cache entries (compile/config.py)."""
+    CACHING_PRECOMPILE.resolve()
+    importlib.import_module("torch._dynamo.config").caching_precompile = on
 
 
 def set_vec_isa_ok() -> None:

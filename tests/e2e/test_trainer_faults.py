@@ -105,7 +105,8 @@ def test_sigkills_are_recovered_live_by_spares_the_second_before_its_spare_is_re
                                  [f.summary for f in result.failures])
     assert len({beat_pid(trainer_world, "live", attempt, 1) for attempt in (0, 1, 2)}) == 3
     assert by(events, "pt2_compile", attempt=1) == by(events, "pt2_compile", attempt=2) == []
-    assert result.rank0.compile.stats.recompiles == 0 and result.rank0.compile.stats.frames_compiled == 1
+    stats = result.rank0.compile.stats  # its one frame traced, or loaded from the session's archive
+    assert stats.recompiles == 0 and stats.frames_compiled + stats.frames_loaded == 1
     # each time a spare took rank 1; every rank rebuilt its group and module and restored
     handoffs = sorted(by(events, "spare_handoff"), key=lambda e: e.attempt)
     assert [(h.attempt, h.attrs["rank"]) for h in handoffs] == [(1, 1), (2, 1), (3, 0)]

@@ -18,6 +18,8 @@ SAMPLES = {
     "is_fx_tracing": "is_fx_tracing will return true for both fx.symbolic_trace and torch.export.",
     "Failed to import: fbgemm_gpu": "\x1b[93m\n        Failed to import: fbgemm_gpu.split_embedding_codegen_lookup_"
     "invokers.lookup_adam_ssd\n        \x1b[0m",
+    "dropped with caching_precompile": "BUILTIN_MATCH guard on G['__import_torchrec_dot_models_dot_dlrm'].torch.cat "
+    "is dropped with caching_precompile=True.",
     "fbgemm_gpu\\S* is now DEPRECATED": "\n    The Python module fbgemm_gpu.split_table_batched_embeddings_ops is "
     "now DEPRECATED and will be removed",
     "Token authentication": "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled",

@@ -1,6 +1,6 @@
 """The PT2 compile cache: a cold run finds a corrupt archive of its own key, reports it, compiles
-cold and replaces it; a warm restart hits the new one (cache hits, nothing rebuilt, no
-recompile), another config misses (no archive), a too-large archive is skipped, and nothing is
+cold and replaces it; a warm restart hits the new one (dynamo's stored frame loaded, nothing
+traced, rebuilt or recompiled), another config misses (no archive), a too-large archive is skipped, and nothing is
 loaded from a folder or archive others could have written, or that does not match its manifest.
 
 Every process that compiles or calls prepare_env is a fresh interpreter, so no in-memory
@@ -135,6 +135,8 @@ def test_cold_run_reports_a_corrupt_archive_compiles_cold_and_replaces_it(cold):
     with tarfile.open(path) as tar:
         names = tar.getnames()
     assert any(n.startswith("inductor/fxgraph/") for n in names)
+    assert any(n.startswith("inductor/dynamo/") and n.endswith("/entry") for n in names)  # the stored frame
+    assert s["frame_misses"] == 1 and s["frames_loaded"] == 0  # none stored yet: traced
     assert not any(PLANTED in n for n in names)  # nothing of the corrupt archive came along
     # compiled without inductor's precompiled header (~150 MB the archive would carry: compile/env.py)
     assert a["header"] is False and a["header_env"] == "0"
@@ -153,9 +155,11 @@ def test_warm_restart_hits_the_cache_without_recompiling(cold, tmp_path):
     b = spawn("warm", root, tmp_path / "work-b", SIZE, threads=1)  # a brand-new working folder
     assert b["key"] == a["key"] and b["hit"] is True and b["restore_bytes"] > 0
     s = b["stats"]
-    assert s["fxgraph_hit"] > 0 and s["fxgraph_miss"] == 0
-    assert s["aot_hit"] > 0 and s["aot_miss"] == 0
-    assert s["recompiles"] == 0 and s["compiles"] == 1
+    # dynamo's stored frame loaded (caching precompile, compile/cache.py): nothing traced or
+    # compiled, so no FX-graph or AOT lookup either
+    assert s["frames_loaded"] == 1 and s["frame_misses"] == s["frame_load_errors"] == 0
+    assert s["fxgraph_miss"] == s["aot_miss"] == 0
+    assert s["recompiles"] == 0 and s["compiles"] == 0 and s["frames_compiled"] == 0
     assert s["built_objects"] == 0  # no kernel library and no precompiled header rebuilt
     assert s["warm"] is True
     print(f"\ncold first step {a['first_step_s']:.2f} s (+ save {a['save_s']:.2f} s); warm "

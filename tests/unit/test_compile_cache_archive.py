@@ -39,6 +39,10 @@ def test_key_changes_with_what_the_graphs_depend_on(tmp_path):
     # inductor's precompiled-header switch is in its own graph key: archives made with the header
     # (before env.skip_precompiled_headers) have another key, and are not restored to miss
     assert parts["cpp_precompiled_headers"] == "off"
+    # dynamo's stored frames drop identity guards and bundle the AOT entries: another key without
+    assert parts["dynamo_precompile"] is True
+    assert key != cache_key(key_parts(CompileCacheConfig(root=tmp_path, model=asdict(SIZE), precompile=False)))
+    assert key_parts(CompileCacheConfig(root=tmp_path, model=asdict(SIZE), enabled=False))["dynamo_precompile"] is False
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -47,6 +51,7 @@ def test_key_changes_with_what_the_graphs_depend_on(tmp_path):
     (dict(device="tpu"), "device"),
     (dict(codec="zip"), "codec"),
     (dict(model={"f": object()}), "JSON"),
+    (dict(mega_cache=False), "precompile=True stores dynamo's traced frames"),
 ])
 def test_config_errors_say_what_to_fix(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
@@ -180,18 +185,20 @@ def test_compile_settings_apply_in_the_thread_that_compiles(tmp_path, monkeypatc
         monkeypatch.setenv(var, "")  # so that the undo removes what apply_settings sets for children
         monkeypatch.delenv(var)
     cache = CompileCache(CompileCacheConfig(root=tmp_path, model=asdict(SIZE)))
-    before = compat.precompile_headers_setting(), torch.compiler.config.job_id
+    before = compat.precompile_headers_setting(), torch.compiler.config.job_id, compat.caching_precompile_setting()
     seen = {}
 
     def compiling_thread():
         cache.apply_settings()
-        seen.update(header=compat.precompile_headers_setting(), job=torch.compiler.config.job_id)
+        seen.update(header=compat.precompile_headers_setting(), job=torch.compiler.config.job_id,
+                    precompile=compat.caching_precompile_setting())
 
     t = threading.Thread(target=compiling_thread)
     t.start()
     t.join()
-    assert seen == {"header": False, "job": f"ettflow-{cache.key}"}
-    assert (compat.precompile_headers_setting(), torch.compiler.config.job_id) == before  # not this thread's
+    assert seen == {"header": False, "job": f"ettflow-{cache.key}", "precompile": True}
+    assert (compat.precompile_headers_setting(), torch.compiler.config.job_id,
+            compat.caching_precompile_setting()) == before  # not this thread's
 
 
 def test_the_thread_that_trains_applies_the_settings_its_step_was_compiled_with(tmp_path, monkeypatch):
@@ -223,16 +230,48 @@ def test_the_thread_that_trains_applies_the_settings_its_step_was_compiled_with(
         def training_thread():
             process_cache.apply_compile_settings(cfg)
             seen.append((compat.precompile_headers_setting(), torch.compiler.config.job_id,
-                         compat.vec_isa_ok_setting()))
+                         compat.vec_isa_ok_setting(), compat.caching_precompile_setting()))
 
         t = threading.Thread(target=training_thread)
         t.start()
         t.join()
         return seen[0]
 
-    defaults = (compat.precompile_headers_setting(), torch.compiler.config.job_id, compat.vec_isa_ok_setting())
-    assert seen_in_a_new_thread(config) == (False, f"ettflow-{cache.key}", True)
+    defaults = (compat.precompile_headers_setting(), torch.compiler.config.job_id, compat.vec_isa_ok_setting(),
+                compat.caching_precompile_setting())
+    assert seen_in_a_new_thread(config) == (False, f"ettflow-{cache.key}", True, True)
     off = replace(config, switches=replace(config.switches, compile_cache=False))
     assert seen_in_a_new_thread(off) == defaults
     assert (compat.precompile_headers_setting(), torch.compiler.config.job_id,
-            compat.vec_isa_ok_setting()) == defaults  # nothing leaked into this thread
+            compat.vec_isa_ok_setting(), compat.caching_precompile_setting()) == defaults  # nothing leaked
+
+
+def test_one_process_compiles_for_one_key(tmp_path, monkeypatch):
+    """Dynamo's stored frames drop the identity guards that tell two models of the same shapes
+    apart (which activation), so the process's compile cache refuses a compile for another key
+    rather than share a frame across models; a run without the cache is not keyed."""
+    from dataclasses import replace
+
+    from ettflow.trainer.compile import CompileCache, CompileEnvError, process_cache
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+
+    config = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
+    cache = CompileCache(process_cache.cache_config(config))
+    monkeypatch.setattr(process_cache, "_CACHE", cache)  # prepared earlier in the process
+    assert process_cache.prepare_compile_env(replace(config, work_dir=str(tmp_path / "other"))) is cache
+    other = replace(config, model=replace(config.model, over_arch=(48, 1)))  # same shapes in and out
+    with pytest.raises(CompileEnvError, match="cannot share its process"):
+        process_cache.prepare_compile_env(other)
+    off = replace(other, switches=replace(other.switches, compile_cache=False))
+    assert process_cache.prepare_compile_env(off) is cache
+
+
+def test_a_stored_frame_loaded_is_a_warm_compile():
+    from ettflow.trainer.compile.stats import CompileStats
+
+    assert CompileStats(fxgraph_hit=2, aot_hit=1).warm  # no stored frame (precompile off)
+    assert CompileStats(frames_loaded=1).warm  # the frame loaded: no FX-graph or AOT hit, no compile
+    assert not CompileStats(frames_loaded=1, frame_load_errors=1).warm
+    assert not CompileStats(fxgraph_hit=2, aot_hit=1, frame_misses=1).warm  # traced again
+    assert not CompileStats(frames_loaded=1, built_objects=1).warm

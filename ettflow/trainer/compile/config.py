@@ -4,7 +4,10 @@ The key names everything a compiled graph depends on that the caches inside the 
 not check for us cheaply: the model config (with the fixed shapes), torch and Python versions,
 the device (type and CUDA capability) and the intra-op thread count (inductor's CPU kernels
 specialize on it). The caches inside are content-addressed, so a key that misses a
-dependency never makes a run wrong, only slower: the stale entries just miss.
+dependency never makes them wrong, only slower: the stale entries just miss. Dynamo's stored
+frame (`precompile`) is the exception: it checks its own source and its inlined functions'
+sources, but it drops its identity guards (which `torch.cat`, which activation module), so the
+key must pin what those guards checked: the torch version and the model config do.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class CompileCacheConfig:
     codec: str = "gz"
     compresslevel: int = 1  # gzip's level for codec "gz"
     mega_cache: bool = True  # also store torch.compiler.save_cache_artifacts() (see cache.py)
+    # dynamo's caching precompile (`torch._dynamo.config.caching_precompile`, cache.py says what it
+    # stores): a warm process loads the traced frame and its guards instead of tracing it again.
+    # torch writes the frame from `save_cache_artifacts`, so it needs `mega_cache`
+    precompile: bool = True
     keep_archives: int = 4  # archives of other keys kept in root (oldest removed first)
     work_dir: str | Path | None = None
     isolate: bool = True
@@ -78,6 +85,9 @@ class CompileCacheConfig:
             )
         if not 0 <= self.compresslevel <= 9:
             raise ValueError(f"compresslevel must be in 0..9 (gzip), got {self.compresslevel}")
+        if self.precompile and self.enabled and not self.mega_cache:
+            raise ValueError("CompileCacheConfig: precompile=True stores dynamo's traced frames through "
+                             "torch.compiler.save_cache_artifacts; set mega_cache=True, or precompile=False")
         if self.keep_archives < 1:
             raise ValueError(f"keep_archives must be >= 1, got {self.keep_archives}")
         try:
@@ -123,6 +133,8 @@ def key_parts(config: CompileCacheConfig) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_isa_check": ISA_CHECK,  # inductor's ISA switch, part of its own key (vec_isa.py)
         "cpp_precompiled_headers": PRECOMPILED_HEADERS,
+        # on, the AOT cache entries are bundled and dynamo drops its identity guards (cache.py)
+        "dynamo_precompile": config.precompile and config.enabled,
     }
 
 

@@ -87,6 +87,11 @@ def skip_precompiled_headers() -> None:
     compat.set_precompile_headers(False)
 
 
+def set_caching_precompile(on: bool) -> None:
+    """Dynamo stores its traced frames beside inductor's entries, and loads them (cache.py)."""
+    compat.set_caching_precompile(on)
+
+
 def set_job_id(job_id: str) -> None:
     """PGO (automatic dynamic shapes) state is only kept across processes under a job id."""
     os.environ["TORCH_COMPILE_JOB_ID"] = job_id

@@ -51,89 +51,57 @@ def build_dense_forward(size: DenseSize):
     is not installed: `plain_dense_forward`, a bare GPU host's check)."""
     import torch
 
-    try:
-        from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
-    except ImportError:
+    from . import probe_models
+
+    if probe_models.DenseForward is None:
         return plain_dense_forward(size)
-
-    class DenseForward(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.dense_arch = DenseArch(size.dense_in, list(size.dense_arch))
-            self.inter_arch = InteractionArch(num_sparse_features=size.sparse)
-            pairs = (size.sparse + 1) * size.sparse // 2
-            self.over_arch = OverArch(size.dim + pairs, list(size.over_arch))
-
-        def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-            x = self.inter_arch(dense_features=self.dense_arch(dense), sparse_features=embedded)
-            return self.over_arch(x).squeeze(-1)
-
     torch.manual_seed(0)
-    return DenseForward()
+    return probe_models.DenseForward(size)
 
 
 def plain_dense_forward(size: DenseSize):
-    """TorchRec's DLRM dense part in plain torch: DenseArch (Linear + ReLU layers), the
-    pairwise-dot InteractionArch, OverArch (Linear + ReLU, the last layer linear)."""
+    """TorchRec's DLRM dense part in plain torch (`probe_models.PlainDenseForward`)."""
     import torch
-    from torch import nn
 
-    def mlp(sizes: list[int], *, last_relu: bool) -> nn.Sequential:
-        layers: list[nn.Module] = []
-        for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-            layers.append(nn.Linear(a, b))
-            if last_relu or i < len(sizes) - 2:
-                layers.append(nn.ReLU())
-        return nn.Sequential(*layers)
-
-    class PlainDenseForward(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.dense_arch = mlp([size.dense_in, *size.dense_arch], last_relu=True)
-            pairs = (size.sparse + 1) * size.sparse // 2
-            self.over_arch = mlp([size.dim + pairs, *size.over_arch], last_relu=False)
-            self.register_buffer("triu", torch.triu_indices(size.sparse + 1, size.sparse + 1, offset=1),
-                                 persistent=False)
-
-        def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-            d = self.dense_arch(dense)
-            combined = torch.cat([d.unsqueeze(1), embedded], dim=1)
-            inter = torch.bmm(combined, combined.transpose(1, 2))[:, self.triu[0], self.triu[1]]
-            return self.over_arch(torch.cat([d, inter], dim=1)).squeeze(-1)
+    from . import probe_models
 
     torch.manual_seed(0)
-    return PlainDenseForward()
+    return probe_models.PlainDenseForward(size)
 
 
 def train_steps(model, size: DenseSize, steps: int, device: str = "cpu") -> list[float]:
     """Forward + backward `steps` times on `device`; seconds of each (the first includes
-    compiling; each waits for the device)."""
+    compiling, and torch.compile's wrap, where dynamo loads a stored frame; each waits for the
+    device)."""
     import torch
 
     from .compiled import compile_module
 
-    fn = compile_module(model.to(device))
+    model = model.to(device)
     dense = torch.randn(size.batch, size.dense_in, device=device)
     embedded = torch.randn(size.batch, size.sparse, size.dim, device=device, requires_grad=True)
     labels = torch.randint(0, 2, (size.batch,), device=device).float()
     seconds = []
+    t0 = time.perf_counter()
+    fn = compile_module(model)
     for _ in range(steps):
-        t0 = time.perf_counter()
         logits = fn(dense, embedded)
         torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
         if device != "cpu":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
     return seconds
 
 
-def _child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
+def _child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu",
+           precompile: bool = True) -> dict:
     from . import archive, trust
     from .cache import CompileCache
     from .config import CompileCacheConfig
 
     cache = CompileCache(CompileCacheConfig(root=root, work_dir=work, threads=threads, device=device,
-                                            model=asdict(size)))
+                                            model=asdict(size), precompile=precompile))
     cache.prepare_env()
     out: dict = {"mode": mode, "key": cache.key}
     if mode == "mega-only":
@@ -162,22 +130,25 @@ def _child(mode: str, root: Path, work: Path, size: DenseSize, threads: int, dev
     return out
 
 
-def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu") -> dict:
+def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int, device: str = "cpu",
+          precompile: bool = True) -> dict:
     return child.run_child("ettflow.trainer.compile.probe_cold_warm",
-                           ["child", mode, str(root), str(work), json.dumps(asdict(size)), str(threads), device],
+                           ["child", mode, str(root), str(work), json.dumps(asdict(size)), str(threads), device,
+                            str(int(precompile))],
                            RESULT_PREFIX, f"probe child {mode}")
 
 
 def table(rows: list[dict]) -> str:
     head = f"{'run':<10}{'restore s':>10}{'1st step s':>11}{'save s':>8}{'fx hit/miss':>12}" \
-           f"{'aot hit/miss':>13}{'built':>6}{'recomp':>7}"
+           f"{'aot hit/miss':>13}{'frame loaded/miss':>18}{'built':>6}{'recomp':>7}"
     lines = [head]
     for r in rows:
         s = r["stats"]
         lines.append(
             f"{r['mode']:<10}{r['restore_s']:>10.2f}{r['first_step_s']:>11.2f}"
             f"{r.get('save_s', 0.0):>8.2f}{s['fxgraph_hit']:>6}/{s['fxgraph_miss']:<5}"
-            f"{s['aot_hit']:>7}/{s['aot_miss']:<5}{s['built_objects']:>6}{s['recompiles']:>7}"
+            f"{s['aot_hit']:>7}/{s['aot_miss']:<5}{s['frames_loaded']:>12}/{s['frame_misses']:<5}"
+            f"{s['built_objects']:>6}{s['recompiles']:>7}"
         )
     return "\n".join(lines)
 
@@ -189,8 +160,9 @@ def _int_tuple(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["child"]:
-        mode, root, work, size_json, threads, device = argv[1:7]
-        result = _child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)), int(threads), device)
+        mode, root, work, size_json, threads, device, precompile = argv[1:8]
+        result = _child(mode, Path(root), Path(work), DenseSize(**json.loads(size_json)), int(threads), device,
+                        precompile == "1")
         child.emit(RESULT_PREFIX, result)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -200,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
     p.add_argument("--root", help="archive root (default: a fresh temporary folder)")
+    p.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="without dynamo's stored frames (CompileCacheConfig.precompile=False)")
     args = p.parse_args(argv)
     size = DenseSize(**{k: getattr(args, k) for k in asdict(DenseSize())})
     with tempfile.TemporaryDirectory(prefix="ettflow-probe-") as tmp:
@@ -208,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(args.modes.split(",")):
             if mode not in MODES:
                 p.error(f"unknown mode {mode!r}; choose from {MODES}")
-            rows.append(spawn(mode, root, Path(tmp) / f"work-{i}-{mode}", size, args.threads))
+            rows.append(spawn(mode, root, Path(tmp) / f"work-{i}-{mode}", size, args.threads,
+                              precompile=args.precompile))
             print(f"{mode}: done ({rows[-1]['first_step_s']:.1f} s first step)", flush=True)
         print(f"size {asdict(size)}, threads {args.threads}, key {rows[0]['key']}")
         print(table(rows))

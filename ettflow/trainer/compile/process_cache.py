@@ -55,13 +55,23 @@ def _device(device: str) -> str:
 
 
 def prepare_compile_env(config: TrainerConfig) -> CompileCache:
-    """The process's compile cache, its environment prepared on the first call."""
+    """The process's compile cache, its environment prepared on the first call. A later call for
+    another key (another model, shape, device or thread count) raises CompileEnvError: inductor's
+    folders are fixed by then, and dynamo's stored frames drop the identity guards that would tell
+    two models of the same shapes apart (config.py), so one process compiles for one key."""
     from .cache import CompileCache
+    from .env import CompileEnvError
 
     global _CACHE
+    settings = cache_config(config)
     if _CACHE is None:
-        _CACHE = CompileCache(cache_config(config))
+        _CACHE = CompileCache(settings)
         _CACHE.prepare_env()
+    elif settings.enabled and _CACHE.config.enabled and (key := cache_key(key_parts(settings))) != _CACHE.key:
+        raise CompileEnvError(
+            f"this process's compile cache is keyed {_CACHE.key} ({_CACHE.config.model}); a compile "
+            f"for key {key} ({settings.model}) cannot share its process: compile another model in a "
+            "process of its own (a new trainer actor)")
     return _CACHE
 
 

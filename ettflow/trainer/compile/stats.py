@@ -29,6 +29,10 @@ COUNTERS = {  # stats field -> (torch counter group, name)
     "aot_miss": ("aot_autograd", "autograd_cache_miss"),
     "aot_bypass": ("aot_autograd", "autograd_cache_bypass"),
     "frames_compiled": ("frames", "ok"),
+    # dynamo's stored frames (caching precompile, cache.py): loaded, not stored, stored but unloadable
+    "frames_loaded": ("dynamo_cache", "dynamo_cache_hit"),
+    "frame_misses": ("dynamo_cache", "dynamo_cache_miss"),
+    "frame_load_errors": ("dynamo_cache", "dynamo_cache_error"),
     "unique_graphs": ("stats", "unique_graphs"),
 }
 
@@ -90,7 +94,9 @@ def recompile_reasons(limit: int = 8) -> tuple[str, ...]:
 class CompileStats:
     """Counts since `CompileCache.prepare_env` (or process start). `built_objects`: kernel
     libraries and precompiled headers built in this process instead of restored (0 on a
-    truly warm restart; a counter hit alone does not show a header rebuilt)."""
+    truly warm restart; a counter hit alone does not show a header rebuilt). `frames_loaded`:
+    dynamo's stored frames loaded instead of traced (caching precompile, `cache.py`); such a
+    frame is not compiled (`frames_compiled`, `compiles`) and shows no FX-graph or AOT hit."""
 
     fxgraph_hit: int = 0
     fxgraph_miss: int = 0
@@ -99,6 +105,9 @@ class CompileStats:
     aot_miss: int = 0
     aot_bypass: int = 0
     frames_compiled: int = 0
+    frames_loaded: int = 0
+    frame_misses: int = 0
+    frame_load_errors: int = 0
     unique_graphs: int = 0
     graph_breaks: int = 0
     compiles: int = 0
@@ -108,8 +117,10 @@ class CompileStats:
 
     @property
     def warm(self) -> bool:
-        """Everything came from the cache: hits, no misses, nothing rebuilt, no recompiles."""
-        return (self.fxgraph_hit > 0 and self.fxgraph_miss == 0 and self.aot_miss == 0
+        """Everything came from the cache: hits (FX graphs, or dynamo's stored frames), no misses
+        of either, nothing rebuilt, no recompiles."""
+        return ((self.fxgraph_hit > 0 or self.frames_loaded > 0) and self.fxgraph_miss == 0
+                and self.aot_miss == 0 and self.frame_misses == 0 and self.frame_load_errors == 0
                 and self.built_objects == 0 and self.recompiles == 0)
 
     def to_dict(self) -> dict[str, Any]:
