@@ -265,6 +265,10 @@ class PrewarmTimings:
     cache_miss: str | None = None  # the compile cache's archive was refused as damaged (`RestoreMiss`'s value)
     cache_reason: str = ""  # ... and why
     cache_repair: str | None = None  # ... and what became of it (`Repair`'s value)
+    # the archive holds what this prewarm compiled cold: its own save (its turn at the cold
+    # compile, or a repair) or another process's valid archive of the key, found after it; the run
+    # does not save it again (a second save rewrites the archive while other ranks restore it)
+    cache_stored: bool = False
 
     def spool_attrs(self) -> dict[str, Any]:
         """As a `spare_start` event's attributes."""

@@ -36,8 +36,10 @@ class CompilePlugin:
         self.cache_hit = False
         self.missed: RestoreResult | None = None  # the restore's result when it missed
         self.cold: ColdTurn | None = None  # how a miss took its turn at the cold compile
+        self.stored = False  # the archive holds this process's compile already: not saved again
         if config.switches.compile and config.switches.compile_cache and warm is not None:
             self.cache_hit = bool(warm.cache_hit)  # a spare restored the archive before it compiled (spare.py)
+            self.stored = warm.cache_stored
             if warm.cache_miss:
                 now = time.time()
                 rec.record("compile_cache_restore", now, now, hit=False, miss=warm.cache_miss,
@@ -75,7 +77,7 @@ class CompilePlugin:
                                                                max_wait_s=self.config.compile_timeout_s)
         try:
             compiled = compiled if compiled is not None else compile_dense_step(dense_step, batch, self.config, device)
-            if self.config.switches.compile_cache and not self.cache_hit and self._saves():
+            if self.config.switches.compile_cache and not (self.cache_hit or self.stored) and self._saves():
                 # Saved at once, before training: a rank killed early must still leave a warm
                 # cache for its restart (a background save was seen cut short by such a kill).
                 with self.rec.span("compile_cache_save") as attrs:

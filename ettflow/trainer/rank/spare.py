@@ -60,7 +60,7 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
     dense_opt = torch.optim.Adam(list(dense_step.parameters()), lr=config.model.dense_lr)
     built = time.time()
     compiled = None
-    cache_hit, refused, repair = None, None, None
+    cache_hit, refused, repair, stored = None, None, None, False
     if config.switches.compile:
         claim = turn = None
         if config.switches.compile_cache:
@@ -75,8 +75,9 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
                                           device)
             if refused is not None:  # met the damage
                 repair = repair_after(cache, restored_since=bool(cache_hit))
+                stored = repair in (Repair.REPLACED, Repair.REPLACED_BY_ANOTHER)
             elif turn is not None and turn.claimed:  # the waiters restore what it saves
-                cache.save()
+                stored = cache.save().saved
         finally:
             if claim is not None:
                 claim.release()
@@ -87,7 +88,8 @@ def prewarm(config: TrainerConfig, device: torch.device) -> WarmSpare:
                                             footers_s=time.time() - compiled_at,
                                             cache_miss=refused.miss.value if refused is not None else None,
                                             cache_reason=refused.reason if refused is not None else "",
-                                            cache_repair=repair.value if repair is not None else None))
+                                            cache_repair=repair.value if repair is not None else None,
+                                            cache_stored=stored))
 
 
 # a damaged archive this process can replace with what it compiled (an untrusted one is left:
