@@ -11,6 +11,7 @@ compiles cold (`cold`, ~20-30 s); the warm one restores, the others compile noth
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -164,6 +165,39 @@ def test_warm_restart_hits_the_cache_without_recompiling(cold, tmp_path):
     assert s["warm"] is True
     print(f"\ncold first step {a['first_step_s']:.2f} s (+ save {a['save_s']:.2f} s); warm "
           f"restore {b['restore_s']:.2f} s + first step {b['first_step_s']:.2f} s")
+
+
+def test_a_stored_frame_that_fails_to_load_is_traced_again_and_stored_anew(cold, tmp_path):
+    """A dynamo frame in a verified archive that torch cannot load (its sources changed under the
+    same key: an ettflow upgrade; here its bytes are replaced after the restore) costs a trace,
+    never the run: torch logs it and traces, inductor's entries still hit, the compile is not
+    warm, and the save stores the new frame instead of calling the archive up to date."""
+    root, a = cold
+    copy = tmp_path / "archives"  # the module's archive stays as the other tests expect it
+    shutil.copytree(root, copy)
+    out = run_python(f"""
+        import json, os
+        from pathlib import Path
+        from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+        from ettflow.trainer.compile.probe_cold_warm import DenseSize, build_dense_forward, train_steps
+        size = DenseSize(**{json.dumps(asdict(SIZE))})
+        cache = CompileCache(CompileCacheConfig(root={str(copy)!r}, work_dir={str(tmp_path / "work")!r},
+                                                model={asdict(SIZE)!r}, threads=1))
+        cache.prepare_env()
+        r = cache.restore()
+        entries = sorted((cache.inductor_dir / "dynamo").rglob("entry"))
+        for e in entries:
+            e.write_bytes(b"not a pickled frame")
+        train_steps(build_dense_forward(size), size, steps=1)
+        stats, saved = cache.stats(), cache.save()
+        print("RESULT " + json.dumps(dict(hit=r.hit, entries=len(entries), stats=stats.to_dict(), saved=saved.saved,
+                                          stored=[e.read_bytes() != b"not a pickled frame" for e in entries])))
+    """)
+    assert out["hit"] is True and out["entries"] == 1
+    s = out["stats"]
+    assert s["frame_load_errors"] == 1 and s["frames_loaded"] == 0 and s["frames_compiled"] == 1
+    assert s["fxgraph_hit"] > 0 and s["fxgraph_miss"] == 0 and s["built_objects"] == 0 and s["warm"] is False
+    assert out["saved"] is True and out["stored"] == [True]
 
 
 def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold, tmp_path):
