@@ -122,6 +122,9 @@ CACHING_PRECOMPILE = Internal(
     module="torch._dynamo.config", attr="caching_precompile",
     consequence="a warm process traces the dense step again instead of loading dynamo's stored frame "
                 "(compile/cache.py)")
+RESET_CODE_CACHES = Internal(
+    module="torch._dynamo", attr="reset_code_caches",
+    consequence="a compile that failed on dynamo's stored frame cannot be tried again without it (compile/compiled.py)")
 CACHE_DIR = Internal(module="torch._inductor.runtime.cache_dir_utils", attr="cache_dir",
                     consequence="a run without the compile cache cannot name PyTorch's local inductor cache folder")
 # TorchRec (same rule: a private name it could rename in any release)
@@ -135,6 +138,7 @@ INTERNALS: tuple[Internal, ...] = (
     CALLBACK_HANDLER, REGISTER_START, REMOVE_START, START_CALLBACKS, CALLBACK_ARGS, TRIGGER_DYNAMO,
     COMPILE_ID, SHARD, SHARDED_TENSOR, INIT_FROM_LOCAL, PROCESS_GROUP, REMOTE_DEVICE, COLLECTIVE_VALIDATION,
     CACHE_DIR, ISA_FLAGS, ISA_LIST, ISA_VALID, ISA_OK, CPP_COMPILER, PRECOMPILE_HEADERS, CACHING_PRECOMPILE,
+    RESET_CODE_CACHES,
 )
 
 
@@ -269,6 +273,12 @@ def set_caching_precompile(on: bool) -> None:
     On, dynamo drops its identity guards and bundles the AOT cache entries (compile/config.py)."""
     CACHING_PRECOMPILE.resolve()
     importlib.import_module("torch._dynamo.config").caching_precompile = on
+
+
+def reset_code_caches() -> None:
+    """Clear dynamo's in-memory caches keyed by code objects: what it compiled or installed from a
+    stored frame (`torch._dynamo.reset_code_caches`; its callbacks stay, unlike `reset`)."""
+    RESET_CODE_CACHES.resolve()()
 
 
 def set_vec_isa_ok() -> None:

@@ -275,7 +275,8 @@ class PrewarmTimings:
         return {"build_s": self.build_s, "compile_s": self.compile_s, "cache_hit": self.cache_hit,
                 "footers_s": self.footers_s, **({"prewarm_s": self.prewarm_s} if self.prewarm_s is not None else {}),
                 **({"cache_miss": self.cache_miss, "cache_reason": self.cache_reason,
-                    "cache_repair": self.cache_repair} if self.cache_miss else {})}
+                    "cache_repair": self.cache_repair} if self.cache_miss else {}),
+                **({"cache_stored": True} if self.cache_stored else {})}
 
 
 @dataclass(frozen=True, kw_only=True)

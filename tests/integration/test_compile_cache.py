@@ -167,17 +167,13 @@ def test_warm_restart_hits_the_cache_without_recompiling(cold, tmp_path):
           f"restore {b['restore_s']:.2f} s + first step {b['first_step_s']:.2f} s")
 
 
-def test_a_stored_frame_that_fails_to_load_is_traced_again_and_stored_anew(cold, tmp_path):
-    """A dynamo frame in a verified archive that torch cannot load (its sources changed under the
-    same key: an ettflow upgrade; here its bytes are replaced after the restore) costs a trace,
-    never the run: torch logs it and traces, inductor's entries still hit, the compile is not
-    warm, and the save stores the new frame instead of calling the archive up to date."""
-    root, a = cold
-    copy = tmp_path / "archives"  # the module's archive stays as the other tests expect it
+def restored_in_a_child(root, tmp_path, body: str) -> dict:
+    """`body` run in a fresh process after `cache` (the cold key's, on a copy of `root`: the
+    module's archive stays as the other tests expect it) restored it as `r`; `size` is SIZE."""
+    copy = tmp_path / "archives"
     shutil.copytree(root, copy)
-    out = run_python(f"""
-        import json, os
-        from pathlib import Path
+    return run_python(textwrap.dedent(f"""
+        import json
         from ettflow.trainer.compile import CompileCache, CompileCacheConfig
         from ettflow.trainer.compile.probe_cold_warm import DenseSize, build_dense_forward, train_steps
         size = DenseSize(**{json.dumps(asdict(SIZE))})
@@ -185,6 +181,16 @@ def test_a_stored_frame_that_fails_to_load_is_traced_again_and_stored_anew(cold,
                                                 model={asdict(SIZE)!r}, threads=1))
         cache.prepare_env()
         r = cache.restore()
+    """) + textwrap.dedent(body))
+
+
+def test_a_stored_frame_that_fails_to_load_is_traced_again_and_stored_anew(cold, tmp_path):
+    """A dynamo frame in a verified archive that torch cannot unpickle (here its bytes are
+    replaced after the restore) costs a trace, never the run: torch logs it and traces,
+    inductor's entries still hit, the compile is not warm, and the save stores the new frame
+    instead of calling the archive up to date. (A frame whose sources changed under the same key,
+    an ettflow upgrade, is counted loaded, then rejected and traced: `CompileStats.warm`.)"""
+    out = restored_in_a_child(cold[0], tmp_path, """
         entries = sorted((cache.inductor_dir / "dynamo").rglob("entry"))
         for e in entries:
             e.write_bytes(b"not a pickled frame")
@@ -198,6 +204,38 @@ def test_a_stored_frame_that_fails_to_load_is_traced_again_and_stored_anew(cold,
     assert s["frame_load_errors"] == 1 and s["frames_loaded"] == 0 and s["frames_compiled"] == 1
     assert s["fxgraph_hit"] > 0 and s["fxgraph_miss"] == 0 and s["built_objects"] == 0 and s["warm"] is False
     assert out["saved"] is True and out["stored"] == [True]
+
+
+def test_a_stored_frame_torch_cannot_install_fails_the_compile_until_it_is_dropped(cold, tmp_path):
+    """Where torch fails to install a stored frame (its `install` raising RuntimeError, scripted),
+    its own fallback lets an error escape `torch.compile`, so every restart from the same archive
+    would fail: `drop_stored_frames` (which `compile_dense_step` calls on a failed compile)
+    removes the frames and dynamo's code caches, the second try traces, and the save stores anew."""
+    out = restored_in_a_child(cold[0], tmp_path, """
+        import torch._dynamo.package as package
+        install = package.CompilePackage.install
+        def broken(self, backends):
+            raise RuntimeError("Failed to reload cache entry from disk (scripted)")
+        package.CompilePackage.install = broken
+        try:
+            train_steps(build_dense_forward(size), size, steps=1)
+            error = None
+        except Exception as e:
+            error = e
+        package.CompilePackage.install = install
+        dropped = cache.drop_stored_frames(error)
+        again = cache.drop_stored_frames(error)  # none left
+        train_steps(build_dense_forward(size), size, steps=1)
+        stats, saved = cache.stats(), cache.save()
+        print("RESULT " + json.dumps(dict(hit=r.hit, error=type(error).__name__ if error else None, dropped=dropped,
+                                          again=again, stats=stats.to_dict(), saved=saved.saved,
+                                          frames=len(list((cache.inductor_dir / "dynamo").rglob("entry"))))))
+    """)
+    assert out["hit"] is True and out["error"] is not None  # torch's fallback did not hold
+    assert out["dropped"] is True and out["again"] is False
+    s = out["stats"]
+    assert s["frames_compiled"] == 1 and s["fxgraph_miss"] == 0 and s["built_objects"] == 0 and s["warm"] is False
+    assert out["saved"] is True and out["frames"] == 1  # a new frame stored
 
 
 def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold, tmp_path):

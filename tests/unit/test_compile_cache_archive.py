@@ -275,3 +275,104 @@ def test_a_stored_frame_loaded_is_a_warm_compile():
     assert not CompileStats(frames_loaded=1, frame_load_errors=1).warm
     assert not CompileStats(fxgraph_hit=2, aot_hit=1, frame_misses=1).warm  # traced again
     assert not CompileStats(frames_loaded=1, built_objects=1).warm
+    assert not CompileStats(frames_loaded=1, frames_compiled=1).warm  # loaded, its sources rejected, traced
+
+
+def test_a_prewarmed_worker_that_stored_its_cold_compile_does_not_save_it_again(tmp_path, monkeypatch):
+    """A pool's worker that compiled cold before the run and stored it (its turn's save, a repair,
+    or another's archive found after it) is taken as rank 0: the run does not save again (a
+    second save rewrote the archive while the other ranks restored it); one that did not store
+    it (its save skipped, an orphaned turn) saves at the run."""
+    import contextlib
+
+    from ettflow.trainer.compile import CompileCache, process_cache
+    from ettflow.trainer.compile.cache import SaveResult
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.protocol import PrewarmTimings
+    from ettflow.trainer.rank.compile_plugin import CompilePlugin
+
+    class Rec:
+        def __init__(self) -> None:
+            self.phases: list[str] = []
+
+        def record(self, phase, start, end, **attrs) -> None:
+            self.phases.append(phase)
+
+        @contextlib.contextmanager
+        def span(self, phase):
+            self.phases.append(phase)
+            yield {}
+
+    config = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
+    cache = CompileCache(process_cache.cache_config(config))
+    saves = []
+    monkeypatch.setattr(cache, "save", lambda **kw: saves.append(kw) or SaveResult(bytes=1))
+    monkeypatch.setattr(process_cache, "_CACHE", cache)
+    compiled = object()
+    for stored in (True, False):
+        warm = PrewarmTimings(build_s=0, compile_s=1, cache_hit=False, footers_s=0, cache_stored=stored)
+        rec = Rec()
+        assert CompilePlugin(config, 0, rec, warm=warm).compile(None, None, None, compiled=compiled) is compiled
+        assert ("compile_cache_save" in rec.phases) is (not stored)
+        assert warm.spool_attrs().get("cache_stored", False) is stored
+    assert len(saves) == 1
+
+
+def test_a_compile_that_fails_on_a_stored_frame_is_tried_once_more_without_it(tmp_path, monkeypatch):
+    """`compile_dense_step`: a failed compile where the archive gave dynamo stored frames drops
+    them and tries once more; with none, or failing again, the error is the compile's own."""
+    import threading
+    from dataclasses import replace
+
+    from ettflow.trainer.compile import CompileCache, compiled, process_cache, vec_isa
+    from ettflow.trainer.config import TrainerConfig
+    from ettflow.trainer.data.schema import criteo_schema
+
+    for var in ("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "TORCH_COMPILE_JOB_ID", "TORCHINDUCTOR_VEC_ISA_OK"):
+        monkeypatch.setenv(var, "")  # so that the undo removes what apply_settings sets for children
+        monkeypatch.delenv(var)
+    config = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
+    cache = CompileCache(replace(process_cache.cache_config(config), work_dir=tmp_path / "work"))
+    monkeypatch.setattr(process_cache, "_CACHE", cache)
+    monkeypatch.setattr(vec_isa, "_SETTLED", vec_isa.Outcome(vec_isa.IsaCheck.RECORDED))
+    frame = tmp_path / "work" / "inductor" / "dynamo" / "abc" / "entry"
+    tries: list[int] = []
+
+    def one_step(fails: int):
+        def step(*args):
+            tries.append(1)
+            if len(tries) <= fails:
+                raise AssertionError("CompilePackage is already initialized")  # what torch 2.13 lets escape
+            return "compiled"
+        return step
+
+    def in_a_thread(fn):  # the compile settings are per thread: none leak into this one
+        out = {}
+
+        def run():
+            try:
+                out["value"] = fn()
+            except Exception as e:  # noqa: BLE001 - handed to the test
+                out["error"] = e
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out
+
+    frame.parent.mkdir(parents=True)
+    frame.write_bytes(b"frame")
+    monkeypatch.setattr(compiled, "_compiled_by_one_step", one_step(fails=1))
+    assert in_a_thread(lambda: compiled.compile_dense_step(None, None, config, None)) == {"value": "compiled"}
+    assert len(tries) == 2 and not frame.parent.parent.exists()  # dropped, then traced
+
+    tries.clear()  # no stored frame left: the compile's own error, not tried again
+    out = in_a_thread(lambda: compiled.compile_dense_step(None, None, config, None))
+    assert isinstance(out["error"], AssertionError) and len(tries) == 1
+
+    tries.clear()
+    frame.parent.mkdir(parents=True)
+    frame.write_bytes(b"frame")
+    monkeypatch.setattr(compiled, "_compiled_by_one_step", one_step(fails=2))  # fails without it too
+    out = in_a_thread(lambda: compiled.compile_dense_step(None, None, config, None))
+    assert isinstance(out["error"], AssertionError) and len(tries) == 2

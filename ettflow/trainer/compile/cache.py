@@ -101,6 +101,7 @@ class CompileCache:
         self._restore_hit = False
         self._baseline: dict[str, int] = {}
         self._base_compiles = self._base_recompiles = 0
+        self._frames_dropped = False  # drop_stored_frames ran: the archive's frames are to be replaced
 
     @property
     def inductor_dir(self) -> Path:
@@ -203,8 +204,10 @@ class CompileCache:
             return skipped("nothing compiled in this working folder yet: save after the first "
                            "compiled step")
         stats = self.stats()
+        traced = self.config.precompile and (stats.frames_compiled > 0 or self._frames_dropped)
         if not force and self._restore_hit and stats.fxgraph_miss == 0 and stats.aot_miss == 0 \
-                and stats.built_objects == 0 and stats.frame_misses == stats.frame_load_errors == 0:
+                and stats.built_objects == 0 and stats.frame_misses == stats.frame_load_errors == 0 \
+                and not traced:
             return skipped("restored archive is up to date (no cache miss since restore)")
         mega = self._mega_cache_bytes() if self.config.mega_cache else None
         dest = archive.archive_path(self.config.root, self.key, self.config.codec)
@@ -225,6 +228,22 @@ class CompileCache:
         archive.prune(self.config.root, keep=self.config.keep_archives, protect=dest)
         return SaveResult(bytes=packed.bytes, seconds=time.perf_counter() - t0, path=dest,
                           files=packed.files)
+
+    def drop_stored_frames(self, error: BaseException) -> bool:
+        """Remove dynamo's stored frames from the working folder and its code caches, after a
+        compile that failed with `error` (`compiled.compile_dense_step`); False if there were none."""
+        if not (self.config.enabled and self.config.precompile and self.work_dir is not None):
+            return False
+        frames = self.work_dir / env.INDUCTOR_SUBDIR / env.DYNAMO_SUBDIR
+        if not frames.is_dir():
+            return False
+        log.warning("compile cache: the compile failed with dynamo's stored frame from the archive "
+                    "(%s: %s); tracing again without it, and the save stores a new one",
+                    type(error).__name__, str(error)[:300])
+        shutil.rmtree(frames, ignore_errors=True)
+        env.reset_code_caches()
+        self._frames_dropped = True
+        return True
 
     def stats(self) -> CompileStats:
         built = 0

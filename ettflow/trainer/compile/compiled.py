@@ -33,10 +33,23 @@ def compile_dense_step(dense_step: torch.nn.Module, batch: Batch, config: Traine
     """`dense_step` compiled by one forward and backward on `batch` with random embeddings;
     nothing is updated (its gradients are dropped). A rank's `pt2_compile` and a spare's prewarm.
     With the compile cache, the process's compile settings apply in this thread (`cache.py`) and
-    inductor's CPU ISA check is made once per host (`vec_isa.py`)."""
-    from .process_cache import apply_compile_settings
+    inductor's CPU ISA check is made once per host (`vec_isa.py`). A compile that fails where the
+    archive gave dynamo a stored frame is tried once more without it (`drop_stored_frames`):
+    torch lets some errors of a frame it cannot install escape `torch.compile`, and every restart
+    would restore the same archive and fail the same way."""
+    from .process_cache import apply_compile_settings, drop_stored_frames
 
     apply_compile_settings(config)  # in this thread's context (process_cache.py says why)
+    try:
+        return _compiled_by_one_step(dense_step, batch, config, device)
+    except Exception as e:
+        if not drop_stored_frames(config, e):
+            raise
+    return _compiled_by_one_step(dense_step, batch, config, device)
+
+
+def _compiled_by_one_step(dense_step: torch.nn.Module, batch: Batch, config: TrainerConfig,
+                          device: torch.device) -> torch.nn.Module:
     compiled = compile_module(dense_step)
     b = batch.to(device)
     n_sparse, dim = len(config.schema.sparse), config.model.embedding_dim

@@ -100,14 +100,17 @@ class CompileCacheConfig:
 
 
 def device_tag(device: str) -> str:
-    """'cpu' or 'cuda-sm90' (capability of the given or current CUDA device)."""
+    """'cpu' or 'cuda-sm90-cu12.8-NVIDIA H100 80GB HBM3' (capability, CUDA and model of the given or
+    current CUDA device). The model too: dynamo's stored frame is refused on another GPU model of
+    the same capability (torch's SystemInfo check), and two models sharing a key would replace
+    each other's archive at every run."""
     if device == "cpu":
         return "cpu"
     import torch
 
     index = int(device.split(":", 1)[1]) if ":" in device else None
     major, minor = torch.cuda.get_device_capability(index)
-    return f"cuda-sm{major}{minor}-cu{torch.version.cuda}"
+    return f"cuda-sm{major}{minor}-cu{torch.version.cuda}-{torch.cuda.get_device_name(index)}"
 
 
 def torch_version() -> str:

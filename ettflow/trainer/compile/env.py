@@ -36,6 +36,7 @@ from . import trust
 INDUCTOR_SUBDIR = "inductor"
 HEADER_SUBDIR = "precompiled_headers"  # inside the inductor folder
 TRITON_SUBDIR = "triton"
+DYNAMO_SUBDIR = "dynamo"  # inside the inductor folder: dynamo's stored frames (caching precompile)
 
 
 class CompileEnvError(RuntimeError):
@@ -90,6 +91,11 @@ def skip_precompiled_headers() -> None:
 def set_caching_precompile(on: bool) -> None:
     """Dynamo stores its traced frames beside inductor's entries, and loads them (cache.py)."""
     compat.set_caching_precompile(on)
+
+
+def reset_code_caches() -> None:
+    """Forget the frames dynamo compiled or installed in this process (not its callbacks)."""
+    compat.reset_code_caches()
 
 
 def set_job_id(job_id: str) -> None:

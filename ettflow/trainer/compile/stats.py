@@ -117,9 +117,11 @@ class CompileStats:
 
     @property
     def warm(self) -> bool:
-        """Everything came from the cache: hits (FX graphs, or dynamo's stored frames), no misses
-        of either, nothing rebuilt, no recompiles."""
-        return ((self.fxgraph_hit > 0 or self.frames_loaded > 0) and self.fxgraph_miss == 0
+        """Everything came from the cache: hits (FX graphs, or dynamo's stored frames, none traced:
+        torch counts a frame loaded before it checks the frame's sources, and traces a rejected
+        one), no misses of either, nothing rebuilt, no recompiles."""
+        loaded = self.frames_loaded > 0 and self.frames_compiled == 0
+        return ((self.fxgraph_hit > 0 or loaded) and self.fxgraph_miss == 0
                 and self.aot_miss == 0 and self.frame_misses == 0 and self.frame_load_errors == 0
                 and self.built_objects == 0 and self.recompiles == 0)
 
