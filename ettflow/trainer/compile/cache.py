@@ -14,7 +14,9 @@ precompile on, a compile records the traced frame and its guards, `save` has tor
 under inductor's folder (`inductor/dynamo/<source id>/entry`, archived with the rest), and a warm
 process's `torch.compile` call loads them instead of tracing (the default model: 1.9-2.3 s ->
 1.2-1.5 s warm, bit for bit the same loss and gradient; BENCHMARKS.md). torch checks the frame's
-own and its inlined functions' sources; a frame that fails to load is logged and traced again.
+own and its inlined functions' sources; a frame that fails to load is logged and traced again,
+and a compile that fails on one (torch lets some install errors escape) is tried once more
+without it (`drop_stored_frames`).
 Such a hit counts as `CompileStats.frames_loaded`, with no FX-graph or AOT hit and no compile.
 
 Trust: inductor unpickles its cache entries, so an archive is restored only when the archive
