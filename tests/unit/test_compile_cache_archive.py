@@ -283,26 +283,13 @@ def test_a_prewarmed_worker_that_stored_its_cold_compile_does_not_save_it_again(
     or another's archive found after it) is taken as rank 0: the run does not save again (a
     second save rewrote the archive while the other ranks restored it); one that did not store
     it (its save skipped, an orphaned turn) saves at the run."""
-    import contextlib
-
+    from ettflow.ett.spool import SpoolWriter, read_spool
     from ettflow.trainer.compile import CompileCache, process_cache
     from ettflow.trainer.compile.cache import SaveResult
     from ettflow.trainer.config import TrainerConfig
     from ettflow.trainer.data.schema import criteo_schema
     from ettflow.trainer.protocol import PrewarmTimings
     from ettflow.trainer.rank.compile_plugin import CompilePlugin
-
-    class Rec:
-        def __init__(self) -> None:
-            self.phases: list[str] = []
-
-        def record(self, phase, start, end, **attrs) -> None:
-            self.phases.append(phase)
-
-        @contextlib.contextmanager
-        def span(self, phase):
-            self.phases.append(phase)
-            yield {}
 
     config = TrainerConfig(data_root=str(tmp_path), schema=criteo_schema(10), work_dir=str(tmp_path / "w"))
     cache = CompileCache(process_cache.cache_config(config))
@@ -312,9 +299,11 @@ def test_a_prewarmed_worker_that_stored_its_cold_compile_does_not_save_it_again(
     compiled = object()
     for stored in (True, False):
         warm = PrewarmTimings(build_s=0, compile_s=1, cache_hit=False, footers_s=0, cache_stored=stored)
-        rec = Rec()
-        assert CompilePlugin(config, 0, rec, warm=warm).compile(None, None, None, compiled=compiled) is compiled
-        assert ("compile_cache_save" in rec.phases) is (not stored)
+        run_id = f"stored-{stored}"
+        with SpoolWriter(tmp_path / "spool", run_id, 0, 0) as rec:
+            assert CompilePlugin(config, 0, rec, warm=warm).compile(None, None, None, compiled=compiled) is compiled
+        phases = [e.phase for e in read_spool(tmp_path / "spool", run_id).events]
+        assert ("compile_cache_save" in phases) is (not stored)
         assert warm.spool_attrs().get("cache_stored", False) is stored
     assert len(saves) == 1
 

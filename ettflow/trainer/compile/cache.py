@@ -103,7 +103,6 @@ class CompileCache:
         self._restore_hit = False
         self._baseline: dict[str, int] = {}
         self._base_compiles = self._base_recompiles = 0
-        self._frames_dropped = False  # drop_stored_frames ran: the archive's frames are to be replaced
 
     @property
     def inductor_dir(self) -> Path:
@@ -206,7 +205,8 @@ class CompileCache:
             return skipped("nothing compiled in this working folder yet: save after the first "
                            "compiled step")
         stats = self.stats()
-        traced = self.config.precompile and (stats.frames_compiled > 0 or self._frames_dropped)
+        # a traced frame (a miss, a load error, or frames dropped then traced again) is stored anew
+        traced = self.config.precompile and stats.frames_compiled > 0
         if not force and self._restore_hit and stats.fxgraph_miss == 0 and stats.aot_miss == 0 \
                 and stats.built_objects == 0 and stats.frame_misses == stats.frame_load_errors == 0 \
                 and not traced:
@@ -244,7 +244,6 @@ class CompileCache:
                     type(error).__name__, str(error)[:300])
         shutil.rmtree(frames, ignore_errors=True)
         env.reset_code_caches()
-        self._frames_dropped = True
         return True
 
     def stats(self) -> CompileStats:

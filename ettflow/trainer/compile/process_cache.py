@@ -92,7 +92,7 @@ def apply_compile_settings(config: TrainerConfig) -> None:
 
 def drop_stored_frames(config: TrainerConfig, error: BaseException) -> bool:
     """After a compile failed with `error`: when this process's compile cache gave dynamo stored
-    frames (`cache.StoredFrames`), remove them and dynamo's in-memory code caches, so that a
+    frames (`CompileCache.drop_stored_frames`), remove them and dynamo's in-memory code caches, so that a
     second try traces and a save stores new frames; True if it did (a warning says so), False
     when there were none (the error is the compile's own)."""
     if _CACHE is None or not config.switches.compile_cache:
