@@ -18,8 +18,12 @@ bound (`PhaseBounds`, from `TrainerConfig`). The rules:
   the end of a step), and only once every rank trains: a rank waiting in a collective for a
   peer that still compiles is not hung; the peer is judged by its own phase's bound.
 - Among the hung ranks the culprit is the one that progressed least (in init before training;
-  at step s before inside step s; a lower step first), then the one hung longest: its peers
-  wait for it in a collective.
+  at step s before inside step s or its save; a lower step first), then the one hung longest:
+  its peers wait for it in a collective.
+- So a training rank ahead of a peer is not judged on its step clock at all: it waits for that
+  peer in a collective, however long, and the peer is judged by its own clock. Judging it
+  blamed the waiting rank whenever its clock ran out first (a loaded host: the hung peer's
+  clock had a pause left out, the waiting rank's had none). A save keeps its own bound.
 - Time the rank's process did not run is not the rank's: the pauses its beat reports, and the
   silence since a beat overdue by more than `PAUSE_MIN_S` (a pause not yet seen by the thread,
   which is not running either), are left out of its phase's time, at most one bound's worth (a
@@ -211,6 +215,7 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
     all_training = bool(live) and all(b is not None and b.training_since is not None for b in live.values())
     train_clock = max((b.training_since for b in live.values() if b is not None and b.training_since is not None),
                       default=None)
+    least = min((_progress(b) for b in live.values() if b is not None), default=(-1, 0))
     found: list[tuple[tuple, Hang]] = []
     for rank, b in live.items():
         if b is None:
@@ -223,13 +228,19 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
             if phase == TRAINING:
                 if not all_training:
                     continue  # waits for a peer still in init: the peer's bound judges it
+                if _progress(b) > least:
+                    continue  # ahead of a peer: waits for it in a collective; the peer is judged
                 since = max(since, train_clock)
             hang = _overdue(rank, phase, since, bounds, now, step=b.step if training else None, beat=b)
             if hang is not None:
-                progress = (1, b.step if b.step is not None else -1, int(b.in_step or phase == SAVE)) \
-                    if training else (0, -1, 0)
+                progress = (1, *_progress(b)) if training else (0, -1, 0)
                 found.append(((*progress, since), hang))
     return min(found, key=lambda pair: pair[0])[1] if found else None
+
+
+def _progress(b: RankBeat) -> tuple[int, int]:
+    """A training rank's progress: its step, then inside it (or in a save) after before it."""
+    return (b.step if b.step is not None else -1, int(b.in_step or SAVE in b.phases))
 
 
 def _overdue(rank: int, phase: str, since: float, bounds: PhaseBounds, now: float,

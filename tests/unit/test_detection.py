@@ -93,6 +93,33 @@ def test_the_culprit_is_the_rank_that_progressed_least():
     assert find_hang(beats, BOUNDS, 125.0, launched_at=90.0, done={0, 1}) is None
 
 
+def test_a_rank_ahead_of_a_peer_waits_for_it_and_is_never_the_one_judged():
+    # rank 1 hangs before step 12 (its clock from 100.0, step 11's end); rank 0 entered step 12
+    # at 100.3 and waits in its first collective. On a loaded host rank 1's clock had 2 s that its
+    # process did not run left out, rank 0's none: rank 0's clock runs out first (2.7 s at 103),
+    # and the old rule blamed it (CI saw rank 0 named for a hang scripted on rank 1)
+    starved = (Pause(100.5, 102.5),)
+    beats = {0: beat(0, {TRAINING: 100.3}, training_since=90.0, step=12, in_step=True),
+             1: beat(1, {TRAINING: 100.0}, training_since=90.0, step=12, pauses=starved)}
+    assert find_hang(beats, BOUNDS, 103.0, launched_at=80.0) is None
+    hang = find_hang(beats, BOUNDS, 104.1, launched_at=80.0)
+    assert (hang.rank, hang.step, hang.not_running_s) == (1, 12, 2.0)
+    # a lower step is less progress than any place in a higher one
+    beats = {0: beat(0, {TRAINING: 100.0}, training_since=90.0, step=13),
+             1: beat(1, {TRAINING: 101.0}, training_since=90.0, step=12, in_step=True)}
+    assert find_hang(beats, BOUNDS, 103.0, launched_at=80.0) is None
+    assert find_hang(beats, BOUNDS, 103.1, launched_at=80.0).rank == 1
+    # ranks level with each other are both judged: the one hung longest is the culprit
+    beats = {0: beat(0, {TRAINING: 100.0}, training_since=90.0, step=12, in_step=True),
+             1: beat(1, {TRAINING: 100.4}, training_since=90.0, step=12, in_step=True)}
+    assert find_hang(beats, BOUNDS, 102.1, launched_at=80.0).rank == 0
+    # a save ahead of a hung peer keeps its own bound (a save that hangs on its own storage)
+    beats = {0: beat(0, {SAVE: 100.0}, training_since=90.0, step=12),
+             1: beat(1, {TRAINING: 101.5}, training_since=90.0, step=11, in_step=True)}
+    hang = find_hang(beats, BOUNDS, 103.1, launched_at=80.0)
+    assert (hang.rank, hang.phase) == (0, SAVE)
+
+
 def test_time_a_ranks_process_did_not_run_is_not_its_phases_up_to_one_bound():
     # a step began at 100 (bound 2 s); the host starved the process from 100.5 to 102.8 and the
     # thread reported it on waking: 1.2 s of the 3.5 s ran, not hung
