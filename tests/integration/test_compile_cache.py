@@ -5,7 +5,8 @@ loaded from a folder or archive others could have written, or that does not matc
 
 Every process that compiles or calls prepare_env is a fresh interpreter, so no in-memory
 inductor state helps the warm run and this process's environment stays untouched. One of them
-compiles cold (`cold`, ~20-30 s); the warm one restores, the others compile nothing.
+compiles cold (`cold`, ~20-30 s); the warm one restores, the others compile nothing, but for
+the changed-source test, which compiles a small function of its own (~20 s for its two processes).
 (What needs no fresh process, archives and keys among it: tests/unit/test_compile_cache_archive.py.)
 """
 
@@ -189,7 +190,7 @@ def test_a_stored_frame_that_fails_to_load_is_traced_again_and_stored_anew(cold,
     replaced after the restore) costs a trace, never the run: torch logs it and traces,
     inductor's entries still hit, the compile is not warm, and the save stores the new frame
     instead of calling the archive up to date. (A frame whose sources changed under the same key,
-    an ettflow upgrade, is counted loaded, then rejected and traced: `CompileStats.warm`.)"""
+    an ettflow upgrade: `test_a_stored_frame_whose_source_changed_...`.)"""
     out = restored_in_a_child(cold[0], tmp_path, """
         entries = sorted((cache.inductor_dir / "dynamo").rglob("entry"))
         for e in entries:
@@ -236,6 +237,57 @@ def test_a_stored_frame_torch_cannot_install_fails_the_compile_until_it_is_dropp
     s = out["stats"]
     assert s["frames_compiled"] == 1 and s["fxgraph_miss"] == 0 and s["built_objects"] == 0 and s["warm"] is False
     assert out["saved"] is True and out["frames"] == 1  # a new frame stored
+
+
+STEP_SOURCE = """
+import torch
+
+
+def bump(x):
+    return torch.relu(x) + {add}
+
+
+def step(x):
+    return bump(x) * 2
+"""
+
+
+def test_a_stored_frame_whose_source_changed_is_traced_again_and_never_runs_the_old_code(tmp_path):
+    """An upgrade that changes a compiled function's source (here an inlined helper's, its lines
+    where they were) under the same key: torch checks the stored frame's sources, refuses it and
+    traces the new code, which is what runs; the compile is not warm and the save stores the new
+    frame. A real file changed between two processes (the neighbour of a frame that cannot load)."""
+    src, root = tmp_path / "src", tmp_path / "archives"
+    src.mkdir()
+
+    def compile_in_a_child(add: int, work: str) -> dict:
+        (src / "upgraded_step.py").write_text(STEP_SOURCE.format(add=add))
+        return run_python(f"""
+            import json, sys
+            import torch
+            sys.path.insert(0, {str(src)!r})
+            from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+            cache = CompileCache(CompileCacheConfig(root={str(root)!r}, work_dir={str(tmp_path / work)!r},
+                                                    model={{"test": "source-change"}}, threads=1))
+            cache.prepare_env()
+            r = cache.restore()
+            import upgraded_step
+            out = torch.compile(upgraded_step.step, dynamic=False)(torch.tensor([-1.0, 0.5]))
+            stats, saved = cache.stats(), cache.save()
+            print("RESULT " + json.dumps(dict(hit=r.hit, out=out.tolist(), stats=stats.to_dict(), saved=saved.saved)))
+        """)
+
+    first = compile_in_a_child(1, "work-a")
+    assert first["hit"] is False and first["out"] == [2.0, 3.0] and first["saved"] is True
+    assert first["stats"]["frames_compiled"] == 1
+    upgraded = compile_in_a_child(3, "work-b")  # same key, the helper's body changed on disk
+    assert upgraded["hit"] is True
+    assert upgraded["out"] == [6.0, 7.0]  # the new code ran, not the stored frame's
+    s = upgraded["stats"]
+    # torch counts the frame loaded before it checks its sources, then traces: `warm` reads both
+    assert s["frames_loaded"] == 1 and s["frames_compiled"] == 1 and s["warm"] is False
+    assert s["fxgraph_miss"] == 1  # the new code is a new graph
+    assert upgraded["saved"] is True  # the archive is not "up to date": the new frame is stored
 
 
 def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold, tmp_path):
