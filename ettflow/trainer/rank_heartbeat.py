@@ -239,7 +239,7 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
 
 
 def _progress(b: RankBeat) -> tuple[int, int]:
-    """A training rank's progress: its step, then inside it (or in a save) after before it."""
+    """A training rank's progress: its step, then 1 inside it or in a save, 0 before it."""
     return (b.step if b.step is not None else -1, int(b.in_step or SAVE in b.phases))
 
 
