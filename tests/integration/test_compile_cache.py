@@ -265,6 +265,7 @@ def test_a_stored_frame_whose_source_changed_is_traced_again_and_never_runs_the_
         return run_python(f"""
             import json, sys
             import torch
+            sys.dont_write_bytecode = True  # no .pyc of the old file: Python checks one by mtime and size only
             sys.path.insert(0, {str(src)!r})
             from ettflow.trainer.compile import CompileCache, CompileCacheConfig
             cache = CompileCache(CompileCacheConfig(root={str(root)!r}, work_dir={str(tmp_path / work)!r},
