@@ -278,6 +278,18 @@ def test_a_stored_frame_loaded_is_a_warm_compile():
     assert not CompileStats(frames_loaded=1, frames_compiled=1).warm  # loaded, its sources rejected, traced
 
 
+def test_the_probe_table_shows_a_frame_loaded_then_traced_as_both():
+    from ettflow.trainer.compile.probe_cold_warm import table
+    from ettflow.trainer.compile.stats import CompileStats
+
+    rows = [{"mode": mode, "restore_s": 0.5, "first_step_s": 1.0, "stats": stats.to_dict()} for mode, stats in (
+        ("cold", CompileStats(frame_misses=1, frames_compiled=1)), ("warm", CompileStats(frames_loaded=1)),
+        ("upgraded", CompileStats(frames_loaded=1, frames_compiled=1)))]
+    head, *lines = table(rows).splitlines()
+    assert "frames loaded/traced" in head
+    assert [line.split()[6] for line in lines] == ["0/1", "1/0", "1/1"]  # after fx and aot hit/miss
+
+
 def test_a_prewarmed_worker_that_stored_its_cold_compile_does_not_save_it_again(tmp_path, monkeypatch):
     """A pool's worker that compiled cold before the run and stored it (its turn's save, a repair,
     or another's archive found after it) is taken as rank 0: the run does not save again (a

@@ -140,14 +140,14 @@ def spawn(mode: str, root: Path, work: Path, size: DenseSize, threads: int, devi
 
 def table(rows: list[dict]) -> str:
     head = f"{'run':<10}{'restore s':>10}{'1st step s':>11}{'save s':>8}{'fx hit/miss':>12}" \
-           f"{'aot hit/miss':>13}{'frame loaded/miss':>18}{'built':>6}{'recomp':>7}"
+           f"{'aot hit/miss':>13}{'frames loaded/traced':>21}{'built':>6}{'recomp':>7}"
     lines = [head]
     for r in rows:
         s = r["stats"]
         lines.append(
             f"{r['mode']:<10}{r['restore_s']:>10.2f}{r['first_step_s']:>11.2f}"
             f"{r.get('save_s', 0.0):>8.2f}{s['fxgraph_hit']:>6}/{s['fxgraph_miss']:<5}"
-            f"{s['aot_hit']:>7}/{s['aot_miss']:<5}{s['frames_loaded']:>12}/{s['frame_misses']:<5}"
+            f"{s['aot_hit']:>7}/{s['aot_miss']:<5}{s['frames_loaded']:>15}/{s['frames_compiled']:<5}"
             f"{s['built_objects']:>6}{s['recompiles']:>7}"
         )
     return "\n".join(lines)
