@@ -18,12 +18,14 @@ bound (`PhaseBounds`, from `TrainerConfig`). The rules:
   the end of a step), and only once every rank trains: a rank waiting in a collective for a
   peer that still compiles is not hung; the peer is judged by its own phase's bound.
 - Among the hung ranks the culprit is the one that progressed least (in init before training;
-  at step s before inside step s or its save; a lower step first), then the one hung longest:
-  its peers wait for it in a collective.
+  at step s: before it, then in the save made before it, then inside it; a lower step first),
+  then the one hung longest: its peers wait for it in a collective.
 - So a training rank ahead of a peer is not judged on its step clock at all: it waits for that
   peer in a collective, however long, and the peer is judged by its own clock. Judging it
   blamed the waiting rank whenever its clock ran out first (a loaded host: the hung peer's
-  clock had a pause left out, the waiting rank's had none). A save keeps its own bound.
+  clock had a pause left out, the waiting rank's had none). A save keeps its own bound, ahead
+  or not: a rank past its loop (the anchor's save, the evaluation) reads as no further than
+  one in it, so excusing a save could excuse a real hang there.
 - Time the rank's process did not run is not the rank's: the pauses its beat reports, and the
   silence since a beat overdue by more than `PAUSE_MIN_S` (a pause not yet seen by the thread,
   which is not running either), are left out of its phase's time, at most one bound's worth (a
@@ -239,8 +241,9 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
 
 
 def _progress(b: RankBeat) -> tuple[int, int]:
-    """A training rank's progress: its step, then 1 inside it or in a save, 0 before it."""
-    return (b.step if b.step is not None else -1, int(b.in_step or SAVE in b.phases))
+    """A training rank's progress: its step s, then 0 before it, 1 in the save the loop makes
+    before step s (periodic saves come between steps), 2 inside step s."""
+    return (b.step if b.step is not None else -1, 2 if b.in_step else int(SAVE in b.phases))
 
 
 def _overdue(rank: int, phase: str, since: float, bounds: PhaseBounds, now: float,

@@ -263,23 +263,34 @@ def test_a_stored_frame_whose_source_changed_is_traced_again_and_never_runs_the_
     def compile_in_a_child(add: int, work: str) -> dict:
         (src / "upgraded_step.py").write_text(STEP_SOURCE.format(add=add))
         return run_python(f"""
-            import json, sys
+            import json, logging, sys
             import torch
             sys.dont_write_bytecode = True  # no .pyc of the old file: Python checks one by mtime and size only
             sys.path.insert(0, {str(src)!r})
             from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+            refused = []  # torch's own word for a stored frame it would not use
+            class Refusals(logging.Handler):
+                def emit(self, record):
+                    refused.append(str(record.exc_info[1]) if record.exc_info else record.getMessage())
+            logging.getLogger("torch._dynamo.eval_frame").addHandler(Refusals())
             cache = CompileCache(CompileCacheConfig(root={str(root)!r}, work_dir={str(tmp_path / work)!r},
                                                     model={{"test": "source-change"}}, threads=1))
             cache.prepare_env()
             r = cache.restore()
+            def frames():
+                return [e.read_bytes() for e in sorted((cache.inductor_dir / "dynamo").rglob("entry"))]
+            restored = frames()
             import upgraded_step
             out = torch.compile(upgraded_step.step, dynamic=False)(torch.tensor([-1.0, 0.5]))
             stats, saved = cache.stats(), cache.save()
-            print("RESULT " + json.dumps(dict(hit=r.hit, out=out.tolist(), stats=stats.to_dict(), saved=saved.saved)))
+            print("RESULT " + json.dumps(dict(hit=r.hit, out=out.tolist(), stats=stats.to_dict(), saved=saved.saved,
+                                              refused=refused, restored=len(restored), stored=len(frames()),
+                                              replaced=bool(restored) and frames() != restored)))
         """)
 
     first = compile_in_a_child(1, "work-a")
     assert first["hit"] is False and first["out"] == [2.0, 3.0] and first["saved"] is True
+    assert first["refused"] == [] and first["stored"] == 1
     assert first["stats"]["frames_compiled"] == 1
     upgraded = compile_in_a_child(3, "work-b")  # same key, the helper's body changed on disk
     assert upgraded["hit"] is True
@@ -288,7 +299,9 @@ def test_a_stored_frame_whose_source_changed_is_traced_again_and_never_runs_the_
     # torch counts the frame loaded before it checks its sources, then traces: `warm` reads both
     assert s["frames_loaded"] == 1 and s["frames_compiled"] == 1 and s["warm"] is False
     assert s["fxgraph_miss"] == 1  # the new code is a new graph
-    assert upgraded["saved"] is True  # the archive is not "up to date": the new frame is stored
+    assert [m for m in upgraded["refused"] if "Source code changes detected for upgraded_step" in m], upgraded
+    # the archive is not "up to date": the new frame replaced the old one (same function, same place)
+    assert upgraded["saved"] is True and upgraded["restored"] == upgraded["stored"] == 1 and upgraded["replaced"]
 
 
 def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold, tmp_path):

@@ -109,15 +109,17 @@ def test_a_rank_ahead_of_a_peer_waits_for_it_and_is_never_the_one_judged():
              1: beat(1, {TRAINING: 101.0}, training_since=90.0, step=12, in_step=True)}
     assert find_hang(beats, BOUNDS, 103.0, launched_at=80.0) is None
     assert find_hang(beats, BOUNDS, 103.1, launched_at=80.0).rank == 1
-    # ranks level with each other are both judged: the one hung longest is the culprit
+    # ranks level with each other are both judged: of the two overdue, the one hung longest
     beats = {0: beat(0, {TRAINING: 100.0}, training_since=90.0, step=12, in_step=True),
              1: beat(1, {TRAINING: 100.4}, training_since=90.0, step=12, in_step=True)}
-    assert find_hang(beats, BOUNDS, 102.1, launched_at=80.0).rank == 0
-    # a save ahead of a hung peer keeps its own bound (a save that hangs on its own storage)
+    assert find_hang(beats, BOUNDS, 102.5, launched_at=80.0).rank == 0
+    # the save made before step 12 hangs on rank 0's storage; rank 1 saved, entered step 12 and
+    # waits in its first collective: rank 1 is ahead, and rank 0 is judged by the save's bound
     beats = {0: beat(0, {SAVE: 100.0}, training_since=90.0, step=12),
-             1: beat(1, {TRAINING: 101.5}, training_since=90.0, step=11, in_step=True)}
+             1: beat(1, {TRAINING: 100.5}, training_since=90.0, step=12, in_step=True)}
+    assert find_hang(beats, BOUNDS, 102.6, launched_at=80.0) is None
     hang = find_hang(beats, BOUNDS, 103.1, launched_at=80.0)
-    assert (hang.rank, hang.phase) == (0, SAVE)
+    assert (hang.rank, hang.phase, hang.step) == (0, SAVE, 12)
 
 
 def test_time_a_ranks_process_did_not_run_is_not_its_phases_up_to_one_bound():
