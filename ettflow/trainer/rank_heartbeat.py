@@ -226,17 +226,18 @@ def find_hang(beats: Mapping[int, RankBeat | None], bounds: PhaseBounds, now: fl
                 found.append(((0, -1, 0, hang.since), hang))
             continue
         training = b.training_since is not None
+        progress = _progress(b)
+        rank_key = (1, *progress) if training else (0, -1, 0)  # the culprit's order: least progressed first
         for phase, since in b.phases.items():
             if phase == TRAINING:
                 if not all_training:
                     continue  # waits for a peer still in init: the peer's bound judges it
-                if _progress(b) > least:
+                if progress > least:
                     continue  # ahead of a peer: waits for it in a collective; the peer is judged
                 since = max(since, train_clock)
             hang = _overdue(rank, phase, since, bounds, now, step=b.step if training else None, beat=b)
             if hang is not None:
-                progress = (1, *_progress(b)) if training else (0, -1, 0)
-                found.append(((*progress, since), hang))
+                found.append(((*rank_key, since), hang))
     return min(found, key=lambda pair: pair[0])[1] if found else None
 
 
