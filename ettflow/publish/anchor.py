@@ -7,6 +7,12 @@ sharding, materializes only its embedding tables (they are built on the meta dev
 asks DCP for the "model.*" keys alone: DCP reads each table's shards from the rank files that
 hold them and assembles whole tensors, so N ranks reshard into one process. Optimizer state
 and per-rank state are never read.
+
+No code runs from the anchor's folder: `verify` checks every file against the sealed manifest
+first, then `.metadata` is read by the trainer's restricted reader (`SafeFileSystemReader`) and
+any non-tensor value by `SafeLoadPlanner` (`trainer/checkpoint/reading.py`), as a restore does;
+plain DCP would `pickle.load` `.metadata`, and a folder someone else can write (a forged
+`.metadata` with the manifest re-sealed to match) would run their code in the publishing process.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.models.dlrm import DLRM
 
@@ -27,6 +32,7 @@ from ettflow.publish.config import AnchorError, PublishError
 from ettflow.trainer.checkpoint import CheckpointError, verify
 from ettflow.trainer.checkpoint.anchor import ANCHOR_FILE, AnchorFormatError, load_anchor
 from ettflow.trainer.checkpoint.layout import MANIFEST
+from ettflow.trainer.checkpoint.reading import SafeFileSystemReader, SafeLoadPlanner
 from ettflow.trainer.data.schema import FeatureSchema
 from ettflow.trainer.model import ModelConfig, build_dlrm
 
@@ -88,7 +94,10 @@ def load_float_model(anchor: AnchorCheckpoint) -> DLRM:
     dlrm.sparse_arch.embedding_bag_collection.to_empty(device="cpu")
     local = dlrm.state_dict()
     wanted = {MODEL_PREFIX + k: v for k, v in local.items()}
-    meta = FileSystemReader(str(anchor.path)).read_metadata().state_dict_metadata
+    try:
+        meta = SafeFileSystemReader(str(anchor.path)).read_metadata().state_dict_metadata
+    except CheckpointError as e:  # not DCP's metadata (a forged pickle): refused before anything runs
+        raise AnchorError(f"refusing to publish: {e}. Publish an anchor the trainer wrote") from e
     absent = sorted(k for k in wanted if k not in meta)
     if absent:
         raise AnchorError(f"{anchor.path} lacks model tensors {absent[:3]}{'...' if len(absent) > 3 else ''} "
@@ -101,7 +110,9 @@ def load_float_model(anchor: AnchorCheckpoint) -> DLRM:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(wanted, storage_reader=FileSystemReader(str(anchor.path)), no_dist=True)
+            # only tensors are asked for; the planner refuses any other value unpickled all the same
+            dcp.load(wanted, storage_reader=SafeFileSystemReader(str(anchor.path)), planner=SafeLoadPlanner(),
+                     no_dist=True)
     except CheckpointException as e:  # a BaseException: would escape `except Exception`
         raise PublishError(f"reading the model from {anchor.path} failed: {e}") from e
     dlrm.load_state_dict({k[len(MODEL_PREFIX):]: v for k, v in wanted.items()}, strict=True)

@@ -20,11 +20,9 @@ asserts on every rank's record in its own process once `mp.spawn` has returned.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import tempfile
@@ -37,6 +35,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from helpers.forged import forge_metadata
 
 WORLD = 2
 BATCH = 4
@@ -203,32 +203,6 @@ def full_disk_writer(failing_rank: int):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
 
     return FullDiskWriter
-
-
-class Exploit:
-    """Unpickling this creates `marker` (stands for any code a forged pickle would run)."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def forge_metadata(path: Path, marker: str) -> None:
-    """Replace `.metadata` with a malicious pickle and re-seal the manifest to match it."""
-    from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST
-    from ettflow.trainer.checkpoint.verify import _canonical_sha
-
-    (path / DCP_METADATA).write_bytes(pickle.dumps(Exploit(marker)))
-    manifest = json.loads((path / MANIFEST).read_text())
-    manifest.pop("manifest_sha256")
-    for rel, entry in manifest["files"].items():
-        entry["size"] = (path / rel).stat().st_size
-        entry["sha256"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
-    digest = _canonical_sha(manifest)
-    (path / MANIFEST).write_text(json.dumps({**manifest, "manifest_sha256": digest}))
-    (path / COMMITTED).write_text(digest)
 
 
 class ListHandler(logging.Handler):

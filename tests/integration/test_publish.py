@@ -156,6 +156,24 @@ def test_torn_or_unmarked_anchor_is_refused(anchor, tmp_path):
         publish_snapshot(_config(torn, tmp_path / "out"))
 
 
+def test_a_forged_anchor_metadata_is_refused_before_it_is_unpickled(anchor, tmp_path):
+    """Someone who can write the anchor's folder replaces its `.metadata` with a pickle that runs
+    code and re-seals the manifest (the checksums pass): publishing reads it as a restore does,
+    through the restricted reader, so nothing runs and nothing is published."""
+    from ettflow.publish import AnchorError, is_retryable, publish_snapshot
+
+    from helpers.forged import forge_metadata
+
+    forged = tmp_path / "checkpoints" / anchor.name
+    shutil.copytree(anchor, forged)
+    marker = tmp_path / "code-ran"
+    forge_metadata(forged, marker)
+    with pytest.raises(AnchorError, match=r"refusing to publish: refusing to read .*\.metadata: "
+                                          r"(io|builtins)\.open is not a type a DCP metadata file holds") as err:
+        publish_snapshot(_config(forged, tmp_path / "out"))
+    assert not marker.exists() and not is_retryable(err.value) and not (tmp_path / "out").exists()
+
+
 def test_cli_reports_a_refused_anchor(anchor, tmp_path, capsys):
     from ettflow.publish import cli
 

@@ -5,7 +5,6 @@ test_checkpoint_torchrec.py."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib
 import json
 import os
@@ -34,6 +33,8 @@ from ettflow.trainer.checkpoint import (
 )
 from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST, final_dir
 from ettflow.trainer.checkpoint.verify import _canonical_sha
+
+from helpers.forged import forge_metadata
 
 # DCP warns that it saves "in a single process" without a process group: that is the point.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -391,37 +392,14 @@ def test_same_size_damage_to_a_data_file_falls_back_to_the_previous_checkpoint(t
         mgr.load(make_wide_state(), final_dir(tmp_path, 40))
 
 
-class Exploit:
-    """Unpickling this creates `marker`: stands for any code a forged pickle would run."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
-def _reseal(path: Path) -> None:
-    """What an attacker who can write the folder does: recompute the manifest to match."""
-    manifest = json.loads((path / MANIFEST).read_text())
-    manifest.pop("manifest_sha256")
-    for rel, entry in manifest["files"].items():
-        entry["size"] = (path / rel).stat().st_size
-        entry["sha256"] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
-    digest = _canonical_sha(manifest)
-    (path / MANIFEST).write_text(json.dumps({**manifest, "manifest_sha256": digest}))
-    (path / COMMITTED).write_text(digest)
-
-
 @pytest.mark.parametrize("resealed", [False, True])
 def test_a_tampered_metadata_file_is_refused_before_it_is_unpickled(tmp_path, resealed):
     mgr = manager(tmp_path / "ckpt")
     mgr.save(1, make_state())
     path = final_dir(tmp_path / "ckpt", 1)
     marker = tmp_path / "code-ran"
-    (path / DCP_METADATA).write_bytes(pickle.dumps(Exploit(marker)))
+    forge_metadata(path, marker, resealed=resealed)
     if resealed:  # the checksums match: the restricted reader still refuses the forged pickle
-        _reseal(path)
         assert verify(path).step == 1
         expected = r"refusing to read .*\.metadata: (io|builtins)\.open is not a type a DCP metadata file holds"
     else:  # the checksum check comes first: the file is never opened as a pickle
