@@ -274,7 +274,7 @@ def main(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
 
     quiet_third_party(verbose=getattr(args, "verbose", False))  # before Prefect and Ray are imported
-    from .output import Clock
+    from .output import Clock, command_line
     from .suite import Bench
 
     plan = plan_from(args)
@@ -293,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
     header = (f"# ettflow bench ({'quick' if args.quick else 'full'})\n\n"
               f"Path: {PATH_WORDS[args.path]}. Baseline: an untuned job restarting on the same host (PyTorch's "
               "local compile cache kept); the row 'baseline, fresh host' restarts with none (the study's fleet).\n\n"
-              f"Command: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
+              f"Command: `{command_line(args)}`; "
               f"machine: {platform.machine()}, {platform.processor() or ''} {os.cpu_count()} cores, "
               f"Python {sys.version.split()[0]}; took {clock.elapsed():.0f} s.")
     save_results(out, tables, measured.pairs, curve, choice, header=header)

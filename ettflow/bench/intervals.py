@@ -36,7 +36,6 @@ import argparse
 import math
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -290,7 +289,7 @@ def main(args: argparse.Namespace) -> int:
     from ettflow.console import quiet_third_party
     from ettflow.trainer.group.ray_group import ensure_ray
 
-    from .output import Clock, write_tables
+    from .output import Clock, command_line, write_tables
 
     quiet_third_party(verbose=getattr(args, "verbose", False))
     plan = IntervalBenchPlan(refreshes=args.refreshes, rate_per_s=args.rate, seed=args.seed)
@@ -301,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
     bench = IntervalBench(plan, out, clock.say)
     kills, _, _ = bench.sequence()
     tables = bench.tables(kills)
-    header = (f"# ettflow bench intervals\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
+    header = (f"# ettflow bench intervals\n\nCommand: `{command_line(args)}`; "
               f"machine: {platform.machine()} {os.cpu_count()} cores; took {clock.elapsed():.0f} s.")
     write_tables(out, tables, header=header)
     met = tables["targets"]["met"]

@@ -28,6 +28,14 @@ class Clock:
         sys.stdout.flush()
 
 
+def command_line(args) -> str:
+    """The command that made a report, as written in it: `ettflow <argv>` with the secret of
+    any URL argument (`--url postgresql://u:pw@...`) shown as `***`."""
+    from ettflow.ett.redact import redact_argv
+
+    return "ettflow " + " ".join(redact_argv(getattr(args, "argv", sys.argv[1:])))
+
+
 def markdown(frame: pd.DataFrame) -> str:
     cells = [[str(c) for c in frame.columns]] + [[f"{v:g}" if isinstance(v, float) else str(v) for v in row]
                                                   for row in frame.itertuples(index=False)]

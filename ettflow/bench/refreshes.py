@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -353,7 +352,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import plots
-    from .output import Clock, write_tables
+    from .output import Clock, command_line, write_tables
 
     plan = SequencePlan(refreshes=args.refreshes, rows_per_window=args.rows_per_window, batch_size=args.batch_size,
                         modes=tuple(filter(None, args.modes.split(","))), movielens_windows=args.movielens_windows,
@@ -381,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         tables["movielens"] = movielens
     plots.ett_per_refresh(tables["refreshes"], out / "refreshes.png")
     sentence = dominant_sentence(tables["warm_tts"])
-    header = (f"# ettflow bench refreshes\n\nCommand: `ettflow {' '.join(getattr(args, 'argv', sys.argv[1:]))}`; "
+    header = (f"# ettflow bench refreshes\n\nCommand: `{command_line(args)}`; "
               f"path: {args.path}; plan: {asdict(plan)}; took {clock.elapsed():.0f} s; warehouse {refresher.url}.")
     write_tables(out, tables, header=header, footer=sentence)
     print(f"\n{sentence}")

@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ettflow.ett.fleet import RegressionRule, regressions
 from ettflow.tasks.fleet_report import emit_regressions, publish_fleet_artifacts, read_fleet, read_held
+from ettflow.tasks.parameters import NoSecretUrl
 from ettflow.tasks.warehouse_url import resolve_warehouse_url
 
 
@@ -61,7 +62,7 @@ def emit_task(runs, rule: RegressionRule, flow_run_id: str | None) -> int:
 
 @flow(name="ett-fleet-report", flow_run_name="fleet-report")
 def ett_fleet_report(
-    warehouse_url: str | None = None,
+    warehouse_url: NoSecretUrl = None,
     warehouse_secret: str | None = None,
     last: int | None = 2000,
     recent: int = 3,

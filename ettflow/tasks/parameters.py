@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from ettflow.ett.redact import SECRET_QUERY_KEYS
 from ettflow.trainer.config import FailAt, Switches, fail_at_grammar
 from ettflow.trainer.model_config import ModelConfig
 from ettflow.trainer.placement import PlacementStrategy
@@ -235,9 +236,14 @@ class StorageParams(Section):
         "Where the run's phase events are spooled (null: the per-user ettflow folder)."))
 
 
-# 'user:password@' after a URL's '//' (`ett.redact.has_password`'s rule for a URL SQLAlchemy
-# cannot parse): in JSON Schema, what a warehouse_url must `not` match (Prefect's server checks it)
-USERINFO_PATTERN = r"//[^/@:]*:[^/@]*@"
+# a secret in a URL (`ett.redact.has_password`'s rule for a URL SQLAlchemy cannot parse): a
+# 'user:password@' after its '//' (the password runs to the first '@'), or a secret query key
+# (lower case: the spelling the drivers take). In JSON Schema, what a warehouse_url must `not`
+# match: Prefect's server checks it before it stores a run's parameters.
+SECRET_URL_PATTERN = rf"//[^/@:]*:[^@]*@|[?&]({'|'.join(sorted(SECRET_QUERY_KEYS))})="
+NO_SECRET_SCHEMA = {"not": {"type": "string", "pattern": SECRET_URL_PATTERN}}
+# a flow's own URL argument (the fleet report's), refused by the server as `WarehouseParams`'s is
+NoSecretUrl = Annotated[str | None, Field(json_schema_extra=NO_SECRET_SCHEMA)]
 
 
 class WarehouseParams(Section):
@@ -248,7 +254,7 @@ class WarehouseParams(Section):
         "warehouse_secret, else the worker's ETTFLOW_WAREHOUSE_URL, else the per-user SQLite file."),
         # in the deployment's parameter schema: the Prefect server refuses a run whose URL holds a
         # password before it stores the parameters (the validator below cannot: it runs after)
-        json_schema_extra={"not": {"type": "string", "pattern": USERINFO_PATTERN}})
+        json_schema_extra=NO_SECRET_SCHEMA)
     warehouse_secret: str | None = Field(None, min_length=1, description=(
         "The name of a Prefect Secret block that holds the warehouse URL (with its password)."))
 

@@ -21,10 +21,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from ettflow.ett.redact import redact_url
+from ettflow.ett.redact import redact_url, scrub
 from ettflow.ett.warehouse import Warehouse, WarehouseError
 from ettflow.ett.warehouse_db import ENV_URL, default_url
 
@@ -74,14 +73,6 @@ def warehouse_source(where: WarehouseParams | Mapping[str, Any]) -> str:
     return f"the default SQLite file's folder, or set {ENV_URL}"
 
 
-def _scrubbed(text: str, url: str) -> str:
-    try:
-        password = make_url(url).password
-    except Exception:  # noqa: BLE001 - unparseable: redact_url already hides what it can
-        password = None
-    return text.replace(password, "***") if password else text
-
-
 def open_check(params: WarehouseParams | Mapping[str, Any]) -> str:
     """Open and close the warehouse the parameters name; returns its redacted URL, or raises
     `WarehouseUnavailable` with a one-line, redacted message."""
@@ -94,8 +85,8 @@ def open_check(params: WarehouseParams | Mapping[str, Any]) -> str:
     except (WarehouseError, SQLAlchemyError, OSError) as exc:
         cause = exc.__cause__ if isinstance(exc, WarehouseError) and exc.__cause__ is not None else exc
         reason = " ".join(str(getattr(cause, "orig", None) or cause).split())
-        raise WarehouseUnavailable(_scrubbed(f"warehouse {shown} is unreachable: {reason}; fix "
-                                             f"{warehouse_source(params)}", target)) from None
+        raise WarehouseUnavailable(scrub(f"warehouse {shown} is unreachable: {reason}; fix "
+                                         f"{warehouse_source(params)}", target)) from None
 
 
 @task(name="check-warehouse", cache_policy=NO_CACHE)

@@ -149,23 +149,37 @@ def test_a_deployment_run_with_a_password_url_is_refused_before_prefect_stores_i
     """Issue 42 #8: the deployment's parameter schema says a `warehouse_url` holds no password,
     so the Prefect server refuses such a run when it is created (the UI's Run, `prefect
     deployment run --param`), before the parameters are stored; the flow's own check ran only
-    after Prefect had stored them. A URL without one is accepted."""
+    after Prefect had stored them. A URL without one is accepted. The neighbours: a password in
+    the URL's query (psycopg takes it there too), one with a '/' in it, and the fleet report's
+    own `warehouse_url` argument."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import PrefectHTTPStatusError
     from prefect.utilities.callables import parameter_schema
 
+    from ettflow.flows.fleet import ett_fleet_report
     from ettflow.flows.refresh import refresh_model
 
+    bad = (BAD_URL, f"postgresql+psycopg://postgres@127.0.0.1:5999/x?sslmode=disable&password={SECRET}",
+           f"postgresql+psycopg://postgres:{SECRET}/x@127.0.0.1:5999/x")
     with get_client(sync_client=True) as client:
+        fleet = client.create_deployment(
+            flow_id=client.create_flow(ett_fleet_report), name=f"secrets-{uuid.uuid4().hex[:6]}",
+            parameter_openapi_schema=parameter_schema(ett_fleet_report).model_dump(), enforce_parameter_schema=True)
         flow_id = client.create_flow(refresh_model)
         deployment = client.create_deployment(flow_id=flow_id, name=f"secrets-{uuid.uuid4().hex[:6]}",
                                               parameter_openapi_schema=parameter_schema(refresh_model).model_dump(),
                                               enforce_parameter_schema=True)
         before = {r.id for r in flow_runs()}
-        with pytest.raises(PrefectHTTPStatusError, match="warehouse.warehouse_url"):
-            client.create_flow_run_from_deployment(deployment, parameters={"warehouse": {"warehouse_url": BAD_URL}})
+        for url in bad:
+            with pytest.raises(PrefectHTTPStatusError, match="warehouse.warehouse_url"):
+                client.create_flow_run_from_deployment(deployment, parameters={"warehouse": {"warehouse_url": url}})
+            with pytest.raises(PrefectHTTPStatusError, match="warehouse_url"):
+                client.create_flow_run_from_deployment(fleet, parameters={"warehouse_url": url})
         assert {r.id for r in flow_runs()} == before  # nothing stored
         ok = client.create_flow_run_from_deployment(
             deployment, parameters={"warehouse": {"warehouse_url": "postgresql+psycopg://postgres@127.0.0.1:5999/x"}})
         assert ok.parameters["warehouse"]["warehouse_url"].endswith("postgres@127.0.0.1:5999/x")
-        client.delete_flow_run(ok.id)
+        fleet_ok = client.create_flow_run_from_deployment(
+            fleet, parameters={"warehouse_url": "postgresql+psycopg://postgres@127.0.0.1:5999/x?sslmode=disable"})
+        for run in (ok, fleet_ok):
+            client.delete_flow_run(run.id)

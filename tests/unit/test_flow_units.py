@@ -371,6 +371,45 @@ def test_redact_url():
     assert has_password(PASSWORD_URL) and not has_password("postgresql://u@h/db")
 
 
+# a secret anywhere SQLAlchemy or the driver takes one: the userinfo (a password runs to the first
+# '@', '/' included), the query (psycopg and libpq read `password` there), a URL that does not parse
+SLASHED = f"{SECRET}/x"  # a password with a '/' in it
+SECRET_URLS = [  # (url, its secret, as shown)
+    (f"postgresql+psycopg://etl@db.example/x?password={SECRET}&sslmode=require", SECRET,
+     "postgresql+psycopg://etl@db.example/x?password=***&sslmode=require"),
+    (f"postgresql+psycopg://etl:{SLASHED}@db/x", SLASHED, "postgresql+psycopg://etl:***@db/x"),
+    (f"postgresql+psycopg://etl@db/x?sslmode=verify-full&sslpassword={SECRET}", SECRET,
+     "postgresql+psycopg://etl@db/x?sslmode=verify-full&sslpassword=***"),
+    (f"no scheme //u:{SLASHED}@host/db", SLASHED, "no scheme //u:***@host/db"),
+    (f"no scheme //u@host/db?sslmode=x&Password={SECRET}#f", SECRET, "no scheme //u@host/db?sslmode=x&Password=***#f"),
+]
+PLAIN_URLS = ("postgresql://u@h/db?sslmode=require&passfile=/home/u/.pgpass", "sqlite:////tmp/w.db",
+              "postgresql+psycopg://postgres@127.0.0.1:5999/x")
+
+
+def test_a_secret_in_a_urls_query_or_after_a_slash_is_found_hidden_and_refused(flow_data, tmp_path):
+    import re
+    from urllib.parse import quote
+
+    from ettflow.ett.redact import has_password, redact_argv, redact_url, scrub
+    from ettflow.tasks.parameters import SECRET_URL_PATTERN
+
+    for url, secret, shown in SECRET_URLS:
+        assert has_password(url) and redact_url(url) == shown, url
+        said = f"connect failed: password {secret}, encoded {quote(secret, safe='')}"
+        assert scrub(said, url) == "connect failed: password ***, encoded ***", url
+        # the command line a bench report writes (`bench.output.command_line`)
+        argv = ["bench", "--url", url, f"--url={url}", "--quick"] if "://" in url else []
+        assert redact_argv(argv) == ["bench", "--url", shown, f"--url={shown}", "--quick"][:len(argv)], url
+        if "Password" not in url:  # the server's pattern takes the drivers' spelling (lower case)
+            assert re.search(SECRET_URL_PATTERN, url), url
+        with pytest.raises(ParameterError, match="holds a password") as info:
+            plan_refresh(params(flow_data, tmp_path, warehouse_url=url), run_id="r1")
+        assert SECRET not in str(info.value)
+    for url in PLAIN_URLS:
+        assert not has_password(url) and "***" not in redact_url(url) and not re.search(SECRET_URL_PATTERN, url), url
+
+
 def test_resolve_warehouse_url_without_a_secret(monkeypatch):
     from ettflow.tasks.warehouse_url import resolve_warehouse_url, warehouse_source
 
