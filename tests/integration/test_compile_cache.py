@@ -337,6 +337,51 @@ def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold,
         CompileCacheConfig(root=root, enabled=True, isolate=False)
 
 
+def test_an_untuned_run_never_uses_a_local_cache_folder_another_user_could_write(tmp_path):
+    """The baseline's local cache (`isolate=False`) is PyTorch's folder in the shared temp folder,
+    whose entries inductor unpickles: one that others can write, or that another user made first,
+    is not used; the process compiles in a private folder of its own and says why. A folder not
+    there yet is made by torch as this user's, and used. Nothing is compiled."""
+    folders = {"open to all": tmp_path / "shared", "another user's": tmp_path / "other",
+               "not there yet": tmp_path / "fresh" / "inductor"}
+    folders["open to all"].mkdir()
+    folders["open to all"].chmod(0o777)
+    folders["another user's"].mkdir()
+    try:
+        os.chown(folders["another user's"], os.getuid() + 4242, -1)
+    except PermissionError:  # not root: that case cannot be made here
+        del folders["another user's"]
+    out = run_python(f"""
+        import json, logging, os, stat
+        from ettflow.trainer.compile import CompileCache, CompileCacheConfig
+
+        class Said(logging.Handler):
+            def emit(self, record):
+                seen[name]["said"].append(record.getMessage())
+
+        logging.getLogger("ettflow.trainer.compile.cache").addHandler(Said())
+        seen = {{}}
+        for name, folder in {json.dumps({k: str(v) for k, v in folders.items()})}.items():
+            seen[name] = {{"said": []}}
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder  # as each case's process would start
+            cache = CompileCache(CompileCacheConfig(root={str(tmp_path / "none")!r}, enabled=False, isolate=False,
+                                                    threads=1))
+            seen[name].update(env=cache.prepare_env()["TORCHINDUCTOR_CACHE_DIR"],
+                              work_dir=str(cache.work_dir) if cache.work_dir else None,
+                              mode=stat.S_IMODE(os.stat(folder).st_mode))
+            cache.cleanup()
+        print("RESULT " + json.dumps(seen))
+    """)
+    for case, why in (("open to all", "writable by others"), ("another user's", "not by this user")):
+        if case in folders:
+            refused = out[case]
+            assert refused["work_dir"] and refused["env"].startswith(refused["work_dir"]), case
+            assert [m for m in refused["said"] if why in m and "private folder of this process" in m], case
+    made = out["not there yet"]
+    assert (made["env"], made["work_dir"], made["said"]) == (str(folders["not there yet"]), None, [])
+    assert not made["mode"] & 0o022  # torch made it: this user's, nobody else can write
+
+
 def test_other_config_misses_and_oversized_archive_is_skipped(cold, tmp_path):
     root, a = cold
     out = run_python(f"""

@@ -111,13 +111,16 @@ class CompileCache:
     def prepare_env(self) -> dict[str, str]:
         """Point inductor's folders into this process's working folder, set the PGO job id and
         pin the thread count. Call before anything is compiled (raises CompileEnvError after)."""
-        if not self.config.isolate:  # PyTorch's own local cache, as an untuned job keeps it
+        if not self.config.isolate and (refused := _untrusted_default_cache()) is None:
+            # PyTorch's own local cache, as an untuned job keeps it
             self.env = {"TORCHINDUCTOR_CACHE_DIR": env.default_inductor_dir()}
             env.pin_threads(self.config.threads)
             counter = process_recompile_counter()
             self._baseline = read_counters()
             self._base_compiles, self._base_recompiles = counter.compiles, counter.recompiles
             return dict(self.env)
+        if not self.config.isolate:  # torch would unpickle what another user left there
+            log.warning("%s; compiling in a private folder of this process instead (cold)", refused)
         if self.work_dir is None:
             self.work_dir = env.make_work_dir()
             atexit.register(self.cleanup)  # a SIGKILLed rank's folder goes at the next start
@@ -294,3 +297,11 @@ class CompileCache:
             log.warning("compile cache: save_cache_artifacts failed (%s); archiving folder", e)
             return None
         return saved[0] if saved else None
+
+
+def _untrusted_default_cache() -> str | None:
+    """Why PyTorch's own cache folder must not be used (inductor unpickles its entries): by default
+    it is in the shared temp folder, where another user can make it first or open it to all. None
+    when it is this user's and nobody else can write it (torch makes it, with the umask's mode,
+    when it is missing)."""
+    return trust.first_untrusted(Path(env.default_inductor_dir()))
