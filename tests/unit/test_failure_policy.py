@@ -75,6 +75,28 @@ def test_anything_else_is_user(exc):
     assert failure_from_exception(from_ray(exc), rank=0).failure_class is C.USER
 
 
+def test_a_stopped_process_is_preemption_never_a_user_bug():
+    """A stop of the process outside the driver (a SIGTERM of `ettflow refresh` during init or
+    publishing, Ctrl-C, an exit) is classed by what stopped it (`classify.stop_signal`): a
+    preemption, never the `user` class an unknown BaseException would fall to."""
+    from prefect.exceptions import TerminationSignal
+
+    from ettflow.trainer.classify import stop_signal
+
+    stops = {TerminationSignal(signal=15): "SIGTERM", TerminationSignal(signal=2): "SIGINT",
+             KeyboardInterrupt(): "SIGINT", SystemExit(1): "exit", TerminationSignal(signal=999): "signal 999"}
+    for exc, name in stops.items():
+        assert stop_signal(exc) == name
+        failure = failure_from_exception(exc, attempt=1)
+        assert (failure.failure_class, failure.rank, failure.attempt) == (C.PREEMPTION, -1, 1)
+        assert f"stopped ({name})" in failure.reason
+    # an error that happens to carry a `signal` attribute (an Exception) is an error, not a stop
+    carrying = ValueError("bad row")
+    carrying.signal = 15
+    assert stop_signal(carrying) is None and failure_from_exception(carrying).failure_class is C.USER
+    assert stop_signal(TerminationSignal(signal=True)) is None  # a flag, not a signal number
+
+
 def test_a_task_error_of_the_cluster_is_infrastructure():
     assert failure_from_exception(ConnectionError("ray is gone")).failure_class is C.INFRASTRUCTURE
     assert failure_from_exception(InjectedFailure(f(C.USER, step=3))).step == 3
