@@ -71,6 +71,27 @@ def test_a_run_an_operator_stopped_gets_no_orchestrator_failure():
     assert [f.failure_class for f in compute_run_metrics(t.events).failures] == ["user"]
 
 
+def test_a_run_whose_task_recorded_its_process_being_stopped_gets_no_orchestrator_failure_on_top():
+    """Issue 26 #4: a SIGTERM of `ettflow refresh` is recorded by the driver (`process_stopped`) or,
+    outside it, by the train task (`task`) as one `preemption`; the CRASHED hook that follows adds
+    no orchestrator failure: one failure, with its real class. Its neighbours do get one: a rank's
+    own preemption (the cluster took its node; the flow's process then died unrecorded), and a
+    stop recorded on an earlier attempt than the last."""
+    for said in ({"process_stopped": True}, {"task": "train"}):
+        t = trained_then_silent()
+        t.fail(30.2, 30.4, failure_class="preemption", failed_rank=-1, reason="stopped (SIGTERM): preempted", **said)
+        assert place_orphan_failure(t.events, last_alive=31.0, detected_at=38.6) is None, said
+        (only,) = compute_run_metrics(t.events).failures
+        assert only.failure_class == "preemption", said
+    rank_preempted = trained_then_silent().fail(30.2, 30.4, failure_class="preemption", failed_rank=1,
+                                                reason="rank 1 preempted (SIGTERM)")
+    assert place_orphan_failure(rank_preempted.events, last_alive=31.0, detected_at=38.6).attempt == 1
+    earlier = trained_then_silent().fail(30.2, 30.4, failure_class="preemption", failed_rank=-1, process_stopped=True)
+    earlier.next_attempt().steps(31, 20, 5)  # the restart trained on, then its process died unrecorded
+    placed = place_orphan_failure(earlier.events, last_alive=36.5, detected_at=44.0)
+    assert (placed.attempt, placed.failed_at, placed.detected_at) == (1, 36.5, 44.0)
+
+
 def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
     with SpoolWriter(tmp_path, "r", 0, -1) as d:
         d.mark("submitted", 0.0)
