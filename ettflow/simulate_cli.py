@@ -1,7 +1,7 @@
 """`ettflow simulate`: a model's ETT and capacity-inclusive ETT at fleet scale (`ett.simulate`).
 
     ettflow simulate [--model M] [--gpus 1024,4096,16384] [--failures hpca25|llama3 | --mttf-h H]
-                     [--train-h 4] [--replications 200] [--max-spares 4] [--out PNG]
+                     [--train-h 4] [--replications 100] [--max-spares 4] [--out PNG]
 
 Costs: a model's runs in the warehouse (`ett.simulate_inputs`: the baseline's from its baseline
 runs, the optimized settings' from its optimized runs), each cost no run measured assumed

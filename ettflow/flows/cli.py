@@ -1,8 +1,8 @@
 """`ettflow refresh`: run one refresh end to end, here, then print its ETT report
 (`--refreshes N`: N back to back, each continuing from the one before, then compared).
 
-On embedded defaults (an ephemeral Prefect API, a local Ray, the SQLite warehouse, tiny
-synthetic data) and, unless told otherwise, with one induced SIGKILL so a first run shows a
+On embedded defaults (an ephemeral Prefect API, a local Ray, the SQLite warehouse, synthetic
+data sized to train about 30 s a refresh, made on first use) and, unless told otherwise, with one induced SIGKILL so a first run shows a
 failure and its recovery. Progress is logged while it works; at the end come the run's
 L1/L2 report, the snapshot folder and the timeline picture.
 
@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 from ettflow.console import user_doc
 from ettflow.flows.env_defaults import set_env_defaults
 from ettflow.tasks.parameters import RefreshParameters, SwitchParams, field_help, parameter_names_help
+from ettflow.trainer.config import FAIL_AT_GRAMMAR
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-DEMO_FAILURE = "kill:rank=1:step=16"  # the default data gives 32 steps per rank
+DEMO_FAILURE = "kill:rank=1:step=16"  # early in the first refresh (the default data: 3,840 steps a window)
 PARAM_HELP = ("any flow parameter, by its name or SECTION.NAME (repeatable; values are JSON): "
               + parameter_names_help())
 
@@ -266,7 +267,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("refresh", help="run one refresh end to end in this process and print its ETT report "
                                               "(the in-process convenience; `ettflow up --refreshes N` runs them "
                                               "as deployment runs)",
-                              description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=f"--fail-at items:\n{FAIL_AT_GRAMMAR}")
     add_arguments(p)
     p.set_defaults(func=cmd_refresh)
 

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ettflow.console import user_doc
+from ettflow.trainer.config import FAIL_AT_GRAMMAR
 
 from .config import StackConfig, StackError, config_from
 
@@ -166,7 +167,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser(
         "up", help="start (or find) the deployed path here: Prefect server, Ray head, work pool, deployments, "
                    "worker, automations", description=user_doc(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=f"--fail-at items:\n{FAIL_AT_GRAMMAR}")
     _ports(up)
     up.add_argument("--num-cpus", type=int, help="the Ray head's CPUs (default: this machine's, at least 4)")
     up.add_argument("--webhook-url", help="where the alert automations post (creates the webhook block)")

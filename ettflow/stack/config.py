@@ -30,7 +30,8 @@ class StackConfig:
     size and a spare). heartbeat_s: the worker's flow-run heartbeats (>= 30, Prefect's floor),
     which the crash automation watches. prefect_file: the deployments to apply. webhook_url:
     where the alert automations post (optional: without one, and without the webhook block
-    on the server, the alerts are not applied and `up` says so). start_timeout_s: how long a
+    on the server, the alerts are applied with no action, showing in the Event Feed when they
+    trigger, and `up` says so). start_timeout_s: how long a
     service may take to answer. stop_s: SIGTERM to SIGKILL on `down`. verbose: the worker's
     flow runs show every library's output."""
 
@@ -67,7 +68,7 @@ class StackConfig:
             raise StackError(f"num_cpus must be 1 or more, got {self.num_cpus}")
         if not self.prefect_file.is_file():
             raise StackError(f"no deployments file at {self.prefect_file}: run `ettflow up` from an editable install "
-                             "of the repository (scripts/setup.sh), or pass --prefect-file")
+                             "of the repository (scripts/setup.sh), whose prefect.yaml it applies")
 
     @property
     def api_url(self) -> str:

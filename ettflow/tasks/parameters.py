@@ -82,8 +82,8 @@ class DataParams(Section):
     """Which data the refresh trains and evaluates."""
 
     data_root: str | None = Field(None, description=(
-        "The folder of hourly data windows (window=YYYYMMDDHH/*.parquet); null: tiny synthetic data, made on "
-        "first use."))
+        "The folder of hourly data windows (window=YYYYMMDDHH/*.parquet); null: synthetic data sized to train "
+        "about 30 s a refresh, made on first use."))
     windows: list[str] | None = Field(None, min_length=1, description=(
         "The windows to train, explicitly (null: the ones past the model's watermark, see max_windows)."))
     eval_windows: list[str] | None = Field(None, min_length=1, description=(

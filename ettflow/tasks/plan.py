@@ -10,7 +10,7 @@ its own). The plan lives with the tasks (it is what they take), so the flow impo
 and nothing here imports a flow. Nothing is reserved or trained before this
 returns. Where things go (per user, `ettflow.paths.data_home()` unless a parameter says):
 
-- data: `data/synthetic` (tiny synthetic windows, generated on first use);
+- data: `data/synthetic` (synthetic windows sized by `DEMO_DATA`, generated on first use);
 - checkpoints: `checkpoints/<model>/runs/<run_id>` (per run: restarts and flow retries of the
   run find them; the anchor's `anchor.json` names the run), compile cache
   `checkpoints/<model>/compile-cache` (shared by every run of the model);
