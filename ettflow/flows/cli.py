@@ -2,9 +2,9 @@
 (`--refreshes N`: N back to back, each continuing from the one before, then compared).
 
 On embedded defaults (an ephemeral Prefect API, a local Ray, the SQLite warehouse, synthetic
-data sized to train about 30 s a refresh, made on first use) and, unless told otherwise, with one induced SIGKILL so a first run shows a
-failure and its recovery. Progress is logged while it works; at the end come the run's
-L1/L2 report, the snapshot folder and the timeline picture.
+data sized to train about 30 s a refresh, made on first use) and, unless told otherwise, with
+one induced SIGKILL so a first run shows a failure and its recovery. Progress is logged while
+it works; at the end come the run's L1/L2 report, the snapshot folder and the timeline picture.
 
 How it differs from the deployed path (`ettflow up --refreshes N`, README): here one Python
 process runs every refresh, with an ephemeral Prefect API and a local Ray that it starts itself

@@ -7,6 +7,7 @@ tests/e2e/test_memory_tier_ranks.py.)"""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -75,7 +76,7 @@ def test_a_copy_restores_in_place_bitwise_and_refuses_what_does_not_fit():
     assert issubclass(MemoryCopyError, CheckpointError)
 
 
-def test_host_buffers_are_reused_and_the_checksum_covers_bytes_and_layout():
+def test_host_buffers_are_reused_and_the_checksum_covers_bytes_layout_and_metadata():
     state = plain_state()
     plain_step(state, 0)
     copier = HostCopy()
@@ -98,7 +99,17 @@ def test_host_buffers_are_reused_and_the_checksum_covers_bytes_and_layout():
     with pytest.raises(MemoryCopyError, match="in-memory copy of rank 0 at step 2 is damaged: checksum"):
         meta.verify(damaged)
     renamed = (("model/other", *layout[0][1:]), *layout[1:])
-    assert checksum(renamed, arrays) != meta.checksum
+    assert checksum(renamed, arrays, meta.signed()) != meta.checksum
+    # the metadata a restore applies beside the tensors is covered too: a delta's optimizer param
+    # groups (applied as they are), its parent, the world size, the cursor
+    groups = {"dense": [{"lr": 0.01, "betas": [0.9, 0.999]}]}
+    delta = replace(meta, step=3, parent=2, delta=groups).with_checksum(arrays)
+    assert CopyMeta.from_json(delta.to_json()) == delta
+    delta.verify(arrays)
+    for changed in ({"delta": {"dense": [{"lr": 10.0, "betas": [0.9, 0.999]}]}}, {"parent": 1}, {"world_size": 2},
+                    {"cursor": {"row": 5}}):
+        with pytest.raises(MemoryCopyError, match="at step 3 is damaged: checksum"):
+            replace(delta, **changed).verify(arrays)
     with pytest.raises(MemoryCopyError, match="malformed copy metadata"):
         CopyMeta.from_json({**meta.to_json(), "layout": [["x", "float32"]]})
     with pytest.raises(MemoryCopyError, match="unknown dtype 'pickle'"):

@@ -170,9 +170,12 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def checksum(layout: Layout, arrays: list[np.ndarray]) -> str:
-    """sha256 of the layout (as JSON) and then every array's bytes, in layout order."""
+def checksum(layout: Layout, arrays: list[np.ndarray], signed: Mapping[str, Any] | None = None) -> str:
+    """sha256 of the layout (as JSON), then `signed` (the copy's metadata a restore applies beside
+    its tensors: `CopyMeta.signed`, as canonical JSON), then every array's bytes, in layout order."""
     h = hashlib.sha256(json.dumps([list(e) for e in layout]).encode())
+    if signed is not None:
+        h.update(json.dumps(signed, sort_keys=True).encode())
     for a in arrays:
         h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
     return h.hexdigest()
@@ -238,12 +241,18 @@ class CopyMeta:
         except (KeyError, TypeError, ValueError) as e:
             raise MemoryCopyError(f"malformed copy metadata ({type(e).__name__}: {e})") from e
 
+    def signed(self) -> dict[str, Any]:
+        """What the checksum covers besides the layout and the bytes: every field a restore reads
+        (a delta's optimizer param groups are applied as they are; `resume` is the restorer's note)."""
+        return {"step": self.step, "rank": self.rank, "world_size": self.world_size, "cursor": self.cursor,
+                "nbytes": self.nbytes, "parent": self.parent, "delta": self.delta}
+
     def with_checksum(self, arrays: list[np.ndarray]) -> CopyMeta:
-        return replace(self, checksum=checksum(self.layout, arrays))
+        return replace(self, checksum=checksum(self.layout, arrays, self.signed()))
 
     def verify(self, arrays: list[np.ndarray]) -> None:
-        """Raise MemoryCopyError unless `arrays` are the bytes this metadata's checksum names."""
-        found = checksum(self.layout, arrays)
+        """Raise MemoryCopyError unless `arrays` and this metadata are what its checksum names."""
+        found = checksum(self.layout, arrays, self.signed())
         if self.checksum is None or found != self.checksum:
             raise MemoryCopyError(f"in-memory copy of rank {self.rank} at step {self.step} is damaged: checksum "
                                   f"{found[:16]}... != recorded {str(self.checksum)[:16]}...")
