@@ -65,7 +65,7 @@ from ettflow.tasks.reconcile import reconcile_task
 from ettflow.tasks.retention import prune_checkpoints
 from ettflow.tasks.run_labels import name_flow_run
 from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_trainer, train
-from ettflow.tasks.warehouse_url import check_warehouse, refusal, resolve_warehouse_url
+from ettflow.tasks.warehouse_url import check_warehouse, refusal
 
 HOOKS = [archive_on_flow_state]
 DEFAULTS = RefreshParameters()  # the flow's defaults are the model's
@@ -162,7 +162,7 @@ def refresh_model(
         return refusal(checked)  # the warehouse cannot be written: fail now, nothing reserved or trained
     # first: what earlier runs left pending moves the watermark, so "is there new data?" (the
     # demo's arrival below, the claim) is asked of the watermark as it really is
-    reconcile_task()(str(plan.spool_root), resolve_warehouse_url(plan.warehouse), plan.run_id)
+    reconcile_task()(str(plan.spool_root), plan.warehouse, plan.run_id)
     if arrive_windows(plan):  # the demo's next window arrived (never on a user's data): plan with it
         plan = _plan(params)
     progress = RunProgress(plan.run_id, plan.artifact_slug)

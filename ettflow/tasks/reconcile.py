@@ -33,7 +33,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
@@ -57,6 +57,9 @@ from ettflow.tasks.run_spool import RunRecorder
 
 from . import run_spool
 from .archive import log_result, run_info
+
+if TYPE_CHECKING:
+    from .parameters import WarehouseParams
 
 log = logging.getLogger("ettflow.tasks")
 
@@ -260,8 +263,13 @@ def reconcile_task():
     from prefect.cache_policies import NO_CACHE
 
     @task(name="reconcile-pending", cache_policy=NO_CACHE)
-    def reconcile_pending(spool_root: str, warehouse_url: str | None, run_id: str) -> dict[str, int]:
-        """Archive this spool's pending and orphaned runs before the refresh starts."""
-        return dict(summary(reconcile_before_refresh(spool_root, warehouse_url, run_id, get_run_logger())))
+    def reconcile_pending(spool_root: str, warehouse: WarehouseParams, run_id: str) -> dict[str, int]:
+        """Archive this spool's pending and orphaned runs before the refresh starts. `warehouse`:
+        the run's `WarehouseParams`, resolved here, so no URL (a Secret block's holds its
+        password) travels as a task argument."""
+        from .warehouse_url import resolve_warehouse_url
+
+        url = resolve_warehouse_url(warehouse)
+        return dict(summary(reconcile_before_refresh(spool_root, url, run_id, get_run_logger())))
 
     return reconcile_pending
