@@ -194,17 +194,24 @@ def record_lineage(wh: OpenWarehouse, record: LineageRecord) -> None:
         _upsert(conn, _LINEAGE, [record.row()])
 
 
-def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> None:
+def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> bool:
     """Record how the refresh ended and, in the same transaction, settle its claims: `done`
-    when PUBLISHED, released otherwise (a later refresh claims those windows again)."""
+    when PUBLISHED, released otherwise (a later refresh claims those windows again). A record
+    older than the one the run already has (`finished_at`) changes nothing and returns False:
+    an earlier try's record that waited in the spool (`ett.lineage_pending`) while a later try
+    of the same run (a flow retry) published must not undo it (its watermark, its done claims)."""
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, record.model)
+        known = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == record.run_id)).first()
+        if known is not None and (known.finished_at or 0.0) > (record.finished_at or 0.0):
+            return False
         _upsert(conn, _LINEAGE, [record.row()])
         mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
         if record.outcome is Outcome.PUBLISHED:
             conn.execute(update(_CLAIMS).where(mine).values(state=DONE))
         else:
             conn.execute(delete(_CLAIMS).where(mine))
+        return True
 
 
 def release_claims(wh: OpenWarehouse, model: str, run_id: str) -> int:

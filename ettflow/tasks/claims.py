@@ -31,7 +31,7 @@ from ettflow.ett import lineage
 from ettflow.ett.failure_history_db import estimate_from_warehouse
 from ettflow.ett.heartbeat import read_heartbeat
 from ettflow.ett.lineage import Busy, LineageRecord, Outcome
-from ettflow.ett.lineage_pending import write_pending_lineage
+from ettflow.ett.lineage_pending import clear_pending_lineage, write_pending_lineage
 from ettflow.ett.warehouse import Warehouse
 
 from .plan import RefreshPlan, with_interval, with_lineage, with_spares
@@ -188,6 +188,7 @@ def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any)
     try:
         with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
             lineage.finish_refresh(wh, record)
+        clear_pending_lineage(plan.spool_root, plan.run_id)  # an earlier try's, kept in an outage: superseded
         return record
     except OUTAGES as exc:
         try:

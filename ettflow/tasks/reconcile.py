@@ -221,8 +221,12 @@ def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
             if record is None:
                 out.append(Reconciled(run_id, "error", "its pending lineage record is unreadable (left in place)"))
                 continue
-            finish_refresh(wh, record)
+            written = finish_refresh(wh, record)
             clear_pending_lineage(spool_root, run_id)
+            if not written:  # a later try of the run recorded its end since: that one stands
+                out.append(Reconciled(run_id, "skipped", f"its pending lineage record ({record.outcome.value}) was "
+                                      "older than the run's recorded end (a later try's): removed, not written"))
+                continue
             out.append(Reconciled(run_id, "archived", f"lineage of model {record.model} recorded: "
                                   f"{record.outcome.value}, windows {', '.join(record.windows) or '-'}"))
     return out

@@ -165,3 +165,32 @@ def test_a_lineage_record_kept_during_an_outage_is_settled_by_the_next_reconcili
         nxt = lineage.claim_windows(w, "m", "r2", choose_after(("w1", "w2", "w3")), now=200.0)
     assert isinstance(nxt, Claimed) and nxt.windows == ("w3",) and nxt.parent == done
     assert settle_pending_lineage(spool, warehouse_url) == []  # nothing twice
+
+
+def test_an_earlier_trys_pending_record_never_undoes_a_later_try_that_published(warehouse_url, tmp_path):
+    """Try 1 of a run fails while the warehouse is down: its FAILED record waits in the spool.
+    Prefect retries the flow (same run id); try 2 claims again and publishes. The old record,
+    settled later by any refresh on the spool or `ettflow archive --pending`, must not move the
+    watermark back, mark the run failed or drop its done claims (the windows would be trained
+    again): it is removed unwritten. Neighbour: written in the other order (the old one first),
+    the newer record still wins."""
+    from ettflow.ett.lineage_pending import pending_lineage_file, write_pending_lineage
+    from ettflow.tasks.reconcile import settle_pending_lineage
+
+    spool = tmp_path / "spool"
+    failed = rec("x", ("w1", "w2"), Outcome.FAILED, 100.0, reason="OperationalError")  # finished at 101
+    published = rec("x", ("w1", "w2"), Outcome.PUBLISHED, 200.0, anchor="/runs/x/a")  # finished at 201
+    with Warehouse.open(warehouse_url) as w:
+        lineage.claim_windows(w, "m", "x", choose_after(("w1", "w2")), now=100.0)
+    write_pending_lineage(spool, failed)
+    with Warehouse.open(warehouse_url) as w:
+        lineage.claim_windows(w, "m", "x", choose_after(("w1", "w2")), now=150.0)  # try 2
+        assert lineage.finish_refresh(w, published)
+    (settled,) = settle_pending_lineage(spool, warehouse_url, skip={"next-run"})
+    assert (settled.run_id, settled.action) == ("x", "skipped") and "older than the run's recorded end" in settled.note
+    assert not pending_lineage_file(spool, "x").exists()
+    with Warehouse.open(warehouse_url) as w:
+        assert w.lineage("m") == [published] and w.watermark("m") == "w2"
+        assert lineage.claim_windows(w, "m", "next", choose_after(("w1", "w2", "w3")), now=300.0).windows == ("w3",)
+        assert not lineage.finish_refresh(w, failed)  # the other order: the newer record stands
+        assert w.lineage("m")[0].outcome is Outcome.PUBLISHED
