@@ -8,7 +8,9 @@ Policy (`doomed_runs`, pure): of the folders under `<work_root>/<model>/runs/`, 
   this refresh's parent, whatever their age;
 - this run, and any folder without an anchor (a refresh that may still be training);
 
-and remove every other folder that holds an anchor. It runs after the lineage is recorded, as
+where a refresh's folder is the one its anchor lives in: a refresh that published the anchor a
+stopped run of the same windows sealed (`tasks/anchor_reuse.py`) keeps that run's folder. It
+removes every other folder that holds an anchor. It runs after the lineage is recorded, as
 its own task with its own log line (never inside publishing).
 """
 
@@ -28,15 +30,28 @@ from .warehouse_url import resolve_warehouse_url
 
 
 def doomed_runs(folders: Mapping[str, bool], refreshes: Sequence[LineageRecord], *, keep: int,
-                protected: Collection[str]) -> list[str]:
+                protected: Collection[str], runs_root: Path | None = None) -> list[str]:
     """Run ids whose folders go: `folders` maps run id -> holds an anchor; `refreshes` is the
-    model's lineage (any order); `protected` are run ids never removed (this run, the parent)."""
+    model's lineage (any order); `protected` are run ids never removed (this run, the parent's
+    folder). A kept refresh keeps its own folder and the one under `runs_root` its anchor is in."""
     newest = sorted((r for r in refreshes if r.anchor), key=lambda r: (r.created_at, r.run_id), reverse=True)
-    kept = {r.run_id for r in newest[:keep]} | set(protected)
+    chosen = newest[:keep]
     published = [r for r in newest if r.outcome is Outcome.PUBLISHED]
     if published:
-        kept.add(max(published, key=lambda r: (r.finished_at or r.created_at, r.created_at)).run_id)
+        chosen.append(max(published, key=lambda r: (r.finished_at or r.created_at, r.created_at)))
+    kept = set(protected) | {r.run_id for r in chosen} | {anchor_home(r.anchor, runs_root) for r in chosen}
     return sorted(run for run, anchored in folders.items() if anchored and run not in kept)
+
+
+def anchor_home(anchor: str | None, runs_root: Path | None) -> str | None:
+    """The run folder under `runs_root` that holds `anchor` (`<runs_root>/<run>/checkpoints/...`),
+    None when it lies elsewhere."""
+    if anchor is None or runs_root is None:
+        return None
+    try:
+        return Path(anchor).resolve().relative_to(Path(runs_root).resolve()).parts[0]
+    except (ValueError, IndexError):
+        return None
 
 
 def run_folders(runs_root: Path) -> dict[str, bool]:
@@ -51,9 +66,12 @@ def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
 
     with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
         refreshes = wh.lineage(plan.model)
-    protected = {plan.run_id} | ({plan.parent.run_id} if plan.parent is not None else set())
+    parent = plan.parent
+    protected = {plan.run_id} | ({parent.run_id, anchor_home(parent.anchor, plan.runs_root)} - {None}
+                                 if parent is not None else set())
     folders = run_folders(plan.runs_root)
-    doomed = doomed_runs(folders, refreshes, keep=plan.params.checkpoint.keep_refreshes, protected=protected)
+    doomed = doomed_runs(folders, refreshes, keep=plan.params.checkpoint.keep_refreshes, protected=protected,
+                         runs_root=plan.runs_root)
     for run in doomed:
         shutil.rmtree(plan.runs_root / run, ignore_errors=True)
     return doomed, len(folders) - len(doomed)

@@ -464,6 +464,32 @@ def test_retention_keeps_the_last_refreshes_the_current_and_the_parent():
     assert doomed_runs(folders, [], keep=1, protected={"r1"}) == ["old", "r0", "r2", "r3", "r4"]
 
 
+def test_retention_keeps_the_folder_a_reused_anchor_lives_in(tmp_path):
+    """A refresh that published the anchor a stopped run sealed (`anchor_reuse`) has no folder of
+    its own: its anchor lives in the stopped run's. That folder is its, while it is current or a
+    parent or among the last refreshes; the next refresh warm-starts from it."""
+    from ettflow.ett.lineage import LineageRecord, Outcome
+    from ettflow.tasks.retention import anchor_home, doomed_runs
+
+    runs = tmp_path / "runs"
+
+    def rec(run, t, outcome, home):
+        return LineageRecord(model="m", run_id=run, windows=("w",), outcome=outcome, created_at=t, finished_at=t + 1,
+                             anchor=str(runs / home / "checkpoints" / "step_24"))
+
+    stopped, reused = rec("a", 1, Outcome.FAILED, "a"), rec("b", 2, Outcome.PUBLISHED, "a")
+    refreshes = [rec("p", 0, Outcome.PUBLISHED, "p"), stopped, reused, rec("c", 3, Outcome.GATED, "c"),
+                 rec("d", 4, Outcome.GATED, "d")]
+    folders = {"p": True, "a": True, "c": True, "d": True}
+    # d's prune, keep 1: d itself; b is current and d's parent, its anchor in a's folder
+    assert doomed_runs(folders, refreshes, keep=1, protected={"d", "b"}, runs_root=runs) == ["c", "p"]
+    assert anchor_home(reused.anchor, runs) == "a" and anchor_home("/elsewhere/x", runs) is None
+    # the parent alone names the folder (it is no longer current: a later refresh published)
+    later = [*refreshes, rec("e", 5, Outcome.PUBLISHED, "e")]
+    doomed = doomed_runs({**folders, "e": True}, later, keep=1, protected={"e", "b", "a"}, runs_root=runs)
+    assert doomed == ["c", "d", "p"]
+
+
 def test_prune_task_removes_only_doomed_folders(tmp_path, flow_data, monkeypatch):
     from ettflow.ett.lineage import LineageRecord, Outcome
     from ettflow.tasks.retention import apply_retention
