@@ -184,9 +184,12 @@ def refresh_model(
         return _publish_reused(plan, progress, reused)
     progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
+        # the lineage inside the heartbeat: a death before it is written is an orphan that
+        # reconciliation settles (crashed, claims released); after a "completed" beat it was not,
+        # and the claims held the model's windows until they went stale
         with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
             anchor, published = _train_and_publish(plan, progress)
-        record = record_lineage(plan, anchor, published)
+            record = record_lineage(plan, anchor, published)
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
         if _will_retry():
