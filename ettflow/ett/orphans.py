@@ -23,7 +23,9 @@ Nothing trains after it: its TTR runs to the wall end, which is the detection, a
 from the last finished work to the detection is lost in flight (`ett.timeline`). Idempotent: a
 run whose last attempt already holds an orchestrator failure gets none added, and two processes
 reconciling one run at once add one (they serialize on the lock file
-``<spool>/<run_id>/.orphan.lock``).
+``<spool>/<run_id>/.orphan.lock``). One whose `failure` was written but not its
+`failure_detected` (the writer died, or the disk refused it, between the two) gets the missing
+marker, at the detection it would have had: without it the run's wall ended at the failure.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class OrphanFailure:
     attempt: int
     failed_at: float
     detected_at: float
+    missing: tuple[str, ...] = (FAILURE, FAILURE_DETECTED)  # the markers to write
 
 
 def last_on_clock_end(events: Sequence[PhaseEvent]) -> float | None:
@@ -65,7 +68,7 @@ def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | No
         return None
     last = max(e.attempt for e in events)
     if has_orchestrator_failure(events, last):
-        return None
+        return _half_written(events, last, detected_at)
     if any(e.attempt == last and e.phase == FAILURE_DETECTED
            and (e.info.process_stopped or e.info.task)
            and e.info.failure_class == FailureClass.PREEMPTION.value for e in events):
@@ -80,6 +83,18 @@ def place_orphan_failure(events: Sequence[PhaseEvent], *, last_alive: float | No
     failed_at = max(known) if known else max(e.end for e in events)
     detected = max(detected_at, failed_at, end if end is not None else failed_at)
     return OrphanFailure(attempt=last + 1 if failed else last, failed_at=failed_at, detected_at=detected)
+
+
+def _half_written(events: Sequence[PhaseEvent], attempt: int, detected_at: float) -> OrphanFailure | None:
+    """The `failure_detected` an orchestrator failure whose `failure` alone was written lacks."""
+    mine = [e for e in events if e.attempt == attempt and e.phase in (FAILURE, FAILURE_DETECTED)
+            and e.info.failure_class == FailureClass.ORCHESTRATOR.value]
+    if any(e.phase == FAILURE_DETECTED for e in mine):
+        return None
+    failed_at = min(e.start for e in mine)
+    end = last_on_clock_end(events)
+    detected = max(detected_at, failed_at, end if end is not None else failed_at)
+    return OrphanFailure(attempt=attempt, failed_at=failed_at, detected_at=detected, missing=(FAILURE_DETECTED,))
 
 
 def record_orchestrator_failure(spool_root: Path | str, run_id: str, *, last_alive: float | None,
@@ -103,6 +118,7 @@ def record_orchestrator_failure(spool_root: Path | str, run_id: str, *, last_ali
                           reason=reason, detail=detail)
         attrs = {**failure.to_attrs(), "detection": detection}
         with SpoolWriter(spool_root, run_id, placed.attempt, -1) as rec:
-            rec.mark(FAILURE, placed.failed_at, **attrs)
+            if FAILURE in placed.missing:
+                rec.mark(FAILURE, placed.failed_at, **attrs)
             rec.mark(FAILURE_DETECTED, placed.detected_at, **attrs)
         return placed

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED
-from ettflow.ett.failures import FailureClass
+from ettflow.ett.failures import Failure, FailureClass
 from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file, read_heartbeat, stale_bound_s
 from ettflow.ett.orphans import place_orphan_failure, record_orchestrator_failure
 from ettflow.ett.run_metrics import compute_run_metrics
@@ -109,6 +109,33 @@ def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
                for e in marks)
     m = compute_run_metrics(events)
     assert m.nof == 1 and m.wall_end == 12.5
+    m.check_partition()
+
+
+def test_an_orchestrator_failure_half_written_gets_its_detection(tmp_path):
+    """The writer died (or the disk refused) between the `failure` marker and its
+    `failure_detected`: the next reconcile adds the missing marker alone, at the detection the
+    whole pair would have had, so the row's wall ends there (it ended at the failure: ETT too high,
+    nothing lost in flight); a complete pair is left as it is."""
+    with SpoolWriter(tmp_path, "r", 0, -1) as d:
+        d.mark("submitted", 0.0)
+    with SpoolWriter(tmp_path, "r", 0, 0) as w:
+        for i in range(3):
+            w.record("train_step", 1 + i, 2 + i, cursor_start=i, cursor_end=i + 1)
+    kw = dict(last_alive=4.5, detected_at=12.5, reason="driver died", detection="heartbeat")
+    failure = Failure(failure_class=FailureClass.ORCHESTRATOR, rank=-1, attempt=0, reason="driver died")
+    with SpoolWriter(tmp_path, "r", 0, -1) as d:  # the first of the two marks, then the kill
+        d.mark("failure", 4.5, **failure.to_attrs(), detection="heartbeat")
+    assert compute_run_metrics(read_spool(tmp_path, "r").events).wall_end == 4.5
+    placed = record_orchestrator_failure(tmp_path, "r", **kw)
+    assert (placed.attempt, placed.failed_at, placed.detected_at, placed.missing) == (0, 4.5, 12.5,
+                                                                                       ("failure_detected",))
+    assert record_orchestrator_failure(tmp_path, "r", **kw) is None  # whole now
+    events = read_spool(tmp_path, "r").events
+    assert [(e.phase, e.start) for e in events if e.phase.startswith("failure")] == [("failure", 4.5),
+                                                                                      ("failure_detected", 12.5)]
+    m = compute_run_metrics(events)
+    assert m.nof == 1 and m.wall_end == 12.5 and m.phases["lost_in_flight"].exposed_s == pytest.approx(8.5)
     m.check_partition()
 
 
