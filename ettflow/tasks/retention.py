@@ -6,7 +6,12 @@ Policy (`doomed_runs`, pure): of the folders under `<work_root>/<model>/runs/`, 
   newest first);
 - the current anchor's run (the last PUBLISHED refresh: its snapshot is the current one) and
   this refresh's parent, whatever their age;
-- this run, and any folder without an anchor (a refresh that may still be training);
+- this run, and any folder without an anchor (a refresh that may still be training), unless
+  its run is over: its heartbeat in the spool ended or went silent (or it has none) and nothing
+  in the folder changed for `ABANDONED_AFTER_S` (a day: by then a flow retry of it would have
+  run, and its claims have lapsed). A failed or killed refresh's checkpoints have no reader
+  after that (a retry restarts from them; anchor reuse reads anchors only), and each is a
+  model's size or more: they went nowhere before (`abandoned_runs`);
 
 where a refresh's folder is the one its anchor lives in: a refresh that published the anchor a
 stopped run of the same windows sealed (`tasks/anchor_reuse.py`) keeps that run's folder. It
@@ -17,13 +22,15 @@ its own task with its own log line (never inside publishing).
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ettflow.ett.lineage import LineageRecord, Outcome
+from ettflow.ett.heartbeat import read_heartbeat
+from ettflow.ett.lineage import STALE_AFTER_S, LineageRecord, Outcome
 
 from .plan import RefreshPlan
 from .warehouse_url import resolve_warehouse_url
@@ -54,6 +61,25 @@ def anchor_home(anchor: str | None, runs_root: Path | None) -> str | None:
         return None
 
 
+ABANDONED_AFTER_S = STALE_AFTER_S
+
+
+def abandoned_runs(unanchored: Mapping[str, float], live: Collection[str], *, now: float,
+                   after_s: float = ABANDONED_AFTER_S) -> list[str]:
+    """Run ids of folders without an anchor that go: `unanchored` maps run id -> the newest
+    modification time in its folder; `live` are runs whose heartbeat is live (kept whatever
+    their age)."""
+    return sorted(run for run, changed in unanchored.items() if run not in live and now - changed > after_s)
+
+
+def newest_change(folder: Path) -> float:
+    """The newest modification time of `folder` and everything under it (0 when it is gone)."""
+    try:
+        return max([folder.stat().st_mtime, *(p.lstat().st_mtime for p in folder.rglob("*"))])
+    except OSError:
+        return 0.0
+
+
 def run_folders(runs_root: Path) -> dict[str, bool]:
     if not runs_root.is_dir():
         return {}
@@ -72,6 +98,11 @@ def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
     folders = run_folders(plan.runs_root)
     doomed = doomed_runs(folders, refreshes, keep=plan.params.checkpoint.keep_refreshes, protected=protected,
                          runs_root=plan.runs_root)
+    unanchored = {run: newest_change(plan.runs_root / run) for run, anchored in folders.items()
+                  if not anchored and run != plan.run_id}
+    live = {run for run in unanchored if (beat := read_heartbeat(plan.spool_root, run)) is not None
+            and beat.is_live()}
+    doomed += abandoned_runs(unanchored, live, now=time.time())
     for run in doomed:
         shutil.rmtree(plan.runs_root / run, ignore_errors=True)
     return doomed, len(folders) - len(doomed)
@@ -90,7 +121,7 @@ def prune_checkpoints(plan: RefreshPlan) -> list[str]:
                                  plan.model, outage_reason(exc))
         return []
     get_run_logger().info("prune-checkpoints: model %s keeps %d run folder(s) (the last %d refreshes, the current "
-                          "and the parent anchor), removed %d%s", plan.model, kept,
+                          "and the parent anchor, runs that may still train), removed %d%s", plan.model, kept,
                           plan.params.checkpoint.keep_refreshes, len(doomed),
                           f": {', '.join(doomed)}" if doomed else "")
     return doomed

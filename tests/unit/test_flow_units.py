@@ -508,6 +508,37 @@ def test_prune_task_removes_only_doomed_folders(tmp_path, flow_data, monkeypatch
     assert sorted(p.name for p in plan.runs_root.iterdir()) == ["b", "c"]
 
 
+def test_prune_removes_the_checkpoints_of_a_run_that_is_over_a_day_after_they_last_changed(tmp_path, flow_data):
+    """A failed or killed refresh leaves checkpoints without an anchor, which nothing reads once its
+    run is over; they went nowhere, a model's size each. Removed when the run's heartbeat ended or
+    went silent (or it has none) and nothing in the folder changed for a day; a run whose heartbeat
+    is live, a recent folder and this run are kept."""
+    import json
+    import os
+    import time
+
+    from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file
+    from ettflow.tasks.retention import ABANDONED_AFTER_S, apply_retention
+
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    plan = plan_refresh(params(flow_data, tmp_path, warehouse_url=url, keep_refreshes=1), run_id="now")
+    old = time.time() - ABANDONED_AFTER_S - 60
+    for run in ("failed-old", "failed-new", "live-old", "silent-old", "now"):
+        step = plan.runs_root / run / "checkpoints" / "step_8"
+        step.mkdir(parents=True)
+        (step / "__0_0.distcp").write_bytes(b"x")
+        if run.endswith("-old") or run == "now":
+            for p in (step / "__0_0.distcp", step, step.parent, step.parent.parent):
+                os.utime(p, (old, old))
+    with pytest.raises(ValueError), RunHeartbeat(plan.spool_root, "failed-old"):
+        raise ValueError("the refresh failed")
+    beat = heartbeat_file(plan.spool_root, "live-old")  # beating now, its folder untouched for a day
+    beat.parent.mkdir(parents=True)
+    beat.write_text(json.dumps({"run_id": "live-old", "every_s": 2.0, "started_at": old}))
+    assert apply_retention(plan) == (["failed-old", "silent-old"], 3)
+    assert sorted(p.name for p in plan.runs_root.iterdir()) == ["failed-new", "live-old", "now"]
+
+
 def test_the_refresh_reconciles_before_it_asks_whether_there_is_new_data():
     """Issue 42 #8: after a warehouse outage the refresh that reconciles asked "is there new
     data?" (the demo's arrival) of the watermark before reconciliation moved it, and skipped
