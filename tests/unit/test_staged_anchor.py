@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ettflow.trainer.checkpoint import CheckpointError, TornCheckpointError
-from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST, final_dir
+from ettflow.trainer.checkpoint.layout import COMMITTED, DCP_METADATA, MANIFEST, atomic_write_text, final_dir
 from ettflow.trainer.checkpoint.staged_anchor import AnchorStaging, stage_anchor
 from ettflow.trainer.checkpoint.verify import _canonical_sha
 from ettflow.trainer.protocol import StageRequest, StagingState, StagingStatus
@@ -144,7 +144,9 @@ def test_a_staging_says_how_far_it_got_reading_staged_refused_dropped_or_handed_
     waiting = AnchorStaging.start(StageRequest(path=str(path), max_bytes=BIG, wait_s=30))
     assert waiting.status() == StagingStatus(path=str(path), state=StagingState.WAITING)
     assert waiting.status().describe() == f"stages {path}: waiting for its seal"
-    (path / COMMITTED).write_text(sealed)
+    # as the driver seals it: whole or not at all (a plain write_text let the staging thread, which
+    # polls for the marker, read it empty: CI saw "COMMITTED does not name this manifest.json")
+    atomic_write_text(path / COMMITTED, sealed)
     waiting._thread.join(30)
     staged = waiting.status()
     assert staged.state is StagingState.STAGED and staged.nbytes > 0 and staged.read_s >= 0
