@@ -81,3 +81,28 @@ def test_a_group_measures_its_start_for_the_pool_only_when_every_rank_started_th
     assert group.start_sample() is None  # rank 1 has not finished
     group.trained_from, group.asked_at = {0: 130.0, 1: 131.5}, None
     assert group.start_sample() is None  # a live recovery re-ran the loop
+
+
+def test_a_keeper_take_that_times_out_leaves_the_pool_so_its_reaper_stops_what_it_gave(monkeypatch):
+    """The cluster's pool did not answer `take_keeper` in time (busy, or gone): the run starts its
+    own keeper and lets go of the pool, as after a failed `take`. A take that still finishes in the
+    pool records a keeper as this run's; had the run kept the pool, its end would tell the pool to
+    forget it (`forget` drops, never stops) and that keeper would outlive every run."""
+    from ray.exceptions import GetTimeoutError
+
+    import ettflow.trainer.group.warm_pool as warm_pool
+
+    class Busy:
+        class take_keeper:  # noqa: N801 - an actor method's shape: `.remote(...)` gives a ref
+            @staticmethod
+            def remote(*args):
+                return "ref"
+
+    def get(ref, timeout=None):
+        raise GetTimeoutError(f"Get timed out: some object(s) not ready after {timeout} s")
+
+    pool = WarmPool()
+    pool.service = Busy()
+    monkeypatch.setattr(pool, "_run_owner", lambda: None)
+    monkeypatch.setattr(warm_pool.ray, "get", get)
+    assert pool.take_keeper("run-1") is None and pool.service is None
