@@ -157,3 +157,16 @@ def test_a_lost_rank_may_take_a_shared_spare_still_prewarming(tmp_path, monkeypa
     spare.timings = None  # its prewarm still runs
     assert pool.take(cfg, [None], run_id="c") == [None]  # never a starting rank's
     assert pool.take(cfg, [None], run_id="a", spare=True) == [spare]  # a loss waits for it instead
+
+
+def test_a_stopped_pool_starts_nothing_again(tmp_path, monkeypatch):
+    """`ettflow pool stop` stops what the pool holds and its reaper; when the ledger cannot be
+    written, the pool stays alive to keep it. A run that then releases, or shares its spares, must
+    not make it start workers: with no reaper, nothing would ever release them."""
+    pool, cfg, started, stopped, clock = pool_and_config(tmp_path, monkeypatch)
+    pool.share_spares(SpareShare.of("a", ALONE), cfg, str(tmp_path), actor_cls=RankActor, now=100.0)
+    pool.share_spares(SpareShare.of("b", ALONE), cfg, str(tmp_path), actor_cls=RankActor, now=101.0)
+    assert len(started) == 1 and pool.stop() == 1 and stopped == started and pool.entries == []
+    assert pool.fill(cfg, 2, str(tmp_path), actor_cls=RankActor, now=102.0) == 0
+    pool.share_spares(SpareShare.of("c", ALONE), cfg, str(tmp_path), actor_cls=RankActor, now=103.0)
+    assert len(started) == 1 and pool.entries == [] and pool.keepers == []

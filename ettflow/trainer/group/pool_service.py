@@ -362,6 +362,8 @@ class PoolService:
         the policy's `stage_max_bytes`)."""
         now = time.time() if now is None else now
         model = model_name(config)
+        if self._stop.is_set():
+            return 0  # stopped (`stop`): holds nothing new, its reaper is gone (see `stop`)
         stage = stage_request(anchor, self.policy.stage_max_bytes)
         if start is not None:
             with self._lock:
@@ -389,6 +391,8 @@ class PoolService:
     def _fill_now(self, config: TrainerConfig, count: int, spool_root: str, actor_cls: type,
                   stage: StageRequest | None = None) -> int:
         key, model = warm_key(config), model_name(config)
+        if self._stop.is_set():
+            return 0
         with self._lock:
             self._drop(lambda e: e.model == model and e.key != key and e.rule != SHARED, "reshaped")
             kept = [e for e in self.entries if e.key == key and e.rule != SHARED]
@@ -591,7 +595,7 @@ class PoolService:
         key = warm_key(sharing.config)
         stale = [e for e in held if e.key != key] + [e for e in held if e.key == key][decision.spares:]
         self._drop(lambda e: any(e is s for s in stale), "does_not_pay", now)
-        for _ in range(decision.spares - (len(held) - len(stale))):
+        for _ in range(0 if self._stop.is_set() else decision.spares - (len(held) - len(stale))):
             worker = self._start(sharing.config, POOL_RUN_ID, sharing.spool_root, actor_cls=sharing.actor_cls)
             begin_prewarm(worker)  # a spare joins a live recovery: nothing to stage
             worker.rule = SHARED
@@ -640,7 +644,9 @@ class PoolService:
 
     def stop(self) -> int:
         """Stop everything the pool holds; returns how many actors were stopped (their ledger
-        lines wait for `drain`)."""
+        lines wait for `drain`). A stopped pool starts nothing again (`fill`, shared spares): its
+        reaper ends here, so nothing it started would ever be released. It stays alive only
+        while its ledger waits for a warehouse (`ettflow pool stop` kills it once written)."""
         self._stop.set()
         self._wake.set()
         with self._lock:
