@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from ettflow import paths
-from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems
+from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems, outage_reason
 from ettflow.ett.heartbeat import read_heartbeat
-from ettflow.ett.lineage import Outcome
+from ettflow.ett.lineage import ENDED_OUTCOME, LineageRecord, Outcome, settle_ended_run
+from ettflow.ett.lineage_pending import read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.run_summary import (
     FinalState,
@@ -57,7 +58,7 @@ from ettflow.ett.run_summary import (
     summarize,
 )
 from ettflow.ett.spool import SpoolWriteError
-from ettflow.ett.warehouse import RunInfo
+from ettflow.ett.warehouse import RunInfo, Warehouse
 from ettflow.tasks.run_spool import RunRecorder
 
 from . import run_labels, run_spool
@@ -113,12 +114,15 @@ def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | 
                 tags: Mapping[str, Any] | None = None) -> ArchiveResult | None:
     """Archive the run's spool to the warehouse its parameters name (`resolve_warehouse_url`,
     else the default); None when the run spooled nothing. A warehouse outage leaves the row
-    pending (`ArchiveResult.pending`, logged as a warning) instead of raising."""
+    pending (`ArchiveResult.pending`, logged as a warning) instead of raising. A run that ended
+    (crashed, failed, cancelled) before it spooled anything may still hold window claims (it
+    died between its claim and its trainer's reservation): they are released (`settle_unspooled`)."""
     params = run_params(params)
     spool = spool_of(params)
     evs = RunRecorder(spool, run_id).events()
     if not evs:
         log.warning("run %s has no spooled events under %s: nothing to archive", run_id, spool)
+        settle_unspooled(run_id, params, status)
         return None
     skipped = skip_reason(evs)  # nothing was trained: a `skipped` row, not a 0% ETT run
     if skipped is not None:
@@ -128,6 +132,28 @@ def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | 
     result = archive_or_defer(lambda: resolve_warehouse_url(params.warehouse), spool, info)
     log_result(result)
     return result
+
+
+def settle_unspooled(run_id: str, params: RefreshParameters, status: str) -> LineageRecord | None:
+    """A run that ended `status` with nothing spooled: its live window claims released and its
+    lineage recorded (`lineage.settle_ended_run`), so the model's next refresh need not wait for
+    them to go stale (a day). Nothing for another status, for a run whose own record waits in the
+    spool, or with the warehouse down (logged: the next refresh that waits on the claims, or their
+    staleness, releases them)."""
+    if status not in ENDED_OUTCOME or read_pending_lineage(spool_of(params), run_id) is not None:
+        return None
+    try:
+        with Warehouse.open(resolve_warehouse_url(params.warehouse)) as wh:
+            settled = settle_ended_run(wh, params.model, run_id, status,
+                                       reason=f"its run ended {status} before it spooled anything")
+    except Exception as exc:  # noqa: BLE001 - a hook never fails over this; the claims lapse at worst
+        log.warning("run %s ended %s: its window claims could not be released (%s)", run_id, status,
+                    outage_reason(exc))
+        return None
+    if settled is not None:
+        log.warning("run %s ended %s before it spooled anything: windows %s of model %s released", run_id, status,
+                    ", ".join(settled.windows), params.model)
+    return settled
 
 
 def record_crash(spool: Path, run_id: str, message: str | None) -> None:

@@ -189,3 +189,30 @@ def test_a_claim_whose_holder_stopped_heartbeating_is_released_at_the_orphan_bou
         assert record.outcome is Outcome.CRASHED
         row = wh.runs_frame(run_id="r-killed").iloc[0]
         assert row["status"] == "crashed"
+
+
+def test_a_run_that_died_before_it_spooled_anything_has_its_claims_released_by_its_crash_hook(
+        warehouse_url, flow_data, tmp_path):
+    """A deployed run killed between its claim and its trainer's reservation (its input checks,
+    the search for a reusable anchor, publishing a reused one) has nothing in its spool: Prefect's
+    crash hook (`archive_run`) archives no row, and released nothing, so the model's next refreshes
+    waited for the claims to go stale (a day). Now the hook releases them and records the run
+    crashed; a completed run, or one that recorded its own end, is left as it is."""
+    from ettflow.tasks.archive import archive_run
+
+    params = {"data_root": str(flow_data), "spool_root": str(tmp_path / "spool"), "warehouse_url": warehouse_url}
+    with Warehouse.open(warehouse_url) as wh:
+        won = take_claim(plan(flow_data, tmp_path, "dead", warehouse_url=warehouse_url), wh)
+    assert won.skipped is None and won.plan.trainer.windows
+    assert archive_run("dead", params, status="completed") is None  # not an end that releases
+    with Warehouse.open(warehouse_url) as wh:
+        assert take_claim(plan(flow_data, tmp_path, "next", warehouse_url=warehouse_url, claim_wait_s=0), wh).skipped
+    assert archive_run("dead", params, status="crashed") is None  # no row: nothing was spooled
+    with Warehouse.open(warehouse_url) as wh:
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == "dead"]
+        assert record.outcome is Outcome.CRASHED and record.windows == won.plan.trainer.windows
+        nxt = take_claim(plan(flow_data, tmp_path, "next", warehouse_url=warehouse_url, claim_wait_s=0), wh)
+    assert nxt.skipped is None and nxt.plan.trainer.windows == won.plan.trainer.windows
+    assert archive_run("dead", params, status="crashed") is None  # twice: its record stands, nothing more
+    with Warehouse.open(warehouse_url) as wh:
+        assert take_claim(plan(flow_data, tmp_path, "third", warehouse_url=warehouse_url, claim_wait_s=0), wh).skipped
