@@ -16,6 +16,7 @@ a sample run, a spool from an older ettflow).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -120,6 +121,8 @@ class RunHeartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._record: dict[str, Any] = {}
+        self._forget = False
+        self._outcome: str | None = None
 
     def __enter__(self) -> RunHeartbeat:
         self._record = {"run_id": self.run_id, "every_s": self.every_s, "started_at": time.time(),
@@ -134,6 +137,27 @@ class RunHeartbeat:
         self._thread = threading.Thread(target=self._beat, name="ettflow-heartbeat", daemon=True)
         self._thread.start()
         return self
+
+    def relabel(self, labels: Mapping[str, Any]) -> None:
+        """Keep `labels` in the record from now on (what the run learned since it started)."""
+        self.labels = dict(labels)
+        self._record = {**self._record, "labels": self.labels}
+        try:
+            replace_json(self.path, self._record)
+        except OSError as exc:
+            log.warning("cannot update the heartbeat %s (%s)", self.path, exc)
+
+    def end_as(self, outcome: str) -> None:
+        """Record `outcome` at the block's end whatever way it ends (a failure the block handled)."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"RunHeartbeat.end_as: outcome must be one of {OUTCOMES}, got {outcome!r}")
+        self._outcome = outcome
+
+    def forget(self) -> None:
+        """Leave no record at the block's end (a run that archives no row, such as one refused or
+        one that published another run's anchor: nothing of it is to reconcile), nor its spool
+        folder when the record was all it held."""
+        self._forget = True
 
     def _beat(self) -> None:
         warned = False
@@ -150,7 +174,14 @@ class RunHeartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.every_s + 1.0)
-        if exc_type is None:
+        if self._forget and exc_type is None:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the run's folder too, when nothing else is in it
+                self.path.parent.rmdir()
+            return
+        if self._outcome is not None and exc_type is None:
+            outcome = self._outcome
+        elif exc_type is None:
             outcome = "completed"
         elif issubclass(exc_type, Exception):
             outcome = "failed"

@@ -16,7 +16,9 @@
 The body ends by finishing the run (`tasks.archive.finish_run`): it archives the run's ETT to
 the warehouse, attaches the artifacts (ETT table, timeline picture, snapshot manifest), tags the
 run and returns the final state whose message says the ETT (`ett.run_summary.state_message`).
-The hooks finish the runs the body could not: crashed, cancelled, refused before it ran. Once
+The hooks finish the runs the body could not: crashed, cancelled, refused before it ran. From
+its claim to its end the run's heartbeat beats in the spool (`ett.heartbeat`): a run that dies
+holding claims is found dead by the next refresh that waits on them, which releases them. Once
 its windows are claimed the run is renamed after them; one progress artifact follows the run
 from the claim to its final state. Every parameter is described in the deployment's run form
 (`tasks/parameters.py`, through `parameter_help.py`). The run's id in the spool and the warehouse is the flow run id.
@@ -166,34 +168,44 @@ def refresh_model(
     if arrive_windows(plan):  # the demo's next window arrived (never on a user's data): plan with it
         plan = _plan(params)
     progress = RunProgress(plan.run_id, plan.artifact_slug)
+    # the run's heartbeat from before its claim to its lineage: a run that dies holding claims is
+    # found dead and they are released (crashed), however far it got; a flow retry's live beat
+    # keeps the claims it takes from a reconciliation that read the last try's end
+    with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels) as beat:
+        return _claim_and_refresh(plan, progress, beat)
+
+
+def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartbeat) -> dict[str, Any] | State:
+    """claim -> check the inputs -> [publish a stopped run's sealed anchor] or train and publish
+    -> record the lineage -> prune; the run's final state."""
     progress.show("claiming the windows past the model's watermark")
     claim = claim_windows(plan)
     if claim.skipped is not None:  # nothing reserved or trained; archived as skipped
+        beat.forget()  # its row is its end: nothing to reconcile (it would be re-archived as completed)
         return _finish(plan, FinalState.COMPLETED, Outcome.SKIPPED, reason=claim.skipped, data={
             "run_id": plan.run_id, "model": plan.model, "outcome": Outcome.SKIPPED.value, "reason": claim.skipped})
     plan = claim.plan
+    beat.relabel(plan.labels)
     name_flow_run(plan.run_id, run_name(plan.model, plan.mode, plan.trainer.windows or ()))
     inputs = check_inputs(plan, return_state=True)  # before anything is reserved
     if inputs.is_failed():
         bad = inputs.result(raise_on_failure=False)
         record_failure(plan, bad, get_run_logger())  # the windows are released
-        # refused like a bad parameter: no ETT row, whatever check refused it (issue 42 #8)
+        beat.forget()  # refused like a bad parameter: no ETT row, whatever check refused it (issue 42 #8)
         return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=inputs.message, data=bad, archive=False)
     reused = find_reusable_anchor(plan)  # a refresh of these windows stopped after sealing its anchor
     if reused is not None:
+        beat.forget()  # no row of its own (its training is the stopped run's): nothing to reconcile
         return _publish_reused(plan, progress, reused)
     progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
-        # the lineage inside the heartbeat: a death before it is written is an orphan that
-        # reconciliation settles (crashed, claims released); after a "completed" beat it was not,
-        # and the claims held the model's windows until they went stale
-        with RunHeartbeat(plan.spool_root, plan.run_id, labels=plan.labels):
-            anchor, published = _train_and_publish(plan, progress)
-            record = record_lineage(plan, anchor, published)
+        anchor, published = _train_and_publish(plan, progress)
+        record = record_lineage(plan, anchor, published)
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
         if _will_retry():
             raise  # Prefect retries the flow: the run is not finished
+        beat.end_as("failed")
         return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}", data=exc)
     except BaseException as exc:  # cancelled, interrupted: the hooks of that state finish the run
         record_failure(plan, exc, get_run_logger())

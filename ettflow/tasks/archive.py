@@ -41,7 +41,7 @@ from typing import Any
 
 from ettflow import paths
 from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems, outage_reason
-from ettflow.ett.heartbeat import read_heartbeat
+from ettflow.ett.heartbeat import heartbeat_file, read_heartbeat
 from ettflow.ett.lineage import ENDED_OUTCOME, LineageRecord, Outcome, settle_ended_run
 from ettflow.ett.lineage_pending import read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
@@ -137,11 +137,14 @@ def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | 
 def settle_unspooled(run_id: str, params: RefreshParameters, status: str) -> LineageRecord | None:
     """A run that ended `status` with nothing spooled: its live window claims released and its
     lineage recorded (`lineage.settle_ended_run`), so the model's next refresh need not wait for
-    them to go stale (a day). Nothing for another status, for a run whose own record waits in the
-    spool, or with the warehouse down (logged: the next refresh that waits on the claims, or their
-    staleness, releases them)."""
-    if status not in ENDED_OUTCOME or read_pending_lineage(spool_of(params), run_id) is not None:
-        return None
+    them to go stale (a day). Only for a run whose heartbeat began (the flow starts it before the
+    claim); nothing for another status, for a run whose own record waits in the spool, or with the
+    warehouse down (logged: the next refresh that waits on the claims, or their staleness,
+    releases them)."""
+    spool = spool_of(params)
+    if status not in ENDED_OUTCOME or read_pending_lineage(spool, run_id) is not None \
+            or not heartbeat_file(spool, run_id).is_file():
+        return None  # no heartbeat: it never got as far as its claim (refused, or died before)
     try:
         with Warehouse.open(resolve_warehouse_url(params.warehouse)) as wh:
             settled = settle_ended_run(wh, params.model, run_id, status,

@@ -98,7 +98,7 @@ def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) 
         if log is not None:
             log.warning("model %s: could not archive the dead holder %s (%s): waiting", plan.model, holder, exc)
         return False
-    released = bool(done) and done[0].action == "archived" and done[0].status == "crashed"
+    released = bool(done) and done[0].action in ("archived", "settled") and done[0].status == "crashed"
     if log is not None:
         log.warning("model %s: run %s holds its windows but its heartbeat stopped %.0f s ago: %s", plan.model,
                     holder, time.time() - beat.last_beat,

@@ -47,7 +47,7 @@ from ettflow.ett.archive import (
     read_pending,
 )
 from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
-from ettflow.ett.lineage import finish_refresh
+from ettflow.ett.lineage import ENDED_OUTCOME, finish_refresh, settle_ended_run
 from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.spool import spool_bytes, spooled_runs
@@ -70,7 +70,8 @@ _IN_CHUNK = 500
 @dataclass(frozen=True)
 class Reconciled:
     """What reconciling one run did. action: archived, pending (the warehouse is down: the row
-    waits), skipped (live, or its row is right), or error (the run cannot be archived)."""
+    waits), skipped (live, or its row is right), settled (it ended before spooling anything: no
+    row, its claims released), or error (the run cannot be archived)."""
 
     run_id: str
     action: str
@@ -167,6 +168,8 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     evs = RunRecorder(spool_root, run_id).events()
+    if not evs:  # it died before spooling anything (between its claim and its trainer): no row
+        return _settle_unspooled(url, spool_root, run_id, _info(run_id, beat, mark, row).model, status)
     if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):
         total = int(row.info.tags.get("spooled_events") or 0) + unspooled
         if len(evs) < total:  # archived by its own process with events the disk refused: more than the spool has
@@ -184,6 +187,20 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
         return Reconciled(run_id, "pending", result.pending.message, status, result)
     why = "orphaned" if crash is not None else ("pending row" if mark is not None else "row missing or stale")
     return Reconciled(run_id, "archived", why, status, result)
+
+
+def _settle_unspooled(url: str | None, spool_root: Path | str, run_id: str, model: str,
+                      status: str) -> Reconciled:
+    """A run with a heartbeat and nothing spooled that ended (crashed: its heartbeat went
+    silent): its live claims released, its lineage recorded (`lineage.settle_ended_run`)."""
+    if status not in ENDED_OUTCOME or read_pending_lineage(spool_root, run_id) is not None:
+        return Reconciled(run_id, "skipped", f"nothing spooled ({status})", status)
+    with Warehouse.open(url) as wh:
+        settled = settle_ended_run(wh, model, run_id, status,
+                                   reason=f"its run ended {status} before it spooled anything")
+    note = (f"nothing spooled: no row; windows {', '.join(settled.windows)} of model {model} released"
+            if settled is not None else "nothing spooled and no claims held: no row")
+    return Reconciled(run_id, "settled", note, status)
 
 
 def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_ids: Iterable[str] | None = None,

@@ -198,9 +198,18 @@ def test_a_run_that_died_before_it_spooled_anything_has_its_claims_released_by_i
     crash hook (`archive_run`) archives no row, and released nothing, so the model's next refreshes
     waited for the claims to go stale (a day). Now the hook releases them and records the run
     crashed; a completed run, or one that recorded its own end, is left as it is."""
+    from ettflow.ett.heartbeat import RunHeartbeat
     from ettflow.tasks.archive import archive_run
 
     params = {"data_root": str(flow_data), "spool_root": str(tmp_path / "spool"), "warehouse_url": warehouse_url}
+    with Warehouse.open(warehouse_url) as wh:
+        assert take_claim(plan(flow_data, tmp_path, "early", warehouse_url=warehouse_url), wh).skipped is None
+    assert archive_run("early", params, status="crashed") is None  # no heartbeat: taken as never claimed
+    with Warehouse.open(warehouse_url) as wh:
+        assert lineage.release_claims(wh, "dlrm", "early") > 0  # it held them, untouched: let go by hand
+    beat = RunHeartbeat(tmp_path / "spool", "dead")
+    beat.__enter__()  # the flow's heartbeat, begun before its claim; the process then dies (no exit)
+    beat._stop.set()
     with Warehouse.open(warehouse_url) as wh:
         won = take_claim(plan(flow_data, tmp_path, "dead", warehouse_url=warehouse_url), wh)
     assert won.skipped is None and won.plan.trainer.windows
@@ -216,3 +225,29 @@ def test_a_run_that_died_before_it_spooled_anything_has_its_claims_released_by_i
     assert archive_run("dead", params, status="crashed") is None  # twice: its record stands, nothing more
     with Warehouse.open(warehouse_url) as wh:
         assert take_claim(plan(flow_data, tmp_path, "third", warehouse_url=warehouse_url, claim_wait_s=0), wh).skipped
+
+
+def test_a_holder_whose_heartbeat_went_silent_before_it_spooled_anything_is_found_dead_by_the_next(
+        warehouse_url, flow_data, tmp_path):
+    """The CLI's path of the case above (no Prefect crash hook: the process that ran the flow is
+    the one that died): the run's heartbeat, begun before its claim, went silent with nothing
+    spooled. The next refresh that waits on its claims finds it dead and releases them (no row:
+    nothing was spooled), instead of waiting for them to go stale (a day)."""
+    import os
+
+    from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file
+
+    beat = RunHeartbeat(tmp_path / "spool", "dead", labels={"model": "dlrm"})
+    beat.__enter__()  # begun before its claim; then the process dies
+    beat._stop.set()
+    with Warehouse.open(warehouse_url) as wh:
+        won = take_claim(plan(flow_data, tmp_path, "dead", warehouse_url=warehouse_url), wh)
+    assert won.skipped is None
+    long_ago = time.time() - 600
+    os.utime(heartbeat_file(tmp_path / "spool", "dead"), (long_ago, long_ago))
+    with Warehouse.open(warehouse_url) as wh:
+        nxt = take_claim(plan(flow_data, tmp_path, "next", warehouse_url=warehouse_url, claim_wait_s=5), wh,
+                         url=warehouse_url, poll_s=0.05)
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == "dead"]
+    assert nxt.skipped is None and nxt.plan.trainer.windows == won.plan.trainer.windows
+    assert record.outcome is Outcome.CRASHED and "before it spooled anything" in record.reason

@@ -542,19 +542,26 @@ def test_prune_removes_the_checkpoints_of_a_run_that_is_over_a_day_after_they_la
 def test_the_refresh_reconciles_before_it_asks_whether_there_is_new_data():
     """Issue 42 #8: after a warehouse outage the refresh that reconciles asked "is there new
     data?" (the demo's arrival) of the watermark before reconciliation moved it, and skipped
-    with "nothing new". The flow's body now reconciles first: checked on its calls' order."""
+    with "nothing new". The flow's body now reconciles first: checked on its calls' order (the
+    claim is in `_claim_and_refresh`, which the body calls after both)."""
     import ast
     import inspect
     import textwrap
 
-    from ettflow.flows.refresh import refresh_model
+    from ettflow.flows import refresh
 
-    body = ast.parse(textwrap.dedent(inspect.getsource(refresh_model.fn)))
-    first: dict[str, int] = {}
-    for node in ast.walk(body):
-        if isinstance(node, ast.Call):
-            func = node.func.func if isinstance(node.func, ast.Call) else node.func  # reconcile_task()(...)
-            name = getattr(func, "id", None)
-            if name in ("reconcile_task", "arrive_windows", "claim_windows"):
-                first[name] = min(first.get(name, node.lineno), node.lineno)
-    assert first["reconcile_task"] < first["arrive_windows"] < first["claim_windows"], first
+    def first_calls(fn, names) -> dict[str, int]:
+        first: dict[str, int] = {}
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+            if isinstance(node, ast.Call):
+                func = node.func.func if isinstance(node.func, ast.Call) else node.func  # reconcile_task()(...)
+                name = getattr(func, "id", None)
+                if name in names:
+                    first[name] = min(first.get(name, node.lineno), node.lineno)
+        return first
+
+    body = first_calls(refresh.refresh_model.fn, ("reconcile_task", "arrive_windows", "_claim_and_refresh",
+                                                  "claim_windows"))
+    assert body["reconcile_task"] < body["arrive_windows"] < body["_claim_and_refresh"], body
+    assert "claim_windows" not in body and "claim_windows" in first_calls(refresh._claim_and_refresh,
+                                                                          ("claim_windows",))

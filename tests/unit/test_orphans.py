@@ -165,6 +165,22 @@ def test_heartbeat_beats_and_records_how_the_block_ended(tmp_path):
     assert read_heartbeat(tmp_path, "never") is None
     with pytest.raises(ValueError, match="every_s"):
         RunHeartbeat(tmp_path, "x", every_s=0)
+    # what the refresh flow does with it: the labels its claim settled, a failure it handled, a run
+    # that archives no row (refused, skipped, a reused anchor's publish) leaving no record
+    with RunHeartbeat(tmp_path, "hb4", every_s=0.05, labels={"model": "m", "world_size": 2}) as beat:
+        beat.relabel({"model": "m", "world_size": 4})
+        assert read_heartbeat(tmp_path, "hb4").labels["world_size"] == 4
+        beat.end_as("failed")
+    assert read_heartbeat(tmp_path, "hb4").outcome == "failed"
+    with RunHeartbeat(tmp_path, "hb5", every_s=0.05) as beat:
+        beat.forget()
+    assert read_heartbeat(tmp_path, "hb5") is None and not (tmp_path / "hb5").exists()
+    with pytest.raises(KeyboardInterrupt), RunHeartbeat(tmp_path, "hb6", every_s=0.05) as beat:
+        beat.forget()
+        raise KeyboardInterrupt  # a run that dies anyway keeps its record: it is to reconcile
+    assert read_heartbeat(tmp_path, "hb6").outcome == "crashed"
+    with pytest.raises(ValueError, match="outcome must be one of"):
+        RunHeartbeat(tmp_path, "hb7").end_as("done")
 
 
 def test_a_stale_heartbeat_is_an_orphan_detected_at_last_beat_plus_the_bound(tmp_path):
