@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -34,7 +33,7 @@ from .events import CHECKPOINT_DAMAGED, CHECKPOINT_FALLBACK, PhaseEvent
 from .json_file import replace_json
 from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
 from .lineage_pending import read_pending_lineage
-from .redact import redact_url
+from .redact import redact_url, scrub
 from .run_metrics import RunMetrics, compute_run_metrics
 from .spool import KEPT_LIMIT, SpoolProblem, SpoolRead, kept_dropped, read_spool, write_kept
 from .warehouse import RunInfo, Warehouse, WarehouseError, default_url
@@ -198,12 +197,8 @@ def outage_reason(exc: BaseException, url: str | None = None) -> str:
     of `url` should a driver echo it (WarehouseError messages mask it already)."""
     text = str(getattr(exc, "orig", None) or exc)
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    try:
-        password = make_url(url).password if url else None
-    except Exception:  # noqa: BLE001 - an unparseable URL: nothing to take out
-        password = None
-    if password:
-        first = first.replace(str(password), "***")
+    if url:  # every secret the URL holds (its password, a secret query value), as written or encoded
+        first = scrub(first, url)
     return f"{type(exc).__name__}: {first}"[:500]
 
 

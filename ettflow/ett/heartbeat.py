@@ -175,9 +175,9 @@ class RunHeartbeat:
         if self._thread is not None:
             self._thread.join(timeout=self.every_s + 1.0)
         if self._forget and exc_type is None:
-            self.path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # the run's folder too, when nothing else is in it
-                self.path.parent.rmdir()
+            with contextlib.suppress(OSError):  # a record left behind is reconciled as a finished run
+                self.path.unlink(missing_ok=True)
+                self.path.parent.rmdir()  # the run's folder too, when nothing else is in it
             return
         if self._outcome is not None and exc_type is None:
             outcome = self._outcome

@@ -203,7 +203,8 @@ def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> bool:
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, record.model)
         known = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == record.run_id)).first()
-        if known is not None and (known.finished_at or 0.0) > (record.finished_at or 0.0):
+        if known is not None and known.finished_at is not None and record.finished_at is not None \
+                and known.finished_at > record.finished_at:  # a record without its time is written
             return False
         _upsert(conn, _LINEAGE, [record.row()])
         mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)

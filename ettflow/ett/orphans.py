@@ -48,6 +48,7 @@ class OrphanFailure:
     failed_at: float
     detected_at: float
     missing: tuple[str, ...] = (FAILURE, FAILURE_DETECTED)  # the markers to write
+    attrs: dict | None = None  # a half-written failure's own attributes, for the marker it lacks
 
 
 def last_on_clock_end(events: Sequence[PhaseEvent]) -> float | None:
@@ -91,10 +92,11 @@ def _half_written(events: Sequence[PhaseEvent], attempt: int, detected_at: float
             and e.info.failure_class == FailureClass.ORCHESTRATOR.value]
     if any(e.phase == FAILURE_DETECTED for e in mine):
         return None
-    failed_at = min(e.start for e in mine)
+    first = min(mine, key=lambda e: e.start)
     end = last_on_clock_end(events)
-    detected = max(detected_at, failed_at, end if end is not None else failed_at)
-    return OrphanFailure(attempt=attempt, failed_at=failed_at, detected_at=detected, missing=(FAILURE_DETECTED,))
+    detected = max(detected_at, first.start, end if end is not None else first.start)
+    return OrphanFailure(attempt=attempt, failed_at=first.start, detected_at=detected, missing=(FAILURE_DETECTED,),
+                         attrs=dict(first.attrs))
 
 
 def record_orchestrator_failure(spool_root: Path | str, run_id: str, *, last_alive: float | None,
@@ -117,6 +119,8 @@ def record_orchestrator_failure(spool_root: Path | str, run_id: str, *, last_ali
         failure = Failure(failure_class=FailureClass.ORCHESTRATOR, rank=-1, attempt=placed.attempt,
                           reason=reason, detail=detail)
         attrs = {**failure.to_attrs(), "detection": detection}
+        if placed.attrs is not None:  # the failure that was written, as it was written (an injected kill...)
+            attrs = {"detection": detection, **placed.attrs}
         with SpoolWriter(spool_root, run_id, placed.attempt, -1) as rec:
             if FAILURE in placed.missing:
                 rec.mark(FAILURE, placed.failed_at, **attrs)

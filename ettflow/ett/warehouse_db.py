@@ -36,7 +36,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
 
 from ..paths import data_home
-from .redact import redact_url
+from .redact import redact_url, scrub
 
 try:  # POSIX only; elsewhere concurrent first opens of one SQLite file are not serialized
     import fcntl
@@ -84,9 +84,9 @@ def _sqlite_file(url: URL) -> Path | None:
 
 
 def _unreachable(url: URL, exc: Exception) -> WarehouseError:
-    reason = " ".join(
+    reason = scrub(" ".join(
         line.strip() for line in str(getattr(exc, "orig", None) or exc).splitlines() if line.strip()
-    )
+    ), url)
     backend = url.get_backend_name()
     if backend == "sqlite":
         hint = f"check that the folder of {url.database!r} exists and is writable"

@@ -279,6 +279,7 @@ def finish_run(flow_name: str, flow_run, *, state: FinalState, outcome: str, rea
     run_id = str(flow_run.id)
     if archive and state is FinalState.FAILED and not recorder_of(params, run_id).events():
         archive = False  # refused before it recorded anything (a parameter): no row, nothing to warn about
+        settle_unspooled(run_id, params, state.value)  # it may have failed after its claim (its heartbeat says)
     deployment = run_labels.deployment_name(flow_run)
     archived = archive_run(run_id, params, status=state.value, flow_run_id=run_id,
                            tags={"flow_run_count": getattr(flow_run, "run_count", 1), "deployment": deployment}) \

@@ -187,7 +187,10 @@ def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any)
     record = lineage_record(plan, outcome, **fields)
     try:
         with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
-            lineage.finish_refresh(wh, record)
+            if not lineage.finish_refresh(wh, record):
+                log.warning("model %s: refresh %s's lineage (%s) was not written: the warehouse holds a later "
+                            "record of the run (another host settled it as ended); that record stands", plan.model,
+                            plan.run_id, outcome.value)
         clear_pending_lineage(plan.spool_root, plan.run_id)  # an earlier try's, kept in an outage: superseded
         return record
     except OUTAGES as exc:

@@ -237,10 +237,12 @@ class StorageParams(Section):
 
 
 # a secret in a URL (`ett.redact.has_password`'s rule for a URL SQLAlchemy cannot parse): a
-# 'user:password@' after its '//' (the password runs to the first '@'), or a secret query key
-# (lower case: the spelling the drivers take). In JSON Schema, what a warehouse_url must `not`
-# match: Prefect's server checks it before it stores a run's parameters.
-SECRET_URL_PATTERN = rf"//[^/@:]*:[^@]*@|[?&]({'|'.join(sorted(SECRET_QUERY_KEYS))})="
+# 'user:password@' after its '//' (the password runs to the first '@'), or a secret query key in
+# any case (spelled with a class per letter: JSON Schema patterns take no flags). In JSON Schema,
+# what a warehouse_url must `not` match: Prefect's server checks it before it stores a run's
+# parameters.
+SECRET_URL_PATTERN = "//[^/@:]*:[^@]*@|[?&](" + "|".join(
+    "".join(f"[{c}{c.upper()}]" for c in key) for key in sorted(SECRET_QUERY_KEYS)) + ")="
 NO_SECRET_SCHEMA = {"not": {"type": "string", "pattern": SECRET_URL_PATTERN}}
 # a flow's own URL argument (the fleet report's), refused by the server as `WarehouseParams`'s is
 NoSecretUrl = Annotated[str | None, Field(json_schema_extra=NO_SECRET_SCHEMA)]

@@ -52,13 +52,15 @@ def doomed_runs(folders: Mapping[str, bool], refreshes: Sequence[LineageRecord],
 
 def anchor_home(anchor: str | None, runs_root: Path | None) -> str | None:
     """The run folder under `runs_root` that holds `anchor` (`<runs_root>/<run>/checkpoints/...`),
-    None when it lies elsewhere."""
+    None when it lies elsewhere. Read from the path's own segments (`.../<model>/runs/<run>/
+    checkpoints/...`): a host that mounts the shared work root elsewhere wrote the same tail."""
     if anchor is None or runs_root is None:
         return None
-    try:
-        return Path(anchor).resolve().relative_to(Path(runs_root).resolve()).parts[0]
-    except (ValueError, IndexError):
-        return None
+    parts, tail = Path(anchor).parts, Path(runs_root).parts[-2:]  # (<model>, "runs")
+    for i in range(len(parts) - 4, -1, -1):
+        if parts[i:i + 2] == tail and parts[i + 3] == "checkpoints":
+            return parts[i + 2]
+    return None
 
 
 ABANDONED_AFTER_S = STALE_AFTER_S
@@ -72,12 +74,20 @@ def abandoned_runs(unanchored: Mapping[str, float], live: Collection[str], *, no
     return sorted(run for run, changed in unanchored.items() if run not in live and now - changed > after_s)
 
 
-def newest_change(folder: Path) -> float:
-    """The newest modification time of `folder` and everything under it (0 when it is gone)."""
+def newest_change(folder: Path, now: float) -> float:
+    """The newest modification time of `folder` and everything under it. What vanishes during
+    the scan (a save renaming its files) is passed over; anything else that cannot be read, or
+    a folder gone, reads as changed `now`: kept (never taken for a day old)."""
     try:
-        return max([folder.stat().st_mtime, *(p.lstat().st_mtime for p in folder.rglob("*"))])
+        newest = folder.stat().st_mtime
+        for path in folder.rglob("*"):
+            try:
+                newest = max(newest, path.lstat().st_mtime)
+            except FileNotFoundError:
+                continue
     except OSError:
-        return 0.0
+        return now
+    return newest
 
 
 def run_folders(runs_root: Path) -> dict[str, bool]:
@@ -98,11 +108,12 @@ def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
     folders = run_folders(plan.runs_root)
     doomed = doomed_runs(folders, refreshes, keep=plan.params.checkpoint.keep_refreshes, protected=protected,
                          runs_root=plan.runs_root)
-    unanchored = {run: newest_change(plan.runs_root / run) for run, anchored in folders.items()
-                  if not anchored and run != plan.run_id}
+    now = time.time()
+    unanchored = {run: newest_change(plan.runs_root / run, now) for run, anchored in folders.items()
+                  if not anchored and run not in protected}
     live = {run for run in unanchored if (beat := read_heartbeat(plan.spool_root, run)) is not None
             and beat.is_live()}
-    doomed += abandoned_runs(unanchored, live, now=time.time())
+    doomed += abandoned_runs(unanchored, live, now=now)
     for run in doomed:
         shutil.rmtree(plan.runs_root / run, ignore_errors=True)
     return doomed, len(folders) - len(doomed)

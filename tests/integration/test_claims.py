@@ -251,3 +251,31 @@ def test_a_holder_whose_heartbeat_went_silent_before_it_spooled_anything_is_foun
         [record] = [r for r in wh.lineage("dlrm") if r.run_id == "dead"]
     assert nxt.skipped is None and nxt.plan.trainer.windows == won.plan.trainer.windows
     assert record.outcome is Outcome.CRASHED and "before it spooled anything" in record.reason
+
+
+def test_a_run_that_failed_after_its_claim_with_nothing_spooled_has_its_claims_released_by_its_hook(
+        warehouse_url, flow_data, tmp_path, monkeypatch):
+    """The failed neighbour: the run raised after its claim and before its trainer (the claim's own
+    sizing reads, a warehouse error while looking for a reusable anchor). Its heartbeat ended
+    failed, nothing was spooled, and the failure hook archives no row (refused-like); it now
+    releases the claims all the same."""
+    from types import SimpleNamespace
+
+    from ettflow.ett.heartbeat import RunHeartbeat
+    from ettflow.tasks import archive
+
+    monkeypatch.setenv("ETTFLOW_HOME", str(tmp_path / "home"))
+    params = {"data_root": str(flow_data), "spool_root": str(tmp_path / "spool"), "warehouse_url": warehouse_url}
+    with pytest.raises(RuntimeError), RunHeartbeat(tmp_path / "spool", "failed-run"):
+        with Warehouse.open(warehouse_url) as wh:
+            won = take_claim(plan(flow_data, tmp_path, "failed-run", warehouse_url=warehouse_url), wh)
+        raise RuntimeError("the warehouse went away while looking for a reusable anchor")
+    assert won.skipped is None
+    flow_run = SimpleNamespace(id="failed-run", parameters=params, deployment_id=None, run_count=1)
+    archive.archive_on_flow_state(SimpleNamespace(name="refresh-model"), flow_run,
+                                  SimpleNamespace(type=SimpleNamespace(value="FAILED"), message="RuntimeError"))
+    with Warehouse.open(warehouse_url) as wh:
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == "failed-run"]
+        nxt = take_claim(plan(flow_data, tmp_path, "next", warehouse_url=warehouse_url, claim_wait_s=0), wh)
+    assert record.outcome is Outcome.FAILED and nxt.skipped is None
+    assert nxt.plan.trainer.windows == won.plan.trainer.windows

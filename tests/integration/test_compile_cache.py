@@ -339,18 +339,23 @@ def test_without_the_archive_an_untuned_restart_keeps_pytorchs_local_cache(cold,
 
 def test_an_untuned_run_never_uses_a_local_cache_folder_another_user_could_write(tmp_path):
     """The baseline's local cache (`isolate=False`) is PyTorch's folder in the shared temp folder,
-    whose entries inductor unpickles: one that others can write, or that another user made first,
-    is not used; the process compiles in a private folder of its own and says why. A folder not
-    there yet is made by torch as this user's, and used. Nothing is compiled."""
-    folders = {"open to all": tmp_path / "shared", "another user's": tmp_path / "other",
-               "not there yet": tmp_path / "fresh" / "inductor"}
-    folders["open to all"].mkdir()
-    folders["open to all"].chmod(0o777)
-    folders["another user's"].mkdir()
+    whose entries inductor unpickles: one that others (or its group: a umask of 002) can write, or
+    that another user made first, is not used. The run keeps its local cache in this user's
+    private `<data_home>/compile-local` instead (across restarts, as PyTorch's own would be) and
+    says why; only when that one cannot be trusted either does it compile in a private folder of
+    its own, cold. A folder not there yet is made by torch as this user's, and used. Nothing is
+    compiled."""
+    home = tmp_path / "home"
+    folders = {"open to all": tmp_path / "shared", "group-writable": tmp_path / "group",
+               "another user's": tmp_path / "other", "not there yet": tmp_path / "fresh" / "inductor"}
+    for name, mode in (("open to all", 0o777), ("group-writable", 0o775), ("another user's", 0o755)):
+        folders[name].mkdir()
+        folders[name].chmod(mode)
     try:
         os.chown(folders["another user's"], os.getuid() + 4242, -1)
     except PermissionError:  # not root: that case cannot be made here
         del folders["another user's"]
+    cases = {**{k: str(v) for k, v in folders.items()}, "own one open too": str(folders["open to all"])}
     out = run_python(f"""
         import json, logging, os, stat
         from ettflow.trainer.compile import CompileCache, CompileCacheConfig
@@ -360,8 +365,12 @@ def test_an_untuned_run_never_uses_a_local_cache_folder_another_user_could_write
                 seen[name]["said"].append(record.getMessage())
 
         logging.getLogger("ettflow.trainer.compile.cache").addHandler(Said())
+        os.environ["ETTFLOW_HOME"] = {str(home)!r}
+        os.umask(0o022)  # the folder torch makes is then this user's alone (002 would make it the group's)
         seen = {{}}
-        for name, folder in {json.dumps({k: str(v) for k, v in folders.items()})}.items():
+        for name, folder in {json.dumps(cases)}.items():
+            if name == "own one open too":
+                os.chmod(os.path.join({str(home)!r}, "compile-local"), 0o777)
             seen[name] = {{"said": []}}
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder  # as each case's process would start
             cache = CompileCache(CompileCacheConfig(root={str(tmp_path / "none")!r}, enabled=False, isolate=False,
@@ -372,11 +381,16 @@ def test_an_untuned_run_never_uses_a_local_cache_folder_another_user_could_write
             cache.cleanup()
         print("RESULT " + json.dumps(seen))
     """)
-    for case, why in (("open to all", "writable by others"), ("another user's", "not by this user")):
+    own = str(home / "compile-local" / "inductor")
+    for case, why in (("open to all", "(mode 0o777)"), ("group-writable", "(mode 0o775)"),
+                      ("another user's", "not by this user")):
         if case in folders:
             refused = out[case]
-            assert refused["work_dir"] and refused["env"].startswith(refused["work_dir"]), case
-            assert [m for m in refused["said"] if why in m and "private folder of this process" in m], case
+            assert (refused["env"], refused["work_dir"]) == (own, None), case  # kept across restarts
+            assert [m for m in refused["said"] if why in m and "private local cache" in m], case
+    cold = out["own one open too"]
+    assert cold["work_dir"] and cold["env"].startswith(cold["work_dir"])
+    assert [m for m in cold["said"] if "compile-local" in m and "compiling in a private folder of this process" in m]
     made = out["not there yet"]
     assert (made["env"], made["work_dir"], made["said"]) == (str(folders["not there yet"]), None, [])
     assert not made["mode"] & 0o022  # torch made it: this user's, nobody else can write

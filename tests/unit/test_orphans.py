@@ -123,7 +123,8 @@ def test_an_orchestrator_failure_half_written_gets_its_detection(tmp_path):
         for i in range(3):
             w.record("train_step", 1 + i, 2 + i, cursor_start=i, cursor_end=i + 1)
     kw = dict(last_alive=4.5, detected_at=12.5, reason="driver died", detection="heartbeat")
-    failure = Failure(failure_class=FailureClass.ORCHESTRATOR, rank=-1, attempt=0, reason="driver died")
+    failure = Failure(failure_class=FailureClass.ORCHESTRATOR, rank=-1, attempt=0, reason="injected kill of the driver",
+                      injected=True)
     with SpoolWriter(tmp_path, "r", 0, -1) as d:  # the first of the two marks, then the kill
         d.mark("failure", 4.5, **failure.to_attrs(), detection="heartbeat")
     assert compute_run_metrics(read_spool(tmp_path, "r").events).wall_end == 4.5
@@ -134,6 +135,8 @@ def test_an_orchestrator_failure_half_written_gets_its_detection(tmp_path):
     events = read_spool(tmp_path, "r").events
     assert [(e.phase, e.start) for e in events if e.phase.startswith("failure")] == [("failure", 4.5),
                                                                                       ("failure_detected", 12.5)]
+    detected = next(e for e in events if e.phase == "failure_detected")  # the failure as it was written
+    assert (detected.info.reason, detected.info.injected) == ("injected kill of the driver", True)
     m = compute_run_metrics(events)
     assert m.nof == 1 and m.wall_end == 12.5 and m.phases["lost_in_flight"].exposed_s == pytest.approx(8.5)
     m.check_partition()

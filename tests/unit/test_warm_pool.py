@@ -83,14 +83,18 @@ def test_a_group_measures_its_start_for_the_pool_only_when_every_rank_started_th
     assert group.start_sample() is None  # a live recovery re-ran the loop
 
 
-def test_a_keeper_take_that_times_out_leaves_the_pool_so_its_reaper_stops_what_it_gave(monkeypatch):
-    """The cluster's pool did not answer `take_keeper` in time (busy, or gone): the run starts its
-    own keeper and lets go of the pool, as after a failed `take`. A take that still finishes in the
-    pool records a keeper as this run's; had the run kept the pool, its end would tell the pool to
-    forget it (`forget` drops, never stops) and that keeper would outlive every run."""
+def test_a_keeper_take_that_times_out_is_stopped_by_the_pool_at_the_runs_end(monkeypatch):
+    """The cluster's pool did not answer `take_keeper` in time (busy): the run starts its own
+    keeper and keeps using the pool. The take may still finish in the pool, which then lists a
+    keeper as the run's that the run never got: the run's end (`forget`) stops it there, where
+    before it was dropped from the pool's watch and outlived every run."""
+    from types import SimpleNamespace
+
+    import ray
     from ray.exceptions import GetTimeoutError
 
     import ettflow.trainer.group.warm_pool as warm_pool
+    from ettflow.trainer.group.pool_service import PoolPolicy, PoolService, _Keeper
 
     class Busy:
         class take_keeper:  # noqa: N801 - an actor method's shape: `.remote(...)` gives a ref
@@ -102,7 +106,18 @@ def test_a_keeper_take_that_times_out_leaves_the_pool_so_its_reaper_stops_what_i
         raise GetTimeoutError(f"Get timed out: some object(s) not ready after {timeout} s")
 
     pool = WarmPool()
-    pool.service = Busy()
+    pool.service = busy = Busy()
     monkeypatch.setattr(pool, "_run_owner", lambda: None)
     monkeypatch.setattr(warm_pool.ray, "get", get)
-    assert pool.take_keeper("run-1") is None and pool.service is None
+    assert pool.take_keeper("run-1") is None and pool.service is busy
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+    service = PoolService(PoolPolicy(reap_every_s=3600.0))
+    keeper, other = SimpleNamespace(name="keeper"), SimpleNamespace(name="keeper-2")
+    service.keepers = [_Keeper(keeper, 0.0, "dlrm", "k1"), _Keeper(other, 0.0, "dlrm", "k2")]
+    owner = SimpleNamespace()
+    assert service.take_keeper(owner, "run-1").actor is keeper  # the take that finished after the timeout
+    assert service.take_keeper(owner, "run-2").actor is other
+    assert service.forget("run-1") == 1 and killed == [keeper] and [g.run_id for g in service.given] == ["run-2"]
+    service.stop()

@@ -53,6 +53,7 @@ from .config import CompileCacheConfig, cache_key, key_parts
 from .stats import CompileStats, compile_stats, process_recompile_counter, read_counters
 
 log = logging.getLogger(__name__)
+LOCAL_CACHE_DIR = "compile-local"  # an untuned run's local cache when PyTorch's own cannot be trusted
 BUILT_SUFFIXES = (".so", ".gch", ".pch", ".cubin", ".hsaco")
 
 
@@ -111,16 +112,14 @@ class CompileCache:
     def prepare_env(self) -> dict[str, str]:
         """Point inductor's folders into this process's working folder, set the PGO job id and
         pin the thread count. Call before anything is compiled (raises CompileEnvError after)."""
-        if not self.config.isolate and (refused := _untrusted_default_cache()) is None:
-            # PyTorch's own local cache, as an untuned job keeps it
-            self.env = {"TORCHINDUCTOR_CACHE_DIR": env.default_inductor_dir()}
+        if not self.config.isolate and (local := _local_cache_env()) is not None:
+            # a local cache kept across restarts, as an untuned job keeps PyTorch's own
+            self.env = local
             env.pin_threads(self.config.threads)
             counter = process_recompile_counter()
             self._baseline = read_counters()
             self._base_compiles, self._base_recompiles = counter.compiles, counter.recompiles
             return dict(self.env)
-        if not self.config.isolate:  # torch would unpickle what another user left there
-            log.warning("%s; compiling in a private folder of this process instead (cold)", refused)
         if self.work_dir is None:
             self.work_dir = env.make_work_dir()
             atexit.register(self.cleanup)  # a SIGKILLed rank's folder goes at the next start
@@ -299,9 +298,26 @@ class CompileCache:
         return saved[0] if saved else None
 
 
-def _untrusted_default_cache() -> str | None:
-    """Why PyTorch's own cache folder must not be used (inductor unpickles its entries): by default
-    it is in the shared temp folder, where another user can make it first or open it to all. None
-    when it is this user's and nobody else can write it (torch makes it, with the umask's mode,
-    when it is missing)."""
-    return trust.first_untrusted(Path(env.default_inductor_dir()))
+def _local_cache_env() -> dict[str, str] | None:
+    """Where an untuned run (`isolate=False`) keeps its local cache across restarts: PyTorch's own
+    folder, as an untuned job does, unless another user could have written what inductor would
+    unpickle from it (by default it is in the shared temp folder, where another user can make it
+    first; a umask of 002 leaves it group-writable). Then this user's private folder
+    `<data_home>/compile-local` (kept across restarts all the same), and if even that cannot be
+    trusted, None: the process compiles in a private folder of its own, cold."""
+    refused = trust.first_untrusted(Path(env.default_inductor_dir()))  # torch makes it when missing
+    if refused is None:
+        return {"TORCHINDUCTOR_CACHE_DIR": env.default_inductor_dir()}
+    from ettflow.paths import data_home
+
+    own = data_home() / LOCAL_CACHE_DIR
+    try:
+        trust.make_private_dir(own)
+        why = trust.first_untrusted(own)
+    except OSError as e:
+        why = f"{own} cannot be made ({type(e).__name__}: {e})"
+    if why is None:
+        log.warning("%s; this user's private local cache %s is used instead (kept across restarts)", refused, own)
+        return env.redirect_compile_dirs(own)
+    log.warning("%s, and %s; compiling in a private folder of this process instead (cold)", refused, why)
+    return None

@@ -472,14 +472,24 @@ class PoolService:
         return NamedKeeper(keeper.actor, keeper.name)
 
     def forget(self, run_id: str) -> int:
-        """A run stopped what it took (its normal end): nothing of it is the pool's to stop, and
+        """A run stopped what it took (its normal end): nothing of it is the pool's to watch, and
         it shares its model's spares no more (`unshare`: its parts of their holds, which it
-        did not take to record, go to the ledger as its lines)."""
+        did not take to record, go to the ledger as its lines). A keeper given to the run is
+        stopped here all the same: a take the run gave up waiting for (a timeout) finished here
+        with a keeper the run never got, and nothing else would stop it (stopping one the run
+        stopped already is harmless)."""
         self._unshare_to_ledger(run_id, "not_recorded")
         with self._lock:
             before = len(self.given)
+            keepers = [g.actor for g in self.given if g.run_id == run_id and g.kind == "keeper"]
             self.given = [g for g in self.given if g.run_id != run_id]
-            return before - len(self.given)
+        if keepers:
+            import ray
+
+            for actor in keepers:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        return before - len(self.given)
 
     def reap_orphans(self, now: float | None = None, timeout_s: float = 5.0) -> int:
         """Stop what runs took whose process is gone (their `RunOwner` no longer answers), and

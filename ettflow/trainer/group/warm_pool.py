@@ -197,13 +197,10 @@ class WarmPool:
             try:
                 return ray.get(self.service.take_keeper.remote(self._run_owner(), run_id), timeout=30)
             except (GetTimeoutError, RayActorError, RayTaskError) as exc:
-                # as `take`: the run goes on without the pool. A take that timed out may still
-                # finish in the pool, which then holds a keeper as this run's: the run must not
-                # tell the pool to forget it at its end (`forget` drops, never stops), so its
-                # owner's end lets the pool's reaper stop it
+                # a take that timed out may still finish in the pool, which then holds a keeper as
+                # this run's that the run never got: the pool stops it at the run's end (`forget`)
                 log.warning("cluster pool: could not take the in-memory keeper (%s: %s); the run starts its own",
                             type(exc).__name__, short_reason(str(exc)))
-                self.service = None
                 return None
         keeper, self.keeper = self.keeper, None
         return keeper
