@@ -168,7 +168,7 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     evs = RunRecorder(spool_root, run_id).events()
-    if not evs:  # it died before spooling anything (between its claim and its trainer): no row
+    if not evs and row is None:  # it died before spooling anything (between its claim and its trainer)
         return _settle_unspooled(url, spool_root, run_id, _info(run_id, beat, mark, row).model, status)
     if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):
         total = int(row.info.tags.get("spooled_events") or 0) + unspooled
