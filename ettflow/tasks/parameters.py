@@ -156,7 +156,8 @@ class CheckpointParams(Section):
         "Checkpoint interval in steps (null: computed from the model's measured save time and failure rate, "
         "Young/Daly)."))
     keep_refreshes: int = Field(3, ge=1, description=(
-        "Run checkpoint folders kept, besides the current and the parent anchors."))
+        "Run checkpoint folders kept, besides the current and the parent anchors (a failed run's checkpoints, "
+        "without an anchor, go a day after its run ended)."))
 
 
 # the flow's own switches, beside the trainer's (`trainer.config.Switches`): baseline True / off
