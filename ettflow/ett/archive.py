@@ -287,12 +287,18 @@ def archive_or_defer(warehouse_url: str | None | Callable[[], str | None], spool
     return ArchiveResult(*common, warehouse=shown)
 
 
+def settles_lineage(spool_root: Path | str, run_id: str, status: str) -> bool:
+    """Whether a run that ended `status` has its lineage settled from outside it
+    (`lineage.settle_ended_run`): it ended crashed, failed or cancelled, and its own record does
+    not wait in the spool (`lineage_pending`: the next reconciliation writes that one)."""
+    return status in ENDED_OUTCOME and read_pending_lineage(spool_root, run_id) is None
+
+
 def _settle_lineage(wh: Warehouse, spool_root: Path | str, info: RunInfo) -> LineageRecord | None:
     """A run archived as crashed, failed or cancelled that never recorded its refresh's end:
     its lineage record and its claims released (`lineage.settle_ended_run`), in the same visit
-    as its row (an outage leaves both for the next archiving). Not when its own record waits
-    in the spool (`lineage_pending`: the next reconciliation writes that one)."""
-    if info.status not in ENDED_OUTCOME or read_pending_lineage(spool_root, info.run_id) is not None:
+    as its row (an outage leaves both for the next archiving); see `settles_lineage`."""
+    if not settles_lineage(spool_root, info.run_id, info.status):
         return None
     return settle_ended_run(wh, info.model, info.run_id, info.status,
                             reason=f"its run ended {info.status} before recording how its refresh ended")

@@ -22,8 +22,13 @@ if TYPE_CHECKING:
 
 # query keys whose value is a secret the driver uses (psycopg/libpq, pymysql, pyodbc spellings)
 SECRET_QUERY_KEYS = frozenset({"password", "passwd", "pwd", "sslpassword"})
-_USERINFO = re.compile(r"(//[^/@:]*):[^@]*@")  # '//user:secret@' in a URL SQLAlchemy cannot parse
-_QUERY = re.compile(rf"([?&](?:{'|'.join(sorted(SECRET_QUERY_KEYS))})=)[^&#]*", re.IGNORECASE)
+_USER = r"//[^/@:]*"  # a URL's '//user' (SQLAlchemy's rule: the password after it runs to the first '@')
+_USERINFO = re.compile(rf"({_USER}):([^@]*)@")  # '//user:secret@' in a URL SQLAlchemy cannot parse
+_QUERY = re.compile(rf"([?&](?:{'|'.join(sorted(SECRET_QUERY_KEYS))})=)([^&#]*)", re.IGNORECASE)
+# the same rule as JSON Schema, what a URL parameter must `not` match (Prefect's server checks it
+# before it stores a run's parameters): JSON Schema patterns take no flags, so a class per letter
+SECRET_URL_PATTERN = rf"{_USER}:[^@]*@|[?&](" + "|".join(
+    "".join(f"[{c}{c.upper()}]" for c in key) for key in sorted(SECRET_QUERY_KEYS)) + ")="
 _HIDDEN = "ettflowhiddensecret"  # rendered, then shown as `***` (SQLAlchemy would escape the stars)
 
 
@@ -85,9 +90,7 @@ def _secrets(url: str | URL) -> set[str]:
     parsed = _parsed(url)
     if parsed is None:
         text = str(url)
-        found = [m.group(0)[len(m.group(1)) + 1:-1] for m in _USERINFO.finditer(text)]
-        found += [m.group(0)[len(m.group(1)):] for m in _QUERY.finditer(text)]
-        return {s for s in found if s}
+        return {m.group(2) for pattern in (_USERINFO, _QUERY) for m in pattern.finditer(text) if m.group(2)}
     values = [parsed.password] if parsed.password else []
     for key in _secret_keys(parsed):
         value = parsed.query[key]

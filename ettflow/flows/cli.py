@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
 DEMO_FAILURE = "kill:rank=1:step=16"  # early in the first refresh (the default data: 3,840 steps a window)
+FAIL_AT_EPILOG = f"--fail-at items:\n{FAIL_AT_GRAMMAR}"  # `refresh --help` and `up --help` end with it
 PARAM_HELP = ("any flow parameter, by its name or SECTION.NAME (repeatable; values are JSON): "
               + parameter_names_help())
 
@@ -268,7 +269,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                               "(the in-process convenience; `ettflow up --refreshes N` runs them "
                                               "as deployment runs)",
                               description=user_doc(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog=f"--fail-at items:\n{FAIL_AT_GRAMMAR}")
+                              epilog=FAIL_AT_EPILOG)
     add_arguments(p)
     p.set_defaults(func=cmd_refresh)
 

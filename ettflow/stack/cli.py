@@ -16,7 +16,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ettflow.console import user_doc
-from ettflow.trainer.config import FAIL_AT_GRAMMAR
 
 from .config import StackConfig, StackError, config_from
 
@@ -164,10 +163,12 @@ def _ports(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `up`, `down` and `status` to `ettflow`'s sub-parsers."""
+    from ettflow.flows.cli import FAIL_AT_EPILOG, PARAM_HELP
+
     up = subparsers.add_parser(
         "up", help="start (or find) the deployed path here: Prefect server, Ray head, work pool, deployments, "
                    "worker, automations", description=user_doc(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=f"--fail-at items:\n{FAIL_AT_GRAMMAR}")
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=FAIL_AT_EPILOG)
     _ports(up)
     up.add_argument("--num-cpus", type=int, help="the Ray head's CPUs (default: this machine's, at least 4)")
     up.add_argument("--webhook-url", help="where the alert automations post (creates the webhook block)")
@@ -175,8 +176,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="then run N refreshes as deployment runs that the worker executes (one with the "
                          "induced failure, --fail-on; each later one on the next window) and compare them")
     up.add_argument("--deployment", default=DEFAULT_DEPLOYMENT, help="the deployment those runs are runs of")
-    from ettflow.flows.cli import PARAM_HELP
-
     up.add_argument("--param", action="append", metavar="KEY=JSON", help=f"a parameter of those runs: {PARAM_HELP}")
     up.add_argument("--fail-at", action="append", metavar="SPEC", help="the induced failure instead of the "
                     "default, on the run --fail-on names (repeatable)")

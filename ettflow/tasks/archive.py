@@ -40,10 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from ettflow import paths
-from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems, outage_reason
+from ettflow.ett.archive import ArchiveResult, archive_or_defer, describe_problems, outage_reason, settles_lineage
 from ettflow.ett.heartbeat import heartbeat_file, read_heartbeat
-from ettflow.ett.lineage import ENDED_OUTCOME, LineageRecord, Outcome, settle_ended_run
-from ettflow.ett.lineage_pending import read_pending_lineage
+from ettflow.ett.lineage import LineageRecord, Outcome, settle_ended_run
 from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.run_summary import (
     FinalState,
@@ -142,8 +141,7 @@ def settle_unspooled(run_id: str, params: RefreshParameters, status: str) -> Lin
     warehouse down (logged: the next refresh that waits on the claims, or their staleness,
     releases them)."""
     spool = spool_of(params)
-    if status not in ENDED_OUTCOME or read_pending_lineage(spool, run_id) is not None \
-            or not heartbeat_file(spool, run_id).is_file():
+    if not settles_lineage(spool, run_id, status) or not heartbeat_file(spool, run_id).is_file():
         return None  # no heartbeat: it never got as far as its claim (refused, or died before)
     try:
         with Warehouse.open(resolve_warehouse_url(params.warehouse)) as wh:

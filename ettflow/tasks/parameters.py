@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
-from ettflow.ett.redact import SECRET_QUERY_KEYS
+from ettflow.ett.redact import SECRET_URL_PATTERN
 from ettflow.trainer.config import FailAt, Switches, fail_at_grammar
 from ettflow.trainer.model_config import ModelConfig
 from ettflow.trainer.placement import PlacementStrategy
@@ -237,13 +237,7 @@ class StorageParams(Section):
         "Where the run's phase events are spooled (null: the per-user ettflow folder)."))
 
 
-# a secret in a URL (`ett.redact.has_password`'s rule for a URL SQLAlchemy cannot parse): a
-# 'user:password@' after its '//' (the password runs to the first '@'), or a secret query key in
-# any case (spelled with a class per letter: JSON Schema patterns take no flags). In JSON Schema,
-# what a warehouse_url must `not` match: Prefect's server checks it before it stores a run's
-# parameters.
-SECRET_URL_PATTERN = "//[^/@:]*:[^@]*@|[?&](" + "|".join(
-    "".join(f"[{c}{c.upper()}]" for c in key) for key in sorted(SECRET_QUERY_KEYS)) + ")="
+# what a warehouse_url must `not` match (`ett.redact.SECRET_URL_PATTERN`)
 NO_SECRET_SCHEMA = {"not": {"type": "string", "pattern": SECRET_URL_PATTERN}}
 # a flow's own URL argument (the fleet report's), refused by the server as `WarehouseParams`'s is
 NoSecretUrl = Annotated[str | None, Field(json_schema_extra=NO_SECRET_SCHEMA)]

@@ -45,9 +45,10 @@ from ettflow.ett.archive import (
     outage_reason,
     pending_file,
     read_pending,
+    settles_lineage,
 )
 from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
-from ettflow.ett.lineage import ENDED_OUTCOME, finish_refresh, settle_ended_run
+from ettflow.ett.lineage import finish_refresh, settle_ended_run
 from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.spool import spool_bytes, spooled_runs
@@ -193,7 +194,7 @@ def _settle_unspooled(url: str | None, spool_root: Path | str, run_id: str, mode
                       status: str) -> Reconciled:
     """A run with a heartbeat and nothing spooled that ended (crashed: its heartbeat went
     silent): its live claims released, its lineage recorded (`lineage.settle_ended_run`)."""
-    if status not in ENDED_OUTCOME or read_pending_lineage(spool_root, run_id) is not None:
+    if not settles_lineage(spool_root, run_id, status):
         return Reconciled(run_id, "skipped", f"nothing spooled ({status})", status)
     with Warehouse.open(url) as wh:
         settled = settle_ended_run(wh, model, run_id, status,

@@ -392,8 +392,7 @@ def test_a_secret_in_a_urls_query_or_after_a_slash_is_found_hidden_and_refused(f
     from urllib.parse import quote
 
     from ettflow.ett.archive import outage_reason
-    from ettflow.ett.redact import has_password, redact_argv, redact_url, scrub
-    from ettflow.tasks.parameters import SECRET_URL_PATTERN
+    from ettflow.ett.redact import SECRET_URL_PATTERN, has_password, redact_argv, redact_url, scrub
 
     for url, secret, shown in SECRET_URLS:
         assert has_password(url) and redact_url(url) == shown, url

@@ -92,13 +92,19 @@ def test_a_run_whose_task_recorded_its_process_being_stopped_gets_no_orchestrato
     assert (placed.attempt, placed.failed_at, placed.detected_at) == (1, 36.5, 44.0)
 
 
-def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
-    with SpoolWriter(tmp_path, "r", 0, -1) as d:
+def three_steps_then_silent(root) -> dict:
+    """Spool run "r": submitted at 0, rank 0 trains 3 steps 1-4, then nothing; returns the
+    arguments of its orchestrator failure (last alive 4.5, detected 12.5, by heartbeat)."""
+    with SpoolWriter(root, "r", 0, -1) as d:
         d.mark("submitted", 0.0)
-    with SpoolWriter(tmp_path, "r", 0, 0) as w:
+    with SpoolWriter(root, "r", 0, 0) as w:
         for i in range(3):
             w.record("train_step", 1 + i, 2 + i, cursor_start=i, cursor_end=i + 1)
-    kw = dict(last_alive=4.5, detected_at=12.5, reason="driver died", detection="heartbeat")
+    return dict(last_alive=4.5, detected_at=12.5, reason="driver died", detection="heartbeat")
+
+
+def test_recording_the_orchestrator_failure_is_idempotent(tmp_path):
+    kw = three_steps_then_silent(tmp_path)
     placed = record_orchestrator_failure(tmp_path, "r", **kw)
     assert (placed.attempt, placed.failed_at, placed.detected_at) == (0, 4.5, 12.5)
     assert record_orchestrator_failure(tmp_path, "r", **kw) is None
@@ -117,12 +123,7 @@ def test_an_orchestrator_failure_half_written_gets_its_detection(tmp_path):
     `failure_detected`: the next reconcile adds the missing marker alone, at the detection the
     whole pair would have had, so the row's wall ends there (it ended at the failure: ETT too high,
     nothing lost in flight); a complete pair is left as it is."""
-    with SpoolWriter(tmp_path, "r", 0, -1) as d:
-        d.mark("submitted", 0.0)
-    with SpoolWriter(tmp_path, "r", 0, 0) as w:
-        for i in range(3):
-            w.record("train_step", 1 + i, 2 + i, cursor_start=i, cursor_end=i + 1)
-    kw = dict(last_alive=4.5, detected_at=12.5, reason="driver died", detection="heartbeat")
+    kw = three_steps_then_silent(tmp_path)
     failure = Failure(failure_class=FailureClass.ORCHESTRATOR, rank=-1, attempt=0, reason="injected kill of the driver",
                       injected=True)
     with SpoolWriter(tmp_path, "r", 0, -1) as d:  # the first of the two marks, then the kill

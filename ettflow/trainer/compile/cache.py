@@ -305,9 +305,10 @@ def _local_cache_env() -> dict[str, str] | None:
     first; a umask of 002 leaves it group-writable). Then this user's private folder
     `<data_home>/compile-local` (kept across restarts all the same), and if even that cannot be
     trusted, None: the process compiles in a private folder of its own, cold."""
-    refused = trust.first_untrusted(Path(env.default_inductor_dir()))  # torch makes it when missing
+    default = env.default_inductor_dir()  # torch makes it when missing
+    refused = trust.first_untrusted(Path(default))
     if refused is None:
-        return {"TORCHINDUCTOR_CACHE_DIR": env.default_inductor_dir()}
+        return {"TORCHINDUCTOR_CACHE_DIR": default}
     from ettflow.paths import data_home
 
     own = data_home() / LOCAL_CACHE_DIR
