@@ -12,6 +12,7 @@
     -> [baseline: publish while the trainer holds its devices] -> release the devices
     -> publish on the CPU (optimized; the gate may keep the current snapshot: gated)
     -> record the lineage (published or gated; failed when anything raised) -> prune checkpoints
+    -> prune snapshots (the last `keep_snapshots`, the current one and their delta bases stay)
 
 The body ends by finishing the run (`tasks.archive.finish_run`): it archives the run's ETT to
 the warehouse, attaches the artifacts (ETT table, timeline picture, snapshot manifest), tags the
@@ -64,7 +65,7 @@ from ettflow.tasks.plan import RefreshPlan, plan_refresh
 from ettflow.tasks.progress import RunProgress
 from ettflow.tasks.publish import publish
 from ettflow.tasks.reconcile import reconcile_task
-from ettflow.tasks.retention import prune_checkpoints
+from ettflow.tasks.retention import prune_checkpoints, prune_snapshots
 from ettflow.tasks.run_labels import name_flow_run
 from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_trainer, train
 from ettflow.tasks.warehouse_url import check_warehouse, refusal
@@ -177,7 +178,7 @@ def refresh_model(
 
 def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartbeat) -> dict[str, Any] | State:
     """claim -> check the inputs -> [publish a stopped run's sealed anchor] or train and publish
-    -> record the lineage -> prune; the run's final state."""
+    -> record the lineage -> prune checkpoints and snapshots; the run's final state."""
     progress.show("claiming the windows past the model's watermark")
     claim = claim_windows(plan)
     if claim.skipped is not None:  # nothing reserved or trained; archived as skipped
@@ -211,6 +212,7 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
         record_failure(plan, exc, get_run_logger())
         raise
     prune_checkpoints(plan)
+    prune_snapshots(plan)
     return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason,
                    data=_published(plan, anchor, record))
 

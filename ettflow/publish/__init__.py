@@ -8,6 +8,7 @@
 - publisher: publish_snapshot, is_retryable; cli: `ettflow publish`
 - current: the model's `current` snapshot pointer (read_current, move_current)
 - gate: GateConfig, PublishOutcome, gate_snapshot (compare with the current snapshot)
+- retention: what a model's snapshot root keeps (doomed_snapshots, remove_snapshot)
 
 Names are imported lazily, so `ettflow --help` does not pay for importing torch.
 """

@@ -19,6 +19,11 @@ each delta in order onto the base module's state, and saves the full module (`mo
 Materializing reproduces the full snapshot's state exactly (the rows are copied bytes): the
 publish checks that the materialized model's held-out predictions equal the full one's before
 it stores the delta (`publisher.publish_snapshot`).
+
+A snapshot is stored full instead, the first of a new chain, when its base is `REBASE_AFTER`
+deltas deep (`NewBase`) or when the base's chain cannot be materialized (a link damaged or
+gone: `DeltaSnapshotRefused`); otherwise a chain would grow past `MAX_CHAIN`, or one bad link
+would fail every later publish.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import torch
 
 from ettflow.publish.config import PublishError, SnapshotValidationError
-from ettflow.publish.manifest import SnapshotManifest, install, staging_dir, verify_snapshot
+from ettflow.publish.manifest import SnapshotManifest, install, read_manifest, staging_dir, verify_snapshot
 from ettflow.publish.snapshot import MODEL_FILE
 from ettflow.trainer.checkpoint.verify import sha256_file
 
@@ -44,12 +49,22 @@ BUFFER_OF = {0: "weights_dev", 1: "weights_uvm", 2: "weights_uvm", 3: "weights_h
 ROW_ALIGNMENT = 16  # fbgemm's int-n-bit rows (torchrec's quantized tables' default), in bytes
 CACHELINE = 128  # fbgemm pads each table's rows to this (`align_to_cacheline`)
 MAX_CHAIN = 32  # deltas on deltas a materialization follows at most
+# a snapshot whose base is this many deltas deep is stored full (a new base): every
+# materialization (the gate's at each publish, a user's) reads and verifies the whole chain, and
+# retention keeps every base a kept snapshot needs, so a chain stays short and bounded; a
+# continuous refresh that went on delta after delta would reach MAX_CHAIN and fail to publish
+REBASE_AFTER = 16
 
 
 class DeltaSnapshotRefused(PublishError):
-    """The new snapshot cannot be a delta on the base (another architecture or schema): publish it full."""
+    """The new snapshot cannot be a delta on the base (another architecture or schema, a base
+    whose chain cannot be materialized): publish it full."""
 
     retryable = False
+
+
+class NewBase(DeltaSnapshotRefused):
+    """The base is REBASE_AFTER deltas deep: the new snapshot is stored full, as planned."""
 
 
 def _tables(state: Mapping[str, torch.Tensor], key: str) -> list[tuple[int, int, int, int]]:
@@ -134,7 +149,16 @@ def write_delta_snapshot(base_folder: Path, new_model: Path, folder: Path, *, re
     the manifest's `delta` section. The base's chain is loaded and verified once for both."""
     from ettflow.trainer.checkpoint.delta import read_pack, write_pack
 
-    base_module, chain = _materialized(Path(base_folder))
+    try:
+        depth = delta_depth(Path(base_folder))
+        if depth >= REBASE_AFTER:
+            raise NewBase(f"the base is {depth} deltas deep (a full snapshot every {REBASE_AFTER + 1} "
+                                       "publishes): this one is the chain's new base")
+        base_module, chain = _materialized(Path(base_folder))
+    except DeltaSnapshotRefused:
+        raise
+    except PublishError as exc:  # a damaged or missing link: the next snapshots start a new chain
+        raise DeltaSnapshotRefused(f"the base cannot be materialized ({exc})") from exc
     base = chain[-1][1]
     base_state = base_module.state_dict()  # the module's own tensors
     tensors, stats = diff_state(base_state, _state(new_model))
@@ -206,6 +230,19 @@ def chain_of(folder: Path) -> list[tuple[Path, SnapshotManifest]]:
         out.append((at, manifest))
         at = Path(manifest.delta["base"]) if is_delta(manifest) else None
     return out[::-1]
+
+
+def delta_depth(folder: Path) -> int:
+    """How many deltas the snapshot in `folder` lies above the full snapshot at its chain's
+    root (0: a full snapshot), read from the manifests alone (nothing verified: `chain_of`
+    does); raises PublishError for an unreadable link or a chain over MAX_CHAIN."""
+    depth, manifest = 0, read_manifest(folder)
+    while is_delta(manifest):
+        depth += 1
+        if depth > MAX_CHAIN:
+            raise PublishError(f"{folder}: a chain of over {MAX_CHAIN} delta snapshots")
+        manifest = read_manifest(manifest.delta["base"])
+    return depth
 
 
 def is_delta(manifest: SnapshotManifest) -> bool:

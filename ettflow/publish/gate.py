@@ -11,14 +11,16 @@ one is checked against its manifest first (`verify_snapshot`). The decision (`de
 pure: gated when the new AUC is below the current one by more than `max_auc_drop`, or its
 log loss above by more than `max_logloss_increase` (a limit set to None is not checked); a
 delta snapshot is scored materialized (`delta_snapshot.py`). A
-model's first snapshot, or one whose current snapshot has another schema, is published
-without a comparison, and the reason says so.
+model's first snapshot, or one whose current snapshot has another schema or cannot be scored
+(its folder, or a link of its delta chain, fails its manifest or is gone), is published without
+a comparison, and the reason says so.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ettflow.ett.lineage import Outcome
@@ -117,7 +119,6 @@ def score_snapshot(folder: str, config: PublishConfig, schema) -> Scores:
     """Score an installed snapshot (checked against its manifest first) on the held-out
     batches of `config`, in a fresh process as validation does."""
     import tempfile
-    from pathlib import Path
 
     from ettflow.publish.delta_snapshot import is_delta, materialized_file
     from ettflow.publish.validate import held_out, logloss, score_in_fresh_process
@@ -166,10 +167,12 @@ def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateC
 
 def _incomparable(current: CurrentPointer | None, manifest: SnapshotManifest) -> str | None:
     """Why the new snapshot is published without a comparison, or None when it is compared."""
+    from ettflow.publish.delta_snapshot import chain_of
+
     if current is None:
         return "the model's first snapshot: nothing to compare with"
-    try:
-        theirs = verify_snapshot(current.path)
+    try:  # a delta current is scored materialized: every link of its chain verified
+        theirs = chain_of(Path(current.path))[-1][1]
     except PublishError as e:
         return f"the current snapshot {current.path} cannot be compared ({e})"
     if theirs.schema != manifest.schema:

@@ -138,14 +138,15 @@ def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, tim
     module rebuilt from that delta predicts exactly what the full one did (bitwise, so it scores
     the same AUC); the manifest's `delta` section. A snapshot that cannot be a delta stays full
     (said in the log, {} returned)."""
-    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, load_module, write_delta_snapshot
+    from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, NewBase, load_module, write_delta_snapshot
 
     with timer("delta"):
         pack, rebuilt = tmp / "delta-pack", tmp / "rebuilt.pt"
         try:
             delta = write_delta_snapshot(Path(config.delta_on), model_file, pack, rebuilt=rebuilt)
         except DeltaSnapshotRefused as exc:
-            log.warning("published as a full snapshot, not a delta on %s: %s", config.delta_on, exc)
+            log.log(logging.INFO if isinstance(exc, NewBase) else logging.WARNING,
+                    "published as a full snapshot, not a delta on %s: %s", config.delta_on, exc)
             shutil.rmtree(pack, ignore_errors=True)
             return {}
         # in this process, both modules on the same threads (bitwise comparable); the full one

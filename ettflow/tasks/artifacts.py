@@ -26,8 +26,7 @@ from ettflow.ett.interval_plan import PlannedInterval
 from ettflow.ett.run_metrics import RunMetrics
 from ettflow.publish.config import PublishError
 from ettflow.publish.manifest import MANIFEST_FILE, SnapshotManifest, read_manifest
-
-TIMELINE_SUFFIX = ".ett-timeline.png"
+from ettflow.publish.retention import TIMELINE_SUFFIX
 
 
 def timeline_file(snapshot: str | None, spool_dir: Path) -> Path:

@@ -227,7 +227,8 @@ class GateParams(Section):
 
 
 class StorageParams(Section):
-    """Where the run's files go (on several Ray nodes: storage every node shares)."""
+    """Where the run's files go (on several Ray nodes: storage every node shares), and how many
+    published snapshots stay."""
 
     work_root: str | None = Field(None, description=(
         "Where checkpoints and the compile cache live (null: the per-user ettflow folder)."))
@@ -235,6 +236,9 @@ class StorageParams(Section):
         "Where inference snapshots are published (null: the per-user ettflow folder)."))
     spool_root: str | None = Field(None, description=(
         "Where the run's phase events are spooled (null: the per-user ettflow folder)."))
+    keep_snapshots: int = Field(3, ge=1, description=(
+        "Published snapshots kept (the last refreshes'), besides the current one and the bases a kept delta "
+        "snapshot needs; the others go, with their timeline pictures, after each refresh."))
 
 
 # what a warehouse_url must `not` match (`ett.redact.SECRET_URL_PATTERN`)

@@ -1,4 +1,5 @@
-"""The `prune-checkpoints` task: the retention policy for a model's run checkpoint folders.
+"""The `prune-checkpoints` and `prune-snapshots` tasks: what a model's run checkpoint folders
+and published snapshots keep (snapshots: `ettflow.publish.retention`'s policy).
 
 Policy (`doomed_runs`, pure): of the folders under `<work_root>/<model>/runs/`, keep
 
@@ -135,4 +136,56 @@ def prune_checkpoints(plan: RefreshPlan) -> list[str]:
                           "and the parent anchor, runs that may still train), removed %d%s", plan.model, kept,
                           plan.params.checkpoint.keep_refreshes, len(doomed),
                           f": {', '.join(doomed)}" if doomed else "")
+    return doomed
+
+
+def apply_snapshot_retention(plan: RefreshPlan) -> tuple[list[str], int, int]:
+    """Remove the snapshots the policy dooms (`publish.retention.doomed_snapshots`) and the
+    publishes' staging folders untouched for a day; returns (removed snapshots, snapshots kept,
+    staging folders removed). Raises PublishError when `current` is unreadable (nothing removed)."""
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.publish import read_current
+    from ettflow.publish.retention import doomed_snapshots, read_snapshots, remove_snapshot, staging_folders
+
+    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+        refreshes = wh.lineage(plan.model)
+    root = plan.snapshot_root
+    current = read_current(root)
+    snapshots = read_snapshots(root)
+    newest = sorted(refreshes, key=lambda r: (r.created_at, r.run_id), reverse=True)
+    names = [name for r in newest for name in (r.run_id, Path(r.snapshot).name if r.snapshot else None) if name]
+    protected = {plan.run_id} | ({current.snapshot} if current is not None else set())
+    doomed = doomed_snapshots(snapshots, names, keep=plan.params.storage.keep_snapshots, protected=protected)
+    for name in doomed:
+        remove_snapshot(root, name)
+    now = time.time()
+    stale = [p for p in staging_folders(root) if now - newest_change(p, now) > ABANDONED_AFTER_S]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed, len(snapshots) - len(doomed), len(stale)
+
+
+@task(name="prune-snapshots", cache_policy=NO_CACHE)
+def prune_snapshots(plan: RefreshPlan) -> list[str]:
+    """Apply the snapshot retention policy to the model's snapshot root; returns the snapshot
+    folders removed. Without the lineage (warehouse unavailable) or with an unreadable `current`
+    nothing is removed: the next refresh prunes."""
+    from ettflow.ett.archive import OUTAGES, outage_reason
+    from ettflow.publish import PublishError
+
+    try:
+        doomed, kept, stale = apply_snapshot_retention(plan)
+    except OUTAGES as exc:
+        get_run_logger().warning("prune-snapshots: model %s: nothing removed, the lineage is unavailable (%s)",
+                                 plan.model, outage_reason(exc))
+        return []
+    except PublishError as exc:
+        get_run_logger().warning("prune-snapshots: model %s: nothing removed, the current snapshot is unknown (%s)",
+                                 plan.model, exc)
+        return []
+    get_run_logger().info("prune-snapshots: model %s keeps %d snapshot(s) (the last %d refreshes', the current "
+                          "one and the bases their deltas need), removed %d%s%s", plan.model, kept,
+                          plan.params.storage.keep_snapshots, len(doomed),
+                          f": {', '.join(doomed)}" if doomed else "",
+                          f"; and {stale} staging folder(s) of publishes interrupted over a day ago" if stale else "")
     return doomed

@@ -11,7 +11,8 @@ A data root grows one hourly window at a time (`ettflow data append`); refreshes
     r4  w2 (w3 held out), on 1 rank     warm from r2's 2-rank anchor (resharded)   published
     r5  nothing new                                               skipped
     +w4, w3's labels inverted (a deliberately worse window)
-    r6  w3 (w4 held out), cold          its held-out AUC falls far below r4's: gated
+    r6  w3 (w4 held out), cold          its held-out AUC falls far below r4's: gated; r1's
+                                        snapshot is pruned (the last 3 and the current stay)
 
 Checked: each trains only its new windows (every step's cursor is in them, the step counter
 starts at 0); r2's parameters just before its first step are bitwise r1's anchor (the
@@ -217,6 +218,16 @@ def test_a_worse_snapshot_is_gated_and_the_current_one_stays(env, sequence):
     with Warehouse.open(env["warehouse_url"]) as wh:
         (record,) = [r for r in wh.lineage(MODEL) if r.run_id == r6]
     assert record.outcome is Outcome.GATED and record.snapshot == res["snapshot"] and record.reason
+
+
+def test_each_refresh_keeps_the_last_snapshots_and_the_current_one(env, sequence):
+    """`prune-snapshots` (default `keep_snapshots`: 3): after r6 the snapshots of r6 (gated),
+    r4 (current) and r2 stay; r1's went with its timeline picture. r3 (failed) and r5 (skipped)
+    published nothing."""
+    (_, r1), (_, r2), (_, r4), (_, r6) = (sequence[k] for k in ("r1", "r2", "r4", "r6"))
+    root = Path(env["snapshot_root"])
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([r2, r4, r6])
+    assert not (root / f"{r1}.ett-timeline.png").exists() and (root / f"{r2}.ett-timeline.png").is_file()
 
 
 def test_each_refresh_records_the_interval_planned_from_its_model_s_history(env, sequence):

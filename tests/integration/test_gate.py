@@ -115,13 +115,14 @@ def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(
     the rows that changed (no model file); validated as the full snapshot is, the gate scores it
     materialized, and `materialize` writes the full module: its state is the full snapshot's bit
     for bit, so it scores the same AUC. A delta on that delta (the same model again) changes no
-    row and materializes through the chain; a damaged delta is refused."""
+    row and materializes through the chain; a damaged delta is refused, and the next publish on
+it is stored full and gated without a comparison."""
     import torch
 
-    from ettflow.publish import PublishConfig, PublishError, publish_snapshot
+    from ettflow.publish import PublishConfig, PublishError, move_current, publish_snapshot, read_current
     from ettflow.publish.config import SnapshotValidationError
     from ettflow.publish.delta_snapshot import load_module, materialize
-    from ettflow.publish.gate import score_snapshot
+    from ettflow.publish.gate import gate_snapshot, score_snapshot
 
     root, anchor = anchors
     out = tmp_path / "snapshots"
@@ -172,3 +173,11 @@ def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(
     part.write_bytes(bytes(data))
     with pytest.raises(PublishError, match="does not match its manifest"):
         materialize(again.path, tmp_path / "m3")
+    # a broken link fails neither the next publish nor its gate: the snapshot is stored full (a
+    # new chain), and a current snapshot whose chain cannot be scored is not compared with
+    after = publish_snapshot(config("good", "after", delta_on=again.path))
+    assert after.delta == {} and "model.pt" in after.files
+    move_current(out, again)
+    outcome = gate_snapshot(after, config("good", "after"), GateConfig(max_auc_drop=0.01))
+    assert outcome.outcome is Outcome.PUBLISHED and "cannot be compared" in outcome.reason
+    assert read_current(out).path == after.path
