@@ -273,7 +273,7 @@ def archive_or_defer(warehouse_url: str | None | Callable[[], str | None], spool
         return ArchiveResult(*common, pending=write_pending(spool_root, info, outage_reason(exc)))
     try:
         with Warehouse.open(url) as wh:
-            settled = _settle_lineage(wh, spool_root, info)
+            settled = _settle_lineage(wh, spool_root, info, read.events)
             wh.archive_run(info, read.events, metrics)
             shown = wh.display_url
     except OUTAGES as exc:
@@ -294,11 +294,23 @@ def settles_lineage(spool_root: Path | str, run_id: str, status: str) -> bool:
     return status in ENDED_OUTCOME and read_pending_lineage(spool_root, run_id) is None
 
 
-def _settle_lineage(wh: Warehouse, spool_root: Path | str, info: RunInfo) -> LineageRecord | None:
+def _settle_lineage(wh: Warehouse, spool_root: Path | str, info: RunInfo,
+                    events: Sequence[PhaseEvent]) -> LineageRecord | None:
     """A run archived as crashed, failed or cancelled that never recorded its refresh's end:
-    its lineage record and its claims released (`lineage.settle_ended_run`), in the same visit
-    as its row (an outage leaves both for the next archiving); see `settles_lineage`."""
+    its lineage record (with the anchor its events say it sealed) and its claims released
+    (`lineage.settle_ended_run`), in the same visit as its row (an outage leaves both for the
+    next archiving); see `settles_lineage`."""
     if not settles_lineage(spool_root, info.run_id, info.status):
         return None
-    return settle_ended_run(wh, info.model, info.run_id, info.status,
+    return settle_ended_run(wh, info.model, info.run_id, info.status, anchor=sealed_anchor(events),
                             reason=f"its run ended {info.status} before recording how its refresh ended")
+
+
+def sealed_anchor(events: Sequence[PhaseEvent]) -> str | None:
+    """The anchor checkpoint the run's events say it wrote last: the driver's `anchor_seal` (the
+    devices released first) or a rank's `anchor_checkpoint`, with its path (a seal that failed,
+    or an anchor handed off to the driver, names none). Not checked here: a refresh reusing it
+    verifies every file first (`tasks/anchor_reuse.py`). Without it, a run killed while it
+    published had its windows trained again, and its anchor pruned as nobody's."""
+    written = [e for e in events if e.phase in ("anchor_seal", "anchor_checkpoint") and e.info.path]
+    return max(written, key=lambda e: e.end).info.path if written else None

@@ -228,11 +228,12 @@ ENDED_OUTCOME = {"crashed": Outcome.CRASHED, "failed": Outcome.FAILED, "cancelle
 
 
 def settle_ended_run(wh: OpenWarehouse, model: str, run_id: str, status: str, *, reason: str,
-                     at: float | None = None) -> LineageRecord | None:
+                     at: float | None = None, anchor: str | None = None) -> LineageRecord | None:
     """A run that ended `status` (crashed, failed or cancelled: `ENDED_OUTCOME`) without
     recording how its refresh ended: in one transaction, its lineage record (CRASHED or FAILED,
-    the windows it had claimed, `reason`) and its live claims released, so the next refresh of
-    the model trains those windows again at once. When it already has a lineage record (it
+    the windows it had claimed, `reason`, the `anchor` its spool says it sealed) and its live
+    claims released, so the next refresh of the model trains those windows again at once, or
+    publishes that anchor instead (`tasks/anchor_reuse.py`). When it already has a lineage record (it
     settled its own claims), only claims taken after that record (a later try of the same run)
     are released, and the record stays; nothing when it holds no claims (it never got as far as
     claiming). Returns the record written, or None."""
@@ -250,7 +251,7 @@ def settle_ended_run(wh: OpenWarehouse, model: str, run_id: str, status: str, *,
         if not claims:
             return None
         record = LineageRecord(model=model, run_id=run_id, windows=tuple(c.window for c in claims), outcome=outcome,
-                               reason=reason[:500], created_at=min(c.claimed_at for c in claims),
+                               anchor=anchor, reason=reason[:500], created_at=min(c.claimed_at for c in claims),
                                finished_at=time.time() if at is None else at)
         _upsert(conn, _LINEAGE, [record.row()])
         conn.execute(delete(_CLAIMS).where(mine))

@@ -4,12 +4,15 @@ while they published had finished training, and their training was redone).
 
 - a failed or stopped run's lineage record names the anchor it sealed, if any
   (`claims.record_failure`, through the train task's `finished_anchor`); its windows are
-  released as any failed run's.
-- `reusable_anchor(plan, records)`: the newest failed record of the model whose anchor the
-  plan may publish as its own training: the same windows, from the same parent, an anchor of
-  the plan's model and schema that verifies (every file's checksum). The parent must be the
-  same because the anchor holds that parent's state plus these windows; a changed model or
-  schema would publish something the user no longer asked for.
+  released as any failed run's. A run killed outright (CRASHED, settled from outside it when
+  its row is archived: `ett.archive.sealed_anchor`) names the anchor its spool says it wrote.
+- `reusable_anchor(plan, records)`: the newest failed or crashed record of the model whose
+  anchor the plan may publish as its own training: the same windows, from the same parent, an
+  anchor of the plan's model and schema that verifies (every file's checksum). The parent must
+  be the same because the anchor holds that parent's state plus these windows; a changed model
+  or schema would publish something the user no longer asked for. A crashed run's record was
+  written by another process, which did not know its parent: the anchor's own `parent` (the
+  checkpoint it started from) must be the plan's, as for every record.
 
 The flow asks after its inputs are checked and before anything is reserved; a reuse publishes
 on the CPU and records the lineage as published with that anchor, with no ETT row (nothing was
@@ -40,20 +43,22 @@ log = logging.getLogger("ettflow")
 
 def reusable_anchor(plan: RefreshPlan, records: Sequence[LineageRecord],
                     publishable: Callable[[str, RefreshPlan], bool] | None = None) -> LineageRecord | None:
-    """The newest failed record (of `records`, the model's lineage, oldest first) whose anchor
-    the plan may publish instead of training (see the module docstring); None otherwise.
-    `publishable`: whether an anchor folder is the plan's model, schema, parent and windows and
-    verifies (default: read from the folder)."""
+    """The newest failed or crashed record (of `records`, the model's lineage, oldest first)
+    whose anchor the plan may publish instead of training (see the module docstring); None
+    otherwise. `publishable`: whether an anchor folder is the plan's model, schema, parent and
+    windows and verifies (default: read from the folder)."""
     publishable = publishable or _publishable
     windows = tuple(plan.trainer.windows or ())
     parent = plan.parent.run_id if plan.parent is not None else None
     for record in reversed(records):
-        if record.outcome is not Outcome.FAILED or not record.anchor or not windows:
+        if record.outcome not in (Outcome.FAILED, Outcome.CRASHED) or not record.anchor or not windows:
             continue
         if record.run_id == plan.run_id:  # its own earlier try (a flow retry): its train task resumes the anchor
             continue
-        if tuple(record.windows) != windows or record.parent_run_id != parent:
+        if tuple(record.windows) != windows:
             continue
+        if record.parent_run_id != parent and not (record.outcome is Outcome.CRASHED and record.parent_run_id is None):
+            continue  # (a crashed run's parent is unknown to its record: the anchor's own is checked)
         if publishable(record.anchor, plan):
             return record
     return None

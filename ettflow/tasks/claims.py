@@ -36,7 +36,7 @@ from ettflow.ett.warehouse import Warehouse
 
 from .plan import RefreshPlan, with_interval, with_lineage, with_spares
 from .skipped import SKIP_STAGE
-from .warehouse_url import resolve_warehouse_url
+from .warehouse_url import error_text, resolve_warehouse_url
 
 POLL_S = 1.0
 
@@ -87,6 +87,8 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
 def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) -> bool:
     """Archive the holder as crashed when its flow heartbeat in this spool stopped past its
     bound (its claims are released with it); True when that released them."""
+    from ettflow.ett.archive import outage_reason
+
     from .reconcile import reconcile  # the archiving path every dead run takes
 
     beat = read_heartbeat(plan.spool_root, holder)
@@ -96,7 +98,8 @@ def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) 
         done = reconcile(plan.spool_root, url, run_ids=[holder])
     except Exception as exc:  # noqa: BLE001 - the waiting refresh goes on waiting; the next one retries
         if log is not None:
-            log.warning("model %s: could not archive the dead holder %s (%s): waiting", plan.model, holder, exc)
+            log.warning("model %s: could not archive the dead holder %s (%s): waiting", plan.model, holder,
+                        outage_reason(exc, url))
         return False
     released = bool(done) and done[0].action in ("archived", "settled") and done[0].status == "crashed"
     if log is not None:
@@ -182,7 +185,7 @@ def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any)
     """Record how the refresh ended and settle its claims (`ett.lineage.finish_refresh`); when
     the warehouse is unavailable, keep the record in the run's spool instead (its claims stay
     live until the next reconciliation writes it). Never raises an outage."""
-    from ettflow.ett.archive import OUTAGES, outage_reason
+    from ettflow.ett.archive import OUTAGES
 
     record = lineage_record(plan, outcome, **fields)
     try:
@@ -199,11 +202,11 @@ def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any)
         except OSError as disk:
             log.error("model %s: the lineage of refresh %s (%s) is lost: the warehouse is unavailable (%s) and the "
                       "spool refused it (%s). Its window claims lapse after %.0f h", plan.model, plan.run_id,
-                      outcome.value, outage_reason(exc), disk, lineage.STALE_AFTER_S / 3600)
+                      outcome.value, error_text(exc, plan.warehouse), disk, lineage.STALE_AFTER_S / 3600)
             return record
         log.warning("model %s: the lineage of refresh %s (%s) waits in %s: the warehouse is unavailable (%s). The "
                     "next refresh on this spool or `ettflow archive --pending` records it; until then its windows "
-                    "stay claimed", plan.model, plan.run_id, outcome.value, where, outage_reason(exc))
+                    "stay claimed", plan.model, plan.run_id, outcome.value, where, error_text(exc, plan.warehouse))
         return record
 
 

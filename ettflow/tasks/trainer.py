@@ -324,7 +324,7 @@ def record_pool_ledger(plan: RefreshPlan) -> int:
     if not ray.is_initialized() or local_ray_going():  # no pool to ask (a local Ray going with this process)
         return 0
     from ettflow.ett.warehouse import Warehouse
-    from ettflow.tasks.warehouse_url import resolve_warehouse_url
+    from ettflow.tasks.warehouse_url import error_text, resolve_warehouse_url
     from ettflow.trainer.group.pool_service import drain_ledger, service
 
     def write(lines):
@@ -335,8 +335,8 @@ def record_pool_ledger(plan: RefreshPlan) -> int:
         pool = service(create=False)
         moved = drain_ledger(pool, write) if pool is not None else 0
     except Exception as exc:  # noqa: BLE001 - the ledger waits in the pool; the run is not affected
-        get_run_logger().warning("the cluster pool's ledger was not recorded (%s: %s); it waits for the next run "
-                                 "or `ettflow pool stop`", type(exc).__name__, exc)
+        get_run_logger().warning("the cluster pool's ledger was not recorded (%s); it waits for the next run "
+                                 "or `ettflow pool stop`", error_text(exc, plan.warehouse))
         return 0
     if moved:
         get_run_logger().info("held capacity: %d line(s) the cluster pool released unclaimed, recorded", moved)

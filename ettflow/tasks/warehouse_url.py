@@ -106,3 +106,17 @@ def refusal(checked: State) -> State:
     """The flow's own final state for a failed check (a flow that returned the task's state
     would say only "1/1 states failed"): the same message and typed failure."""
     return Failed(message=checked.message, data=checked.result(raise_on_failure=False))
+
+
+def error_text(exc: BaseException, where: WarehouseParams | Mapping[str, Any]) -> str:
+    """One line about `exc` (`ett.archive.outage_reason`) with every secret of the URL the run's
+    parameters name hidden, should a driver's message quote it: for a log line or a message. The
+    URL is resolved again (an error path only); when that fails too, the text is left as it is."""
+    from ettflow.ett.archive import outage_reason
+    from ettflow.ett.warehouse import default_url
+
+    try:
+        url = resolve_warehouse_url(where) or default_url()
+    except Exception:  # noqa: BLE001 - a secret store down: nothing to hide that it could give
+        url = None
+    return outage_reason(exc, url)

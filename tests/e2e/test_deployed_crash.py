@@ -179,7 +179,7 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
     ranks take their emergency checkpoints as for a preemption, but the stop is the operator's:
     an `operator_stop` marker, no failure (NoF 0, nothing in the failure history), the run's
     row archived as cancelled, Prefect's state final. Then, on the same worker, a stop while a
-    run publishes (`_stopped_while_publishing`)."""
+    run publishes (`_stopped_while_publishing`), and a kill (`_killed_while_publishing`)."""
     from ettflow.trainer.data.synthetic import SyntheticConfig, generate_windows
 
     env, api = prefect_server
@@ -214,8 +214,9 @@ def test_a_cancelled_deployed_run_is_the_operators_stop_not_a_failure(prefect_se
                                   api_state(api, flow_run_id)["state"]["message"] or ""),
                  30, "the cancelled state to carry the run's ETT message", poll_s=0.5)
         _stopped_while_publishing(env, api, params, warehouse, spool)
+        worker_log = (tmp_path / "worker.log").read_text()  # before the kill below, which the worker reports
+        _killed_while_publishing(env, api, params, warehouse, spool, worker)
     print(f"\ncancel -> CANCELLED and the row: {done - asked:.1f} s")
-    worker_log = (tmp_path / "worker.log").read_text()
     row, events, failures = warehouse_row(warehouse, flow_run_id)
     assert row["status"] == "cancelled", row.to_dict()
     assert row["nof"] == 0 and failures.empty, failures.to_dict("records")  # no failure: the budget, the history
@@ -282,6 +283,40 @@ def _stopped_while_publishing(env: dict, api: str, params: dict, warehouse: str,
     with Warehouse.open(warehouse) as wh:
         [reused] = [r for r in wh.lineage("dlrm") if r.run_id == following]
         assert wh.runs_frame(run_id=following).empty  # its training is the stopped run's row
+    assert (reused.outcome, reused.anchor, reused.windows) == (Outcome.PUBLISHED, record.anchor, record.windows)
+
+
+def _killed_while_publishing(env: dict, api: str, params: dict, warehouse: str, spool, worker) -> None:
+    """The neighbour of `_stopped_while_publishing`: the run's flow process SIGKILLed while it
+    publishes (an OOM, a lost host), its anchor sealed. Nothing in the run records its end: the
+    crash hook, in the worker, settles its lineage from its spool (`ett.archive.sealed_anchor`),
+    and the next refresh of the same windows publishes that anchor instead of training again.
+    (Before, the record named no anchor: the windows were trained again and the anchor pruned.)"""
+    from ettflow.ett.lineage import Outcome
+    from ettflow.ett.warehouse import Warehouse
+    from ettflow.trainer.data.cli import main as data_cli
+
+    assert data_cli(["append", "--root", params["data_root"]]) == 0  # new data: the windows so far are published
+    short = {**params, "max_steps": 20, "checkpoint_every_steps": 10}
+    killed = _deployment_run(env, {**short, "fail_at": ["publish:slow_s=300"]})
+    wait_for(lambda: any(t["name"].startswith("publish-snapshot") and t["state_type"] == "RUNNING"
+                         for t in task_runs(api, killed)), START_S, "the run to publish")
+    target = wait_for(lambda: flow_run_process(psutil.Process(worker.pid), killed), 10, "its flow-run process")
+    os.kill(target.pid, signal.SIGKILL)
+    wait_for(lambda: api_state(api, killed)["state_type"] == "CRASHED", BOUND_S, "the run to be CRASHED")
+    wait_for(lambda: warehouse_row(warehouse, killed)[0] is not None, BOUND_S, "the killed run's row")
+    with Warehouse.open(warehouse) as wh:
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == killed]
+    assert record.outcome is Outcome.CRASHED and record.anchor and os.path.isdir(record.anchor), record
+
+    following = _deployment_run(env, short)
+    wait_for(lambda: api_state(api, following)["state_type"] in ("COMPLETED", "FAILED", "CRASHED"), START_S,
+             "the next refresh to end")
+    state = api_state(api, following)
+    assert state["state"]["message"].startswith(f"published the anchor of run {killed}"), state["state"]
+    assert not {e.phase for e in read_spool(spool, following).events} & {"scheduling", "train_step"}
+    with Warehouse.open(warehouse) as wh:
+        [reused] = [r for r in wh.lineage("dlrm") if r.run_id == following]
     assert (reused.outcome, reused.anchor, reused.windows) == (Outcome.PUBLISHED, record.anchor, record.windows)
 
 

@@ -93,9 +93,11 @@ def test_nothing_new_is_skipped_and_claims_nothing(warehouse_url, flow_data, tmp
 
 # ---- a dead run's claims: released when it is archived, or when its heartbeat stopped ----------
 
-def dead_holder(spool, run_id: str, model: str = "dlrm", *, every_s: float = 0.05, mode: str = "optimized") -> None:
+def dead_holder(spool, run_id: str, model: str = "dlrm", *, every_s: float = 0.05, mode: str = "optimized",
+                sealed: str | None = None) -> None:
     """A run whose process died inside its heartbeat (a SIGKILL leaves the record without an end),
-    with one spooled event, as a killed refresh leaves its spool."""
+    with one spooled event (and the anchor it `sealed`, by the driver), as a killed refresh leaves
+    its spool."""
     import json
 
     from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file
@@ -103,6 +105,8 @@ def dead_holder(spool, run_id: str, model: str = "dlrm", *, every_s: float = 0.0
 
     with SpoolWriter(spool, run_id, 0, -1) as rec:
         rec.record("scheduling", time.time() - 5, time.time() - 4)
+        if sealed is not None:
+            rec.record("anchor_seal", time.time() - 3, time.time() - 2, step=8, path=sealed, bytes=10)
     with RunHeartbeat(spool, run_id, every_s=every_s, labels={"model": model, "mode": mode}):
         pass
     path = heartbeat_file(spool, run_id)
@@ -122,12 +126,13 @@ def test_archiving_a_dead_run_releases_its_claims_and_records_it_in_the_lineage(
     first = plan(flow_data, tmp_path, "r-dead")
     with Warehouse.open(warehouse_url) as wh:
         assert take_claim(first, wh).skipped is None
-        dead_holder(spool, "r-dead")
+        dead_holder(spool, "r-dead", sealed="/w/runs/r-dead/checkpoints/step_8")  # killed while it published
         result = archive_or_defer(warehouse_url, spool, RunInfo(run_id="r-dead", model="dlrm", mode="optimized",
                                                                  status=status))
         assert result.archived
         (record,) = lineage.lineage(wh, "dlrm")
         assert (record.run_id, record.outcome, record.windows) == ("r-dead", outcome, first.trainer.windows)
+        assert record.anchor == "/w/runs/r-dead/checkpoints/step_8"  # the next refresh may publish it
         assert f"ended {status}" in record.reason
         again = take_claim(plan(flow_data, tmp_path, "r-next", claim_wait_s=0), wh)  # no wait: nothing holds them
         assert again.skipped is None and again.plan.trainer.windows == first.trainer.windows

@@ -47,3 +47,36 @@ def test_an_anchor_that_fails_its_check_is_passed_over_for_an_older_one():
 
     assert reusable_anchor(plan(), [record("old"), record("damaged")], publishable).run_id == "old"
     assert checked == ["/a/damaged", "/a/old"]
+
+
+def test_a_crashed_run_s_anchor_is_reused_its_parent_read_from_the_anchor():
+    """A run killed outright after sealing its anchor (while it published): its record, settled
+    by another process (`ett.archive.sealed_anchor`), names the anchor but not the parent, which
+    the anchor's own check decides (`_publishable`: its parent checkpoint is the plan's)."""
+    ok = lambda anchor, p: True  # noqa: E731
+    crashed = record("killed", Outcome.CRASHED, parent=None)
+    assert reusable_anchor(plan(), [crashed], ok).run_id == "killed"
+    assert reusable_anchor(plan(), [crashed], lambda anchor, p: False) is None  # another parent's anchor
+    assert reusable_anchor(plan(), [record("killed", Outcome.CRASHED, parent="p1")], ok) is None
+    assert reusable_anchor(plan(), [record("killed", Outcome.CRASHED, anchor=None, parent=None)], ok) is None
+    # a failed run recorded its own parent: a record without one is a cold start's
+    assert reusable_anchor(plan(), [record("x", parent=None)], ok) is None
+
+
+def test_the_anchor_a_killed_run_sealed_is_read_from_its_events():
+    from ettflow.ett.archive import sealed_anchor
+    from ettflow.ett.events import PhaseEvent
+
+    def event(phase, end, **attrs):
+        return PhaseEvent(run_id="r", attempt=0, rank=0 if phase != "anchor_seal" else -1, phase=phase,
+                          start=end - 1, end=end, attrs=attrs)
+
+    handed = event("anchor_checkpoint", 10.0, step=8, handed_off=True)  # the ranks' hand-off: no path
+    sealed = event("anchor_seal", 12.0, step=8, path="/w/runs/r/checkpoints/step_8", bytes=10)
+    failed = event("anchor_seal", 13.0, step=8, failed=True, tries=3)
+    assert sealed_anchor([handed, sealed, failed]) == "/w/runs/r/checkpoints/step_8"
+    assert sealed_anchor([handed, failed]) is None
+    in_trainer = event("anchor_checkpoint", 9.0, step=8, path="/w/runs/r/checkpoints/step_8")
+    assert sealed_anchor([event("train_step", 5.0, cursor_start=[0, 0], cursor_end=[0, 1]), in_trainer]) == \
+        "/w/runs/r/checkpoints/step_8"
+    assert sealed_anchor([]) is None

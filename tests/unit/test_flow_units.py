@@ -433,6 +433,27 @@ def test_an_unreachable_warehouse_is_named_redacted(monkeypatch):
     assert text.endswith("fix ETTFLOW_WAREHOUSE_URL") and SECRET not in text and "\n" not in text
 
 
+def test_errors_logged_beside_the_warehouse_hide_its_password(monkeypatch, tmp_path, caplog):
+    """Log sites that print an error from the warehouse's side (a reconciliation that failed, a
+    dead holder not archived, a lineage kept in the spool, the pool's ledger) hide every secret
+    of the URL the run resolves (here the environment's), should a driver's message quote it."""
+    from ettflow.tasks import reconcile
+    from ettflow.tasks.warehouse_url import error_text
+
+    monkeypatch.setenv("ETTFLOW_WAREHOUSE_URL", PASSWORD_URL)
+    quoted = RuntimeError(f"could not parse {PASSWORD_URL}")
+    assert error_text(quoted, {}) == "RuntimeError: could not parse postgresql+psycopg://postgres:***@127.0.0.1:5999/x"
+
+    def fails(*args, **kwargs):
+        raise quoted
+
+    monkeypatch.setattr(reconcile, "settle_pending_lineage", fails)
+    with caplog.at_level(logging.WARNING, logger="ettflow"):
+        assert reconcile.reconcile_before_refresh(tmp_path, None, "r1") == []
+    (said,) = [r.getMessage() for r in caplog.records if "reconciliation of" in r.getMessage()]
+    assert "Traceback" in said and "postgres:***@" in said and SECRET not in said
+
+
 def test_cli_never_passes_or_prints_a_password():
     import argparse
 
