@@ -33,7 +33,7 @@ from .events import CHECKPOINT_DAMAGED, CHECKPOINT_FALLBACK, PhaseEvent
 from .json_file import replace_json
 from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
 from .lineage_pending import read_pending_lineage
-from .redact import redact_url, scrub
+from .redact import redact_url, scrub, scrub_urls
 from .run_metrics import RunMetrics, compute_run_metrics
 from .spool import KEPT_LIMIT, SpoolProblem, SpoolRead, kept_dropped, read_spool, write_kept
 from .warehouse import RunInfo, Warehouse, WarehouseError, default_url
@@ -199,7 +199,7 @@ def outage_reason(exc: BaseException, url: str | None = None) -> str:
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if url:  # every secret the URL holds (its password, a secret query value), as written or encoded
         first = scrub(first, url)
-    return f"{type(exc).__name__}: {first}"[:500]
+    return f"{type(exc).__name__}: {scrub_urls(first)}"[:500]  # and any other URL's quoted in it
 
 
 def write_pending(spool_root: Path | str, info: RunInfo, reason: str, warehouse: str = "") -> PendingRow:
@@ -308,9 +308,11 @@ def _settle_lineage(wh: Warehouse, spool_root: Path | str, info: RunInfo,
 
 def sealed_anchor(events: Sequence[PhaseEvent]) -> str | None:
     """The anchor checkpoint the run's events say it wrote last: the driver's `anchor_seal` (the
-    devices released first) or a rank's `anchor_checkpoint`, with its path (a seal that failed,
-    or an anchor handed off to the driver, names none). Not checked here: a refresh reusing it
-    verifies every file first (`tasks/anchor_reuse.py`). Without it, a run killed while it
-    published had its windows trained again, and its anchor pruned as nobody's."""
-    written = [e for e in events if e.phase in ("anchor_seal", "anchor_checkpoint") and e.info.path]
+    devices released first; a seal that failed names no path) or a rank's `anchor_checkpoint`
+    written in place. A rank's event that handed its state off to the driver names the folder
+    the driver was to seal, not one it wrote: it does not count. Not checked here: a refresh
+    reusing it verifies every file first (`tasks/anchor_reuse.py`). Without it, a run killed
+    while it published had its windows trained again, and its anchor pruned as nobody's."""
+    written = [e for e in events if (e.phase == "anchor_seal" or (
+        e.phase == "anchor_checkpoint" and not e.info.handed_off)) and e.info.path]
     return max(written, key=lambda e: e.end).info.path if written else None

@@ -159,11 +159,14 @@ class FallbackAttrs(EventAttrs):
 
 @dataclass(frozen=True, kw_only=True)
 class SaveAttrs(EventAttrs):
-    """A checkpoint save (`checkpoint_save_blocking`, `checkpoint_save_background`) or the anchor."""
+    """A checkpoint save (`checkpoint_save_blocking`, `checkpoint_save_background`) or the anchor.
+    `handed_off`: a rank's anchor handed to the driver in host memory (`path`: the folder the
+    driver seals, `anchor_seal`), not written by the rank."""
 
     step: int | None = None
     path: str | None = None
     bytes: float | None = None  # an int as written; the warehouse row keeps a whole float too
+    handed_off: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -70,6 +70,19 @@ def scrub(text: str, url: str | URL) -> str:
     return text
 
 
+# any URL's '//user:secret@' or secret query value inside free text (a driver's message), when the
+# URL is not known: the secret ends at white space, so a passwordless URL and a later '@' in the
+# sentence are not taken for one
+_TEXT_USERINFO = re.compile(r"(//[^/@:\s]*):([^@\s]+)@")
+_TEXT_QUERY = re.compile(rf"([?&](?:{'|'.join(sorted(SECRET_QUERY_KEYS))})=)([^&#\s]+)", re.IGNORECASE)
+
+
+def scrub_urls(text: str) -> str:
+    """`text` with the secret of every URL in it shown as `***` (its userinfo password, a secret
+    query value), whatever URL it is: the fallback where the warehouse's own URL is unknown."""
+    return _TEXT_QUERY.sub(r"\1***", _TEXT_USERINFO.sub(r"\1:***@", text))
+
+
 def _parsed(url: str | URL) -> URL | None:
     """SQLAlchemy's reading of `url`, None where it cannot parse it (imported here: the flow's
     parameters import this module's names, and most of them never open a warehouse)."""

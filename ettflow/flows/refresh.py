@@ -211,10 +211,15 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
     except BaseException as exc:  # cancelled, interrupted: the hooks of that state finish the run
         record_failure(plan, exc, get_run_logger())
         raise
-    prune_checkpoints(plan)
-    prune_snapshots(plan)
+    _prune(plan)
     return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason,
                    data=_published(plan, anchor, record))
+
+
+def _prune(plan: RefreshPlan) -> None:
+    """Retention, once the lineage is recorded: the model's run checkpoint folders, then its snapshots."""
+    prune_checkpoints(plan)
+    prune_snapshots(plan)
 
 
 def _published(plan: RefreshPlan, anchor: str, record: LineageRecord, **extra: Any) -> dict[str, Any]:
@@ -237,6 +242,7 @@ def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRec
             raise
         return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}", data=exc,
                        archive=False)
+    _prune(plan)
     why = (f"published the anchor of run {reused.run_id}, which trained these windows and stopped after sealing "
            f"it; not trained again, no ETT row (its training is in run {reused.run_id}'s)")
     return _finish(plan, FinalState.COMPLETED, record.outcome, archive=False,

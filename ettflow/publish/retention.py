@@ -6,17 +6,21 @@
 
 Policy (`doomed_snapshots`, pure): of the snapshot folders the model's own refreshes installed
 (its lineage names them: a folder it does not name, a snapshot published by hand or by another
-tool, is never touched), keep
+tool, is never removed), keep
 
-- the snapshots of the model's last `keep` refreshes that installed one (newest first): what a
-  rollback serves;
-- the current one (`current`), whatever its age, and this run's;
+- the snapshots of the model's last `keep` published refreshes (newest first): what a rollback
+  serves (a gated snapshot never served, so it does not count);
+- the current one (`current`), whatever its age, and this run's (published or gated);
 - every base a kept delta snapshot's chain needs, down to its full snapshot: a delta is read
-  materialized through them (`delta_snapshot.chain_of`);
+  materialized through them (`delta_snapshot.chain_of`); every folder that is not the model's
+  own refresh counts as kept here, so a snapshot published by hand as a delta on one of the
+  model's keeps its base;
 
 and remove the others, each with its timeline picture. When a kept snapshot's manifest cannot
-be read, its chain is unknown and nothing is removed. A staging folder is removed once nothing
-in it changed for a day (`stale_staging`): an interrupted publish leaves one, and another run's
+be read, its chain is unknown and nothing is removed. (A delta published by hand into another
+root, on a base here, is not seen: materialize it, `ettflow publish --materialize`.) A staging
+folder (`.<run_id>.tmp-<pid>-<n>`, `.<run_id>.old-<pid>-<n>`) is removed once nothing in it
+changed for a day (`staging_folders`): an interrupted publish leaves one, and another run's
 publish cleans only its own (a publish takes minutes, so a day-old one has no writer).
 Each snapshot is a model's size (about 8 MB for the default model, a delta much less): kept
 forever, a refresh every few hours filled a disk in months.
@@ -25,6 +29,7 @@ forever, a refresh every few hours filled a disk in months.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,13 +51,15 @@ class Snapshot:
     readable: bool = True
 
 
-def doomed_snapshots(snapshots: Mapping[str, Snapshot], newest_first: Sequence[str], *, keep: int,
+def doomed_snapshots(snapshots: Mapping[str, Snapshot], newest_first: Sequence[tuple[str, bool]], *, keep: int,
                      protected: Collection[str]) -> list[str]:
     """Folder names that go: `snapshots` maps every snapshot folder under the root to its
-    manifest's facts; `newest_first` are the model's refreshes' folder names, newest first (only
-    these may go); `protected` are kept whatever their age (the current one, this run's)."""
-    ours = list(dict.fromkeys(name for name in newest_first if name in snapshots))
-    kept = set(ours[:keep]) | {name for name in protected if name in snapshots}
+    manifest's facts; `newest_first` are the model's refreshes' folder names, newest first, each
+    with whether it was published (only these folders may go); `protected` are kept whatever
+    their age (the current one, this run's)."""
+    ours = list(dict.fromkeys(name for name, _ in newest_first if name in snapshots))
+    published = list(dict.fromkeys(name for name, served in newest_first if served and name in snapshots))
+    kept = set(published[:keep]) | {name for name in protected if name in snapshots} | (set(snapshots) - set(ours))
     todo = list(kept)
     while todo:
         entry = snapshots[todo.pop()]
@@ -74,21 +81,24 @@ def read_snapshots(root: Path) -> dict[str, Snapshot]:
             continue
         try:
             delta = read_manifest(folder).delta
-        except PublishError:
+            base = Path(delta["base"]) if delta.get("base") else None
+        except (PublishError, AttributeError, TypeError, KeyError):  # not a manifest's shape: unknown chain
             found[folder.name] = Snapshot(readable=False)
             continue
-        base = Path(delta["base"]) if delta.get("base") else None
         # by name: a host that mounts the shared root elsewhere wrote another absolute path
         found[folder.name] = Snapshot(base=base.name if base is not None else None)
     return found
 
 
+# `manifest.staging_dir`'s and `install`'s names, and `remove_snapshot`'s
+STAGING = re.compile(r"\..+\.(tmp|old)-\d+-(\d+|retention)")
+
+
 def staging_folders(root: Path) -> list[Path]:
-    """The staging folders publishes left under `root` (`.<run_id>.tmp-*`, `.<run_id>.old-*`)."""
+    """The staging folders publishes left under `root` (`STAGING`: nothing else of a user's)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(".") and p.is_dir()
-                  and (".tmp-" in p.name or ".old-" in p.name))
+    return sorted(p for p in root.iterdir() if STAGING.fullmatch(p.name) and p.is_dir())
 
 
 def remove_snapshot(root: Path, name: str) -> None:

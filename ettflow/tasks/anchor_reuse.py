@@ -10,9 +10,10 @@ while they published had finished training, and their training was redone).
   anchor the plan may publish as its own training: the same windows, from the same parent, an
   anchor of the plan's model and schema that verifies (every file's checksum). The parent must
   be the same because the anchor holds that parent's state plus these windows; a changed model
-  or schema would publish something the user no longer asked for. A crashed run's record was
-  written by another process, which did not know its parent: the anchor's own `parent` (the
-  checkpoint it started from) must be the plan's, as for every record.
+  or schema would publish something the user no longer asked for. A record settled from outside
+  its run (`lineage.settle_ended_run`: crashed, or failed or cancelled before it recorded its
+  end) names no parent run: the anchor's own `parent` (the checkpoint it started from) must be
+  the plan's, as for every record.
 
 The flow asks after its inputs are checked and before anything is reserved; a reuse publishes
 on the CPU and records the lineage as published with that anchor, with no ETT row (nothing was
@@ -57,8 +58,8 @@ def reusable_anchor(plan: RefreshPlan, records: Sequence[LineageRecord],
             continue
         if tuple(record.windows) != windows:
             continue
-        if record.parent_run_id != parent and not (record.outcome is Outcome.CRASHED and record.parent_run_id is None):
-            continue  # (a crashed run's parent is unknown to its record: the anchor's own is checked)
+        if record.parent_run_id is not None and record.parent_run_id != parent:
+            continue  # (a record settled from outside the run does not know its parent: the anchor's own decides)
         if publishable(record.anchor, plan):
             return record
     return None

@@ -87,8 +87,6 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
 def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) -> bool:
     """Archive the holder as crashed when its flow heartbeat in this spool stopped past its
     bound (its claims are released with it); True when that released them."""
-    from ettflow.ett.archive import outage_reason
-
     from .reconcile import reconcile  # the archiving path every dead run takes
 
     beat = read_heartbeat(plan.spool_root, holder)
@@ -99,7 +97,7 @@ def _archive_if_dead(plan: RefreshPlan, holder: str, url: str | None, log: Any) 
     except Exception as exc:  # noqa: BLE001 - the waiting refresh goes on waiting; the next one retries
         if log is not None:
             log.warning("model %s: could not archive the dead holder %s (%s): waiting", plan.model, holder,
-                        outage_reason(exc, url))
+                        error_text(exc, plan.warehouse))
         return False
     released = bool(done) and done[0].action in ("archived", "settled") and done[0].status == "crashed"
     if log is not None:

@@ -153,7 +153,8 @@ def apply_snapshot_retention(plan: RefreshPlan) -> tuple[list[str], int, int]:
     current = read_current(root)
     snapshots = read_snapshots(root)
     newest = sorted(refreshes, key=lambda r: (r.created_at, r.run_id), reverse=True)
-    names = [name for r in newest for name in (r.run_id, Path(r.snapshot).name if r.snapshot else None) if name]
+    names = [(name, r.outcome is Outcome.PUBLISHED) for r in newest
+             for name in (r.run_id, Path(r.snapshot).name if r.snapshot else None) if name]
     protected = {plan.run_id} | ({current.snapshot} if current is not None else set())
     doomed = doomed_snapshots(snapshots, names, keep=plan.params.storage.keep_snapshots, protected=protected)
     for name in doomed:
@@ -182,6 +183,10 @@ def prune_snapshots(plan: RefreshPlan) -> list[str]:
     except PublishError as exc:
         get_run_logger().warning("prune-snapshots: model %s: nothing removed, the current snapshot is unknown (%s)",
                                  plan.model, exc)
+        return []
+    except OSError as exc:  # housekeeping: a refresh that published is not failed by it
+        get_run_logger().warning("prune-snapshots: model %s: stopped by %s: %s; the next refresh prunes again",
+                                 plan.model, type(exc).__name__, exc)
         return []
     get_run_logger().info("prune-snapshots: model %s keeps %d snapshot(s) (the last %d refreshes', the current "
                           "one and the bases their deltas need), removed %d%s%s", plan.model, kept,

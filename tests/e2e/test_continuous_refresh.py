@@ -8,11 +8,11 @@ A data root grows one hourly window at a time (`ettflow data append`); refreshes
                                         prewarmed, r1's anchor staged in their memory
     +w3
     r3  w2, a user error at the same step twice                   failed: the watermark stays at w1
-    r4  w2 (w3 held out), on 1 rank     warm from r2's 2-rank anchor (resharded)   published
+    r4  w2 (w3 held out), on 1 rank     warm from r2's 2-rank anchor (resharded)   published; r1's
+                                        snapshot pruned (the last 2 published stay)
     r5  nothing new                                               skipped
     +w4, w3's labels inverted (a deliberately worse window)
-    r6  w3 (w4 held out), cold          its held-out AUC falls far below r4's: gated; r1's
-                                        snapshot is pruned (the last 3 and the current stay)
+    r6  w3 (w4 held out), cold          its held-out AUC falls far below r4's: gated
 
 Checked: each trains only its new windows (every step's cursor is in them, the step counter
 starts at 0); r2's parameters just before its first step are bitwise r1's anchor (the
@@ -55,7 +55,8 @@ def env(tmp_path_factory, flow_work_root, prefect_harness, ray_session):
     generate_windows(root / "data", SyntheticConfig(windows=2, rows_per_window=640, files_per_window=1, seed=11))
     # no compile, spare or in-memory keeper (`PLAIN`): the refreshes' lineage is the subject here
     return flow_env(root, root / "data", flow_work_root, model=MODEL, checkpoint_every_steps=100, switches=PLAIN,
-                    gate_max_auc_drop=None, keep_refreshes=10)  # the checks read every anchor afterwards
+                    gate_max_auc_drop=None, keep_refreshes=10,  # the checks read every anchor afterwards
+                    keep_snapshots=2)  # r4's prune removes r1's snapshot
 
 
 def events(env, run_id, phase, attempt=None):
@@ -221,9 +222,9 @@ def test_a_worse_snapshot_is_gated_and_the_current_one_stays(env, sequence):
 
 
 def test_each_refresh_keeps_the_last_snapshots_and_the_current_one(env, sequence):
-    """`prune-snapshots` (default `keep_snapshots`: 3): after r6 the snapshots of r6 (gated),
-    r4 (current) and r2 stay; r1's went with its timeline picture. r3 (failed) and r5 (skipped)
-    published nothing."""
+    """`prune-snapshots` (`keep_snapshots`: 2): r4's prune removed r1's snapshot with its timeline
+    picture; after r6 the snapshots of r6 (gated: this run's, not counted), r4 (current) and r2
+    (the last 2 published with r4) stay. r3 (failed) and r5 (skipped) published nothing."""
     (_, r1), (_, r2), (_, r4), (_, r6) = (sequence[k] for k in ("r1", "r2", "r4", "r6"))
     root = Path(env["snapshot_root"])
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([r2, r4, r6])

@@ -52,15 +52,16 @@ def test_an_anchor_that_fails_its_check_is_passed_over_for_an_older_one():
 def test_a_crashed_run_s_anchor_is_reused_its_parent_read_from_the_anchor():
     """A run killed outright after sealing its anchor (while it published): its record, settled
     by another process (`ett.archive.sealed_anchor`), names the anchor but not the parent, which
-    the anchor's own check decides (`_publishable`: its parent checkpoint is the plan's)."""
+    the anchor's own check decides (`_publishable`: its parent checkpoint is the plan's). So does
+    a failed or cancelled run's record settled from outside it (FAILED, no parent)."""
     ok = lambda anchor, p: True  # noqa: E731
     crashed = record("killed", Outcome.CRASHED, parent=None)
     assert reusable_anchor(plan(), [crashed], ok).run_id == "killed"
     assert reusable_anchor(plan(), [crashed], lambda anchor, p: False) is None  # another parent's anchor
     assert reusable_anchor(plan(), [record("killed", Outcome.CRASHED, parent="p1")], ok) is None
     assert reusable_anchor(plan(), [record("killed", Outcome.CRASHED, anchor=None, parent=None)], ok) is None
-    # a failed run recorded its own parent: a record without one is a cold start's
-    assert reusable_anchor(plan(), [record("x", parent=None)], ok) is None
+    assert reusable_anchor(plan(), [record("settled", parent=None)], ok).run_id == "settled"
+    assert reusable_anchor(plan(parent=None), [crashed], ok).run_id == "killed"  # a cold plan: the anchor decides
 
 
 def test_the_anchor_a_killed_run_sealed_is_read_from_its_events():
@@ -71,11 +72,14 @@ def test_the_anchor_a_killed_run_sealed_is_read_from_its_events():
         return PhaseEvent(run_id="r", attempt=0, rank=0 if phase != "anchor_seal" else -1, phase=phase,
                           start=end - 1, end=end, attrs=attrs)
 
-    handed = event("anchor_checkpoint", 10.0, step=8, handed_off=True)  # the ranks' hand-off: no path
+    # a rank's hand-off names the folder the driver is to seal (`loop.py`): not written yet
+    handed = event("anchor_checkpoint", 10.0, step=8, path="/w/runs/r/checkpoints/step_8", handed_off=True,
+                   bytes=10)
     sealed = event("anchor_seal", 12.0, step=8, path="/w/runs/r/checkpoints/step_8", bytes=10)
     failed = event("anchor_seal", 13.0, step=8, failed=True, tries=3)
     assert sealed_anchor([handed, sealed, failed]) == "/w/runs/r/checkpoints/step_8"
-    assert sealed_anchor([handed, failed]) is None
+    assert sealed_anchor([handed, failed]) is None  # the seal failed (or its driver was killed during it)
+    assert sealed_anchor([handed]) is None
     in_trainer = event("anchor_checkpoint", 9.0, step=8, path="/w/runs/r/checkpoints/step_8")
     assert sealed_anchor([event("train_step", 5.0, cursor_start=[0, 0], cursor_end=[0, 1]), in_trainer]) == \
         "/w/runs/r/checkpoints/step_8"

@@ -437,12 +437,17 @@ def test_errors_logged_beside_the_warehouse_hide_its_password(monkeypatch, tmp_p
     """Log sites that print an error from the warehouse's side (a reconciliation that failed, a
     dead holder not archived, a lineage kept in the spool, the pool's ledger) hide every secret
     of the URL the run resolves (here the environment's), should a driver's message quote it."""
+    from ettflow.ett.archive import outage_reason
     from ettflow.tasks import reconcile
     from ettflow.tasks.warehouse_url import error_text
 
     monkeypatch.setenv("ETTFLOW_WAREHOUSE_URL", PASSWORD_URL)
     quoted = RuntimeError(f"could not parse {PASSWORD_URL}")
     assert error_text(quoted, {}) == "RuntimeError: could not parse postgresql+psycopg://postgres:***@127.0.0.1:5999/x"
+    # another URL than the run's (or none resolved): any URL's secret in the text is hidden too
+    other = RuntimeError("postgresql://u:pw/x@h/db?sslpassword=key&x=1 failed; postgresql://h:5432/db: role u@h")
+    assert outage_reason(other) == ("RuntimeError: postgresql://u:***@h/db?sslpassword=***&x=1 failed; "
+                                    "postgresql://h:5432/db: role u@h")
 
     def fails(*args, **kwargs):
         raise quoted

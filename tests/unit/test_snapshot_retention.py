@@ -38,21 +38,29 @@ def test_retention_keeps_the_last_snapshots_the_current_one_and_every_base_their
     # r2 and r3 are deltas down to r1; r5 a delta on r4; "hand" was published by hand (no lineage)
     snapshots = {"r0": Snapshot(), "r1": Snapshot(), "r2": Snapshot(base="r1"), "r3": Snapshot(base="r2"),
                  "r4": Snapshot(), "r5": Snapshot(base="r4"), "hand": Snapshot()}
-    lineage = ["r6-no-folder", "r5", "r5", "r4", "r3", "r2", "r1", "r0"]  # newest first; r6 published nothing
+    names = ["r6-no-folder", "r5", "r5", "r4", "r3", "r2", "r1", "r0"]  # newest first; r6 published nothing
+    lineage = [(name, True) for name in names]  # all published
     # keep 1 (r5, and r4 its base); r3 current (and r2, r1 its chain); only r0 goes
     assert doomed_snapshots(snapshots, lineage, keep=1, protected={"r5", "r3"}) == ["r0"]
     assert doomed_snapshots(snapshots, lineage, keep=1, protected={"r5"}) == ["r0", "r1", "r2", "r3"]
     assert doomed_snapshots(snapshots, lineage, keep=2, protected=set()) == ["r0", "r1", "r2", "r3"]
     assert doomed_snapshots(snapshots, lineage, keep=3, protected=set()) == ["r0"]  # r3's chain
     assert doomed_snapshots(snapshots, [], keep=1, protected=set()) == []  # nothing of the model's own
+    # gated snapshots (never served) do not count towards `keep`: r4 and r5 gated, r3 is the last published
+    gated = [(name, name not in ("r4", "r5")) for name in names]
+    assert doomed_snapshots(snapshots, gated, keep=1, protected={"r5"}) == ["r0"]  # r5 this run's, r3 kept
+    # a snapshot the lineage does not name keeps its base: "hand" published as a delta on r0
+    by_hand = {**snapshots, "hand": Snapshot(base="r0")}
+    assert doomed_snapshots(by_hand, lineage, keep=1, protected={"r5", "r3"}) == []
     # a kept snapshot whose manifest cannot be read: its chain is unknown, nothing goes
     unread = {**snapshots, "r5": Snapshot(readable=False)}
     assert doomed_snapshots(unread, lineage, keep=1, protected=set()) == []
+    assert doomed_snapshots({**snapshots, "hand": Snapshot(readable=False)}, lineage, keep=1, protected=set()) == []
     # one that is not kept goes like any other
     unread = {**snapshots, "r0": Snapshot(readable=False)}
     assert doomed_snapshots(unread, lineage, keep=1, protected={"r5", "r3"}) == ["r0"]
     # a base that is gone (removed by hand) ends the walk
-    assert doomed_snapshots({"r5": Snapshot(base="r4"), "r3": Snapshot()}, ["r5", "r3"], keep=1,
+    assert doomed_snapshots({"r5": Snapshot(base="r4"), "r3": Snapshot()}, [("r5", True), ("r3", True)], keep=1,
                             protected=set()) == ["r3"]
 
 
@@ -61,11 +69,13 @@ def test_the_snapshot_root_is_read_and_a_snapshot_removed_with_its_picture(tmp_p
     write_snapshot(root, "a")
     write_snapshot(root, "b", base="a")
     (write_snapshot(root, "c") / MANIFEST_FILE).write_text("{not json")
+    (write_snapshot(root, "d") / MANIFEST_FILE).write_text("[]")  # JSON, not a manifest
     (root / "not-a-snapshot").mkdir()
-    (root / ".a.tmp-1-0").mkdir()
-    (root / ".z.old-2-1").mkdir()
+    for name in (".a.tmp-1-0", ".z.old-2-1", ".backup.old-2023", ".cache"):  # the last two are not a publish's
+        (root / name).mkdir()
     (root / "current").write_text("{}")
-    assert read_snapshots(root) == {"a": Snapshot(), "b": Snapshot(base="a"), "c": Snapshot(readable=False)}
+    assert read_snapshots(root) == {"a": Snapshot(), "b": Snapshot(base="a"), "c": Snapshot(readable=False),
+                                    "d": Snapshot(readable=False)}
     assert [p.name for p in staging_folders(root)] == [".a.tmp-1-0", ".z.old-2-1"]
     remove_snapshot(root, "a")
     remove_snapshot(root, "gone")  # already removed: nothing to do
