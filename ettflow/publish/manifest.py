@@ -53,6 +53,7 @@ class SnapshotManifest:
     # (the checkpoint its training was warm started from), windows (trained), held_out
     lineage: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size, sha256
+    # a full snapshot stored full although a delta was asked: {"refused": why, "new_base": planned};
     # a delta snapshot (delta_snapshot.py): its base folder, the base's model sha256, rows changed,
     # bytes; a materialized one: where it came from; {}: a full snapshot published as such
     delta: dict[str, Any] = field(default_factory=dict)

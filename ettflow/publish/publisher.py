@@ -148,7 +148,7 @@ def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, tim
             log.log(logging.INFO if isinstance(exc, NewBase) else logging.WARNING,
                     "published as a full snapshot, not a delta on %s: %s", config.delta_on, exc)
             shutil.rmtree(pack, ignore_errors=True)
-            return {}
+            return {"refused": str(exc)[:500], "new_base": isinstance(exc, NewBase)}  # full: why, in the manifest
         # in this process, both modules on the same threads (bitwise comparable); the full one
         # was scored in a fresh process above, and the rebuilt one differs from it in state only
         # if at all, so the same predictions here mean the same there

@@ -122,4 +122,20 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
                      reason=outcome.reason, current=outcome.current)
     logger.info("%s %s (step %d) in %.1f s: %s", outcome.outcome.value, manifest.path, manifest.step,
                 time.time() - start, outcome.reason)
+    stored = stored_as(manifest.delta)
+    if stored:
+        (logger.warning if stored.startswith("stored full, not") else logger.info)("snapshot %s", stored)
     return outcome
+
+
+def stored_as(delta: dict) -> str | None:
+    """How a snapshot asked to be a delta was stored, in words (None: a full snapshot as asked):
+    the delta's base and size, or why it is full (a new chain's base as planned; a warning when
+    its base could not be used)."""
+    if delta.get("base"):
+        return (f"stored as a delta on {delta.get('base_run_id')}: {delta.get('changed_rows')} of {delta.get('rows')} "
+                f"rows changed, {delta.get('bytes')} bytes against {delta.get('full_bytes')} for the full module")
+    if "refused" in delta:
+        return (f"stored full: {delta['refused']}" if delta.get("new_base")
+                else f"stored full, not as a delta: {delta['refused']}")
+    return None

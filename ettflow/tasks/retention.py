@@ -34,7 +34,7 @@ from ettflow.ett.heartbeat import read_heartbeat
 from ettflow.ett.lineage import STALE_AFTER_S, LineageRecord, Outcome
 
 from .plan import RefreshPlan
-from .warehouse_url import resolve_warehouse_url
+from .warehouse_url import error_text, resolve_warehouse_url
 
 
 def doomed_runs(folders: Mapping[str, bool], refreshes: Sequence[LineageRecord], *, keep: int,
@@ -97,12 +97,18 @@ def run_folders(runs_root: Path) -> dict[str, bool]:
     return {p.name: any(p.glob("checkpoints/*/anchor.json")) for p in runs_root.iterdir() if p.is_dir()}
 
 
-def apply_retention(plan: RefreshPlan) -> tuple[list[str], int]:
-    """Remove the run folders the policy dooms; returns (removed run ids, folders kept)."""
+def model_lineage(plan: RefreshPlan) -> list[LineageRecord]:
+    """The model's lineage, which both policies read (raises `OUTAGES` when it is unavailable)."""
     from ettflow.ett.warehouse import Warehouse
 
     with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
-        refreshes = wh.lineage(plan.model)
+        return wh.lineage(plan.model)
+
+
+def apply_retention(plan: RefreshPlan, refreshes: Sequence[LineageRecord] | None = None) -> tuple[list[str], int]:
+    """Remove the run folders the policy dooms (`refreshes`: the model's lineage, read when not
+    given); returns (removed run ids, folders kept)."""
+    refreshes = model_lineage(plan) if refreshes is None else refreshes
     parent = plan.parent
     protected = {plan.run_id} | ({parent.run_id, anchor_home(parent.anchor, plan.runs_root)} - {None}
                                  if parent is not None else set())
@@ -127,10 +133,16 @@ def prune_checkpoints(plan: RefreshPlan) -> list[str]:
     from ettflow.ett.archive import OUTAGES, outage_reason
 
     try:
-        doomed, kept = apply_retention(plan)
+        refreshes = model_lineage(plan)
     except OUTAGES as exc:
         get_run_logger().warning("prune-checkpoints: model %s: nothing removed, the lineage is unavailable (%s)",
                                  plan.model, outage_reason(exc))
+        return []
+    try:
+        doomed, kept = apply_retention(plan, refreshes)
+    except Exception as exc:  # noqa: BLE001 - housekeeping after the lineage: the refresh stays as it ended
+        get_run_logger().warning("prune-checkpoints: model %s: stopped by %s; the next refresh prunes again",
+                                 plan.model, error_text(exc, plan.warehouse, trace=not isinstance(exc, OSError)))
         return []
     get_run_logger().info("prune-checkpoints: model %s keeps %d run folder(s) (the last %d refreshes, the current "
                           "and the parent anchor, runs that may still train), removed %d%s", plan.model, kept,
@@ -139,16 +151,16 @@ def prune_checkpoints(plan: RefreshPlan) -> list[str]:
     return doomed
 
 
-def apply_snapshot_retention(plan: RefreshPlan) -> tuple[list[str], int, int]:
-    """Remove the snapshots the policy dooms (`publish.retention.doomed_snapshots`) and the
-    publishes' staging folders untouched for a day; returns (removed snapshots, snapshots kept,
-    staging folders removed). Raises PublishError when `current` is unreadable (nothing removed)."""
-    from ettflow.ett.warehouse import Warehouse
+def apply_snapshot_retention(plan: RefreshPlan, refreshes: Sequence[LineageRecord] | None = None,
+                             ) -> tuple[list[str], int, int]:
+    """Remove the snapshots the policy dooms (`publish.retention.doomed_snapshots`; `refreshes`:
+    the model's lineage, read when not given) and the publishes' staging folders untouched for a
+    day; returns (removed snapshots, snapshots kept, staging folders removed). Raises
+    PublishError when `current` is unreadable (nothing removed)."""
     from ettflow.publish import read_current
     from ettflow.publish.retention import doomed_snapshots, read_snapshots, remove_snapshot, staging_folders
 
-    with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
-        refreshes = wh.lineage(plan.model)
+    refreshes = model_lineage(plan) if refreshes is None else refreshes
     root = plan.snapshot_root
     current = read_current(root)
     snapshots = read_snapshots(root)
@@ -175,21 +187,23 @@ def prune_snapshots(plan: RefreshPlan) -> list[str]:
     from ettflow.publish import PublishError
 
     try:
-        doomed, kept, stale = apply_snapshot_retention(plan)
+        refreshes = model_lineage(plan)
     except OUTAGES as exc:
         get_run_logger().warning("prune-snapshots: model %s: nothing removed, the lineage is unavailable (%s)",
                                  plan.model, outage_reason(exc))
         return []
+    try:
+        doomed, kept, stale = apply_snapshot_retention(plan, refreshes)
     except PublishError as exc:
         get_run_logger().warning("prune-snapshots: model %s: nothing removed, the current snapshot is unknown (%s)",
                                  plan.model, exc)
         return []
-    except OSError as exc:  # housekeeping: a refresh that published is not failed by it
-        get_run_logger().warning("prune-snapshots: model %s: stopped by %s: %s; the next refresh prunes again",
-                                 plan.model, type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - housekeeping after the lineage: the refresh stays as it ended
+        get_run_logger().warning("prune-snapshots: model %s: stopped by %s; the next refresh prunes again",
+                                 plan.model, error_text(exc, plan.warehouse, trace=not isinstance(exc, OSError)))
         return []
-    get_run_logger().info("prune-snapshots: model %s keeps %d snapshot(s) (the last %d refreshes', the current "
-                          "one and the bases their deltas need), removed %d%s%s", plan.model, kept,
+    get_run_logger().info("prune-snapshots: model %s keeps %d snapshot(s) (the last %d published, the current "
+                          "one, this run's and the bases their deltas need), removed %d%s%s", plan.model, kept,
                           plan.params.storage.keep_snapshots, len(doomed),
                           f": {', '.join(doomed)}" if doomed else "",
                           f"; and {stale} staging folder(s) of publishes interrupted over a day ago" if stale else "")

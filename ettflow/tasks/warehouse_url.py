@@ -108,15 +108,22 @@ def refusal(checked: State) -> State:
     return Failed(message=checked.message, data=checked.result(raise_on_failure=False))
 
 
-def error_text(exc: BaseException, where: WarehouseParams | Mapping[str, Any]) -> str:
-    """One line about `exc` (`ett.archive.outage_reason`) with every secret of the URL the run's
-    parameters name hidden, should a driver's message quote it: for a log line or a message. The
-    URL is resolved again (an error path only); when that fails too, the text is left as it is."""
+def error_text(exc: BaseException, where: WarehouseParams | Mapping[str, Any], *, trace: bool = False) -> str:
+    """One line about `exc` (`ett.archive.outage_reason`), or with `trace` its whole traceback,
+    with every secret of the URL the run's parameters name hidden, should a driver's message quote
+    it, and any other URL's (`scrub_urls`): for a log line or a message. The URL is resolved again
+    (an error path only); when that fails too, only the other URLs' are hidden."""
+    import traceback
+
     from ettflow.ett.archive import outage_reason
+    from ettflow.ett.redact import scrub_urls
     from ettflow.ett.warehouse import default_url
 
     try:
         url = resolve_warehouse_url(where) or default_url()
     except Exception:  # noqa: BLE001 - a secret store down: nothing to hide that it could give
         url = None
-    return outage_reason(exc, url)
+    if not trace:
+        return outage_reason(exc, url)
+    text = "".join(traceback.format_exception(exc))
+    return scrub_urls(scrub(text, url) if url else text)

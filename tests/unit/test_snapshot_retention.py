@@ -154,3 +154,43 @@ def test_a_delta_on_a_base_deep_in_its_chain_or_on_a_broken_chain_is_refused_for
         delta_depth(root / "loop")
     with pytest.raises(DeltaSnapshotRefused, match="cannot be materialized"):
         delta_on("loop")
+
+
+def test_the_publish_task_says_how_a_snapshot_asked_to_be_a_delta_was_stored():
+    from ettflow.tasks.publish import stored_as
+
+    assert stored_as({}) is None  # full, as asked
+    assert stored_as({"base": "/s/r1", "base_run_id": "r1", "changed_rows": 5, "rows": 1664, "bytes": 900,
+                      "full_bytes": 8000}) == ("stored as a delta on r1: 5 of 1664 rows changed, 900 bytes against "
+                                               "8000 for the full module")
+    assert stored_as({"refused": "the base is 16 deltas deep", "new_base": True}) == \
+        "stored full: the base is 16 deltas deep"
+    assert stored_as({"refused": "the base cannot be materialized (x)", "new_base": False}) == \
+        "stored full, not as a delta: the base cannot be materialized (x)"
+
+
+def test_a_prune_that_fails_leaves_the_refresh_as_it_ended(tmp_path, flow_data, monkeypatch, caplog):
+    """Retention runs after the lineage is recorded: whatever stops it (a bug, the disk) is a
+    warning with what stopped it, never the run's failure (a published refresh stays published)."""
+    import logging
+
+    from ettflow.tasks import retention
+
+    plan = plan_refresh(params(flow_data, tmp_path), run_id="now")
+    monkeypatch.setattr(retention, "get_run_logger", lambda: logging.getLogger("ettflow.test"))
+
+    def broken(plan, refreshes):
+        raise ValueError("too many values to unpack (expected 2)")
+
+    def disk(plan, refreshes):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(retention, "model_lineage", lambda plan: [])
+    for name, fails in (("apply_snapshot_retention", broken), ("apply_retention", disk)):
+        monkeypatch.setattr(retention, name, fails)
+    with caplog.at_level(logging.WARNING, logger="ettflow.test"):
+        assert retention.prune_snapshots.fn(plan) == [] and retention.prune_checkpoints.fn(plan) == []
+    snapshots, checkpoints = (r.getMessage() for r in caplog.records)
+    assert "prune-snapshots: model dlrm: stopped by Traceback" in snapshots and "ValueError: too many" in snapshots
+    assert checkpoints == ("prune-checkpoints: model dlrm: stopped by OSError: [Errno 5] Input/output error; the "
+                           "next refresh prunes again")
