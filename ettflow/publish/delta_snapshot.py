@@ -152,8 +152,8 @@ def write_delta_snapshot(base_folder: Path, new_model: Path, folder: Path, *, re
     try:
         depth = delta_depth(Path(base_folder))
         if depth >= REBASE_AFTER:
-            raise NewBase(f"the base is {depth} deltas deep (a full snapshot every {REBASE_AFTER + 1} "
-                                       "publishes): this one is the chain's new base")
+            raise NewBase(f"the base is {depth} deltas deep (a full snapshot every {REBASE_AFTER + 1} publishes): "
+                          "this one is the chain's new base")
         base_module, chain = _materialized(Path(base_folder))
     except DeltaSnapshotRefused:
         raise

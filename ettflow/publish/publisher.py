@@ -137,7 +137,7 @@ def _as_delta(config: PublishConfig, tmp: Path, model_file: Path, data: Any, tim
     """Replace the validated full module in `tmp` by its delta on `config.delta_on`, once the
     module rebuilt from that delta predicts exactly what the full one did (bitwise, so it scores
     the same AUC); the manifest's `delta` section. A snapshot that cannot be a delta stays full
-    (said in the log, {} returned)."""
+    (said in the log; the section says why: `refused`, and `new_base` when the chain was deep)."""
     from ettflow.publish.delta_snapshot import DeltaSnapshotRefused, NewBase, load_module, write_delta_snapshot
 
     with timer("delta"):
