@@ -8,7 +8,8 @@ while they published had finished training, and their training was redone).
   its row is archived: `ett.archive.sealed_anchor`) names the anchor its spool says it wrote.
 - `reusable_anchor(plan, records)`: the newest failed or crashed record of the model whose
   anchor the plan may publish as its own training: the same windows, from the same parent, an
-  anchor of the plan's model and schema that verifies (every file's checksum). The parent must
+  anchor of the plan's model and schema, trained with the plan's batch size and step cap
+  (`trained_with`), that verifies (every file's checksum). The parent must
   be the same because the anchor holds that parent's state plus these windows; a changed model
   or schema would publish something the user no longer asked for. A record settled from outside
   its run (`lineage.settle_ended_run`: crashed, or failed or cancelled before it recorded its
@@ -32,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ettflow.ett.lineage import LineageRecord, Outcome
 from ettflow.ett.warehouse import Warehouse
-from ettflow.trainer.checkpoint.anchor import AnchorFormatError, AnchorInfo, load_anchor
+from ettflow.trainer.checkpoint.anchor import AnchorFormatError, AnchorInfo, TrainedWith, load_anchor
 from ettflow.trainer.checkpoint.config import CheckpointError
 from ettflow.trainer.checkpoint.verify import verify
 
@@ -73,6 +74,10 @@ def _publishable(anchor: str, plan: RefreshPlan) -> bool:
     if info.model != t.model or info.schema != t.schema:
         log.info("anchor %s of a stopped refresh is not reused: its model or schema is not this refresh's", anchor)
         return False
+    differs = trained_otherwise(info, plan)
+    if differs is not None:
+        log.info("anchor %s of a stopped refresh is not reused: %s", anchor, differs)
+        return False
     try:
         verify(anchor)
     except (CheckpointError, OSError) as exc:
@@ -86,6 +91,19 @@ def _anchor_info(folder: Path) -> AnchorInfo | None:
         return load_anchor(folder)
     except (AnchorFormatError, OSError):
         return None
+
+
+def trained_otherwise(info: AnchorInfo, plan: RefreshPlan) -> str | None:
+    """Why the anchor's training is not what the plan asks of these windows (its batch size a
+    rank or its step cap differ, or it does not say: a marker older than `trained_with`), in
+    words; None when it is the same."""
+    asked = TrainedWith(batch_size=plan.trainer.batch_size, max_steps=plan.trainer.max_steps)
+    if info.trained_with is None:
+        return "its marker does not say how it trained (an older ettflow)"
+    if info.trained_with != asked:
+        return (f"it trained with batch {info.trained_with.batch_size}, max_steps {info.trained_with.max_steps}; "
+                f"this refresh asks batch {asked.batch_size}, max_steps {asked.max_steps}")
+    return None
 
 
 def _same_windows(info: AnchorInfo, plan: RefreshPlan) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from ettflow.ett.lineage import LineageRecord, Outcome
 from ettflow.tasks.anchor_reuse import reusable_anchor
 
@@ -84,3 +86,35 @@ def test_the_anchor_a_killed_run_sealed_is_read_from_its_events():
     assert sealed_anchor([event("train_step", 5.0, cursor_start=[0, 0], cursor_end=[0, 1]), in_trainer]) == \
         "/w/runs/r/checkpoints/step_8"
     assert sealed_anchor([]) is None
+
+
+def test_an_anchor_trained_with_another_batch_or_step_cap_is_not_reused(tmp_path):
+    """A stopped run's anchor stands for the plan's training only if it trained with the plan's
+    batch size a rank and `max_steps` (`anchor.json`'s `trained_with`): a user who stopped a
+    64-step run and asks for every batch of the windows gets them trained, not the 64 steps. A
+    marker that does not say (an older ettflow) is not reused either."""
+    from ettflow.tasks.anchor_reuse import trained_otherwise
+    from ettflow.trainer.checkpoint.anchor import AnchorFormatError, AnchorInfo, TrainedWith, load_anchor, write_anchor
+    from ettflow.trainer.data.schema import criteo_schema
+    from ettflow.trainer.model_config import ModelConfig
+
+    def info(trained):
+        return AnchorInfo(run_id="stopped", step=64, world_size=2, model=ModelConfig(), schema=criteo_schema(10),
+                          trained_with=trained)
+
+    def asks(batch, cap):
+        return SimpleNamespace(trainer=SimpleNamespace(batch_size=batch, max_steps=cap))
+
+    assert trained_otherwise(info(TrainedWith(128, 64)), asks(128, 64)) is None
+    assert trained_otherwise(info(TrainedWith(128, None)), asks(128, None)) is None
+    assert trained_otherwise(info(TrainedWith(128, 64)), asks(128, None)) == (
+        "it trained with batch 128, max_steps 64; this refresh asks batch 128, max_steps None")
+    assert "batch 256" in trained_otherwise(info(TrainedWith(128, 64)), asks(256, 64))
+    assert "older ettflow" in trained_otherwise(info(None), asks(128, 64))
+    # the marker keeps it: written and read back
+    write_anchor(tmp_path, info(TrainedWith(128, 64)))
+    assert load_anchor(tmp_path).trained_with == TrainedWith(128, 64)
+    write_anchor(tmp_path, info(None))
+    assert load_anchor(tmp_path).trained_with is None
+    with pytest.raises(AnchorFormatError, match="trained_with"):
+        AnchorInfo.from_json({**info(None).to_json(), "trained_with": {"max_steps": 3}})

@@ -5,8 +5,9 @@ The trainer's rank 0 writes the marker after the final checkpoint committed; it 
 run wrote it, at which step and data cursor, and the model and schema to rebuild the model
 without the trainer's config. `AnchorInfo` is the typed content; the file is its JSON
 (`to_json`), with the same keys as ever: run_id, step, cursor, world_size, model, schema; and
-`parent` (the checkpoint a warm-started run began from) and `windows` (the windows it
-trained), both absent when not known (a cold start, an older marker).
+`parent` (the checkpoint a warm-started run began from), `windows` (the windows it trained)
+and `trained_with` (the batch size a rank and the step cap it trained with, `TrainedWith`),
+each absent when not known (a cold start, an older marker).
 """
 
 from __future__ import annotations
@@ -29,6 +30,29 @@ class AnchorFormatError(ValueError):
     """An anchor.json that cannot be read as an `AnchorInfo` (the message names the file and field)."""
 
 
+@dataclass(frozen=True)
+class TrainedWith:
+    """How the run trained its windows, beyond the model: the batch size a rank and `max_steps`
+    (None: every full batch). A refresh that publishes a stopped run's anchor instead of training
+    (`tasks/anchor_reuse.py`) must have asked for the same: another cap or batch trains the
+    windows otherwise."""
+
+    batch_size: int
+    max_steps: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any, *, where: str) -> TrainedWith:
+        if not isinstance(raw, Mapping):
+            raise AnchorFormatError(f"{where}: 'trained_with' must be an object, got {type(raw).__name__}")
+        try:
+            batch, cap = raw["batch_size"], raw.get("max_steps")
+        except KeyError as e:
+            raise AnchorFormatError(f"{where}: 'trained_with' lacks {e}") from e
+        if not isinstance(batch, int) or (cap is not None and not isinstance(cap, int)):
+            raise AnchorFormatError(f"{where}: 'trained_with' holds {raw!r}: whole numbers expected")
+        return cls(batch_size=batch, max_steps=cap)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AnchorInfo:
     """What anchor.json says about its checkpoint.
@@ -49,6 +73,7 @@ class AnchorInfo:
     cursor: dict[str, Any] | None = None
     parent: str | None = None
     windows: tuple[str, ...] | None = None  # the data windows the run trained (None: not recorded)
+    trained_with: TrainedWith | None = None  # its batch and step cap (None: not recorded, an older marker)
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -63,6 +88,8 @@ class AnchorInfo:
             out["parent"] = self.parent
         if self.windows is not None:
             out["windows"] = list(self.windows)
+        if self.trained_with is not None:
+            out["trained_with"] = asdict(self.trained_with)
         return out
 
     @classmethod
@@ -79,9 +106,11 @@ class AnchorInfo:
             raise AnchorFormatError(f"{where}: invalid schema ({e})") from e
         model = _model_config(data["model"], where)
         try:
+            trained = data.get("trained_with")
             return cls(run_id=str(data["run_id"]), step=data["step"], world_size=data.get("world_size"),
                        model=model, schema=schema, cursor=data.get("cursor"), parent=data.get("parent"),
-                       windows=tuple(data["windows"]) if data.get("windows") is not None else None)
+                       windows=tuple(data["windows"]) if data.get("windows") is not None else None,
+                       trained_with=TrainedWith.from_json(trained, where=where) if trained is not None else None)
         except AnchorFormatError as e:  # the field checks of __post_init__
             raise AnchorFormatError(f"{where}: {e}") from e
 

@@ -30,7 +30,7 @@ from ettflow.ett.checkpoint_tier import CheckpointTier, RestoreSource
 from ettflow.ett.spool import SpoolWriter
 from ettflow.trainer.checkpoint import CheckpointInfo, TrainState
 from ettflow.trainer.checkpoint import init_lazy_optimizer_state as init_optimizer_state
-from ettflow.trainer.checkpoint.anchor import AnchorInfo, write_anchor
+from ettflow.trainer.checkpoint.anchor import AnchorInfo, TrainedWith, write_anchor
 from ettflow.trainer.checkpoint.config import CheckpointError
 from ettflow.trainer.checkpoint.layout import final_dir
 from ettflow.trainer.config import ANCHOR_COMMIT, TrainerConfig
@@ -275,9 +275,11 @@ class Checkpointing:
             path = self._restored_checkpoint(step)
             if path is None and cursor is None:  # a warm start that trains nothing: no checkpoint of its own
                 return None
+        trained = TrainedWith(batch_size=self.config.batch_size, max_steps=self.config.max_steps)
         anchor = AnchorInfo(run_id=run_id, step=step, cursor=cursor.to_dict(), world_size=self.config.world_size,
                             model=self.config.model, schema=self.config.schema,
-                            parent=self.config.warm_start_from or None, windows=split_windows(self.config)[0])
+                            parent=self.config.warm_start_from or None, windows=split_windows(self.config)[0],
+                            trained_with=trained)
         if path is None and self.config.switches.release_before_seal:
             files, cursor_json = self.durable.hand_off_base(step, cursor)
             self.handoff = AnchorHandOff(rank=self.rank, step=step, world_size=self.config.world_size,
