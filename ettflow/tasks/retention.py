@@ -25,6 +25,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -151,12 +152,22 @@ def prune_checkpoints(plan: RefreshPlan) -> list[str]:
     return doomed
 
 
-def apply_snapshot_retention(plan: RefreshPlan, refreshes: Sequence[LineageRecord] | None = None,
-                             ) -> tuple[list[str], int, int]:
+@dataclass(frozen=True)
+class PrunedSnapshots:
+    """What `apply_snapshot_retention` did: the snapshot folders removed, how many stay, the
+    staging folders removed, and the snapshot folders whose manifest could not be read (one
+    that stays blocks every removal: its chain is unknown)."""
+
+    removed: list[str]
+    kept: int
+    staging: int
+    unreadable: list[str]
+
+
+def apply_snapshot_retention(plan: RefreshPlan, refreshes: Sequence[LineageRecord] | None = None) -> PrunedSnapshots:
     """Remove the snapshots the policy dooms (`publish.retention.doomed_snapshots`; `refreshes`:
     the model's lineage, read when not given) and the publishes' staging folders untouched for a
-    day; returns (removed snapshots, snapshots kept, staging folders removed). Raises
-    PublishError when `current` is unreadable (nothing removed)."""
+    day. Raises PublishError when `current` is unreadable (nothing removed)."""
     from ettflow.publish import read_current
     from ettflow.publish.retention import doomed_snapshots, read_snapshots, remove_snapshot, staging_folders
 
@@ -175,7 +186,8 @@ def apply_snapshot_retention(plan: RefreshPlan, refreshes: Sequence[LineageRecor
     stale = [p for p in staging_folders(root) if now - newest_change(p, now) > ABANDONED_AFTER_S]
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
-    return doomed, len(snapshots) - len(doomed), len(stale)
+    unreadable = sorted(name for name, entry in snapshots.items() if not entry.readable and name not in doomed)
+    return PrunedSnapshots(removed=doomed, kept=len(snapshots) - len(doomed), staging=len(stale), unreadable=unreadable)
 
 
 @task(name="prune-snapshots", cache_policy=NO_CACHE)
@@ -193,7 +205,7 @@ def prune_snapshots(plan: RefreshPlan) -> list[str]:
                                  plan.model, outage_reason(exc))
         return []
     try:
-        doomed, kept, stale = apply_snapshot_retention(plan, refreshes)
+        done = apply_snapshot_retention(plan, refreshes)
     except PublishError as exc:
         get_run_logger().warning("prune-snapshots: model %s: nothing removed, the current snapshot is unknown (%s)",
                                  plan.model, exc)
@@ -203,8 +215,13 @@ def prune_snapshots(plan: RefreshPlan) -> list[str]:
                                  plan.model, error_text(exc, plan.warehouse, trace=not isinstance(exc, OSError)))
         return []
     get_run_logger().info("prune-snapshots: model %s keeps %d snapshot(s) (the last %d published, the current "
-                          "one, this run's and the bases their deltas need), removed %d%s%s", plan.model, kept,
-                          plan.params.storage.keep_snapshots, len(doomed),
-                          f": {', '.join(doomed)}" if doomed else "",
-                          f"; and {stale} staging folder(s) of publishes interrupted over a day ago" if stale else "")
-    return doomed
+                          "one, this run's and the bases their deltas need), removed %d%s%s", plan.model, done.kept,
+                          plan.params.storage.keep_snapshots, len(done.removed),
+                          f": {', '.join(done.removed)}" if done.removed else "",
+                          f"; and {done.staging} staging folder(s) of publishes interrupted over a day ago"
+                          if done.staging else "")
+    if done.unreadable:
+        get_run_logger().warning("prune-snapshots: model %s: the manifest of %s cannot be read: while such a "
+                                 "snapshot stays, its chain is unknown and nothing is removed (remove or repair it)",
+                                 plan.model, ", ".join(done.unreadable))
+    return done.removed

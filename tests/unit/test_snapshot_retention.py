@@ -87,7 +87,7 @@ def test_the_snapshot_root_is_read_and_a_snapshot_removed_with_its_picture(tmp_p
 
 def test_prune_snapshots_removes_only_what_the_policy_dooms_and_stale_staging(tmp_path, flow_data):
     from ettflow.publish.current import current_file
-    from ettflow.tasks.retention import ABANDONED_AFTER_S, apply_snapshot_retention
+    from ettflow.tasks.retention import ABANDONED_AFTER_S, PrunedSnapshots, apply_snapshot_retention
 
     url = f"sqlite:///{tmp_path / 'w.db'}"
     plan = plan_refresh(params(flow_data, tmp_path, warehouse_url=url, keep_snapshots=1), run_id="now")
@@ -107,13 +107,16 @@ def test_prune_snapshots_removes_only_what_the_policy_dooms_and_stale_staging(tm
     for p in (root / ".x.tmp-1-0" / "part", root / ".x.tmp-1-0"):
         os.utime(p, (old, old))  # .y is a publish under way: kept
     # keep 1: this run's; b is current, a its base; c goes; by-hand is not the model's refresh
-    assert apply_snapshot_retention(plan) == (["c"], 4, 1)
+    assert apply_snapshot_retention(plan) == PrunedSnapshots(removed=["c"], kept=4, staging=1, unreadable=[])
     assert sorted(p.name for p in root.iterdir()) == [
         ".y.tmp-1-1", "a", "a.ett-timeline.png", "b", "b.ett-timeline.png", "by-hand", "by-hand.ett-timeline.png",
         "current", "now", "now.ett-timeline.png"]
+    # an unreadable manifest kept by the policy (by-hand: not the model's) blocks every removal, and says so
+    (root / "by-hand" / MANIFEST_FILE).write_text("{torn")
+    write_snapshot(root, "c")
+    assert apply_snapshot_retention(plan) == PrunedSnapshots(removed=[], kept=5, staging=0, unreadable=["by-hand"])
     # an unreadable `current`: nothing is removed (the task says so)
     current_file(root).write_text("{torn")
-    write_snapshot(root, "c")
     with pytest.raises(PublishError, match="current"):
         apply_snapshot_retention(plan)
     assert (root / "c").is_dir()
