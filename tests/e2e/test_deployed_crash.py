@@ -252,7 +252,7 @@ def _stopped_while_publishing(env: dict, api: str, params: dict, warehouse: str,
     from ettflow.ett.warehouse import Warehouse
     from ettflow.stack.deployed_runs import cancel_running
 
-    short = {**params, "max_steps": 20, "checkpoint_every_steps": 10}
+    short = {**params, "max_steps": 20, "checkpoint_every_steps": 10, "max_windows": 1}  # the next window: its own
     stopped = _deployment_run(env, {**short, "fail_at": ["publish:slow_s=300"]})
 
     def publishing() -> bool:
@@ -294,10 +294,8 @@ def _killed_while_publishing(env: dict, api: str, params: dict, warehouse: str, 
     (Before, the record named no anchor: the windows were trained again and the anchor pruned.)"""
     from ettflow.ett.lineage import Outcome
     from ettflow.ett.warehouse import Warehouse
-    from ettflow.trainer.data.cli import main as data_cli
 
-    assert data_cli(["append", "--root", params["data_root"]]) == 0  # new data: the windows so far are published
-    short = {**params, "max_steps": 20, "checkpoint_every_steps": 10}
+    short = {**params, "max_steps": 20, "checkpoint_every_steps": 10, "max_windows": 1}  # the window after the last
     killed = _deployment_run(env, {**short, "fail_at": ["publish:slow_s=300"]})
     wait_for(lambda: any(t["name"].startswith("publish-snapshot") and t["state_type"] == "RUNNING"
                          for t in task_runs(api, killed)), START_S, "the run to publish")

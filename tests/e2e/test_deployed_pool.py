@@ -59,9 +59,11 @@ def test_the_cluster_pool_killed_mid_run_and_between_runs_costs_no_run_its_corre
     prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(tmp_path / "prefect.yaml"))
     warehouse, spool, home = f"sqlite:///{tmp_path / 'warehouse.db'}", tmp_path / "spool", tmp_path / "home"
     # the optimized preset (pooled ranks, a spare, an in-memory keeper) without the compile: the
-    # prewarms and restarts stay short on two cores
+    # prewarms and restarts stay short on two cores. 240 steps of batch 4 (the window's 1,920 rows):
+    # the kill, asked at step 6 from a process that must first join Ray, lands mid-run (with 30
+    # steps of 32 a run once ended before it, with no failure to see)
     params = {"data_root": str(flow_data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
-              "batch_size": 32, "max_steps": 40, "checkpoint_every_steps": 10, "eval_batches": 2,
+              "batch_size": 4, "max_steps": 240, "checkpoint_every_steps": 40, "eval_batches": 2,
               "switches": {"compile": False}, "windows": ["window=2024010100"], "work_root": str(flow_work_root),
               "snapshot_root": str(tmp_path / "snapshots"), "spool_root": str(spool), "warehouse_url": warehouse}
     spec = json.dumps(params)
