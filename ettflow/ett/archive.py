@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -200,6 +201,13 @@ def outage_reason(exc: BaseException, url: str | None = None) -> str:
     if url:  # every secret the URL holds (its password, a secret query value), as written or encoded
         first = scrub(first, url)
     return f"{type(exc).__name__}: {scrub_urls(first)}"[:500]  # and any other URL's quoted in it
+
+
+def outage_trace(exc: BaseException, url: str | None = None) -> str:
+    """`exc`'s whole traceback, hidden as `outage_reason` hides its first line: the secrets of
+    `url`, as written or encoded, and of any other URL it quotes."""
+    text = "".join(traceback.format_exception(exc))
+    return scrub_urls(scrub(text, url) if url else text)
 
 
 def write_pending(spool_root: Path | str, info: RunInfo, reason: str, warehouse: str = "") -> PendingRow:

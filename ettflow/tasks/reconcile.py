@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +43,7 @@ from ettflow.ett.archive import (
     PendingRow,
     archive_or_defer,
     outage_reason,
+    outage_trace,
     pending_file,
     read_pending,
     settles_lineage,
@@ -52,7 +52,6 @@ from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbea
 from ettflow.ett.lineage import finish_refresh, settle_ended_run
 from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
-from ettflow.ett.redact import scrub, scrub_urls
 from ettflow.ett.spool import spool_bytes, spooled_runs
 from ettflow.ett.warehouse import RunInfo, Warehouse, default_url
 from ettflow.ett.warehouse_models import Run
@@ -265,9 +264,8 @@ def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, 
                        "next refresh or `ettflow archive --pending`", outage_reason(exc, warehouse_url))
         return []
     except Exception as exc:  # noqa: BLE001 - reconciling other runs never fails this one
-        trace = "".join(traceback.format_exception(exc))  # a driver's message may quote the URL: scrubbed
-        logger.warning("reconciliation of %s failed: %s", spool_root,
-                       scrub_urls(scrub(trace, warehouse_url or default_url())))
+        logger.warning("reconciliation of %s failed: %s", spool_root,  # a driver's message may quote the URL
+                       outage_trace(exc, warehouse_url or default_url()))
         return []
     for r in done:
         if r.action != "skipped":

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -66,6 +67,7 @@ def anchor_home(anchor: str | None, runs_root: Path | None) -> str | None:
 
 
 ABANDONED_AFTER_S = STALE_AFTER_S
+Pruned = TypeVar("Pruned")  # what a retention policy returns
 
 
 def abandoned_runs(unanchored: Mapping[str, float], live: Collection[str], *, now: float,
@@ -131,25 +133,36 @@ def apply_retention(plan: RefreshPlan, refreshes: Sequence[LineageRecord] | None
 def prune_checkpoints(plan: RefreshPlan) -> list[str]:
     """Apply the retention policy to the model's run folders; returns the run ids removed. It
     needs the lineage: with the warehouse unavailable nothing is removed (the next refresh prunes)."""
-    from ettflow.ett.archive import OUTAGES, outage_reason
-
-    try:
-        refreshes = model_lineage(plan)
-    except OUTAGES as exc:
-        get_run_logger().warning("prune-checkpoints: model %s: nothing removed, the lineage is unavailable (%s)",
-                                 plan.model, outage_reason(exc))
+    done = _after_lineage(plan, "prune-checkpoints", lambda refreshes: apply_retention(plan, refreshes))
+    if done is None:
         return []
-    try:
-        doomed, kept = apply_retention(plan, refreshes)
-    except Exception as exc:  # noqa: BLE001 - housekeeping after the lineage: the refresh stays as it ended
-        get_run_logger().warning("prune-checkpoints: model %s: stopped by %s; the next refresh prunes again",
-                                 plan.model, error_text(exc, plan.warehouse, trace=not isinstance(exc, OSError)))
-        return []
+    doomed, kept = done
     get_run_logger().info("prune-checkpoints: model %s keeps %d run folder(s) (the last %d refreshes, the current "
                           "and the parent anchor, runs that may still train), removed %d%s", plan.model, kept,
                           plan.params.checkpoint.keep_refreshes, len(doomed),
                           f": {', '.join(doomed)}" if doomed else "")
     return doomed
+
+
+def _after_lineage(plan: RefreshPlan, task_name: str,
+                   apply: Callable[[Sequence[LineageRecord]], Pruned | None]) -> Pruned | None:
+    """`apply` (a retention policy) on the model's lineage, as the housekeeping it is once the
+    refresh recorded its own: None, said in a warning, when the lineage is unavailable or when
+    anything stops it (the refresh stays as it ended; the next one prunes again)."""
+    from ettflow.ett.archive import OUTAGES, outage_reason
+
+    try:
+        refreshes = model_lineage(plan)
+    except OUTAGES as exc:
+        get_run_logger().warning("%s: model %s: nothing removed, the lineage is unavailable (%s)", task_name,
+                                 plan.model, outage_reason(exc))
+        return None
+    try:
+        return apply(refreshes)
+    except Exception as exc:  # noqa: BLE001 - housekeeping after the lineage: the refresh stays as it ended
+        get_run_logger().warning("%s: model %s: stopped by %s; the next refresh prunes again", task_name, plan.model,
+                                 error_text(exc, plan.warehouse, trace=not isinstance(exc, OSError)))
+        return None
 
 
 @dataclass(frozen=True)
@@ -195,24 +208,18 @@ def prune_snapshots(plan: RefreshPlan) -> list[str]:
     """Apply the snapshot retention policy to the model's snapshot root; returns the snapshot
     folders removed. Without the lineage (warehouse unavailable) or with an unreadable `current`
     nothing is removed: the next refresh prunes."""
-    from ettflow.ett.archive import OUTAGES, outage_reason
     from ettflow.publish import PublishError
 
-    try:
-        refreshes = model_lineage(plan)
-    except OUTAGES as exc:
-        get_run_logger().warning("prune-snapshots: model %s: nothing removed, the lineage is unavailable (%s)",
-                                 plan.model, outage_reason(exc))
-        return []
-    try:
-        done = apply_snapshot_retention(plan, refreshes)
-    except PublishError as exc:
-        get_run_logger().warning("prune-snapshots: model %s: nothing removed, the current snapshot is unknown (%s)",
-                                 plan.model, exc)
-        return []
-    except Exception as exc:  # noqa: BLE001 - housekeeping after the lineage: the refresh stays as it ended
-        get_run_logger().warning("prune-snapshots: model %s: stopped by %s; the next refresh prunes again",
-                                 plan.model, error_text(exc, plan.warehouse, trace=not isinstance(exc, OSError)))
+    def apply(refreshes: Sequence[LineageRecord]) -> PrunedSnapshots | None:
+        try:
+            return apply_snapshot_retention(plan, refreshes)
+        except PublishError as exc:
+            get_run_logger().warning("prune-snapshots: model %s: nothing removed, the current snapshot is unknown "
+                                     "(%s)", plan.model, exc)
+            return None
+
+    done = _after_lineage(plan, "prune-snapshots", apply)
+    if done is None:
         return []
     get_run_logger().info("prune-snapshots: model %s keeps %d snapshot(s) (the last %d published, the current "
                           "one, this run's and the bases their deltas need), removed %d%s%s", plan.model, done.kept,

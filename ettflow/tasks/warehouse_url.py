@@ -113,17 +113,11 @@ def error_text(exc: BaseException, where: WarehouseParams | Mapping[str, Any], *
     with every secret of the URL the run's parameters name hidden, should a driver's message quote
     it, and any other URL's (`scrub_urls`): for a log line or a message. The URL is resolved again
     (an error path only); when that fails too, only the other URLs' are hidden."""
-    import traceback
-
-    from ettflow.ett.archive import outage_reason
-    from ettflow.ett.redact import scrub_urls
+    from ettflow.ett.archive import outage_reason, outage_trace
     from ettflow.ett.warehouse import default_url
 
     try:
         url = resolve_warehouse_url(where) or default_url()
     except Exception:  # noqa: BLE001 - a secret store down: nothing to hide that it could give
         url = None
-    if not trace:
-        return outage_reason(exc, url)
-    text = "".join(traceback.format_exception(exc))
-    return scrub_urls(scrub(text, url) if url else text)
+    return outage_trace(exc, url) if trace else outage_reason(exc, url)
