@@ -27,10 +27,11 @@ and nobody archived it) is not live either.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +41,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from .warehouse_db import WRITE, OpenWarehouse
 from .warehouse_models import RefreshLineage, WindowClaim
 
-__all__ = ["Busy", "Claimed", "LineageRecord", "Outcome", "claim_windows", "finish_refresh", "last_published",
-           "lineage", "record_lineage", "release_claims", "settle_ended_run", "watermark"]
+__all__ = ["Busy", "Claimed", "ClaimsLost", "LineageRecord", "Outcome", "claim_windows", "finish_refresh",
+           "holding_claims", "last_published", "lineage", "record_lineage", "release_claims", "settle_ended_run",
+           "watermark"]
 
 _LINEAGE: Table = RefreshLineage.__table__
 _CLAIMS: Table = WindowClaim.__table__
@@ -131,6 +133,24 @@ class Busy:
     since: float
 
 
+class ClaimsLost(RuntimeError):
+    """The run no longer holds its claims on the model's windows: they were released while it
+    stood still (taken for dead: `settle_ended_run`), and maybe claimed by another refresh
+    (`holder`). Its snapshot must not become the model's, nor its refresh PUBLISHED."""
+
+    def __init__(self, model: str, run_id: str, *, recorded: LineageRecord | None, holder: str | None,
+                 windows: tuple[str, ...]) -> None:
+        self.model, self.run_id, self.recorded, self.holder, self.windows = model, run_id, recorded, holder, windows
+        span = f"{windows[0]}..{windows[-1]}" if len(windows) > 1 else ", ".join(windows) or "none"
+        why = f" ({recorded.reason})" if recorded is not None and recorded.reason else ""
+        said = f"the lineage records it {recorded.outcome.value}{why}" if recorded else "the lineage has none of it"
+        now = f"run {holder} holds windows {span} now" if holder else "no refresh holds them now"
+        super().__init__(
+            f"run {run_id} no longer holds its claims on model {model}'s windows: they were released while it "
+            f"stood still (its heartbeat stopped past its bound, so it was taken for dead); {said}, and {now}. "
+            "Nothing of this run is published; the model's lineage goes on from the refresh that holds them")
+
+
 # -- reading ------------------------------------------------------------------------------
 
 
@@ -188,6 +208,35 @@ def _lock_model(conn: Connection, model: str) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
 
 
+def _claims_lost(conn: Connection, model: str, run_id: str) -> ClaimsLost | None:
+    """Why the run holds no claim (live or done) on the model's windows, or None when it holds one."""
+    mine = conn.execute(select(_CLAIMS.c.window).where(_CLAIMS.c.model == model, _CLAIMS.c.run_id == run_id)
+                        .limit(1)).first()
+    if mine is not None:
+        return None
+    own = conn.execute(select(_LINEAGE).where(_LINEAGE.c.run_id == run_id)).first()
+    recorded = LineageRecord.from_row(own) if own is not None else None
+    windows = recorded.windows if recorded is not None else ()
+    taken = conn.execute(select(_CLAIMS.c.run_id).where(
+        _CLAIMS.c.model == model, _CLAIMS.c.window.in_(windows) if windows else _CLAIMS.c.state == CLAIMED)
+        .order_by(_CLAIMS.c.claimed_at.desc()).limit(1)).first()
+    return ClaimsLost(model, run_id, recorded=recorded, holder=taken.run_id if taken is not None else None,
+                      windows=windows)
+
+
+@contextlib.contextmanager
+def holding_claims(wh: OpenWarehouse, model: str, run_id: str) -> Iterator[None]:
+    """Run the block while the run holds its claims on the model's windows, in one write
+    transaction under the model's lock: no claim of the model is taken or released meanwhile.
+    Raises `ClaimsLost`, before the block, when the run holds none (the module's fence)."""
+    with _write(wh) as conn, conn.begin():
+        _lock_model(conn, model)
+        lost = _claims_lost(conn, model, run_id)
+        if lost is not None:
+            raise lost
+        yield
+
+
 def record_lineage(wh: OpenWarehouse, record: LineageRecord) -> None:
     """Write the record (upsert by run id)."""
     with _write(wh) as conn, conn.begin():
@@ -199,13 +248,19 @@ def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> bool:
     when PUBLISHED, released otherwise (a later refresh claims those windows again). A record
     older than the one the run already has (`finished_at`) changes nothing and returns False:
     an earlier try's record that waited in the spool (`ett.lineage_pending`) while a later try
-    of the same run (a flow retry) published must not undo it (its watermark, its done claims)."""
+    of the same run (a flow retry) published must not undo it (its watermark, its done claims).
+    A PUBLISHED record of a run that no longer holds its claims raises `ClaimsLost` and writes
+    nothing (the module's fence)."""
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, record.model)
         known = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == record.run_id)).first()
         if known is not None and known.finished_at is not None and record.finished_at is not None \
                 and known.finished_at > record.finished_at:  # a record without its time is written
             return False
+        if record.outcome is Outcome.PUBLISHED:
+            lost = _claims_lost(conn, record.model, record.run_id)
+            if lost is not None:
+                raise lost
         _upsert(conn, _LINEAGE, [record.row()])
         mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
         if record.outcome is Outcome.PUBLISHED:

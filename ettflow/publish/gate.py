@@ -13,12 +13,17 @@ log loss above by more than `max_logloss_increase` (a limit set to None is not c
 delta snapshot is scored materialized (`delta_snapshot.py`). A
 model's first snapshot, or one whose current snapshot has another schema or cannot be scored
 (its folder, or a link of its delta chain, fails its manifest or is gone), is published without
-a comparison, and the reason says so.
+a comparison, and the reason says so. A caller may fence the pointer's move (`guard`: the flow
+moves it only while its run still holds its windows, `ett.lineage.holding_claims`): what the
+guard raises leaves `current` where it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,10 +139,12 @@ def score_snapshot(folder: str, config: PublishConfig, schema) -> Scores:
     return Scores(auc=None if math.isnan(value) else round(value, 6), logloss=round(logloss(y, p), 6))
 
 
-def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateConfig) -> PublishOutcome:
+def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateConfig, *,
+                  guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> PublishOutcome:
     """Compare the installed new snapshot with the model's current one and move `current`
     only when it passes (see the module docstring). `config` is the publish config the new
-    snapshot was validated with (its held-out windows and batches)."""
+    snapshot was validated with (its held-out windows and batches); `current` moves inside
+    `guard()`, and not at all when it raises."""
     from ettflow.trainer.data.schema import FeatureSchema
 
     root = config.output_root
@@ -150,7 +157,8 @@ def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateC
                               reason="this snapshot is already the current one (a retry)")
     incomparable = _incomparable(current, manifest)
     if incomparable is not None:
-        moved = move_current(root, manifest)
+        with guard():
+            moved = move_current(root, manifest)
         return PublishOutcome(snapshot=manifest.path, outcome=Outcome.PUBLISHED, reason=incomparable,
                               metrics=metrics, current=moved.path)
     assert current is not None
@@ -160,7 +168,8 @@ def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateC
     if outcome is Outcome.GATED:
         return PublishOutcome(snapshot=manifest.path, outcome=outcome, metrics=metrics, current=current.path,
                               reason=f"{reason} ({current.path})")
-    moved = move_current(root, manifest)
+    with guard():
+        moved = move_current(root, manifest)
     return PublishOutcome(snapshot=manifest.path, outcome=outcome, metrics=metrics, current=moved.path,
                           reason=reason)
 

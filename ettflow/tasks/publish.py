@@ -13,13 +13,21 @@ current one on the held-out window; only a snapshot that is not worse beyond the
 task returns a `PublishOutcome` (published or gated, and why); a gated try is recorded with
 `outcome="gated"` and its reason. The snapshot's manifest names its parent (the current
 snapshot it follows, and the anchor its training started from) and its windows.
+
+`current` moves only while the run still holds its windows' claims (`claims_guard`: a run taken
+for dead while it stood still, whose windows another refresh may be training, fails with
+`ClaimsLost` and is not retried). With the warehouse unreachable the move goes on, with a
+warning: claims are only taken from a run whose heartbeat stopped, and the run's lineage waits
+in the spool as any run's does in an outage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -43,13 +51,40 @@ class InjectedPublishFailure(RuntimeError):
 
 
 def _retryable(task, task_run, state) -> bool:
-    from ettflow.publish import is_retryable
-
     try:
         state.result()
     except Exception as exc:  # noqa: BLE001
-        return is_retryable(exc)
+        return may_retry(exc)
     return False
+
+
+def may_retry(exc: BaseException) -> bool:
+    """Whether another try of the publish may succeed (never for a run that lost its claims:
+    another try cannot win its windows back)."""
+    from ettflow.ett.lineage import ClaimsLost
+    from ettflow.publish import is_retryable
+
+    return isinstance(exc, Exception) and not isinstance(exc, ClaimsLost) and is_retryable(exc)
+
+
+@contextlib.contextmanager
+def claims_guard(plan: RefreshPlan, log: Any) -> Iterator[None]:
+    """The block (the move of the model's `current`) runs while the run holds its claims
+    (`ett.lineage.holding_claims`), or, with the warehouse unreachable, unfenced (logged)."""
+    from ettflow.ett import lineage
+    from ettflow.ett.archive import OUTAGES
+    from ettflow.ett.warehouse import Warehouse
+
+    from .warehouse_url import error_text, resolve_warehouse_url
+
+    with contextlib.ExitStack() as fence:
+        try:
+            wh = fence.enter_context(Warehouse.open(resolve_warehouse_url(plan.warehouse)))
+            fence.enter_context(lineage.holding_claims(wh, plan.model, plan.run_id))
+        except OUTAGES as exc:
+            log.warning("model %s: cannot check that run %s still holds its windows (%s): moving the current "
+                        "snapshot anyway", plan.model, plan.run_id, error_text(exc, plan.warehouse))
+        yield
 
 
 def already_published(plan: RefreshPlan, anchor: str) -> str | None:
@@ -66,13 +101,14 @@ def already_published(plan: RefreshPlan, anchor: str) -> str | None:
     return manifest.path if same and manifest.validation.get("passed") else None
 
 
-def _outcome_of(plan: RefreshPlan, manifest, config) -> PublishOutcome:
-    """The gate's decision for an installed snapshot (moves `current` when it passes)."""
+def _outcome_of(plan: RefreshPlan, manifest, config, log: Any) -> PublishOutcome:
+    """The gate's decision for an installed snapshot (moves `current` when it passes, while the
+    run holds its claims)."""
     from ettflow.publish.gate import GateConfig, gate_snapshot
 
     gate = GateConfig(max_auc_drop=plan.params.gate.gate_max_auc_drop,
                       max_logloss_increase=plan.params.gate.gate_max_logloss_increase)
-    return gate_snapshot(manifest, config, gate)
+    return gate_snapshot(manifest, config, gate, guard=lambda: claims_guard(plan, log))
 
 
 @task(name="publish-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
@@ -81,7 +117,7 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     """Publish the anchor as `<snapshot_root>/<run_id>/` and gate it against the model's
     current snapshot; returns the `PublishOutcome` (published: `current` moved to it; gated:
     `current` stayed, `reason` says why)."""
-    from ettflow.publish import PublishConfig, is_retryable, publish_snapshot, read_current, read_manifest
+    from ettflow.publish import PublishConfig, publish_snapshot, read_current, read_manifest
 
     logger = get_run_logger()
     current = read_current(plan.snapshot_root)
@@ -95,7 +131,7 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     done = already_published(plan, anchor)
     if done is not None:
         logger.info("run %s already published %s from this anchor", plan.run_id, done)
-        return _outcome_of(plan, read_manifest(done), config)
+        return _outcome_of(plan, read_manifest(done), config, logger)
     phase = "publish" if on_devices else "publish_standalone"
     attempt = plan.recorder.last_attempt()
     injected = sum(1 for e in run_spool.publish_records(plan.recorder.events())
@@ -110,11 +146,11 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
         if injected < faults.times:
             raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {faults.times}")
         manifest = publish_snapshot(config)
-        outcome = _outcome_of(plan, manifest, config)
+        outcome = _outcome_of(plan, manifest, config, logger)
     except BaseException as exc:
         plan.recorder.record(attempt, phase, start, time.time(), outcome="failed",
                          failure_class="publish", error=f"{type(exc).__name__}: {exc}"[:500],
-                         retryable=bool(isinstance(exc, Exception) and is_retryable(exc)),
+                         retryable=may_retry(exc),
                          injected=isinstance(exc, InjectedPublishFailure))
         raise
     plan.recorder.record(attempt, phase, start, time.time(), outcome=outcome.outcome.value,

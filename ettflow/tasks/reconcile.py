@@ -49,7 +49,7 @@ from ettflow.ett.archive import (
     settles_lineage,
 )
 from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
-from ettflow.ett.lineage import finish_refresh, settle_ended_run
+from ettflow.ett.lineage import ClaimsLost, Outcome, finish_refresh, settle_ended_run
 from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
 from ettflow.ett.orphans import record_orchestrator_failure
 from ettflow.ett.spool import spool_bytes, spooled_runs
@@ -229,7 +229,9 @@ def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
                            skip: Collection[str] = ()) -> list[Reconciled]:
     """Write the lineage records that wait in the spool (`ett.lineage_pending`: their refresh
     ended while the warehouse was down), settling their window claims; each is removed once
-    written. Raises `OUTAGES` when the warehouse is still down (the records stay)."""
+    written. A PUBLISHED record whose run lost its claims meanwhile (taken for dead while it
+    stood still: `lineage.ClaimsLost`) is written FAILED, with why. Raises `OUTAGES` when the
+    warehouse is still down (the records stay)."""
     runs = [r for r in pending_lineage_runs(spool_root) if r not in skip]
     if not runs:
         return []
@@ -240,7 +242,11 @@ def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
             if record is None:
                 out.append(Reconciled(run_id, "error", "its pending lineage record is unreadable (left in place)"))
                 continue
-            written = finish_refresh(wh, record)
+            try:
+                written = finish_refresh(wh, record)
+            except ClaimsLost as lost:  # taken for dead while it stood still: not the model's refresh
+                record = replace(record, outcome=Outcome.FAILED, reason=str(lost)[:2000])
+                written = finish_refresh(wh, record)
             clear_pending_lineage(spool_root, run_id)
             if not written:  # a later try of the run recorded its end since: that one stands
                 out.append(Reconciled(run_id, "skipped", f"its pending lineage record ({record.outcome.value}) was "

@@ -265,6 +265,7 @@ def test_a_refresh_stopped_after_sealing_its_anchor_is_published_by_the_next_not
                    windows=list_windows(flow_data)[:2], warm_start=False, switches=PLAIN)
     state, first = run(own, fail_at=["publish:times=3"])
     assert state.is_failed(), state.message
+    lost, thief = _loses_its_claims_while_it_publishes(own, first)
     state, second = run(own)
     assert state.is_completed(), state.message
     assert state.message.startswith(f"published the anchor of run {first}, which trained these windows"), \
@@ -279,6 +280,54 @@ def test_a_refresh_stopped_after_sealing_its_anchor_is_published_by_the_next_not
     assert stopped.outcome is Outcome.FAILED and stopped.anchor and "injected publish failure" in stopped.reason
     assert (reused.outcome, reused.anchor, reused.windows) == (Outcome.PUBLISHED, stopped.anchor, stopped.windows)
     assert reused.snapshot and Path(reused.snapshot).name == second
+    assert lost.outcome is Outcome.FAILED and thief not in (r.run_id for r in wh_lineage(own))
+
+
+def wh_lineage(env):
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        return wh.lineage("dlrm")
+
+
+def _loses_its_claims_while_it_publishes(env, stopped: str):
+    """A refresh of the stopped run's windows that loses its claims while it publishes that
+    anchor (as one taken for dead while it stood still: its claims settled from outside it, and
+    another refresh's taken) ends failed: the model's `current` does not move to its snapshot,
+    its lineage is not PUBLISHED, the other refresh's claims stay. Returns its lineage record and
+    the other refresh's run id (its claims released again, as when it ends)."""
+    import time
+
+    from sqlalchemy import select
+
+    from ettflow.ett import lineage
+    from ettflow.ett.warehouse_models import WindowClaim
+    from ettflow.publish import read_current
+
+    ended = {}
+    thread = threading.Thread(target=lambda: ended.update(zip(("state", "run_id"), run(
+        env, fail_at=["publish:slow_s=3"]))))
+    thread.start()
+    with Warehouse.open(env["warehouse_url"]) as wh:
+        def claims():
+            with wh.engine.connect() as conn:
+                return conn.execute(select(WindowClaim)).all()
+
+        deadline = time.monotonic() + 300
+        while not (held := claims()):
+            assert thread.is_alive() and time.monotonic() < deadline, ended
+            time.sleep(0.05)
+        (holder,) = {c.run_id for c in held}
+        windows = tuple(sorted(c.window for c in held))
+        lineage.settle_ended_run(wh, "dlrm", holder, "crashed", reason="its heartbeat stopped (it stood still)")
+        assert not isinstance(lineage.claim_windows(wh, "dlrm", "thief", lambda mark, parent: (windows, None)),
+                              lineage.Busy)
+        thread.join()
+        state = ended["state"]
+        assert state.is_failed() and "no longer holds its claims" in state.message, state.message
+        assert "run thief holds windows" in state.message, state.message
+        assert read_current(Path(env["snapshot_root"])) is None  # its snapshot (the model's first) is not current
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == holder]
+        assert lineage.release_claims(wh, "dlrm", "thief") == len(windows)
+    return record, "thief"
 
 
 def test_a_bad_parameter_fails_the_run_at_once(env):

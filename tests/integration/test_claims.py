@@ -81,8 +81,8 @@ def test_the_second_refresh_waits_then_trains_only_what_is_new(warehouse_url, fl
 def test_nothing_new_is_skipped_and_claims_nothing(warehouse_url, flow_data, tmp_path):
     p = plan(flow_data, tmp_path, "r1")
     with Warehouse.open(warehouse_url) as wh:
-        lineage.finish_refresh(wh, LineageRecord(model="dlrm", run_id="r0", windows=p.trainer.windows,
-                                                 outcome=Outcome.PUBLISHED, anchor="/a0"))
+        wh.record_lineage(LineageRecord(model="dlrm", run_id="r0", windows=p.trainer.windows,  # a refresh long done
+                                        outcome=Outcome.PUBLISHED, anchor="/a0"))
         claim = take_claim(p, wh)
         assert claim.skipped == (f"nothing new to train for model dlrm: watermark {p.trainer.windows[-1]} is the "
                                  f"newest window before the held-out {p.trainer.eval_windows[0]}")
@@ -284,3 +284,66 @@ def test_a_run_that_failed_after_its_claim_with_nothing_spooled_has_its_claims_r
         nxt = take_claim(plan(flow_data, tmp_path, "next", warehouse_url=warehouse_url, claim_wait_s=0), wh)
     assert record.outcome is Outcome.FAILED and nxt.skipped is None
     assert nxt.plan.trainer.windows == won.plan.trainer.windows
+
+
+def test_a_holder_that_stood_still_past_its_bound_cannot_publish_the_windows_it_lost_when_it_resumes(
+        warehouse_url, flow_data, tmp_path):
+    """A run whose process stood still (SIGSTOP, a paused VM, swapping) past its heartbeat's
+    bound looks dead: the refresh waiting on its windows archives it as crashed and claims them.
+    Then the run resumes and goes on. Neither step that would make it the model's refresh may
+    follow (`lineage.ClaimsLost`, naming the refresh that holds the windows now): the move of
+    `current` (the publish task's guard) and its PUBLISHED record (written by its task, or
+    replayed from the spool after an outage, where it is written FAILED). Its failure is
+    recorded without touching the other refresh's claims, and that refresh publishes."""
+    import logging
+    import os
+
+    from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file
+    from ettflow.ett.lineage import ClaimsLost
+    from ettflow.ett.lineage_pending import write_pending_lineage
+    from ettflow.tasks.claims import lineage_record, record_failure, settle_or_keep
+    from ettflow.tasks.publish import claims_guard, may_retry
+    from ettflow.tasks.reconcile import settle_pending_lineage
+
+    spool, log = tmp_path / "spool", logging.getLogger("test_claims")
+    beat = RunHeartbeat(spool, "stood", labels={"model": "dlrm"})
+    beat.__enter__()  # the flow's heartbeat, begun before its claim
+    with Warehouse.open(warehouse_url) as wh:
+        stood = take_claim(plan(flow_data, tmp_path, "stood", warehouse_url=warehouse_url), wh).plan
+    beat._stop.set()  # the process stands still: no beat, and no end
+    beat._thread.join()
+    long_ago = time.time() - 600
+    os.utime(heartbeat_file(spool, "stood"), (long_ago, long_ago))
+    with Warehouse.open(warehouse_url) as wh:
+        nxt = take_claim(plan(flow_data, tmp_path, "next", warehouse_url=warehouse_url, claim_wait_s=5), wh,
+                         url=warehouse_url, poll_s=0.05)
+    assert nxt.skipped is None and nxt.plan.trainer.windows == stood.trainer.windows
+
+    # it resumes, trains on and publishes: `current` may not move, its lineage may not say PUBLISHED
+    moved = []
+    with pytest.raises(ClaimsLost) as lost, claims_guard(stood, log):
+        moved.append("stood")
+    text = str(lost.value)
+    assert moved == [] and lost.value.holder == "next" and not may_retry(lost.value)
+    assert text.startswith("run stood no longer holds its claims on model dlrm's windows") and \
+        "the lineage records it crashed" in text and "run next holds windows" in text
+    with pytest.raises(ClaimsLost):
+        settle_or_keep(stood, Outcome.PUBLISHED, log, anchor="/a/stood", snapshot="/s/stood")
+    # its PUBLISHED record kept in the spool (an outage) is written FAILED when it is replayed
+    write_pending_lineage(spool, lineage_record(stood, Outcome.PUBLISHED, anchor="/a/stood", snapshot="/s/stood"))
+    [replayed] = settle_pending_lineage(spool, warehouse_url)
+    assert replayed.action == "archived" and "recorded: failed" in replayed.note
+    with Warehouse.open(warehouse_url) as wh:
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == "stood"]
+    assert record.outcome is Outcome.FAILED and record.reason.startswith("run stood no longer holds its claims")
+    record_failure(stood, lost.value, log)  # how the flow ends it
+    with Warehouse.open(warehouse_url) as wh:
+        [record] = [r for r in wh.lineage("dlrm") if r.run_id == "stood"]
+        assert record.outcome is Outcome.FAILED and record.reason.startswith("ClaimsLost: run stood no longer")
+
+        # the refresh that holds the windows moves `current` and publishes them; the watermark follows it
+        with claims_guard(nxt.plan, log):
+            moved.append("next")
+        assert lineage.finish_refresh(wh, lineage_record(nxt.plan, Outcome.PUBLISHED, anchor="/a/next"))
+        assert moved == ["next"] and lineage.watermark(wh, "dlrm") == nxt.plan.trainer.windows[-1]
+        assert lineage.last_published(wh, "dlrm").run_id == "next"

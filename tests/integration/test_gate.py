@@ -109,6 +109,27 @@ def test_a_snapshot_trained_on_shuffled_labels_is_gated_and_current_stays(anchor
         == "good-again"
     assert not list(out.glob(".current.tmp-*"))
 
+    # a passing snapshot whose move is refused by the caller's guard (the flow's: its run lost its
+    # claims) leaves `current` where it was, and the guard's error is raised
+    from ettflow.publish import PublishConfig, read_manifest as manifest_of
+    from ettflow.publish.gate import gate_snapshot
+
+    class Refused(RuntimeError):
+        pass
+
+    entered = []
+
+    def refuse():
+        entered.append(True)
+        raise Refused("this run no longer holds its windows")
+
+    before = (out / "current").read_bytes()
+    config = PublishConfig(anchor=anchor["good"], output_root=out, data_root=root / "data", windows=(HELD_OUT,),
+                           batch_size=256, validation_batches=4, run_id="good")
+    with pytest.raises(Refused):
+        gate_snapshot(manifest_of(first.snapshot), config, GateConfig(max_auc_drop=0.01), guard=refuse)
+    assert entered == [True] and (out / "current").read_bytes() == before
+
 
 def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(anchors, tmp_path):
     """Issue 28: the "good" model published as a delta on the "shuffled" one's snapshot holds only
