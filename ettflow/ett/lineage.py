@@ -38,6 +38,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .redact import scrub_urls
 from .warehouse_db import WRITE, OpenWarehouse
 from .warehouse_models import RefreshLineage, WindowClaim
 
@@ -134,21 +135,24 @@ class Busy:
 
 
 class ClaimsLost(RuntimeError):
-    """The run no longer holds its claims on the model's windows: they were released while it
-    stood still (taken for dead: `settle_ended_run`), and maybe claimed by another refresh
-    (`holder`). Its snapshot must not become the model's, nor its refresh PUBLISHED."""
+    """The run no longer holds its claims on the model's windows: they were released as a dead
+    run's are (its heartbeat stopped past its bound while it stood still: `settle_ended_run`; or
+    they went stale), and maybe claimed by another refresh (`holder`, holding `windows`). Its
+    snapshot must not become the model's, nor its refresh PUBLISHED."""
 
     def __init__(self, model: str, run_id: str, *, recorded: LineageRecord | None, holder: str | None,
                  windows: tuple[str, ...]) -> None:
         self.model, self.run_id, self.recorded, self.holder, self.windows = model, run_id, recorded, holder, windows
-        span = f"{windows[0]}..{windows[-1]}" if len(windows) > 1 else ", ".join(windows) or "none"
-        why = f" ({recorded.reason})" if recorded is not None and recorded.reason else ""
-        said = f"the lineage records it {recorded.outcome.value}{why}" if recorded else "the lineage has none of it"
+        span = f"{windows[0]}..{windows[-1]}" if len(windows) > 1 else ", ".join(windows)
+        why = f" ({scrub_urls(recorded.reason)})" if recorded is not None and recorded.reason else ""
+        said = (f"the lineage records it {recorded.outcome.value}{why}" if recorded
+                else "the lineage has no record of it")
         now = f"run {holder} holds windows {span} now" if holder else "no refresh holds them now"
         super().__init__(
-            f"run {run_id} no longer holds its claims on model {model}'s windows: they were released while it "
-            f"stood still (its heartbeat stopped past its bound, so it was taken for dead); {said}, and {now}. "
-            "Nothing of this run is published; the model's lineage goes on from the refresh that holds them")
+            f"run {run_id} no longer holds its claims on model {model}'s windows: they were released, as a run's are "
+            "when it is taken for dead (its heartbeat stopped past its bound while it stood still, or its claims went "
+            f"stale); {said}, and {now}. Nothing of this run is published; the model's lineage goes on from the "
+            "refresh that holds them")
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -216,12 +220,14 @@ def _claims_lost(conn: Connection, model: str, run_id: str) -> ClaimsLost | None
         return None
     own = conn.execute(select(_LINEAGE).where(_LINEAGE.c.run_id == run_id)).first()
     recorded = LineageRecord.from_row(own) if own is not None else None
-    windows = recorded.windows if recorded is not None else ()
+    ours = recorded.windows if recorded is not None else ()
     taken = conn.execute(select(_CLAIMS.c.run_id).where(
-        _CLAIMS.c.model == model, _CLAIMS.c.window.in_(windows) if windows else _CLAIMS.c.state == CLAIMED)
+        _CLAIMS.c.model == model, _CLAIMS.c.window.in_(ours) if ours else _CLAIMS.c.state == CLAIMED)
         .order_by(_CLAIMS.c.claimed_at.desc()).limit(1)).first()
-    return ClaimsLost(model, run_id, recorded=recorded, holder=taken.run_id if taken is not None else None,
-                      windows=windows)
+    holder = taken.run_id if taken is not None else None
+    held = conn.execute(select(_CLAIMS.c.window).where(_CLAIMS.c.model == model, _CLAIMS.c.run_id == holder)
+                        .order_by(_CLAIMS.c.window)).scalars().all() if holder else ()
+    return ClaimsLost(model, run_id, recorded=recorded, holder=holder, windows=tuple(held))
 
 
 @contextlib.contextmanager
@@ -332,8 +338,11 @@ def claim_windows(wh: OpenWarehouse, model: str, run_id: str,
         mark = parent.last_window if parent is not None else None
         windows, choice = choose(mark, parent)
         windows = tuple(windows)
-        conn.execute(delete(_CLAIMS).where(_CLAIMS.c.model == model, _CLAIMS.c.run_id == run_id,
-                                           _CLAIMS.c.state == CLAIMED))
+        # the run's earlier claims, and a stale holder's whole claims (not only the windows chosen
+        # again): a holder keeping part of them would still pass the fence (`holding_claims`)
+        stale = _CLAIMS.c.claimed_at <= now - stale_after_s
+        conn.execute(delete(_CLAIMS).where(_CLAIMS.c.model == model, _CLAIMS.c.state == CLAIMED,
+                                           (_CLAIMS.c.run_id == run_id) | stale))
         if windows:
             _upsert(conn, _CLAIMS, [{"model": model, "window": w, "run_id": run_id, "state": CLAIMED,
                                      "claimed_at": now} for w in windows])

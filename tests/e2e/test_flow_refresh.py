@@ -327,6 +327,7 @@ def _loses_its_claims_while_it_publishes(env, stopped: str):
         assert read_current(Path(env["snapshot_root"])) is None  # its snapshot (the model's first) is not current
         [record] = [r for r in wh.lineage("dlrm") if r.run_id == holder]
         assert lineage.release_claims(wh, "dlrm", "thief") == len(windows)
+    assert record.reason.startswith(f"ClaimsLost: run {holder} no longer holds its claims")
     return record, "thief"
 
 

@@ -111,7 +111,8 @@ def test_a_snapshot_trained_on_shuffled_labels_is_gated_and_current_stays(anchor
 
     # a passing snapshot whose move is refused by the caller's guard (the flow's: its run lost its
     # claims) leaves `current` where it was, and the guard's error is raised
-    from ettflow.publish import PublishConfig, read_manifest as manifest_of
+    from ettflow.publish import PublishConfig
+    from ettflow.publish import read_manifest as manifest_of
     from ettflow.publish.gate import gate_snapshot
 
     class Refused(RuntimeError):

@@ -87,6 +87,27 @@ def test_a_stale_claim_is_not_live(wh):
     assert isinstance(late, Claimed) and late.windows == ("w1",)
 
 
+def test_a_stale_holder_loses_every_claim_to_the_refresh_that_takes_some_and_cannot_publish(wh):
+    """A holder whose claims went stale (a refresh that died unseen) loses all of them to the next
+    refresh that claims, not only the windows chosen again: with the rest it would still pass the
+    fence (`holding_claims`) and record PUBLISHED over the refresh that took its windows."""
+    old = ("w1", "w2", "w3", "w4")
+    lineage.claim_windows(wh, "m", "old", choose_after(old), now=0.0)
+    late = lineage.claim_windows(wh, "m", "new", lambda mark, parent: (("w1", "w2"), None),
+                                 now=lineage.STALE_AFTER_S + 1)
+    assert isinstance(late, Claimed) and late.windows == ("w1", "w2")
+    taken = "the lineage has no record of it, and run new holds windows w1..w2 now"
+    with pytest.raises(lineage.ClaimsLost, match=taken), lineage.holding_claims(wh, "m", "old"):
+        pass
+    with pytest.raises(lineage.ClaimsLost):
+        lineage.finish_refresh(wh, rec("old", old, Outcome.PUBLISHED, lineage.STALE_AFTER_S + 2))
+    assert wh.lineage("m") == [] and wh.watermark("m") is None
+    with lineage.holding_claims(wh, "m", "new"):
+        pass
+    assert lineage.finish_refresh(wh, rec("new", ("w1", "w2"), Outcome.PUBLISHED, lineage.STALE_AFTER_S + 3))
+    assert wh.watermark("m") == "w2"
+
+
 def test_report_lineage_shows_the_chain(warehouse_url, capsys, tmp_path, monkeypatch):
     from ettflow.cli import main
     from ettflow.ett.archive import archive_spooled_run
