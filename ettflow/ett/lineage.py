@@ -22,7 +22,7 @@ a later refresh trains those windows again. A run archived as crashed, failed or
 that never recorded how its refresh ended (its process died) is settled when it is archived
 (`settle_ended_run`: a CRASHED or FAILED record with the windows it had claimed, its claims
 released), so its model is not blocked; a claim older than `stale_after_s` (its refresh died
-and nobody archived it) is not live either.
+and nobody archived it) is not live either, and the model's next claim releases it.
 """
 
 from __future__ import annotations
