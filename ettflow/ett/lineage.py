@@ -23,6 +23,15 @@ that never recorded how its refresh ended (its process died) is settled when it 
 (`settle_ended_run`: a CRASHED or FAILED record with the windows it had claimed, its claims
 released), so its model is not blocked; a claim older than `stale_after_s` (its refresh died
 and nobody archived it) is not live either, and the model's next claim releases it.
+
+Claims are a lease the run can lose: a run whose process stood still (SIGSTOP, a paused VM,
+swapping) past its heartbeat's bound is taken for dead and its claims released, though it may
+go on when it resumes. What it did while it held them stands; what it would do after must not
+undo the refresh that took its windows. So the two steps that make a refresh the model's are
+fenced by its claims, under the model's lock: the move of the model's `current` snapshot runs
+inside `publishing`, which records the refresh PUBLISHED in the same transaction, and
+`finish_refresh` writes PUBLISHED only for a run that still holds its claims. Either raises
+`ClaimsLost` otherwise: the run ends failed, nothing of it published.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from .warehouse_db import WRITE, OpenWarehouse
 from .warehouse_models import RefreshLineage, WindowClaim
 
 __all__ = ["Busy", "Claimed", "ClaimsLost", "LineageRecord", "Outcome", "claim_windows", "finish_refresh",
-           "holding_claims", "last_published", "lineage", "record_lineage", "release_claims", "settle_ended_run",
+           "last_published", "lineage", "publishing", "record_lineage", "release_claims", "settle_ended_run",
            "watermark"]
 
 _LINEAGE: Table = RefreshLineage.__table__
@@ -231,16 +240,21 @@ def _claims_lost(conn: Connection, model: str, run_id: str) -> ClaimsLost | None
 
 
 @contextlib.contextmanager
-def holding_claims(wh: OpenWarehouse, model: str, run_id: str) -> Iterator[None]:
-    """Run the block while the run holds its claims on the model's windows, in one write
-    transaction under the model's lock: no claim of the model is taken or released meanwhile.
-    Raises `ClaimsLost`, before the block, when the run holds none (the module's fence)."""
+def publishing(wh: OpenWarehouse, record: LineageRecord) -> Iterator[None]:
+    """Run the block (the move of the model's `current` to the record's snapshot), then record
+    the PUBLISHED `record` as `finish_refresh` does, in one write transaction under the model's
+    lock: no claim of the model is taken or released meanwhile, and the move and the record go
+    together. Raises `ClaimsLost`, before the block, when the run holds no claim (the module's
+    fence); what the block raises writes nothing."""
+    if record.outcome is not Outcome.PUBLISHED:
+        raise ValueError(f"publishing: the record must be PUBLISHED, got {record.outcome.value}")
     with _write(wh) as conn, conn.begin():
-        _lock_model(conn, model)
-        lost = _claims_lost(conn, model, run_id)
+        _lock_model(conn, record.model)
+        lost = _claims_lost(conn, record.model, record.run_id)
         if lost is not None:
             raise lost
         yield
+        _finish(conn, record)
 
 
 def record_lineage(wh: OpenWarehouse, record: LineageRecord) -> None:
@@ -259,21 +273,26 @@ def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> bool:
     nothing (the module's fence)."""
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, record.model)
-        known = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == record.run_id)).first()
-        if known is not None and known.finished_at is not None and record.finished_at is not None \
-                and known.finished_at > record.finished_at:  # a record without its time is written
-            return False
-        if record.outcome is Outcome.PUBLISHED:
-            lost = _claims_lost(conn, record.model, record.run_id)
-            if lost is not None:
-                raise lost
-        _upsert(conn, _LINEAGE, [record.row()])
-        mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
-        if record.outcome is Outcome.PUBLISHED:
-            conn.execute(update(_CLAIMS).where(mine).values(state=DONE))
-        else:
-            conn.execute(delete(_CLAIMS).where(mine))
-        return True
+        return _finish(conn, record)
+
+
+def _finish(conn: Connection, record: LineageRecord) -> bool:
+    """`finish_refresh` in the caller's transaction, the model locked."""
+    known = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == record.run_id)).first()
+    if known is not None and known.finished_at is not None and record.finished_at is not None \
+            and known.finished_at > record.finished_at:  # a record without its time is written
+        return False
+    if record.outcome is Outcome.PUBLISHED:
+        lost = _claims_lost(conn, record.model, record.run_id)
+        if lost is not None:
+            raise lost
+    _upsert(conn, _LINEAGE, [record.row()])
+    mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
+    if record.outcome is Outcome.PUBLISHED:
+        conn.execute(update(_CLAIMS).where(mine).values(state=DONE))
+    else:
+        conn.execute(delete(_CLAIMS).where(mine))
+    return True
 
 
 def release_claims(wh: OpenWarehouse, model: str, run_id: str) -> int:
@@ -339,7 +358,7 @@ def claim_windows(wh: OpenWarehouse, model: str, run_id: str,
         windows, choice = choose(mark, parent)
         windows = tuple(windows)
         # the run's earlier claims, and a stale holder's whole claims (not only the windows chosen
-        # again): a holder keeping part of them would still pass the fence (`holding_claims`)
+        # again): a holder keeping part of them would still pass the fence (`publishing`)
         stale = _CLAIMS.c.claimed_at <= now - stale_after_s
         conn.execute(delete(_CLAIMS).where(_CLAIMS.c.model == model, _CLAIMS.c.state == CLAIMED,
                                            (_CLAIMS.c.run_id == run_id) | stale))

@@ -13,9 +13,10 @@ log loss above by more than `max_logloss_increase` (a limit set to None is not c
 delta snapshot is scored materialized (`delta_snapshot.py`). A
 model's first snapshot, or one whose current snapshot has another schema or cannot be scored
 (its folder, or a link of its delta chain, fails its manifest or is gone), is published without
-a comparison, and the reason says so. A caller may fence the pointer's move (`guard`: the flow
-moves it only while its run still holds its windows, `ett.lineage.holding_claims`): what the
-guard raises leaves `current` where it was.
+a comparison, and the reason says so. A caller may fence the pointer's move (`guard`, given the
+outcome the move makes: the flow moves it only while its run still holds its windows, and
+records the refresh PUBLISHED with it, `ett.lineage.publishing`): what the guard raises leaves
+`current` where it was.
 """
 
 from __future__ import annotations
@@ -140,11 +141,12 @@ def score_snapshot(folder: str, config: PublishConfig, schema) -> Scores:
 
 
 def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateConfig, *,
-                  guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> PublishOutcome:
+                  guard: Callable[[PublishOutcome], AbstractContextManager[Any]] = contextlib.nullcontext,
+                  ) -> PublishOutcome:
     """Compare the installed new snapshot with the model's current one and move `current`
     only when it passes (see the module docstring). `config` is the publish config the new
     snapshot was validated with (its held-out windows and batches); `current` moves inside
-    `guard()`, and not at all when it raises."""
+    `guard(outcome)` (the outcome returned), and not at all when it raises."""
     from ettflow.trainer.data.schema import FeatureSchema
 
     root = config.output_root
@@ -157,10 +159,9 @@ def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateC
                               reason="this snapshot is already the current one (a retry)")
     incomparable = _incomparable(current, manifest)
     if incomparable is not None:
-        with guard():
-            moved = move_current(root, manifest)
-        return PublishOutcome(snapshot=manifest.path, outcome=Outcome.PUBLISHED, reason=incomparable,
-                              metrics=metrics, current=moved.path)
+        return _moved(root, manifest, guard, PublishOutcome(
+            snapshot=manifest.path, outcome=Outcome.PUBLISHED, reason=incomparable, metrics=metrics,
+            current=manifest.path))
     assert current is not None
     theirs = score_snapshot(current.path, config, FeatureSchema.from_dict(manifest.schema))
     metrics["current"] = {"snapshot": current.path, "auc": theirs.auc, "logloss": theirs.logloss}
@@ -168,10 +169,16 @@ def gate_snapshot(manifest: SnapshotManifest, config: PublishConfig, gate: GateC
     if outcome is Outcome.GATED:
         return PublishOutcome(snapshot=manifest.path, outcome=outcome, metrics=metrics, current=current.path,
                               reason=f"{reason} ({current.path})")
-    with guard():
-        moved = move_current(root, manifest)
-    return PublishOutcome(snapshot=manifest.path, outcome=outcome, metrics=metrics, current=moved.path,
-                          reason=reason)
+    return _moved(root, manifest, guard, PublishOutcome(snapshot=manifest.path, outcome=outcome, metrics=metrics,
+                                                        current=manifest.path, reason=reason))
+
+
+def _moved(root: Path, manifest: SnapshotManifest, guard: Callable[[PublishOutcome], AbstractContextManager[Any]],
+           outcome: PublishOutcome) -> PublishOutcome:
+    """`outcome`, once `current` points at the new snapshot (moved inside `guard(outcome)`)."""
+    with guard(outcome):
+        move_current(root, manifest)
+    return outcome
 
 
 def _incomparable(current: CurrentPointer | None, manifest: SnapshotManifest) -> str | None:

@@ -14,11 +14,12 @@ task returns a `PublishOutcome` (published or gated, and why); a gated try is re
 `outcome="gated"` and its reason. The snapshot's manifest names its parent (the current
 snapshot it follows, and the anchor its training started from) and its windows.
 
-`current` moves only while the run still holds its windows' claims (`claims_guard`: a run taken
-for dead while it stood still, whose windows another refresh may be training, fails with
-`ClaimsLost` and is not retried). With the warehouse unreachable the move goes on, with a
-warning: claims are only taken from a run whose heartbeat stopped, and the run's lineage waits
-in the spool as any run's does in an outage.
+`current` moves only while the run still holds its windows' claims, and the refresh is recorded
+PUBLISHED in the move's transaction (`claims_guard`, `ett.lineage.publishing`; the record-lineage
+task writes it again): a run taken for dead while it stood still, whose windows another refresh
+may be training, fails with `ClaimsLost` and is not retried. With the warehouse unreachable the
+move goes on, with a warning: claims are only taken from a run whose heartbeat stopped, and the
+run's lineage waits in the spool as any run's does in an outage.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .archive import archive_on_task_state
 from .plan import RefreshPlan
 
 if TYPE_CHECKING:
+    from ettflow.ett.lineage import LineageRecord
     from ettflow.publish.gate import PublishOutcome
 
 # The held-out examples the publish validation and the gate score (up to the held-out window's
@@ -68,9 +70,10 @@ def may_retry(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def claims_guard(plan: RefreshPlan, log: Any) -> Iterator[None]:
-    """The block (the move of the model's `current`) runs while the run holds its claims
-    (`ett.lineage.holding_claims`), or, with the warehouse unreachable, unfenced (logged)."""
+def claims_guard(plan: RefreshPlan, log: Any, record: LineageRecord) -> Iterator[None]:
+    """The block (the move of the model's `current`) runs while the run holds its claims, and
+    the PUBLISHED `record` is written with it (`ett.lineage.publishing`); with the warehouse
+    unreachable, unfenced and unrecorded (logged: the record-lineage task keeps it in the spool)."""
     from ettflow.ett import lineage
     from ettflow.ett.archive import OUTAGES
     from ettflow.ett.warehouse import Warehouse
@@ -80,7 +83,7 @@ def claims_guard(plan: RefreshPlan, log: Any) -> Iterator[None]:
     with contextlib.ExitStack() as fence:
         try:
             wh = fence.enter_context(Warehouse.open(resolve_warehouse_url(plan.warehouse)))
-            fence.enter_context(lineage.holding_claims(wh, plan.model, plan.run_id))
+            fence.enter_context(lineage.publishing(wh, record))
         except OUTAGES as exc:
             log.warning("model %s: cannot check that run %s still holds its windows (%s): moving the current "
                         "snapshot anyway", plan.model, plan.run_id, error_text(exc, plan.warehouse))
@@ -101,14 +104,19 @@ def already_published(plan: RefreshPlan, anchor: str) -> str | None:
     return manifest.path if same and manifest.validation.get("passed") else None
 
 
-def _outcome_of(plan: RefreshPlan, manifest, config, log: Any) -> PublishOutcome:
+def _outcome_of(plan: RefreshPlan, anchor: str, manifest, config, log: Any) -> PublishOutcome:
     """The gate's decision for an installed snapshot (moves `current` when it passes, while the
-    run holds its claims)."""
+    run holds its claims, and records the refresh PUBLISHED with it)."""
+    from ettflow.ett.lineage import Outcome
     from ettflow.publish.gate import GateConfig, gate_snapshot
+
+    from .claims import lineage_record
 
     gate = GateConfig(max_auc_drop=plan.params.gate.gate_max_auc_drop,
                       max_logloss_increase=plan.params.gate.gate_max_logloss_increase)
-    return gate_snapshot(manifest, config, gate, guard=lambda: claims_guard(plan, log))
+    return gate_snapshot(manifest, config, gate, guard=lambda outcome: claims_guard(
+        plan, log, lineage_record(plan, Outcome.PUBLISHED, anchor=anchor, snapshot=outcome.snapshot,
+                                  reason=outcome.reason)))
 
 
 @task(name="publish-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
@@ -131,7 +139,7 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
     done = already_published(plan, anchor)
     if done is not None:
         logger.info("run %s already published %s from this anchor", plan.run_id, done)
-        return _outcome_of(plan, read_manifest(done), config, logger)
+        return _outcome_of(plan, anchor, read_manifest(done), config, logger)
     phase = "publish" if on_devices else "publish_standalone"
     attempt = plan.recorder.last_attempt()
     injected = sum(1 for e in run_spool.publish_records(plan.recorder.events())
@@ -146,7 +154,7 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
         if injected < faults.times:
             raise InjectedPublishFailure(f"injected publish failure {injected + 1} of {faults.times}")
         manifest = publish_snapshot(config)
-        outcome = _outcome_of(plan, manifest, config, logger)
+        outcome = _outcome_of(plan, anchor, manifest, config, logger)
     except BaseException as exc:
         plan.recorder.record(attempt, phase, start, time.time(), outcome="failed",
                          failure_class="publish", error=f"{type(exc).__name__}: {exc}"[:500],

@@ -321,7 +321,8 @@ def test_a_holder_that_stood_still_past_its_bound_cannot_publish_the_windows_it_
 
     # it resumes, trains on and publishes: `current` may not move, its lineage may not say PUBLISHED
     moved = []
-    with pytest.raises(ClaimsLost) as lost, claims_guard(stood, log):
+    published = lineage_record(stood, Outcome.PUBLISHED, anchor="/a/stood", snapshot="/s/stood")
+    with pytest.raises(ClaimsLost) as lost, claims_guard(stood, log, published):
         moved.append("stood")
     text = str(lost.value)
     assert moved == [] and lost.value.holder == "next" and not may_retry(lost.value)
@@ -341,9 +342,10 @@ def test_a_holder_that_stood_still_past_its_bound_cannot_publish_the_windows_it_
         [record] = [r for r in wh.lineage("dlrm") if r.run_id == "stood"]
         assert record.outcome is Outcome.FAILED and record.reason.startswith("ClaimsLost: run stood no longer")
 
-        # the refresh that holds the windows moves `current` and publishes them; the watermark follows it
-        with claims_guard(nxt.plan, log):
+        # the refresh that holds the windows moves `current` and is recorded PUBLISHED with the move
+        # (the record-lineage task writes it again); the watermark follows it
+        with claims_guard(nxt.plan, log, lineage_record(nxt.plan, Outcome.PUBLISHED, anchor="/a/next")):
             moved.append("next")
-        assert lineage.finish_refresh(wh, lineage_record(nxt.plan, Outcome.PUBLISHED, anchor="/a/next"))
         assert moved == ["next"] and lineage.watermark(wh, "dlrm") == nxt.plan.trainer.windows[-1]
         assert lineage.last_published(wh, "dlrm").run_id == "next"
+        assert lineage.finish_refresh(wh, lineage_record(nxt.plan, Outcome.PUBLISHED, anchor="/a/next"))

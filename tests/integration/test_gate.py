@@ -120,8 +120,8 @@ def test_a_snapshot_trained_on_shuffled_labels_is_gated_and_current_stays(anchor
 
     entered = []
 
-    def refuse():
-        entered.append(True)
+    def refuse(outcome):
+        entered.append(outcome.outcome)
         raise Refused("this run no longer holds its windows")
 
     before = (out / "current").read_bytes()
@@ -129,7 +129,7 @@ def test_a_snapshot_trained_on_shuffled_labels_is_gated_and_current_stays(anchor
                            batch_size=256, validation_batches=4, run_id="good")
     with pytest.raises(Refused):
         gate_snapshot(manifest_of(first.snapshot), config, GateConfig(max_auc_drop=0.01), guard=refuse)
-    assert entered == [True] and (out / "current").read_bytes() == before
+    assert entered == [Outcome.PUBLISHED] and (out / "current").read_bytes() == before
 
 
 def test_a_delta_snapshot_materializes_to_the_full_snapshot_and_scores_the_same(anchors, tmp_path):

@@ -90,22 +90,29 @@ def test_a_stale_claim_is_not_live(wh):
 def test_a_stale_holder_loses_every_claim_to_the_refresh_that_takes_some_and_cannot_publish(wh):
     """A holder whose claims went stale (a refresh that died unseen) loses all of them to the next
     refresh that claims, not only the windows chosen again: with the rest it would still pass the
-    fence (`holding_claims`) and record PUBLISHED over the refresh that took its windows."""
+    fence (`publishing`) and record PUBLISHED over the refresh that took its windows. The holder
+    that publishes records it with its move, and a move that fails records nothing."""
     old = ("w1", "w2", "w3", "w4")
     lineage.claim_windows(wh, "m", "old", choose_after(old), now=0.0)
     late = lineage.claim_windows(wh, "m", "new", lambda mark, parent: (("w1", "w2"), None),
                                  now=lineage.STALE_AFTER_S + 1)
     assert isinstance(late, Claimed) and late.windows == ("w1", "w2")
     taken = "the lineage has no record of it, and run new holds windows w1..w2 now"
-    with pytest.raises(lineage.ClaimsLost, match=taken), lineage.holding_claims(wh, "m", "old"):
+    stale = rec("old", old, Outcome.PUBLISHED, lineage.STALE_AFTER_S + 2)
+    with pytest.raises(lineage.ClaimsLost, match=taken), lineage.publishing(wh, stale):
         pass
     with pytest.raises(lineage.ClaimsLost):
-        lineage.finish_refresh(wh, rec("old", old, Outcome.PUBLISHED, lineage.STALE_AFTER_S + 2))
+        lineage.finish_refresh(wh, stale)
     assert wh.lineage("m") == [] and wh.watermark("m") is None
-    with lineage.holding_claims(wh, "m", "new"):
+    new = rec("new", ("w1", "w2"), Outcome.PUBLISHED, lineage.STALE_AFTER_S + 3)
+    with pytest.raises(OSError), lineage.publishing(wh, new):
+        raise OSError("the pointer's disk is full")  # the move failed: nothing recorded
+    assert wh.watermark("m") is None
+    with lineage.publishing(wh, new):
         pass
-    assert lineage.finish_refresh(wh, rec("new", ("w1", "w2"), Outcome.PUBLISHED, lineage.STALE_AFTER_S + 3))
-    assert wh.watermark("m") == "w2"
+    assert wh.watermark("m") == "w2" and wh.lineage("m") == [new]
+    with pytest.raises(ValueError, match="must be PUBLISHED"), lineage.publishing(wh, rec("x", (), Outcome.GATED, 1)):
+        pass
 
 
 def test_report_lineage_shows_the_chain(warehouse_url, capsys, tmp_path, monkeypatch):
