@@ -97,7 +97,7 @@ def trained_otherwise(info: AnchorInfo, plan: RefreshPlan) -> str | None:
     """Why the anchor's training is not what the plan asks of these windows (its batch size a
     rank or its step cap differ, or it does not say: a marker older than `trained_with`), in
     words; None when it is the same."""
-    asked = TrainedWith(batch_size=plan.trainer.batch_size, max_steps=plan.trainer.max_steps)
+    asked = TrainedWith.of(plan.trainer)
     if info.trained_with is None:
         return "its marker does not say how it trained (an older ettflow)"
     if info.trained_with != asked:

@@ -41,6 +41,12 @@ class TrainedWith:
     max_steps: int | None = None
 
     @classmethod
+    def of(cls, config: Any) -> TrainedWith:
+        """What a trainer config (`TrainerConfig`: its `batch_size` and `max_steps`) trains with:
+        the one rule the rank's marker and the reuse check both read."""
+        return cls(batch_size=config.batch_size, max_steps=config.max_steps)
+
+    @classmethod
     def from_json(cls, raw: Any, *, where: str) -> TrainedWith:
         if not isinstance(raw, Mapping):
             raise AnchorFormatError(f"{where}: 'trained_with' must be an object, got {type(raw).__name__}")

@@ -275,7 +275,7 @@ class Checkpointing:
             path = self._restored_checkpoint(step)
             if path is None and cursor is None:  # a warm start that trains nothing: no checkpoint of its own
                 return None
-        trained = TrainedWith(batch_size=self.config.batch_size, max_steps=self.config.max_steps)
+        trained = TrainedWith.of(self.config)
         anchor = AnchorInfo(run_id=run_id, step=step, cursor=cursor.to_dict(), world_size=self.config.world_size,
                             model=self.config.model, schema=self.config.schema,
                             parent=self.config.warm_start_from or None, windows=split_windows(self.config)[0],
