@@ -17,6 +17,8 @@ For each run, from what its spool says:
   `orchestrator` failure is added to its spool at the last heartbeat, detected at the last
   heartbeat + the bound (`ett.orphans`), and it is archived as ``crashed``; a record that
   ended ``crashed`` (the body died of a BaseException) gets the same, at its end;
+- a skipped refresh (its spool's one skip event, `tasks.skipped`) is ``skipped`` whatever its
+  heartbeat says (killed before it was forgotten): it reserved, trained and claimed nothing;
 - otherwise its status is, first match wins: a final status (completed, failed, crashed,
   cancelled: what a flow hook records) in its pending mark or its row, the heartbeat's
   outcome, ``running`` (live, named), the pending mark's status, the row's status, ``unknown``.
@@ -56,6 +58,7 @@ from ettflow.ett.spool import spool_bytes, spooled_runs
 from ettflow.ett.warehouse import RunInfo, Warehouse, default_url
 from ettflow.ett.warehouse_models import Run
 from ettflow.tasks.run_spool import RunRecorder
+from ettflow.tasks.skipped import skip_reason
 
 from . import run_spool
 from .archive import log_result, run_info
@@ -153,7 +156,11 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     mark = read_pending(spool_root, run_id)
     if beat is not None and beat.is_live(now) and not named:
         return Reconciled(run_id, "skipped", f"live: last heartbeat {now - beat.last_beat:.1f} s ago")
-    crash = _crash_to_record(beat, mark, row, now)
+    evs = RunRecorder(spool_root, run_id).events()
+    # a skipped refresh reserved and trained nothing and holds no claim: killed before its heartbeat
+    # was forgotten, it is still skipped, never a crash
+    skipped = skip_reason(evs)
+    crash = _crash_to_record(beat, mark, row, now) if skipped is None else None
     if crash is not None:
         last_alive, detected_at, how = crash
         try:
@@ -164,12 +171,12 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
         except OSError as exc:  # SpoolWriteError: a full disk; the run stays orphaned until it has room
             return Reconciled(run_id, "error", f"cannot record its crash in the spool: {exc}", "crashed")
         status = "crashed"
+        evs = RunRecorder(spool_root, run_id).events()  # with its failure
     else:
-        status = _status(beat, mark, row, now)
+        status = "skipped" if skipped is not None else _status(beat, mark, row, now)
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
-    evs = RunRecorder(spool_root, run_id).events()
     if not evs and row is None:  # it died before spooling anything (between its claim and its trainer)
         return _settle_unspooled(url, spool_root, run_id, _info(run_id, beat, mark, row).model, status)
     if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):
@@ -179,7 +186,8 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
                 f"its row was archived by its own process with {unspooled} event(s) the disk refused; the spool "
                 f"holds {len(evs)} of its {total}: the row stands"), row.status)
     base = _info(run_id, beat, mark, row)
-    info = replace(base, status=status, tags={**base.tags, **run_spool.publish_summary(evs)})
+    info = replace(base, status=status, tags={**base.tags, **run_spool.publish_summary(evs),
+                                              **({"skip_reason": skipped} if skipped is not None else {})})
     try:
         result = archive_or_defer(url, spool_root, info)
     except (ValueError, OSError) as exc:

@@ -236,3 +236,30 @@ def test_a_body_that_died_of_a_base_exception_is_crashed_unless_a_hook_said_othe
     assert crashed["nof"] == 1 and list(failures["failure_class"]) == ["orchestrator"]
     cancelled, _, failures = row_of(warehouse_url, "cancelled")
     assert cancelled["status"] == "cancelled" and cancelled["nof"] == 0 and failures.empty
+
+
+def test_a_skipped_run_killed_before_its_heartbeat_was_forgotten_stays_skipped(warehouse_url, tmp_path):
+    """A skipped refresh archives its own row (`skipped`) and forgets its heartbeat as its block
+    ends; killed in between (or before its row), its record is left without an end. It reserved
+    and trained nothing and holds no claim: the next reconciliation archives it as skipped,
+    never as a crashed run with an orchestrator failure (before: `crashed`, NoF 1)."""
+    from ettflow.ett.lineage import Outcome
+    from ettflow.tasks.run_spool import RunRecorder
+    from ettflow.tasks.skipped import SKIP_STAGE
+
+    spool = tmp_path / "spool"
+    t = time.time() - 60
+    for run_id in ("skip-a", "skip-b"):
+        RunRecorder(spool, run_id).record(0, "scheduling", t, t + 1.5, stage=SKIP_STAGE,
+                                          outcome=Outcome.SKIPPED.value, reason="nothing new to train for model m")
+        died_inside_its_heartbeat(spool, run_id)
+    # skip-b's own row was written before the kill (the body's `finish_run`), skip-a's never was
+    archive_hooks.archive_run("skip-b", {"spool_root": str(spool), "warehouse_url": warehouse_url, "model": "m"},
+                              status="completed")
+    assert wait_for(lambda: all(read_heartbeat(spool, r).is_orphaned() for r in ("skip-a", "skip-b")))
+    done = {r.run_id: r for r in reconcile(spool, warehouse_url)}
+    assert {r: d.status for r, d in done.items()} == {"skip-a": "skipped", "skip-b": "skipped"}, done
+    for run_id in ("skip-a", "skip-b"):
+        row, _events, failures = row_of(warehouse_url, run_id)
+        assert row["status"] == "skipped" and row["nof"] == 0 and failures.empty, run_id
+        assert not [e for e in read_spool(spool, run_id).events if e.phase in ("failure", "failure_detected")]
