@@ -1,10 +1,11 @@
 """A run taken for dead while it stood still, on the deployed path (docs/reliability.md row 51).
 
 On a stack `ettflow up` started (its API on 127.0.0.1:4200): deployment run A trains the tiny
-model; at step 20 its flow process is SIGSTOPped. Deployment run B of the same model waits on
-A's windows, finds A's heartbeat stopped past its bound, archives A as crashed, takes the
-windows, trains and publishes. Then A is SIGCONTed and goes on to publish. Prints what A and B
-ended as, the model's lineage and watermark, and where `current` points.
+model; at step 20 its flow process is SIGSTOPped (its ranks, other processes, train on).
+Deployment run B of the same model waits on A's windows, finds A's heartbeat stopped past its
+bound, archives A as crashed, takes the windows, trains and publishes. Then A is SIGCONTed.
+Prints what A and B ended as, how long A went on after SIGCONT and how far its ranks trained,
+the model's lineage and watermark, both runs' ETT rows and where `current` points.
 
     ETTFLOW_HOME=/tmp/sig/home ettflow up
     ETTFLOW_HOME=/tmp/sig/home .venv/bin/python scripts/stood_still.py /tmp/sig
@@ -83,15 +84,29 @@ def main(root: Path) -> None:
     while state(b)[0] not in FINAL and time.time() - stopped < 600:
         time.sleep(1)
     say("B ended:", state(b))
+    at_stop = step(a)
     proc.send_signal(signal.SIGCONT)
-    say(f"A SIGCONTed after {time.time() - stopped:.1f} s")
+    resumed = time.time()
+    say(f"A SIGCONTed after {resumed - stopped:.1f} s (its ranks at step {at_stop})")
     while state(a)[0] not in FINAL:
-        time.sleep(1)
-    say("A ended:", state(a))
+        time.sleep(0.2)
+    say(f"A ended {time.time() - resumed:.1f} s after SIGCONT:", state(a))
+    events = read_spool(root / "spool", a).events
+    trained = max((e.end for e in events if e.phase == "train_step"), default=None)
+    withdrawn = [e for e in events if e.phase == "shutdown" and e.attrs.get("withdrawn")]
+    say(f"A's ranks trained to step {step(a)} of {params['max_steps']}; their last step ended "
+        f"{trained - resumed:+.1f} s from SIGCONT" if trained else "A trained no step",
+        f"; withdrawn at {withdrawn[0].start - resumed:+.1f} s, released {withdrawn[0].end - resumed:+.1f} s"
+        if withdrawn else "; no withdrawal recorded")
     with Warehouse.open(url) as wh:
         for r in wh.lineage("dlrm"):
             say("lineage:", r.run_id[:8], r.outcome.value, ", ".join(r.windows), (r.reason or "")[:160])
         say("watermark:", wh.watermark("dlrm"))
+        for run_id in (a, b):
+            rows = wh.runs_frame(run_id=run_id)
+            for _, r in rows.iterrows():
+                say("ETT row:", run_id[:8], r["status"], f"NoF {r['nof']}", f"wall {r['wall_s']:.1f} s",
+                    f"effective steps {r['effective_steps']}")
     say("current ->", json.loads((root / "snapshots" / "current").read_text())["snapshot"])
     say("snapshot folders:", sorted(p.name for p in (root / "snapshots").iterdir()))
 

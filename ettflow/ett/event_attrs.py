@@ -190,7 +190,8 @@ class SpareAttrs(EventAttrs):
 
 @dataclass(frozen=True, kw_only=True)
 class PublishAttrs(EventAttrs):
-    """A publish try (`publish`, `publish_standalone`): how it ended, its snapshot or error."""
+    """A publish try (`publish`, `publish_standalone`): how it ended (`outcome`: published, gated,
+    failed, or withdrawn: the run had lost its claims, no failure of its own), its snapshot or error."""
 
     outcome: str | None = None
     snapshot: str | None = None

@@ -12,6 +12,12 @@ A run is orphaned when its record has no end and its last beat is older than
 last beat + that bound: a fixed function of the spool, so archiving the run later, or twice,
 gives the same row. `read_heartbeat` returns None for a run that never had one (a bench job,
 a sample run, a spool from an older ettflow).
+
+A process that stood still (SIGSTOP, a paused VM, heavy swapping) cannot tell that it did from
+its own code, except by its clock: the beat thread measures the time between two beats it
+wrote, and a gap past the bound is a `Lapse` (`RunHeartbeat.lapse`): for that span anyone
+could have taken the run for dead and released its claims. The run's owner asks whether they
+were (`tasks.claims.ClaimsFence`) and `clear`s the lapse when they were not.
 """
 
 from __future__ import annotations
@@ -108,6 +114,27 @@ def read_heartbeat(spool_root: Path | str, run_id: str) -> HeartbeatRecord | Non
         return None
 
 
+@dataclass(frozen=True)
+class Lapse:
+    """A span in which the run's heartbeat went unwritten past its bound: from its last beat
+    written before (`since`) to the first one after (`until`), epoch seconds."""
+
+    since: float
+    until: float
+
+    @property
+    def seconds(self) -> float:
+        return self.until - self.since
+
+
+def lapse_after(lapse: Lapse | None, written: float, now: float, bound_s: float) -> Lapse | None:
+    """The lapse not cleared yet once a beat is written at `now`, the one before at `written`:
+    a gap past `bound_s` is a lapse, and extends one not cleared yet (its owner asks again)."""
+    if now - written <= bound_s:
+        return lapse
+    return Lapse(lapse.since if lapse is not None else written, now)
+
+
 class RunHeartbeat:
     """Context manager: the driver of `run_id` is alive while the block runs (see the module)."""
 
@@ -123,6 +150,8 @@ class RunHeartbeat:
         self._record: dict[str, Any] = {}
         self._forget = False
         self._outcome: str | None = None
+        self._lapse: Lapse | None = None  # the first lapse not cleared yet (set by the beat thread only)
+        self._written = 0.0  # when the beat thread last wrote a beat (or the block began)
 
     def __enter__(self) -> RunHeartbeat:
         self._record = {"run_id": self.run_id, "every_s": self.every_s, "started_at": time.time(),
@@ -134,6 +163,7 @@ class RunHeartbeat:
             log.warning("cannot write the heartbeat %s (%s): if this run dies, archive it with "
                         "`ettflow archive --run %s`", self.path, exc, self.run_id)
         self._stop.clear()
+        self._written, self._lapse = self._record["started_at"], None
         self._thread = threading.Thread(target=self._beat, name="ettflow-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -159,11 +189,29 @@ class RunHeartbeat:
         folder when the record was all it held."""
         self._forget = True
 
+    @property
+    def bound_s(self) -> float:
+        return stale_bound_s(self.every_s)
+
+    @property
+    def lapse(self) -> Lapse | None:
+        """The first span since the block began (or since the last `clear`) in which no beat was
+        written for longer than the bound: anyone may have taken the run for dead then."""
+        return self._lapse
+
+    def clear(self, lapse: Lapse) -> None:
+        """The run's owner found that `lapse` cost it nothing (its claims are still its own); a
+        lapse extended since it asked stays."""
+        if self._lapse == lapse:
+            self._lapse = None
+
     def _beat(self) -> None:
         warned = False
         while not self._stop.wait(self.every_s):
             try:
                 os.utime(self.path)  # the mtime is the beat: no byte written
+                now = time.time()
+                self._lapse, self._written = lapse_after(self._lapse, self._written, now, self.bound_s), now
                 warned = False
             except OSError as exc:
                 if not warned:

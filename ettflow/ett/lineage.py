@@ -239,6 +239,13 @@ def _claims_lost(conn: Connection, model: str, run_id: str) -> ClaimsLost | None
     return ClaimsLost(model, run_id, recorded=recorded, holder=holder, windows=tuple(held))
 
 
+def claims_lost(wh: OpenWarehouse, model: str, run_id: str) -> ClaimsLost | None:
+    """Why the run holds no claim on the model's windows now, or None when it holds one (a
+    read: what the fence at the publish decides under the model's lock, asked earlier)."""
+    with wh.engine.connect() as conn:
+        return _claims_lost(conn, model, run_id)
+
+
 @contextlib.contextmanager
 def publishing(wh: OpenWarehouse, record: LineageRecord) -> Iterator[None]:
     """Run the block (the move of the model's `current` to the record's snapshot), then record

@@ -8,7 +8,8 @@
     -> a refresh of these windows stopped after sealing its anchor: publish that anchor, train
        nothing (`tasks/anchor_reuse.py`)
     -> reserve the trainer (Ray placement; the queueing is the scheduling phase)
-    -> train (the driver: restarts within its failure budget) -> anchor checkpoint
+    -> train (the driver: restarts within its failure budget; stops when the run was taken for
+       dead while it stood still, `tasks/claims_fence.py`) -> anchor checkpoint
     -> [baseline: publish while the trainer holds its devices] -> release the devices
     -> publish on the CPU (optimized; the gate may keep the current snapshot: gated)
     -> record the lineage (published or gated; failed when anything raised) -> prune checkpoints
@@ -44,6 +45,7 @@ from ettflow.tasks.anchor_reuse import find_reusable_anchor
 from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.arrivals import arrive_windows
 from ettflow.tasks.claims import claim_windows, record_failure, record_lineage
+from ettflow.tasks.claims_fence import ClaimsFence, fence_for
 from ettflow.tasks.input_check import check_inputs
 from ettflow.tasks.parameters import (
     ArchitectureParams,
@@ -200,7 +202,7 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
         return _publish_reused(plan, progress, reused)
     progress.show(f"reserving {plan.trainer.world_size} trainer slots on Ray")
     try:
-        anchor, published = _train_and_publish(plan, progress)
+        anchor, published = _train_and_publish(plan, progress, fence_for(plan, beat, get_run_logger()))
         record = record_lineage(plan, anchor, published)
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
@@ -250,11 +252,12 @@ def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRec
                    reason=f"{why}; {record.reason}" if record.reason else why)  # the gate's word after it
 
 
-def _train_and_publish(plan: RefreshPlan, progress: RunProgress) -> tuple[str, Any]:
-    """reserve -> train -> anchor -> [publish on the devices] -> release -> publish on the CPU."""
+def _train_and_publish(plan: RefreshPlan, progress: RunProgress, fence: ClaimsFence) -> tuple[str, Any]:
+    """reserve -> train (stopped when `fence` finds the run taken for dead) -> anchor -> [publish
+    on the devices] -> release -> publish on the CPU."""
     lease = reserve_trainer(plan)
     try:
-        anchor = anchor_checkpoint(plan, train(plan, lease))
+        anchor = anchor_checkpoint(plan, train(plan, lease, fence))
         if plan.publish_in_trainer:
             progress.show("publishing the snapshot while the trainer holds its devices")
         held = publish(plan, anchor, on_devices=True) if plan.publish_in_trainer else None

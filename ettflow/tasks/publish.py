@@ -17,7 +17,9 @@ snapshot it follows, and the anchor its training started from) and its windows.
 `current` moves only while the run still holds its windows' claims, and the refresh is recorded
 PUBLISHED in the move's transaction (`claims_guard`, `ett.lineage.publishing`; the record-lineage
 task writes it again): a run taken for dead while it stood still, whose windows another refresh
-may be training, fails with `ClaimsLost` and is not retried. With the warehouse unreachable the
+may be training, fails with `ClaimsLost` and is not retried (its try is recorded with
+`outcome="withdrawn"`: no failure of its own, the stand-still that cost it the claims is the
+run's one failure, recorded by whoever took them). With the warehouse unreachable the
 move goes on, with a warning: claims are only taken from a run whose heartbeat stopped, and the
 run's lineage waits in the spool as any run's does in an outage.
 """
@@ -156,10 +158,12 @@ def publish(plan: RefreshPlan, anchor: str, on_devices: bool = False) -> Publish
         manifest = publish_snapshot(config)
         outcome = _outcome_of(plan, anchor, manifest, config, logger)
     except BaseException as exc:
-        plan.recorder.record(attempt, phase, start, time.time(), outcome="failed",
-                         failure_class="publish", error=f"{type(exc).__name__}: {exc}"[:500],
-                         retryable=may_retry(exc),
-                         injected=isinstance(exc, InjectedPublishFailure))
+        from ettflow.ett.lineage import ClaimsLost
+
+        ended = {"outcome": "withdrawn"} if isinstance(exc, ClaimsLost) else {"outcome": "failed",
+                                                                               "failure_class": "publish"}
+        plan.recorder.record(attempt, phase, start, time.time(), **ended, error=f"{type(exc).__name__}: {exc}"[:500],
+                             retryable=may_retry(exc), injected=isinstance(exc, InjectedPublishFailure))
         raise
     plan.recorder.record(attempt, phase, start, time.time(), outcome=outcome.outcome.value,
                      snapshot=manifest.path, step=manifest.step, max_abs_diff=manifest.metrics.get("max_abs_diff"),

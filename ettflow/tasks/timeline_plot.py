@@ -44,7 +44,7 @@ def render_timeline(events: Sequence[PhaseEvent], metrics: RunMetrics, *, title:
     if publish:
         row = len(attempts)
         for e in publish:
-            failed = e.info.outcome == "failed"
+            failed = e.info.outcome in ("failed", "withdrawn")  # nothing published: hatched
             start, stop = e.start - t0, min(e.end - t0, end)
             if stop > start:
                 ax.broken_barh([(start, max(stop - start, 1e-3))], (row - 0.35, 0.7),

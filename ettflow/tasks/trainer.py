@@ -29,11 +29,12 @@ from ettflow.trainer.checkpoint.latest import latest_checkpoint
 from ettflow.trainer.classify import stop_signal
 from ettflow.trainer.group.driver import TrainingDriver, TrainingFailed
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision
-from ettflow.trainer.group.stop_request import DeferredStop, StopRequested, note_stop
+from ettflow.trainer.group.stop_request import DeferredStop, RunWithdrawn, StopRequested, note_stop
 from ettflow.trainer.protocol import RankResult, Repair
 
 from . import run_spool
 from .archive import archive_on_task_state
+from .claims_fence import ClaimsFence
 from .lease import TrainerLease
 from .progress import ProgressReporter
 
@@ -205,11 +206,13 @@ def _retry_training(task, task_run, state) -> bool:
 
 @task(name="train", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2, retry_condition_fn=_retry_training,
       on_failure=[archive_on_task_state])
-def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
+def train(plan: RefreshPlan, lease: TrainerLease | None, fence: ClaimsFence | None = None) -> Trained:
     """Run the training driver (restarts as the failure policy says); a task retry goes on
     with the next attempt, and the failures of earlier tries count against the same budget.
-    Every error of a try leaves as `TrainingFailed`, with the policy's decision on it.
-    Returns with the devices still held (see `release_trainer`)."""
+    Every error of a try leaves as `TrainingFailed`, with the policy's decision on it, except
+    `ClaimsLost`: `fence` (`claims_fence`), asked at each of the driver's polls, found the run
+    taken for dead while it stood still; its ranks were stopped. Returns with the devices still
+    held (see `release_trainer`)."""
     logger = get_run_logger()
     anchor = finished_anchor(plan)
     if anchor is not None:
@@ -237,14 +240,25 @@ def train(plan: RefreshPlan, lease: TrainerLease | None) -> Trained:
         logger.info("run %s had %d failure(s) before this try; they count against its budget of %d",
                     plan.run_id, len(prior), plan.trainer.max_failures)
     stop = DeferredStop()  # a SIGTERM is taken at the driver's next poll, never inside Ray's wait
+
+    def stop_check() -> None:
+        stop.check()
+        if fence is not None:
+            fence.check()
+
     driver = TrainingDriver(plan.trainer, plan.run_id, plan.spool_root, group_factory=lease.group_for,
-                            failure_policy=policy, stop_check=stop.check, stop_cause=lambda: cancelled_by(plan.run_id))
+                            failure_policy=policy, stop_check=stop_check, stop_cause=lambda: cancelled_by(plan.run_id))
     try:
         with ProgressReporter(plan, logger), stop:
             result = driver.run(first_attempt=first, submitted_at=submitted_at, prior_failures=prior)
     except TrainingFailed:
         lease.release()
         raise  # every failure is in the spool already, with its class
+    except RunWithdrawn as withdrawn:  # taken for dead while it stood still: no failure of its own, no retry
+        lease.release()
+        if withdrawn.cause is not None:
+            raise withdrawn.cause from withdrawn
+        raise
     except BaseException as exc:
         if stop_signal(exc):
             note_stop()

@@ -349,3 +349,77 @@ def test_a_holder_that_stood_still_past_its_bound_cannot_publish_the_windows_it_
         assert moved == ["next"] and lineage.watermark(wh, "dlrm") == nxt.plan.trainer.windows[-1]
         assert lineage.last_published(wh, "dlrm").run_id == "next"
         assert lineage.finish_refresh(wh, lineage_record(nxt.plan, Outcome.PUBLISHED, anchor="/a/next"))
+
+
+STOOD_STILL = """
+import json, logging, sys, time
+from ettflow.ett.heartbeat import RunHeartbeat
+from ettflow.tasks.claims_fence import fence_for
+from ettflow.tasks.plan import plan_refresh
+from ettflow.trainer.group.stop_request import RunWithdrawn
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+plan = plan_refresh(json.loads(sys.argv[1]), run_id="stood")
+with RunHeartbeat(plan.spool_root, "stood", every_s=0.2, labels={"model": "dlrm"}) as beat:
+    fence = fence_for(plan, beat, logging.getLogger("stood"))
+    print("ready", flush=True)
+    seen = None
+    while True:  # the driver's polls
+        seen = beat.lapse or seen
+        try:
+            fence.check()
+        except RunWithdrawn as withdrawn:
+            print("withdrawn", withdrawn.cause.holder, round(seen.seconds), flush=True)
+            break
+        if seen is not None and beat.lapse is None:
+            print("cleared", round(seen.seconds), flush=True)
+            seen = None
+        time.sleep(0.05)
+"""
+
+
+def test_a_training_run_that_stood_still_stops_once_its_claims_are_found_taken_and_goes_on_when_not(
+        flow_data, tmp_path):
+    """The claims fence on a real process that stands still (SIGSTOP) past its heartbeat's
+    bound: the first time nobody took its windows, so its fence finds them still its own and it
+    goes on; the second time the refresh waiting on them found it dead and claimed them, so at
+    its first poll after SIGCONT it is withdrawn, naming that refresh (the driver then stops its
+    ranks: `tests/unit/test_driver.py`). One database: the question is one read of the claims."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'warehouse.db'}"
+    params = {"data_root": str(flow_data), "work_root": str(tmp_path / "work"), "max_embeddings": 100,
+              "spool_root": str(tmp_path / "spool"), "snapshot_root": str(tmp_path / "snap"), "warehouse_url": url}
+    with Warehouse.open(url) as wh:
+        stood = take_claim(plan(flow_data, tmp_path, "stood", warehouse_url=url), wh).plan
+    proc = subprocess.Popen([sys.executable, "-c", STOOD_STILL, json.dumps(params)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGSTOP)  # past the bound (0.2 s beats: 2.6 s); nobody is waiting
+        time.sleep(3.5)
+        proc.send_signal(signal.SIGCONT)
+        said, lapsed = proc.stdout.readline().split()
+        assert said == "cleared" and 3 <= int(lapsed) <= 5
+
+        proc.send_signal(signal.SIGSTOP)  # again, and now the next refresh finds it dead
+        beat = read_heartbeat(tmp_path / "spool", "stood")
+        while not beat.is_orphaned():
+            time.sleep(0.1)
+            beat = read_heartbeat(tmp_path / "spool", "stood")
+        with Warehouse.open(url) as wh:
+            nxt = take_claim(plan(flow_data, tmp_path, "next", warehouse_url=url, claim_wait_s=5), wh, url=url,
+                             poll_s=0.05)
+        assert nxt.skipped is None and nxt.plan.trainer.windows == stood.trainer.windows
+        proc.send_signal(signal.SIGCONT)
+        said, holder, _ = proc.stdout.readline().split()
+        assert (said, holder) == ("withdrawn", "next")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    with Warehouse.open(url) as wh:  # the other refresh's claims are untouched
+        assert lineage.release_claims(wh, "dlrm", "next") == len(stood.trainer.windows)

@@ -725,3 +725,38 @@ def test_a_stop_an_operator_asked_for_is_no_failure(tmp_path):
     with pytest.raises(Stopped):
         other.driver(stop_cause=broken).run(submitted_at=other.clock.t)
     assert other.metrics().nof == 1 and not other.markers("operator_stop")
+
+
+def test_a_run_withdrawn_at_a_poll_stops_its_ranks_at_once_with_no_failure_and_nothing_saved(tmp_path):
+    """A stop check that raises `RunWithdrawn` (the run was taken for dead while its process stood
+    still and another refresh has its windows: `tasks.claims_fence`): the ranks are torn down at
+    that poll, with no emergency checkpoint and no failure of their own; the time to their
+    release is the attempt's shutdown; the withdrawal goes on to the caller. Also when the ranks
+    had finished meanwhile: their anchor is not sealed."""
+    from ettflow.trainer.group.stop_request import RunWithdrawn
+
+    cause = RuntimeError("claims lost")
+    for script, name, steps in (({}, "training", 4),
+                                ({(0, 4): "finish-handing-off", (1, 4): "finish-handing-off"}, "done", 3)):
+        (tmp_path / name).mkdir()
+        run = Run(tmp_path / name, [script], group_cls=ReleasingScriptedGroup)
+
+        def check(run=run) -> None:
+            if run.groups and run.groups[0].polls == 4:
+                raise RunWithdrawn("stood still and lost its claims", cause=cause)
+
+        with pytest.raises(RunWithdrawn) as raised:
+            run.driver(stop_check=check).run(submitted_at=run.clock.t)
+        assert raised.value.cause is cause
+        (group,) = run.groups
+        assert group.torn_down and group.preempted is None  # no SIGTERM: nothing saved
+        assert not run.markers("checkpoint_save_blocking") and not run.markers("anchor_seal")
+        assert not run.markers("failure_detected") and not run.markers("failure")
+        # polls 1-3 trained 3 steps (1002 -> 1005); poll 4 (1005 -> 1006: a fourth step, or the ranks'
+        # end) found the run withdrawn: torn down by 1006.5 (released), the pool's work after is off its clock
+        (shutdown,) = run.markers("shutdown")
+        assert (shutdown.start, shutdown.end, shutdown.attrs["withdrawn"], shutdown.attrs["failed"]) == (
+            1006.0, 1006.5, True, False)
+        m = run.metrics()
+        assert m.nof == 0 and m.effective_steps == 2 * steps and m.components["shutdown"] == 0.5
+        assert RunRecorder(run.spool, run.run_id).failures() == []

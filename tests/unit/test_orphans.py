@@ -9,7 +9,7 @@ import pytest
 
 from ettflow.ett.events import COMPONENTS, UNATTRIBUTED
 from ettflow.ett.failures import Failure, FailureClass
-from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file, read_heartbeat, stale_bound_s
+from ettflow.ett.heartbeat import Lapse, RunHeartbeat, heartbeat_file, lapse_after, read_heartbeat, stale_bound_s
 from ettflow.ett.orphans import place_orphan_failure, record_orchestrator_failure
 from ettflow.ett.run_metrics import compute_run_metrics
 from ettflow.ett.spool import SpoolWriter, read_spool
@@ -196,3 +196,39 @@ def test_a_stale_heartbeat_is_an_orphan_detected_at_last_beat_plus_the_bound(tmp
     beat = read_heartbeat(tmp_path, "dead")
     assert not beat.ended and beat.detection_at == beat.last_beat + 3 * 1.0 + 2.0
     assert beat.is_live(beat.last_beat + 4.9) and beat.is_orphaned(beat.last_beat + 5.1)
+
+
+def test_a_gap_between_two_beats_past_the_bound_is_a_lapse_that_extends_until_cleared():
+    """The beat thread's rule (`lapse_after`): a beat written more than the bound after the one
+    before ends a lapse, in which anyone could have taken the run for dead; a later gap extends
+    a lapse its owner has not cleared, so a clear never hides a newer one."""
+    assert lapse_after(None, 100.0, 105.0, 5.0) is None  # exactly the bound: an observer never saw it stale
+    first = lapse_after(None, 100.0, 121.5, 5.0)
+    assert first == Lapse(100.0, 121.5) and first.seconds == 21.5
+    assert lapse_after(first, 121.5, 123.5, 5.0) is first  # beats on time keep it for its owner
+    assert lapse_after(first, 123.5, 140.0, 5.0) == Lapse(100.0, 140.0)
+
+
+def test_a_heartbeat_whose_clock_jumps_past_its_bound_reports_one_lapse_its_owner_clears(tmp_path, monkeypatch):
+    """The thread measures the gap on the clock a stopped process finds moved on when it resumes
+    (here the module's clock jumps 20 s: a SIGSTOP; tests/integration/test_claims.py stops a
+    real process)."""
+    import ettflow.ett.heartbeat as heartbeat
+
+    jump = [0.0]
+    real = time.time
+    monkeypatch.setattr(heartbeat, "time", type("Clock", (), {"time": staticmethod(lambda: real() + jump[0])}))
+    with RunHeartbeat(tmp_path, "hb", every_s=0.05) as beat:
+        assert beat.bound_s == stale_bound_s(0.05)
+        time.sleep(0.2)
+        assert beat.lapse is None
+        jump[0] = 20.0
+        assert _wait_for(lambda: beat.lapse is not None)
+        lapse = beat.lapse
+        assert 20.0 <= lapse.seconds < 20.0 + 1.0
+        time.sleep(0.2)
+        assert beat.lapse == lapse  # beats on time after it: kept for its owner
+        beat.clear(Lapse(0.0, 1.0))  # not the lapse it has: nothing cleared
+        assert beat.lapse == lapse
+        beat.clear(lapse)
+        assert beat.lapse is None

@@ -16,7 +16,9 @@ A stop of the driver's own process while it watches (SIGTERM of `ettflow refresh
 the worker's cancellation: a BaseException `classify.stop_signal` names) preempts every rank
 (`WorkerGroup.preempt`: each takes its emergency checkpoint when its grace allows), waits for
 them within `preemption_grace_s`, records the run's one `preemption` failure and lets the stop
-go on.
+go on. A stop check that raises `stop_request.RunWithdrawn` (the run's work went to another
+refresh while its process stood still) tears the ranks down at once, records their `shutdown`
+(withdrawn) and no failure, and lets it go on.
 
 Live recovery (`Switches.live_recovery`, trainer/rank/live_recovery.py): with a group that can
 (`LiveGroup`), a failure the group can recover live (one rank's lost process, the others
@@ -55,7 +57,7 @@ from ettflow.trainer.faults import is_scripted_hang, pending_faults, record_fire
 from ettflow.trainer.group.anchor_seal import SEAL_TRIES, seal_anchor
 from ettflow.trainer.group.failure_policy import DefaultFailurePolicy, FailureDecision, FailurePolicy, failure_counts
 from ettflow.trainer.group.progress import SpoolTail
-from ettflow.trainer.group.stop_request import ask_stop_cause
+from ettflow.trainer.group.stop_request import RunWithdrawn, ask_stop_cause
 from ettflow.trainer.protocol import AnchorHandOff, PollStatus, RankResult, RestorePoint
 from ettflow.trainer.rank_heartbeat import PhaseBounds, beat_file, find_hang, read_beat
 
@@ -205,8 +207,8 @@ class TrainingDriver:
         stop_cause: Callable[[], str | None] = lambda: None,
     ) -> None:
         """`failure_policy`: default `DefaultFailurePolicy(max_failures=config.max_failures)`.
-        `stop_check`: raises a stop of this process noted since (`stop_request.DeferredStop.check`),
-        called after each poll. `stop_cause`: asked when this process is stopped, who stopped it
+        `stop_check`: raises a stop of this process noted since (`stop_request.DeferredStop.check`)
+        or `RunWithdrawn`, called after each poll. `stop_cause`: asked when this process is stopped, who stopped it
         when an operator did (a cancel: a sentence; None: a preemption)."""
         self.config, self.run_id, self.spool_root = config, run_id, Path(spool_root)
         self.group_factory = group_factory
@@ -304,11 +306,32 @@ class TrainingDriver:
     def _watch(self, attempt: int, group: WorkerGroup, rec: SpoolWriter) -> AttemptOutcome:
         try:
             return self._watch_until_done(attempt, group, rec)
+        except RunWithdrawn as exc:
+            self._withdraw(attempt, group, rec, exc)
+            raise
         except BaseException as exc:
             stopped = stop_signal(exc)
             if stopped is not None:  # the driver's own process is being stopped: its ranks are preempted with it
                 self._preempt(attempt, group, rec, stopped)
             raise
+
+    def _withdraw(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, why: RunWithdrawn) -> None:
+        """The run's work went to another refresh (`stop_request.RunWithdrawn`): its ranks are
+        torn down now, with nothing saved, and the time from here to their release is the
+        attempt's `shutdown` (`withdrawn`, not failed). The caller re-raises; no failure is
+        recorded (the stand-still that cost the run its work is in its spool already)."""
+        detected = self.clock()
+        log.warning("attempt %d: the run was withdrawn (%s): its ranks are stopped now, nothing is saved", attempt,
+                    why)
+        try:
+            group.teardown()
+        except Exception as exc:  # noqa: BLE001 - the caller releases the devices whatever happened here
+            log.warning("attempt %d: tearing down the withdrawn run's ranks failed (%s: %s)", attempt,
+                        type(exc).__name__, exc)
+        released = group.released_at if isinstance(group, ReleasingGroup) else None
+        with contextlib.suppress(Exception):  # a full disk: the row misses the shutdown, the ranks are stopped
+            rec.record("shutdown", detected, max(detected, released or self.clock()), failed=False, live=False,
+                       withdrawn=True)
 
     def _preempt(self, attempt: int, group: WorkerGroup, rec: SpoolWriter, stopped: str) -> None:
         """The process running the driver was told to stop (SIGTERM of `ettflow refresh`, a

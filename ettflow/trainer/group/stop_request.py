@@ -55,6 +55,20 @@ class StopRequested(BaseException):
         self.signal = signum
 
 
+class RunWithdrawn(Exception):
+    """The run's work is no longer its own: a stop check (`TrainingDriver`'s `stop_check`)
+    raises it when the run's claims on its windows went to another refresh while its process
+    stood still (`tasks.claims_fence`). The driver stops the ranks at once. It is neither a
+    failure of the training (no failure recorded, nothing spent of the budget: the stand-still
+    that cost the claims is the run's failure, recorded by whoever took them) nor a preemption
+    (no emergency checkpoint: what it would save is another refresh's to train). `cause`: why,
+    as its owner said it (re-raised by the train task)."""
+
+    def __init__(self, reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(reason)
+        self.cause = cause
+
+
 class DeferredStop:
     """Within the block, SIGTERM is noted instead of handled; `check()` raises it as
     `StopRequested`. The previous handler is put back on exit (and a stop noted but never
