@@ -219,10 +219,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warn_password_in_argv(command: str, argv: list[str]) -> None:
+    """A URL with a password among the arguments (`--url`, `--warehouse-url`, `--param`): ettflow
+    hides it everywhere it writes, but the process list shows every command line to every user
+    of the host while the command runs. Said once, on stderr, without the password."""
+    from .ett.redact import redact_argv
+
+    if redact_argv(argv) != argv:
+        print(f"ettflow {command}: a URL on the command line holds a password, and every user of this host can "
+              "read it in the process list while this runs. Put the URL in ETTFLOW_WAREHOUSE_URL instead, or "
+              "leave the password out of it and keep it in ~/.pgpass (mode 0600), where PostgreSQL finds it.",
+              file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command as given, for reports that print how to reproduce them
+    _warn_password_in_argv(args.command, argv)
     try:
         rc = int(args.func(args) or 0)
     except BrokenPipeError:  # `ettflow report | head`: the reader had enough, if it was stdout's
