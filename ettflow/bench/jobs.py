@@ -207,7 +207,7 @@ def run_flow_job(spec: JobSpec, row: Row, state: Path, *, runner: Any = None,
     result, events = refresher.run(params)
     metrics = compute_run_metrics(events)
     publish_s = sum(e.duration for e in events if e.phase in ("publish", "publish_standalone")
-                    and e.info.outcome != "failed")
+                    and e.info.outcome in ("published", "gated"))
     return JobResult(run_id=metrics.run_id, row=row.label, mode=row.mode, metrics=metrics, events=events,
                      publish_s=publish_s, snapshot=result.get("snapshot"), path=refresher.runner.path,
                      deployment=refresher.runner.deployment)

@@ -73,6 +73,12 @@ class HeartbeatRecord:
     outcome: str | None = None
     labels: Mapping[str, Any] = field(default_factory=dict)
 
+    def _mtime(self, *, default: float) -> float:
+        try:
+            return self.path.stat().st_mtime
+        except OSError:
+            return default
+
     @property
     def bound_s(self) -> float:
         return stale_bound_s(self.every_s)
@@ -152,6 +158,8 @@ class RunHeartbeat:
         self._outcome: str | None = None
         self._lapse: Lapse | None = None  # the first lapse not cleared yet (set by the beat thread only)
         self._written = 0.0  # when the beat thread last wrote a beat (or the block began)
+        self._written_mtime = 0.0  # the file's mtime then
+        self._lapse_lock = threading.Lock()
 
     def __enter__(self) -> RunHeartbeat:
         self._record = {"run_id": self.run_id, "every_s": self.every_s, "started_at": time.time(),
@@ -164,6 +172,7 @@ class RunHeartbeat:
                         "`ettflow archive --run %s`", self.path, exc, self.run_id)
         self._stop.clear()
         self._written, self._lapse = self._record["started_at"], None
+        self._written_mtime = self._mtime(default=self._written)
         self._thread = threading.Thread(target=self._beat, name="ettflow-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -189,6 +198,12 @@ class RunHeartbeat:
         folder when the record was all it held."""
         self._forget = True
 
+    def _mtime(self, *, default: float) -> float:
+        try:
+            return self.path.stat().st_mtime
+        except OSError:
+            return default
+
     @property
     def bound_s(self) -> float:
         return stale_bound_s(self.every_s)
@@ -202,16 +217,22 @@ class RunHeartbeat:
     def clear(self, lapse: Lapse) -> None:
         """The run's owner found that `lapse` cost it nothing (its claims are still its own); a
         lapse extended since it asked stays."""
-        if self._lapse == lapse:
-            self._lapse = None
+        with self._lapse_lock:
+            if self._lapse == lapse:
+                self._lapse = None
 
     def _beat(self) -> None:
         warned = False
         while not self._stop.wait(self.every_s):
             try:
                 os.utime(self.path)  # the mtime is the beat: no byte written
-                now = time.time()
-                self._lapse, self._written = lapse_after(self._lapse, self._written, now, self.bound_s), now
+                now, mtime = time.time(), self.path.stat().st_mtime
+                # the gap on this process's clock, or on the file's (a shared file system's server
+                # stamps the mtime that other hosts compare with their clocks): the longer counts
+                gap = max(now - self._written, mtime - self._written_mtime)
+                with self._lapse_lock:
+                    self._lapse = lapse_after(self._lapse, now - gap, now, self.bound_s)
+                self._written, self._written_mtime = now, mtime
                 warned = False
             except OSError as exc:
                 if not warned:

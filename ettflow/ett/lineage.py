@@ -163,6 +163,14 @@ class ClaimsLost(RuntimeError):
             f"stale); {said}, and {now}. Nothing of this run is published; the model's lineage goes on from the "
             "refresh that holds them")
 
+    def __reduce__(self):  # survives pickling (a Prefect state's data) with its attributes
+        return (_claims_lost_again, (self.model, self.run_id, self.recorded, self.holder, self.windows))
+
+
+def _claims_lost_again(model: str, run_id: str, recorded: LineageRecord | None, holder: str | None,
+                       windows: tuple[str, ...]) -> ClaimsLost:
+    return ClaimsLost(model, run_id, recorded=recorded, holder=holder, windows=windows)
+
 
 # -- reading ------------------------------------------------------------------------------
 

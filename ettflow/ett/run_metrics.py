@@ -172,7 +172,7 @@ def _publish_failures(events: Sequence[PhaseEvent], wall_end: float) -> tuple[Fa
         out.append(FailureMetrics(
             attempt=ev.attempt, rank=ev.rank, failure_class=FailureClass.PUBLISH.value,
             reason=(ev.info.error or "publish failed")[:500], failed_at=ev.end, detected_at=ev.end,
-            ttr_s=ttr, recovered=any(t.info.outcome != "failed" for t in later),
+            ttr_s=ttr, recovered=any(t.info.outcome in ("published", "gated") for t in later),
             cascaded=retry is not None and retry.info.outcome == "failed"))
     return tuple(out)
 

@@ -8,30 +8,39 @@ until then it would hold its devices for windows that are another refresh's to t
 
 `ClaimsFence.check` is the driver's stop check beside the SIGTERM one (`train`). It costs
 nothing while the run's heartbeat has no lapse (`ett.heartbeat.RunHeartbeat.lapse`). After one,
-it asks the warehouse whether the run still holds its claims (`lineage.claims_lost`):
+it asks the warehouse whether the run still holds its claims (`lineage.claims_lost`), in a
+thread of its own, so the driver's polls (failure and hang detection) never wait on the
+warehouse; `check` acts on the answer at the poll after it came:
 
-- held: nobody took the run for dead; the lapse is cleared and training goes on;
 - lost: it raises `RunWithdrawn` carrying the `ClaimsLost`; the driver tears the ranks down at
   once, with nothing saved and no failure recorded (`TrainingDriver._withdraw`), and the train
   task raises the `ClaimsLost`: the run ends failed as when its publish is refused;
-- the warehouse unreachable: training goes on and it asks again `RETRY_S` later (the publish's
-  fence decides in the end).
+- held: asked again every `RETRY_S` until `SETTLE_S` after the lapse was seen, and only a
+  "held" asked that late clears it: the refresh that found the run dead may still be archiving
+  it (its whole spool read) before it releases the claims and takes them;
+- no answer (the warehouse unreachable, or any other error): training goes on, it asks again
+  `RETRY_S` later, and the publish's fence decides in the end.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ettflow.ett.heartbeat import Lapse
 from ettflow.ett.lineage import ClaimsLost
+from ettflow.ett.redact import scrub_urls
 from ettflow.trainer.group.stop_request import RunWithdrawn
 
-RETRY_S = 5.0  # between two questions to an unreachable warehouse
+RETRY_S = 5.0  # between two questions after a lapse
+SETTLE_S = 30.0  # a "held" asked this long after the lapse was seen clears it
 
 log = logging.getLogger("ettflow.tasks")
+
+Answer = tuple[float, ClaimsLost | BaseException | None]  # (asked at, on the fence's clock; what came back)
 
 
 class Lapsing(Protocol):
@@ -43,54 +52,90 @@ class Lapsing(Protocol):
     def clear(self, lapse: Lapse) -> None: ...
 
 
+def in_thread(question: Callable[[], None]) -> None:
+    threading.Thread(target=question, name="ettflow-claims-fence", daemon=True).start()
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {scrub_urls(str(exc))}"
+
+
 class ClaimsFence:
     """`check()` raises `RunWithdrawn` once the run's claims are found lost after a lapse of
     its heartbeat (see the module). `holds()`: why the run holds no claim now, or None when it
-    holds one; it may raise an outage (`outages`). `log`: the run's logger."""
+    holds one. `ask(question)`: runs the question (default: in a thread of its own; a test's runs
+    it at once). `describe`: an error's words for the log, no secret in them. `log`: the run's."""
 
-    def __init__(self, beat: Lapsing, holds: Callable[[], ClaimsLost | None], *,
-                 outages: tuple[type[BaseException], ...], log: Any = log, clock: Callable[[], float] = time.monotonic,
-                 retry_s: float = RETRY_S) -> None:
-        self.beat, self.holds, self.outages = beat, holds, outages
-        self.log, self.clock, self.retry_s = log, clock, retry_s
+    def __init__(self, beat: Lapsing, holds: Callable[[], ClaimsLost | None], *, log: Any = log,
+                 clock: Callable[[], float] = time.monotonic, retry_s: float = RETRY_S, settle_s: float = SETTLE_S,
+                 ask: Callable[[Callable[[], None]], None] = in_thread,
+                 describe: Callable[[BaseException], str] = _described) -> None:
+        self.beat, self.holds, self.log, self.clock = beat, holds, log, clock
+        self.retry_s, self.settle_s, self.ask, self.describe = retry_s, settle_s, ask, describe
+        self._lock = threading.Lock()
+        self._answer: Answer | None = None
+        self._asking = False
         self._next_ask = float("-inf")
+        self._since: float | None = None  # when this lapse was first seen (the fence's clock)
+        self._until: float | None = None  # and its end then
         self._warned = False
 
     def check(self) -> None:
         lapse = self.beat.lapse
-        if lapse is None or self.clock() < self._next_ask:
+        if lapse is None:
             return
+        now = self.clock()
+        if self._since is None or lapse.until != self._until:  # a new lapse, or this one extended: settle anew
+            self._since, self._until = now, lapse.until
+        with self._lock:
+            due = not self._asking and now >= self._next_ask
+            if due:
+                self._asking, self._next_ask = True, now + self.retry_s
+        if due:
+            self.ask(lambda: self._question(now))
+        with self._lock:
+            answer, self._answer = self._answer, None
+        if answer is not None:
+            self._act(lapse, *answer)
+
+    def _question(self, asked_at: float) -> None:
         try:
-            lost = self.holds()
-        except self.outages as exc:
-            self._next_ask = self.clock() + self.retry_s
+            result: ClaimsLost | BaseException | None = self.holds()
+        except Exception as exc:  # noqa: BLE001 - no answer: training goes on, the publish's fence decides
+            result = exc
+        with self._lock:
+            self._answer, self._asking = (asked_at, result), False
+
+    def _act(self, lapse: Lapse, asked_at: float, result: ClaimsLost | BaseException | None) -> None:
+        if isinstance(result, ClaimsLost):
+            self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still) and it was taken for "
+                             "dead: %s. Its ranks are stopped now", lapse.seconds, result)
+            raise RunWithdrawn(f"stood still {lapse.seconds:.1f} s and lost its claims: {result}", cause=result)
+        if isinstance(result, BaseException):
             if not self._warned:
                 self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still): whether it still "
-                                 "holds its claims cannot be asked now (%s: %s); training goes on, asked again every "
-                                 "%.0f s, and the publish decides", lapse.seconds, type(exc).__name__, exc,
+                                 "holds its claims cannot be asked now (%s); training goes on, asked again every "
+                                 "%.0f s, and the publish decides", lapse.seconds, self.describe(result),
                                  self.retry_s)
                 self._warned = True
             return
-        if lost is None:
+        if self._since is not None and asked_at - self._since >= self.settle_s:
             self.beat.clear(lapse)
+            self._since, self._warned = None, False
             self.log.info("this run's heartbeat lapsed for %.1f s (its process stood still); it still holds its "
                           "claims: training goes on", lapse.seconds)
-            return
-        self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still) and it was taken for dead: "
-                         "%s. Its ranks are stopped now", lapse.seconds, lost)
-        raise RunWithdrawn(f"stood still {lapse.seconds:.1f} s and lost its claims: {lost}", cause=lost)
 
 
-def fence_for(plan: Any, beat: Lapsing, log: Any) -> ClaimsFence:
-    """The fence of the refresh `plan` (a `RefreshPlan`), asking its warehouse."""
+def fence_for(plan: Any, beat: Lapsing, log: Any, **timing: float) -> ClaimsFence:
+    """The fence of the refresh `plan` (a `RefreshPlan`), asking its warehouse; `timing`:
+    `retry_s`, `settle_s` (a test's shorter ones)."""
     from ettflow.ett import lineage
-    from ettflow.ett.archive import OUTAGES
     from ettflow.ett.warehouse import Warehouse
 
-    from .warehouse_url import resolve_warehouse_url
+    from .warehouse_url import error_text, resolve_warehouse_url
 
     def holds() -> ClaimsLost | None:
         with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
             return lineage.claims_lost(wh, plan.model, plan.run_id)
 
-    return ClaimsFence(beat, holds, outages=OUTAGES, log=log)
+    return ClaimsFence(beat, holds, log=log, describe=lambda exc: error_text(exc, plan.warehouse), **timing)

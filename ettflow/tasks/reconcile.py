@@ -50,6 +50,7 @@ from ettflow.ett.archive import (
     read_pending,
     settles_lineage,
 )
+from ettflow.ett.events import PhaseEvent
 from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
 from ettflow.ett.lineage import ClaimsLost, Outcome, finish_refresh, settle_ended_run
 from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
@@ -156,11 +157,15 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     mark = read_pending(spool_root, run_id)
     if beat is not None and beat.is_live(now) and not named:
         return Reconciled(run_id, "skipped", f"live: last heartbeat {now - beat.last_beat:.1f} s ago")
-    evs = RunRecorder(spool_root, run_id).events()
-    # a skipped refresh reserved and trained nothing and holds no claim: killed before its heartbeat
-    # was forgotten, it is still skipped, never a crash
-    skipped = skip_reason(evs)
-    crash = _crash_to_record(beat, mark, row, now) if skipped is None else None
+    crash = _crash_to_record(beat, mark, row, now)
+    evs: list[PhaseEvent] | None = None  # read only where needed: every refresh reconciles every finished run
+    skipped = None
+    if crash is not None:
+        evs = RunRecorder(spool_root, run_id).events()
+        # a skipped refresh reserved and trained nothing and holds no claim: killed before its
+        # heartbeat was forgotten, it is still skipped, never a crash
+        skipped = skip_reason(evs)
+        crash = None if skipped is not None else crash
     if crash is not None:
         last_alive, detected_at, how = crash
         try:
@@ -177,6 +182,8 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
+    if evs is None:
+        evs = RunRecorder(spool_root, run_id).events()
     if not evs and row is None:  # it died before spooling anything (between its claim and its trainer)
         return _settle_unspooled(url, spool_root, run_id, _info(run_id, beat, mark, row).model, status)
     if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):

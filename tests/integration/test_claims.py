@@ -361,7 +361,7 @@ from ettflow.trainer.group.stop_request import RunWithdrawn
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 plan = plan_refresh(json.loads(sys.argv[1]), run_id="stood")
 with RunHeartbeat(plan.spool_root, "stood", every_s=0.2, labels={"model": "dlrm"}) as beat:
-    fence = fence_for(plan, beat, logging.getLogger("stood"))
+    fence = fence_for(plan, beat, logging.getLogger("stood"), retry_s=0.5, settle_s=2.0)
     print("ready", flush=True)
     seen = None
     while True:  # the driver's polls
@@ -381,8 +381,8 @@ with RunHeartbeat(plan.spool_root, "stood", every_s=0.2, labels={"model": "dlrm"
 def test_a_training_run_that_stood_still_stops_once_its_claims_are_found_taken_and_goes_on_when_not(
         flow_data, tmp_path):
     """The claims fence on a real process that stands still (SIGSTOP) past its heartbeat's
-    bound: the first time nobody took its windows, so its fence finds them still its own and it
-    goes on; the second time the refresh waiting on them found it dead and claimed them, so at
+    bound: the first time nobody took its windows, so its fence finds them still its own (asked
+    until its settle time, shortened here) and it goes on; the second time the refresh waiting on them found it dead and claimed them, so at
     its first poll after SIGCONT it is withdrawn, naming that refresh (the driver then stops its
     ranks: `tests/unit/test_driver.py`). One database: the question is one read of the claims."""
     import json

@@ -68,6 +68,9 @@ class RunWithdrawn(Exception):
         super().__init__(reason)
         self.cause = cause
 
+    def __reduce__(self):  # survives pickling with its cause
+        return (type(self), (str(self), self.cause))
+
 
 class DeferredStop:
     """Within the block, SIGTERM is noted instead of handled; `check()` raises it as
