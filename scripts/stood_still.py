@@ -43,10 +43,11 @@ def main(root: Path) -> None:
     env.update(PREFECT_API_URL=API, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     data = root / "data"
     if not data.is_dir():
-        generate_windows(data, SyntheticConfig(windows=3, rows_per_window=38_400, files_per_window=2, seed=3))
+        # A's two windows are 9,600 steps of 2 ranks: it is still training when it resumes
+        generate_windows(data, SyntheticConfig(windows=3, rows_per_window=307_200, files_per_window=2, seed=3))
     url = f"sqlite:///{root / 'warehouse.db'}"
     params = {"data_root": str(data), "architecture": TINY, "max_embeddings": 100, "world_size": 2,
-              "batch_size": 32, "max_steps": 600, "checkpoint_every_steps": 50, "eval_batches": 2, "switches": PLAIN,
+              "batch_size": 32, "max_steps": 6000, "checkpoint_every_steps": 50, "eval_batches": 2, "switches": PLAIN,
               "work_root": str(root / "work"), "snapshot_root": str(root / "snapshots"),
               "spool_root": str(root / "spool"), "warehouse_url": url, "claim_wait_s": 900}
     t0 = time.time()
