@@ -119,8 +119,12 @@ def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | 
     params = run_params(params)
     spool = spool_of(params)
     evs = RunRecorder(spool, run_id).events()
-    if not evs:
-        log.warning("run %s has no spooled events under %s: nothing to archive", run_id, spool)
+    if not run_spool.measurable(evs):  # nothing, or only work off the clock (a stopped run's anchor published)
+        if evs:
+            log.info("run %s spooled only work off the clock (%s): no ETT row", run_id,
+                     ", ".join(sorted({e.phase for e in evs})))
+        else:
+            log.warning("run %s has no spooled events under %s: nothing to archive", run_id, spool)
         settle_unspooled(run_id, params, status)
         return None
     skipped = skip_reason(evs)  # nothing was trained: a `skipped` row, not a 0% ETT run

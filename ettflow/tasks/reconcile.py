@@ -184,7 +184,9 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     if evs is None:
         evs = RunRecorder(spool_root, run_id).events()
-    if not evs and row is None:  # it died before spooling anything (between its claim and its trainer)
+    # it died before spooling anything (between its claim and its trainer), or spooled only work off
+    # the clock (a stopped run's anchor published): no row, its claims released
+    if not run_spool.measurable(evs) and row is None:
         return _settle_unspooled(url, spool_root, run_id, _info(run_id, beat, mark, row).model, status)
     if row is not None and (unspooled := int(row.info.tags.get("unspooled_events") or 0)):
         total = int(row.info.tags.get("spooled_events") or 0) + unspooled
@@ -215,8 +217,8 @@ def _settle_unspooled(url: str | None, spool_root: Path | str, run_id: str, mode
     with Warehouse.open(url) as wh:
         settled = settle_ended_run(wh, model, run_id, status,
                                    reason=f"its run ended {status} before it spooled anything")
-    note = (f"nothing spooled: no row; windows {', '.join(settled.windows)} of model {model} released"
-            if settled is not None else "nothing spooled and no claims held: no row")
+    note = (f"nothing on its clock spooled: no row; windows {', '.join(settled.windows)} of model {model} released"
+            if settled is not None else "nothing on its clock spooled and no claims held: no row")
     return Reconciled(run_id, "settled", note, status)
 
 

@@ -133,6 +133,12 @@ def training_attempts(evs: list[PhaseEvent]) -> list[int]:
     return sorted({e.attempt for e in evs if e.phase == "train_step"})
 
 
+def measurable(evs: list[PhaseEvent]) -> bool:
+    """Whether the run spooled any work on its clock: a run with none (nothing spooled, or only
+    work off the clock, such as a stopped run's anchor published on the CPU) has no ETT row."""
+    return any(e.phase not in OFF_CLOCK for e in evs)
+
+
 def submitted(evs: list[PhaseEvent]) -> bool:
     return any(e.phase == "submitted" for e in evs)
 

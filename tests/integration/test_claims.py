@@ -382,9 +382,10 @@ def test_a_training_run_that_stood_still_stops_once_its_claims_are_found_taken_a
         flow_data, tmp_path):
     """The claims fence on a real process that stands still (SIGSTOP) past its heartbeat's
     bound: the first time nobody took its windows, so its fence finds them still its own (asked
-    until its settle time, shortened here) and it goes on; the second time the refresh waiting on them found it dead and claimed them, so at
-    its first poll after SIGCONT it is withdrawn, naming that refresh (the driver then stops its
-    ranks: `tests/unit/test_driver.py`). One database: the question is one read of the claims."""
+    until its settle time, shortened here) and it goes on; the second time the refresh waiting
+    on them found it dead and claimed them, so soon after SIGCONT it is withdrawn, naming that
+    refresh (the driver then stops its ranks: `tests/unit/test_driver.py`). One database: the
+    question is one read of the claims."""
     import json
     import signal
     import subprocess

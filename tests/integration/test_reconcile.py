@@ -263,3 +263,23 @@ def test_a_skipped_run_killed_before_its_heartbeat_was_forgotten_stays_skipped(w
         row, _events, failures = row_of(warehouse_url, run_id)
         assert row["status"] == "skipped" and row["nof"] == 0 and failures.empty, run_id
         assert not [e for e in read_spool(spool, run_id).events if e.phase in ("failure", "failure_detected")]
+
+
+def test_a_run_that_spooled_only_work_off_the_clock_is_archived_as_no_row_not_an_error(warehouse_url, tmp_path,
+                                                                                       caplog):
+    """A refresh that publishes a stopped run's anchor trains nothing (no ETT row by design); when
+    its publish task fails, the task's hook archives the run as it stands: its spool holds only the
+    publish try, off the clock. Before, the hook raised "no on-clock events" inside Prefect's hook
+    runner (an error and its traceback in the run's log); now it archives nothing, quietly."""
+    from ettflow.ett.spool import SpoolWriter
+
+    spool = tmp_path / "spool"
+    with SpoolWriter(spool, "reused", 0, -1) as rec:
+        rec.record("publish_standalone", time.time() - 3, time.time() - 2, outcome="failed", failure_class="publish",
+                   error="OSError: disk full")
+    params = {"spool_root": str(spool), "warehouse_url": warehouse_url, "model": "m"}
+    with caplog.at_level(logging.INFO, logger="ettflow.tasks"):
+        assert archive_hooks.archive_run("reused", params, status="publish-snapshot failed") is None
+    assert "spooled only work off the clock (publish_standalone): no ETT row" in caplog.text
+    row, _events, _failures = row_of(warehouse_url, "reused")
+    assert row is None
