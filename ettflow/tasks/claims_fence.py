@@ -20,6 +20,9 @@ warehouse; `check` acts on the answer at the poll after it came:
   it (its whole spool read) before it releases the claims and takes them;
 - no answer (the warehouse unreachable, or any other error): training goes on, it asks again
   `RETRY_S` later, and the publish's fence decides in the end.
+
+Ranks that finished while the process stood still leave no poll to act at: `after_training`
+asks once more, and waits, before the anchor goes on to be published.
 """
 
 from __future__ import annotations
@@ -97,6 +100,26 @@ class ClaimsFence:
             answer, self._answer = self._answer, None
         if answer is not None:
             self._act(lapse, *answer)
+
+    def after_training(self) -> None:
+        """Once the driver is done (the ranks may have finished while the process stood still, so
+        no poll came after the lapse): with a lapse not cleared, ask now and wait for the answer;
+        lost: raise the `ClaimsLost` before the anchor is published. "Held" or no answer: the
+        publish's fence decides."""
+        lapse = self.beat.lapse
+        if lapse is None:
+            return
+        try:
+            result = self.holds()
+        except Exception as exc:  # noqa: BLE001 - no answer: the publish's fence decides
+            self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still): whether it still "
+                             "holds its claims cannot be asked now (%s); the publish decides", lapse.seconds,
+                             self.describe(exc))
+            return
+        if result is not None:
+            self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still) and it was taken for "
+                             "dead: %s. Its anchor is not published", lapse.seconds, result)
+            raise result
 
     def _question(self, asked_at: float) -> None:
         try:

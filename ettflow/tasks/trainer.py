@@ -277,6 +277,8 @@ def train(plan: RefreshPlan, lease: TrainerLease | None, fence: ClaimsFence | No
 
             raise TerminationSignal(signal=exc.signal) from exc
         raise
+    if fence is not None:
+        fence.after_training()  # raises the ClaimsLost of ranks that finished while the process stood still
     rank0 = result.rank0
     logger.info("trained to step %s in %d attempt(s); anchor %s", rank0.final_step, result.attempts, rank0.anchor)
     evs = plan.recorder.events()

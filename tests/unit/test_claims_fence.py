@@ -143,3 +143,22 @@ def test_the_question_runs_beside_the_polls_and_its_answer_is_acted_on_at_a_late
     assert answered.wait(10)
     with pytest.raises(RunWithdrawn):
         f.check()
+
+
+def test_after_training_a_lapse_is_asked_at_once_and_lost_claims_stop_the_publish():
+    """Ranks that finished while the process stood still leave no poll after the lapse: the train
+    task asks once more, waiting, before the anchor goes on to be published."""
+    why = lost()
+    f, beat, _clock, asked, _log = fence([why])
+    f.after_training()  # no lapse: nothing asked
+    assert asked == []
+    beat.lapse = Lapse(10.0, 31.5)
+    with pytest.raises(ClaimsLost) as raised:
+        f.after_training()
+    assert raised.value is why
+    for answer in (None, OSError("connection refused")):  # held, or no answer: the publish's fence decides
+        f, beat, _clock, asked, log = fence([answer])
+        beat.lapse = Lapse(10.0, 31.5)
+        f.after_training()
+        assert len(asked) == 1 and beat.lapse is not None
+    assert "cannot be asked now (OSError: connection refused); the publish decides" in log.lines[-1][1]
