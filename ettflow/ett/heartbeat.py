@@ -73,12 +73,6 @@ class HeartbeatRecord:
     outcome: str | None = None
     labels: Mapping[str, Any] = field(default_factory=dict)
 
-    def _mtime(self, *, default: float) -> float:
-        try:
-            return self.path.stat().st_mtime
-        except OSError:
-            return default
-
     @property
     def bound_s(self) -> float:
         return stale_bound_s(self.every_s)
@@ -158,21 +152,23 @@ class RunHeartbeat:
         self._outcome: str | None = None
         self._lapse: Lapse | None = None  # the first lapse not cleared yet (set by the beat thread only)
         self._written = 0.0  # when the beat thread last wrote a beat (or the block began)
-        self._written_mtime = 0.0  # the file's mtime then
+        self._written_mtime: float | None = None  # the file's mtime then (None: not read since this block wrote it)
         self._lapse_lock = threading.Lock()
 
     def __enter__(self) -> RunHeartbeat:
         self._record = {"run_id": self.run_id, "every_s": self.every_s, "started_at": time.time(),
                         "pid": os.getpid(), "host": socket.gethostname(), "labels": self.labels}
+        wrote = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             replace_json(self.path, self._record)
+            wrote = True
         except OSError as exc:  # the run goes on; it cannot be told orphaned if it dies
             log.warning("cannot write the heartbeat %s (%s): if this run dies, archive it with "
                         "`ettflow archive --run %s`", self.path, exc, self.run_id)
         self._stop.clear()
         self._written, self._lapse = self._record["started_at"], None
-        self._written_mtime = self._mtime(default=self._written)
+        self._written_mtime = self._written_mtime_now() if wrote else None
         self._thread = threading.Thread(target=self._beat, name="ettflow-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -198,15 +194,15 @@ class RunHeartbeat:
         folder when the record was all it held."""
         self._forget = True
 
-    def _mtime(self, *, default: float) -> float:
-        try:
-            return self.path.stat().st_mtime
-        except OSError:
-            return default
-
     @property
     def bound_s(self) -> float:
         return stale_bound_s(self.every_s)
+
+    def _written_mtime_now(self) -> float | None:
+        try:
+            return self.path.stat().st_mtime
+        except OSError:
+            return None
 
     @property
     def lapse(self) -> Lapse | None:
@@ -229,7 +225,8 @@ class RunHeartbeat:
                 now, mtime = time.time(), self.path.stat().st_mtime
                 # the gap on this process's clock, or on the file's (a shared file system's server
                 # stamps the mtime that other hosts compare with their clocks): the longer counts
-                gap = max(now - self._written, mtime - self._written_mtime)
+                gap = max(now - self._written,
+                          mtime - self._written_mtime if self._written_mtime is not None else 0.0)
                 with self._lapse_lock:
                     self._lapse = lapse_after(self._lapse, now - gap, now, self.bound_s)
                 self._written, self._written_mtime = now, mtime

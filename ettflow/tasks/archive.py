@@ -112,7 +112,8 @@ def log_result(result: ArchiveResult) -> None:
 def archive_run(run_id: str, params: Params, *, status: str, flow_run_id: str | None = None,
                 tags: Mapping[str, Any] | None = None) -> ArchiveResult | None:
     """Archive the run's spool to the warehouse its parameters name (`resolve_warehouse_url`,
-    else the default); None when the run spooled nothing. A warehouse outage leaves the row
+    else the default); None when the run spooled nothing on its clock (nothing at all, or only
+    work off it, such as a stopped run's anchor published). A warehouse outage leaves the row
     pending (`ArchiveResult.pending`, logged as a warning) instead of raising. A run that ended
     (crashed, failed, cancelled) before it spooled anything may still hold window claims (it
     died between its claim and its trainer's reservation): they are released (`settle_unspooled`)."""

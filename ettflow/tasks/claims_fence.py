@@ -43,7 +43,9 @@ SETTLE_S = 30.0  # a "held" asked this long after the lapse was seen clears it
 
 log = logging.getLogger("ettflow.tasks")
 
-Answer = tuple[float, ClaimsLost | BaseException | None]  # (asked at, on the fence's clock; what came back)
+# (asked at, on the fence's clock; what came back: a ClaimsLost, None for held, or why there is no
+# answer, in words with no secret, made in the question's thread)
+Answer = tuple[float, ClaimsLost | str | None]
 
 
 class Lapsing(Protocol):
@@ -95,7 +97,11 @@ class ClaimsFence:
             if due:
                 self._asking, self._next_ask = True, now + self.retry_s
         if due:
-            self.ask(lambda: self._question(now))
+            try:
+                self.ask(lambda: self._question(now))
+            except Exception as exc:  # noqa: BLE001 - no thread to ask in (the process is out of them): no answer
+                with self._lock:
+                    self._asking, self._answer = False, (now, f"the question could not start: {self.describe(exc)}")
         with self._lock:
             answer, self._answer = self._answer, None
         if answer is not None:
@@ -122,24 +128,25 @@ class ClaimsFence:
             raise result
 
     def _question(self, asked_at: float) -> None:
+        result: ClaimsLost | str | None = "no answer"
         try:
-            result: ClaimsLost | BaseException | None = self.holds()
+            result = self.holds()
         except Exception as exc:  # noqa: BLE001 - no answer: training goes on, the publish's fence decides
-            result = exc
-        with self._lock:
-            self._answer, self._asking = (asked_at, result), False
+            result = self.describe(exc)  # here, off the driver's thread: the words may need the Prefect API
+        finally:  # whatever ended the question (even a BaseException), the next one may be asked
+            with self._lock:
+                self._answer, self._asking = (asked_at, result), False
 
-    def _act(self, lapse: Lapse, asked_at: float, result: ClaimsLost | BaseException | None) -> None:
+    def _act(self, lapse: Lapse, asked_at: float, result: ClaimsLost | str | None) -> None:
         if isinstance(result, ClaimsLost):
             self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still) and it was taken for "
                              "dead: %s. Its ranks are stopped now", lapse.seconds, result)
             raise RunWithdrawn(f"stood still {lapse.seconds:.1f} s and lost its claims: {result}", cause=result)
-        if isinstance(result, BaseException):
+        if isinstance(result, str):
             if not self._warned:
                 self.log.warning("this run's heartbeat lapsed for %.1f s (its process stood still): whether it still "
                                  "holds its claims cannot be asked now (%s); training goes on, asked again every "
-                                 "%.0f s, and the publish decides", lapse.seconds, self.describe(result),
-                                 self.retry_s)
+                                 "%.0f s, and the publish decides", lapse.seconds, result, self.retry_s)
                 self._warned = True
             return
         if self._since is not None and asked_at - self._since >= self.settle_s:
@@ -154,11 +161,17 @@ def fence_for(plan: Any, beat: Lapsing, log: Any, **timing: float) -> ClaimsFenc
     `retry_s`, `settle_s` (a test's shorter ones)."""
     from ettflow.ett import lineage
     from ettflow.ett.warehouse import Warehouse
+    from ettflow.ett.warehouse_db import default_url, make_engine
 
     from .warehouse_url import error_text, resolve_warehouse_url
 
+    url: list[str] = []  # resolved at the first question (a Secret block's is an API call)
+
     def holds() -> ClaimsLost | None:
-        with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
+        if not url:
+            url.append(resolve_warehouse_url(plan.warehouse) or default_url())
+        # a read, with no schema upgrade (its migration lock): the run's claim upgraded the schema
+        with Warehouse(make_engine(url[0])) as wh:
             return lineage.claims_lost(wh, plan.model, plan.run_id)
 
     return ClaimsFence(beat, holds, log=log, describe=lambda exc: error_text(exc, plan.warehouse), **timing)

@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ettflow.tasks")
 
 FINAL_STATUSES = frozenset({"completed", "failed", "crashed", "cancelled"})  # Prefect's final state types
+SKIPPED = "skipped"  # a refresh that reserved, trained and claimed nothing (`tasks.skipped`)
 _IN_CHUNK = 500
 
 
@@ -115,9 +116,10 @@ def candidates(spool_root: Path | str) -> list[str]:
 
 
 def _status(beat: HeartbeatRecord | None, mark: PendingRow | None, row: _Row | None, now: float) -> str:
-    if mark is not None and mark.info.status in FINAL_STATUSES:
+    ended = FINAL_STATUSES | {SKIPPED}  # a skipped run's own row or mark (`archive_run` read its spool) stands
+    if mark is not None and mark.info.status in ended:
         return mark.info.status
-    if row is not None and row.status in FINAL_STATUSES:  # a hook archived the run's end
+    if row is not None and row.status in ended:  # a hook archived the run's end
         return row.status
     if beat is not None and beat.ended and beat.outcome:
         return beat.outcome
@@ -178,12 +180,14 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
         status = "crashed"
         evs = RunRecorder(spool_root, run_id).events()  # with its failure
     else:
-        status = "skipped" if skipped is not None else _status(beat, mark, row, now)
+        status = SKIPPED if skipped is not None else _status(beat, mark, row, now)
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     if evs is None:
         evs = RunRecorder(spool_root, run_id).events()
+        skipped = skip_reason(evs)
+        status = SKIPPED if skipped is not None else status
     # it died before spooling anything (between its claim and its trainer), or spooled only work off
     # the clock (a stopped run's anchor published): no row, its claims released
     if not run_spool.measurable(evs) and row is None:

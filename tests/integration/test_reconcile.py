@@ -256,10 +256,18 @@ def test_a_skipped_run_killed_before_its_heartbeat_was_forgotten_stays_skipped(w
     # skip-b's own row was written before the kill (the body's `finish_run`), skip-a's never was
     archive_hooks.archive_run("skip-b", {"spool_root": str(spool), "warehouse_url": warehouse_url, "model": "m"},
                               status="completed")
+    # skip-c's body raised after its skip (its heartbeat ended failed) and wrote no row
+    RunRecorder(spool, "skip-c").record(0, "scheduling", t, t + 1.5, stage=SKIP_STAGE,
+                                        outcome=Outcome.SKIPPED.value, reason="nothing new to train for model m")
+    with pytest.raises(RuntimeError), RunHeartbeat(spool, "skip-c", every_s=0.2, labels={"model": "m"}):
+        raise RuntimeError("the body failed after its skip")
     assert wait_for(lambda: all(read_heartbeat(spool, r).is_orphaned() for r in ("skip-a", "skip-b")))
     done = {r.run_id: r for r in reconcile(spool, warehouse_url)}
-    assert {r: d.status for r, d in done.items()} == {"skip-a": "skipped", "skip-b": "skipped"}, done
-    for run_id in ("skip-a", "skip-b"):
+    assert {r: d.status for r, d in done.items()} == {"skip-a": "skipped", "skip-b": "skipped",
+                                                      "skip-c": "skipped"}, done
+    again = {r.run_id: r.action for r in reconcile(spool, warehouse_url)}
+    assert again == {"skip-a": "skipped", "skip-b": "skipped", "skip-c": "skipped"}  # up to date: not archived again
+    for run_id in ("skip-a", "skip-b", "skip-c"):
         row, _events, failures = row_of(warehouse_url, run_id)
         assert row["status"] == "skipped" and row["nof"] == 0 and failures.empty, run_id
         assert not [e for e in read_spool(spool, run_id).events if e.phase in ("failure", "failure_detected")]

@@ -162,3 +162,45 @@ def test_after_training_a_lapse_is_asked_at_once_and_lost_claims_stop_the_publis
         f.after_training()
         assert len(asked) == 1 and beat.lapse is not None
     assert "cannot be asked now (OSError: connection refused); the publish decides" in log.lines[-1][1]
+
+
+def test_a_held_counts_by_when_it_was_asked_not_when_it_came_back():
+    """A "held" asked 25 s after the lapse was seen says nothing of the 5 s after it, even when it
+    comes back past the settle time: only one asked 30 s after clears the lapse."""
+    beat, clock, log, pending = Beat(), [0.0], Log(), []
+    f = ClaimsFence(beat, lambda: None, log=log, clock=lambda: clock[0], retry_s=25.0, settle_s=30.0,
+                    ask=pending.append)
+    beat.lapse = Lapse(10.0, 31.5)
+    f.check()  # asked at 0
+    pending.pop()()
+    clock[0] = 25.0
+    f.check()  # acts on the answer asked at 0; asks again at 25
+    clock[0] = 31.0
+    pending.pop()()  # the answer asked at 25 comes back at 31
+    f.check()
+    assert beat.lapse is not None
+    clock[0] = 50.0
+    f.check()  # asked at 50
+    pending.pop()()
+    f.check()
+    assert beat.lapse is None
+
+
+def test_a_question_that_cannot_start_is_no_answer_and_the_next_one_is_asked():
+    beat, clock, log, tries = Beat(), [0.0], Log(), []
+
+    def ask(question):
+        tries.append(clock[0])
+        if len(tries) == 1:
+            raise RuntimeError("can't start new thread")
+        question()
+
+    f = ClaimsFence(beat, lost, log=log, clock=lambda: clock[0], retry_s=5.0, ask=ask)
+    beat.lapse = Lapse(10.0, 31.5)
+    f.check()  # no thread: no answer, training goes on
+    assert "cannot be asked now (the question could not start: RuntimeError: can't start new thread)" in \
+        log.lines[0][1]
+    clock[0] = 5.0
+    with pytest.raises(RunWithdrawn):
+        f.check()
+    assert tries == [0.0, 5.0]

@@ -232,3 +232,27 @@ def test_a_heartbeat_whose_clock_jumps_past_its_bound_reports_one_lapse_its_owne
         assert beat.lapse == lapse
         beat.clear(lapse)
         assert beat.lapse is None
+
+
+def test_a_heartbeat_file_stamped_past_the_bound_by_its_file_system_reports_a_lapse(tmp_path, monkeypatch):
+    """On a shared file system the server stamps the mtime that other hosts compare with their
+    clocks: a gap there (a paused VM's guest clock lags after it resumes) is a lapse too, though
+    the process's own clock saw none."""
+    import os
+
+    import ettflow.ett.heartbeat as heartbeat
+
+    jump = [0.0]
+    real_utime = os.utime
+
+    def stamped(path, times=None):  # the server's clock, ahead by `jump`
+        now = time.time() + jump[0]
+        real_utime(path, (now, now))
+
+    monkeypatch.setattr(heartbeat.os, "utime", stamped)
+    with RunHeartbeat(tmp_path, "hb", every_s=0.05) as beat:
+        time.sleep(0.2)
+        assert beat.lapse is None
+        jump[0] = 20.0
+        assert _wait_for(lambda: beat.lapse is not None)
+        assert 20.0 <= beat.lapse.seconds < 21.0
