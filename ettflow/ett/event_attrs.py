@@ -229,6 +229,7 @@ KINDS: dict[str, type[EventAttrs]] = {
     "failure": FailureAttrs,
     "failure_detected": FailureAttrs,
     "operator_stop": FailureAttrs,  # its `reason`: who stopped the run
+    "claims_lost": FailureAttrs,  # its `reason`: the `ClaimsLost`'s words
     "fault_injected": FaultAttrs,
     "fault_unfired": FaultAttrs,
     "checkpoint_restore": RestoreAttrs,

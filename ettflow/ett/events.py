@@ -69,6 +69,9 @@ CHECKPOINT_DAMAGED = "checkpoint_damaged"
 # marker: an operator stopped the run (a cancel from Prefect's UI or CLI): what its ranks mark
 # from then on in that attempt is the stop, not a failure (`ett.timeline.operator_stops`)
 OPERATOR_STOP = "operator_stop"
+# marker, off the clock: a try of the run lost its window claims (taken for dead while it stood
+# still: `lineage.ClaimsLost`, its `reason`); a flow retry of the run ends failed at once
+CLAIMS_LOST = "claims_lost"
 # a publish try, on the devices (the baseline's) or on the CPU after their release; its `outcome` says how it ended
 PUBLISH_PHASES: tuple[str, ...] = ("publish", "publish_standalone")
 # evidence, not time: a rank's process was not running for a while (SIGSTOP, a frozen VM, a starved
@@ -122,14 +125,15 @@ PHASE_COMPONENT: dict[str, str | None] = {
     CHECKPOINT_FALLBACK: None,
     CHECKPOINT_DAMAGED: None,
     OPERATOR_STOP: None,
+    CLAIMS_LOST: None,
 }
 PHASES: frozenset[str] = frozenset(PHASE_COMPONENT)
 MARKERS: frozenset[str] = frozenset({SUBMITTED, FAILURE, FAILURE_DETECTED, CHECKPOINT_INTERVAL, SPARE_PLAN,
                                      FAULT_INJECTED, FAULT_UNFIRED, CHECKPOINT_FALLBACK, CHECKPOINT_DAMAGED,
-                                     OPERATOR_STOP})
+                                     OPERATOR_STOP, CLAIMS_LOST})
 # Informational phases neither claim time nor stretch the wall clock.
 OFF_CLOCK: frozenset[str] = frozenset({"publish_standalone", "checkpoint_save_background", "memory_save_background",
-                                       "spare_start", "flow_prestart", "anchor_seal", PROCESS_PAUSED})
+                                       "spare_start", "flow_prestart", "anchor_seal", PROCESS_PAUSED, CLAIMS_LOST})
 
 # Phases whose owner is not their component's owner (derived phases included).
 PHASE_OWNERS: dict[str, str] = {

@@ -2,6 +2,8 @@
 
     check the warehouse (fail fast, before anything is reserved)
     -> on the default synthetic data with nothing new: the next window arrives (`tasks.arrivals`)
+    -> [a flow retry of a try that lost its claims (taken for dead while it stood still): ends
+       failed at once, its row the earlier try's training]
     -> claim the windows past the model's watermark (none new, or another refresh holds them:
        the run ends Completed as skipped, nothing reserved)
     -> check the inputs (a bad file refuses the run: no ETT row)
@@ -38,9 +40,10 @@ from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed, State
 
 from ettflow.ett.heartbeat import RunHeartbeat
-from ettflow.ett.lineage import LineageRecord, Outcome
+from ettflow.ett.lineage import ClaimsLost, LineageRecord, Outcome
 from ettflow.ett.run_summary import FinalState, run_name, short_reason, state_message
 from ettflow.flows.parameter_help import with_parameter_help
+from ettflow.tasks import run_spool
 from ettflow.tasks.anchor_reuse import find_reusable_anchor
 from ettflow.tasks.archive import archive_on_flow_state, finish_run
 from ettflow.tasks.arrivals import arrive_windows
@@ -181,6 +184,11 @@ def refresh_model(
 def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartbeat) -> dict[str, Any] | State:
     """claim -> check the inputs -> [publish a stopped run's sealed anchor] or train and publish
     -> record the lineage -> prune checkpoints and snapshots; the run's final state."""
+    lost = run_spool.claims_lost(plan.recorder.events())
+    if lost is not None:  # a flow retry of a try taken for dead: its windows are another refresh's now
+        beat.end_as("failed")
+        return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=(
+            f"an earlier try of this run lost its window claims ({lost}); not claimed or trained again"))
     progress.show("claiming the windows past the model's watermark")
     claim = claim_windows(plan)
     if claim.skipped is not None:  # nothing reserved or trained; archived as skipped
@@ -206,6 +214,7 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
         record = record_lineage(plan, anchor, published)
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
+        _note_claims_lost(plan, exc)
         if _will_retry():
             raise  # Prefect retries the flow: the run is not finished
         beat.end_as("failed")
@@ -216,6 +225,17 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
     _prune(plan)
     return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason,
                    data=_published(plan, anchor, record))
+
+
+def _note_claims_lost(plan: RefreshPlan, exc: Exception) -> None:
+    """A try that lost its claims leaves that in the spool: Prefect retries a failed flow run
+    while it has retries, and the retry, finding the windows held, would be skipped and archive
+    the run's training as a skipped run's; it ends failed at once instead."""
+    if isinstance(exc, ClaimsLost):
+        try:
+            plan.recorder.mark_claims_lost(str(exc), time.time())
+        except OSError:  # a full disk: a retry is skipped, as before
+            get_run_logger().warning("could not note in the spool that run %s lost its claims", plan.run_id)
 
 
 def _prune(plan: RefreshPlan) -> None:
@@ -240,6 +260,7 @@ def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRec
         record = record_lineage(plan, anchor, publish(plan, anchor))
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the stopped run's record keeps the anchor for the next try
+        _note_claims_lost(plan, exc)
         if _will_retry():
             raise
         return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}", data=exc,

@@ -21,6 +21,7 @@ from typing import Any
 from ettflow.ett.event_attrs import SparePlanAttrs
 from ettflow.ett.events import (
     CHECKPOINT_INTERVAL,
+    CLAIMS_LOST,
     FAILURE,
     FAILURE_DETECTED,
     OFF_CLOCK,
@@ -107,6 +108,11 @@ class RunRecorder:
                      **({"process_stopped": True} if stopped else {}))
         return failure
 
+    def mark_claims_lost(self, reason: str, at: float) -> None:
+        """This try of the run lost its window claims (`lineage.ClaimsLost`): a flow retry ends at once."""
+        with SpoolWriter(self.root, self.run_id, self.last_attempt(), -1) as rec:
+            rec.mark(CLAIMS_LOST, at, reason=reason[:500])
+
     def record_prestart(self, attempt: int, started_at: float, submitted_at: float) -> None:
         """The run's process, started ahead of its submission (a worker's prefetch of a scheduled
         run), held for it until then: off the clock, counted as held capacity (`ett.capacity`)."""
@@ -131,6 +137,11 @@ def on_clock_end(evs: list[PhaseEvent]) -> float | None:
 
 def training_attempts(evs: list[PhaseEvent]) -> list[int]:
     return sorted({e.attempt for e in evs if e.phase == "train_step"})
+
+
+def claims_lost(evs: list[PhaseEvent]) -> str | None:
+    """Why an earlier try of the run lost its window claims (None: none did)."""
+    return next((e.info.reason or "its claims were lost" for e in evs if e.phase == CLAIMS_LOST), None)
 
 
 def measurable(evs: list[PhaseEvent]) -> bool:

@@ -303,8 +303,11 @@ def _loses_its_claims_while_it_publishes(env, stopped: str):
     from ettflow.publish import read_current
 
     ended = {}
+    # with a flow retry (Prefect retries a failed run while it has retries): the retry must not find
+    # the windows held, skip, and archive the run as skipped; it ends failed at once
+    retried = refresh_model.with_options(retries=1, retry_delay_seconds=0)
     thread = threading.Thread(target=lambda: ended.update(zip(("state", "run_id"), run(
-        env, fail_at=["publish:slow_s=3"]))))
+        env, retried, fail_at=["publish:slow_s=3"]))))
     thread.start()
     with Warehouse.open(env["warehouse_url"]) as wh:
         def claims():
@@ -330,8 +333,12 @@ def _loses_its_claims_while_it_publishes(env, stopped: str):
         assert wh.runs_frame(run_id=holder).empty  # it trained nothing (a stopped run's anchor): no ETT row
     assert record.reason.startswith(f"ClaimsLost: run {holder} no longer holds its claims")
     # its publish try was withdrawn, not a failure of its own: the loss of its claims is whoever's took them
-    tries = run_spool.publish_records(RunRecorder(env["spool_root"], holder).events())
+    evs = RunRecorder(env["spool_root"], holder).events()
+    tries = run_spool.publish_records(evs)
     assert [t.info.outcome for t in tries] == ["withdrawn"], tries
+    assert "an earlier try of this run lost its window claims" in state.message, state.message
+    assert run_spool.claims_lost(evs).startswith(f"run {holder} no longer holds its claims")
+    assert not [e for e in evs if e.phase == "scheduling" and e.attrs.get("outcome") == "skipped"]
     return record, "thief"
 
 

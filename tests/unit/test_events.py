@@ -108,3 +108,21 @@ def test_the_run_says_what_became_of_a_damaged_archive_its_pooled_worker_met():
     assert pooled_repair("replaced").endswith("compiled cold before the run and replaced it")
     assert pooled_repair("restored_replacement").endswith("restored that before the run and compiled warm")
     assert pooled_repair("mended_by_elves") == "its pooled worker's repair: mended_by_elves"
+
+
+def test_a_claims_lost_marker_is_read_back_and_moves_no_clock(tmp_path):
+    """The marker a try that lost its claims leaves (`RunRecorder.mark_claims_lost`): a flow retry
+    reads it (`run_spool.claims_lost`); it is off the clock, so the run's ETT is the same with it."""
+    from ettflow.ett.run_metrics import compute_run_metrics
+    from ettflow.ett.sample import write_sample_run
+    from ettflow.ett.spool import read_spool
+    from ettflow.tasks import run_spool
+
+    write_sample_run(tmp_path, "r", seed=2, fail_at_step=None)
+    recorder = run_spool.RunRecorder(tmp_path, "r")
+    before = compute_run_metrics(read_spool(tmp_path, "r").events)
+    assert run_spool.claims_lost(recorder.events()) is None
+    recorder.mark_claims_lost("run r no longer holds its claims on model m's windows: ...", before.wall_end + 600)
+    after = compute_run_metrics(read_spool(tmp_path, "r").events)
+    assert (after.wall_s, after.ett_pct, after.nof) == (before.wall_s, before.ett_pct, before.nof)
+    assert run_spool.claims_lost(recorder.events()).startswith("run r no longer holds its claims")
