@@ -17,7 +17,7 @@ A process that stood still (SIGSTOP, a paused VM, heavy swapping) cannot tell th
 its own code, except by its clock: the beat thread measures the time between two beats it
 wrote, and a gap past the bound is a `Lapse` (`RunHeartbeat.lapse`): for that span anyone
 could have taken the run for dead and released its claims. The run's owner asks whether they
-were (`tasks.claims.ClaimsFence`) and `clear`s the lapse when they were not.
+were (`tasks.claims_fence.ClaimsFence`) and `clear`s the lapse when they were not.
 """
 
 from __future__ import annotations
