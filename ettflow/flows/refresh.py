@@ -40,7 +40,7 @@ from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed, State
 
 from ettflow.ett.heartbeat import RunHeartbeat
-from ettflow.ett.lineage import ClaimsLost, LineageRecord, Outcome
+from ettflow.ett.lineage import LineageRecord, Outcome
 from ettflow.ett.run_summary import FinalState, run_name, short_reason, state_message
 from ettflow.flows.parameter_help import with_parameter_help
 from ettflow.tasks import run_spool
@@ -214,7 +214,6 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
         record = record_lineage(plan, anchor, published)
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the watermark stays; the windows are released
-        _note_claims_lost(plan, exc)
         if _will_retry():
             raise  # Prefect retries the flow: the run is not finished
         beat.end_as("failed")
@@ -225,17 +224,6 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
     _prune(plan)
     return _finish(plan, FinalState.COMPLETED, record.outcome, reason=record.reason,
                    data=_published(plan, anchor, record))
-
-
-def _note_claims_lost(plan: RefreshPlan, exc: Exception) -> None:
-    """A try that lost its claims leaves that in the spool: Prefect retries a failed flow run
-    while it has retries, and the retry, finding the windows held, would be skipped and archive
-    the run's training as a skipped run's; it ends failed at once instead."""
-    if isinstance(exc, ClaimsLost):
-        try:
-            plan.recorder.mark_claims_lost(str(exc), time.time())
-        except OSError:  # a full disk: a retry is skipped, as before
-            get_run_logger().warning("could not note in the spool that run %s lost its claims", plan.run_id)
 
 
 def _prune(plan: RefreshPlan) -> None:
@@ -260,7 +248,6 @@ def _publish_reused(plan: RefreshPlan, progress: RunProgress, reused: LineageRec
         record = record_lineage(plan, anchor, publish(plan, anchor))
     except Exception as exc:
         record_failure(plan, exc, get_run_logger())  # the stopped run's record keeps the anchor for the next try
-        _note_claims_lost(plan, exc)
         if _will_retry():
             raise
         return _finish(plan, FinalState.FAILED, Outcome.FAILED, reason=f"{type(exc).__name__}: {exc}", data=exc,

@@ -212,7 +212,11 @@ def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
     """Record a FAILED refresh and release its claims (kept in the spool while the warehouse is
     down); any other error is logged, never raised over the refresh's own error. An anchor the
     run sealed before it stopped is in the record: the next refresh of its windows publishes it
-    instead of training them again (`anchor_reuse.py`)."""
+    instead of training them again (`anchor_reuse.py`). A run that lost its claims
+    (`ClaimsLost`) has none to release: that is noted in its spool instead, where a flow retry
+    of the run reads it and ends at once (Prefect retries a failed run while it has retries; the
+    retry, finding the windows held, would be skipped and archive the run's training as a
+    skipped run's)."""
     from .trainer import finished_anchor  # the train task's own test of "this run sealed its anchor"
 
     try:
@@ -221,3 +225,8 @@ def record_failure(plan: RefreshPlan, exc: BaseException, log: Any) -> None:
                        reason=f"{type(exc).__name__}: {exc}")
     except Exception:  # noqa: BLE001 - the refresh's own error is the one to raise
         log.warning("could not record the failed refresh %s in the lineage", plan.run_id, exc_info=True)
+    if isinstance(exc, lineage.ClaimsLost):
+        try:
+            plan.recorder.mark_claims_lost(str(exc), time.time())
+        except OSError:  # a full disk: a retry is skipped, as before
+            log.warning("could not note in the spool that run %s lost its claims", plan.run_id)
