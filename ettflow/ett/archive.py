@@ -36,6 +36,7 @@ from .lineage import ENDED_OUTCOME, LineageRecord, settle_ended_run
 from .lineage_pending import read_pending_lineage
 from .redact import redact_url, scrub, scrub_urls
 from .run_metrics import RunMetrics, compute_run_metrics
+from .settled import unsettle
 from .spool import KEPT_LIMIT, SpoolProblem, SpoolRead, kept_dropped, read_spool, write_kept
 from .warehouse import RunInfo, Warehouse, WarehouseError, default_url
 
@@ -223,6 +224,7 @@ def write_pending(spool_root: Path | str, info: RunInfo, reason: str, warehouse:
         replace_json(path, data, default=str)
     except OSError as exc:
         log.warning("cannot write the pending mark %s (%s)", path, exc)
+    unsettle(spool_root, info.run_id)  # its row waits: never skipped as settled
     return row
 
 

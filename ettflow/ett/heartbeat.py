@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .json_file import replace_json
+from .settled import unsettle
 
 HEARTBEAT_FILE = "heartbeat.json"
 DEFAULT_EVERY_S = 2.0
@@ -163,6 +164,7 @@ class RunHeartbeat:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             replace_json(self.path, self._record)
             wrote = True
+            unsettle(self.path.parent.parent, self.run_id)  # a flow retry reopens the run
         except OSError as exc:  # the run goes on; it cannot be told orphaned if it dies
             log.warning("cannot write the heartbeat %s (%s): if this run dies, archive it with "
                         "`ettflow archive --run %s`", self.path, exc, self.run_id)
@@ -229,6 +231,8 @@ class RunHeartbeat:
                           mtime - self._written_mtime if self._written_mtime is not None else 0.0)
                 with self._lapse_lock:
                     self._lapse = lapse_after(self._lapse, now - gap, now, self.bound_s)
+                if gap > self.bound_s:  # it may have been taken for dead: its row may change
+                    unsettle(self.path.parent.parent, self.run_id)
                 self._written, self._written_mtime = now, mtime
                 warned = False
             except OSError as exc:
@@ -255,6 +259,7 @@ class RunHeartbeat:
             outcome = "crashed"
         try:
             replace_json(self.path, {**self._record, "ended_at": time.time(), "outcome": outcome})
+            unsettle(self.path.parent.parent, self.run_id)
         except OSError as exc_:
             log.warning("cannot record the end of run %s in %s (%s): it may later be archived as "
                         "crashed", self.run_id, self.path, exc_)

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Collection
 from pathlib import Path
 
 from .json_file import replace_json
 from .lineage import LineageRecord, Outcome
+from .settled import unsettle
 
 log = logging.getLogger("ettflow.ett")
 
@@ -39,6 +42,7 @@ def write_pending_lineage(spool_root: Path | str, record: LineageRecord) -> Path
     path = pending_lineage_file(spool_root, record.run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_json(path, record.row(), durable=True)
+    unsettle(spool_root, record.run_id)  # read by every reconciliation until it is written
     return path
 
 
@@ -60,12 +64,15 @@ def read_pending_lineage(spool_root: Path | str, run_id: str) -> LineageRecord |
         return None
 
 
-def pending_lineage_runs(spool_root: Path | str) -> list[str]:
-    """The runs of the spool with a pending lineage record, oldest file first."""
+def pending_lineage_runs(spool_root: Path | str, skip: Collection[str] = frozenset()) -> list[str]:
+    """The runs of the spool with a pending lineage record, oldest file first; those in `skip`
+    (settled: `ett.settled`) are not looked at."""
     root = Path(spool_root)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"*/{LINEAGE_PENDING_FILE}") if p.is_file()]
+    with os.scandir(root) as entries:
+        folders = [e.name for e in entries if e.name not in skip and not e.name.startswith(".") and e.is_dir()]
+    found = [p for name in folders if (p := root / name / LINEAGE_PENDING_FILE).is_file()]
     return [p.parent.name for p in sorted(found, key=lambda p: (p.stat().st_mtime, p.parent.name))]
 
 

@@ -42,13 +42,14 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .events import MARKERS, OFF_CLOCK, EventError, PhaseEvent
 from .failures import Failure, FailureClass, FailureError
+from .settled import unsettle
 
 
 class SpoolWriteError(OSError, FailureError):
@@ -176,6 +177,7 @@ class SpoolWriter:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise SpoolWriteError.of(exc, self.path) from exc
+        unsettle(self.path.parent.parent, self.run_id)  # its row may change now (`ett.settled`)
 
     def close(self) -> None:
         """Fsync what is not yet durable and close; raises `SpoolWriteError` if that fsync fails."""
@@ -196,6 +198,7 @@ class SpoolWriter:
                 if self._sync_fd >= 0:
                     os.close(self._sync_fd)
                     self._sync_fd = -1
+                unsettle(self.path.parent.parent, self.run_id)  # a late writer's lines count too
 
     def _fsync(self) -> None:
         try:
@@ -422,8 +425,11 @@ def spool_bytes(root: Path | str, run_id: str) -> int:
     return total
 
 
-def spooled_runs(root: Path | str) -> list[str]:
+def spooled_runs(root: Path | str, skip: Collection[str] = frozenset()) -> list[str]:
+    """The runs with a spool file under `root`, but those in `skip` (never opened)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*.jsonl")))
+    with os.scandir(root) as entries:
+        folders = [e.name for e in entries if e.name not in skip and not e.name.startswith(".") and e.is_dir()]
+    return sorted(name for name in folders if any((root / name).glob("*.jsonl")))

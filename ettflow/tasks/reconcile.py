@@ -8,7 +8,10 @@ the lineage records that wait in the spool (`settle_pending_lineage`, `ett.linea
 
 Which runs (`--pending`): those the flow started, i.e. with a heartbeat record
 (`ett.heartbeat`), and those with a pending mark (`ett.archive`). Spools without either (bench
-jobs, sample runs, an older ettflow) are archived only when named (`--run`).
+jobs, sample runs, an older ettflow) are archived only when named (`--run`). A refresh skips
+the runs settled for its warehouse (`ett.settled`: their row was found right, their end is
+`SETTLE_AFTER_S` old, and nothing wrote to them since), so its cost grows with the runs not yet
+settled; `ettflow archive --pending` reads them all.
 
 For each run, from what its spool says:
 
@@ -25,11 +28,13 @@ For each run, from what its spool says:
 
 A run is archived when it has a pending mark, no row, a row with another status, or a row
 that read a different spool (`spool_bytes` differs: the spool grew). Archiving is idempotent,
-so reconciling twice, or from two refreshes at once, writes one row.
+so reconciling twice, or from two refreshes at once, writes one row. A run whose row is found
+right, ended (or found dead) `SETTLE_AFTER_S` ago, is settled for that warehouse.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Collection, Iterable, Mapping
@@ -41,6 +46,7 @@ from sqlalchemy import select
 
 from ettflow.ett.archive import (
     OUTAGES,
+    PENDING_FILE,
     ArchiveResult,
     PendingRow,
     archive_or_defer,
@@ -49,12 +55,19 @@ from ettflow.ett.archive import (
     pending_file,
     read_pending,
     settles_lineage,
+    shown_url,
 )
 from ettflow.ett.events import PhaseEvent
 from ettflow.ett.heartbeat import HeartbeatRecord, heartbeat_file, read_heartbeat
 from ettflow.ett.lineage import ClaimsLost, Outcome, finish_refresh, settle_ended_run
-from ettflow.ett.lineage_pending import clear_pending_lineage, pending_lineage_runs, read_pending_lineage
+from ettflow.ett.lineage_pending import (
+    LINEAGE_PENDING_FILE,
+    clear_pending_lineage,
+    pending_lineage_runs,
+    read_pending_lineage,
+)
 from ettflow.ett.orphans import record_orchestrator_failure
+from ettflow.ett.settled import SETTLE_AFTER_S, Fingerprint, fingerprint, settle, settled_runs
 from ettflow.ett.spool import spool_bytes, spooled_runs
 from ettflow.ett.warehouse import RunInfo, Warehouse, default_url
 from ettflow.ett.warehouse_models import Run
@@ -109,10 +122,26 @@ def _rows(url: str | None, run_ids: list[str]) -> dict[str, _Row]:
     return out
 
 
-def candidates(spool_root: Path | str) -> list[str]:
-    """The runs `--pending` looks at: spooled, with a heartbeat record or a pending mark."""
-    return [r for r in spooled_runs(spool_root)
+def candidates(spool_root: Path | str, settled: Collection[str] = frozenset()) -> list[str]:
+    """The runs `--pending` looks at: spooled, with a heartbeat record or a pending mark, and
+    not among `settled` (read first: a settled run costs no file of its)."""
+    return [r for r in spooled_runs(spool_root, skip=settled)
             if heartbeat_file(spool_root, r).is_file() or pending_file(spool_root, r).is_file()]
+
+
+def warehouse_key(url: str | None) -> str:
+    """The settled index's name for a warehouse: a digest of its URL, password masked."""
+    return hashlib.sha256(shown_url(url).encode()).hexdigest()[:16]
+
+
+def _settles(beat: HeartbeatRecord | None, status: str, judged: Fingerprint, now: float) -> bool:
+    """Whether a run whose row is right may be settled (`ett.settled`): it ended (or was found
+    dead) `SETTLE_AFTER_S` ago, as its final status, and nothing of it waits for the warehouse."""
+    if beat is None or status not in FINAL_STATUSES | {SKIPPED}:
+        return False
+    ended = beat.ended_at if beat.ended else beat.detection_at
+    waiting = {PENDING_FILE, LINEAGE_PENDING_FILE} & {name for name, *_ in judged}
+    return ended is not None and now - ended >= SETTLE_AFTER_S and not waiting
 
 
 def _status(beat: HeartbeatRecord | None, mark: PendingRow | None, row: _Row | None, now: float) -> str:
@@ -154,7 +183,9 @@ def _info(run_id: str, beat: HeartbeatRecord | None, mark: PendingRow | None, ro
 
 
 def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Row | None, *,
-                  now: float, named: bool) -> Reconciled:
+                  now: float, named: bool, key: str | None = None) -> Reconciled:
+    """`key`: settle the run for that warehouse when its row is found right (`ett.settled`)."""
+    judged = fingerprint(spool_root, run_id) if key is not None else ()
     beat = read_heartbeat(spool_root, run_id)
     mark = read_pending(spool_root, run_id)
     if beat is not None and beat.is_live(now) and not named:
@@ -183,6 +214,8 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
         status = SKIPPED if skipped is not None else _status(beat, mark, row, now)
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
+        if key is not None and _settles(beat, status, judged, now) and settle(spool_root, run_id, key, judged):
+            return Reconciled(run_id, "skipped", "its row is up to date (settled)", status)
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     if evs is None:
         evs = RunRecorder(spool_root, run_id).events()
@@ -227,13 +260,16 @@ def _settle_unspooled(url: str | None, spool_root: Path | str, run_id: str, mode
 
 
 def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_ids: Iterable[str] | None = None,
-              skip: Collection[str] = (), now: float | None = None) -> list[Reconciled]:
+              skip: Collection[str] = (), now: float | None = None,
+              settled: Collection[str] = frozenset()) -> list[Reconciled]:
     """Reconcile the named runs (archived whatever their state), or every candidate run of the
-    spool (`candidates`: live ones left alone); `skip` is never touched. Raises `OUTAGES`
-    (e.g. `WarehouseError`) when the warehouse cannot be read to compare rows."""
+    spool (`candidates`: live ones left alone, and `settled` ones never read); `skip` is never
+    touched. A run found right long after its end is settled for this warehouse. Raises
+    `OUTAGES` (e.g. `WarehouseError`) when the warehouse cannot be read to compare rows."""
     now = time.time() if now is None else now
     named = run_ids is not None
-    runs = [r for r in (list(run_ids) if named else candidates(spool_root)) if r not in skip]
+    key = warehouse_key(warehouse_url)
+    runs = [r for r in (list(run_ids) if named else candidates(spool_root, settled)) if r not in skip]
     if not runs:
         return []
     rows = _rows(warehouse_url, runs)
@@ -242,18 +278,18 @@ def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_i
         if not (Path(spool_root) / run_id).is_dir():
             out.append(Reconciled(run_id, "error", f"no spool for run {run_id!r} under {spool_root}"))
             continue
-        out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named))
+        out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named, key=key))
     return out
 
 
 def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
-                           skip: Collection[str] = ()) -> list[Reconciled]:
+                           skip: Collection[str] = (), settled: Collection[str] = frozenset()) -> list[Reconciled]:
     """Write the lineage records that wait in the spool (`ett.lineage_pending`: their refresh
     ended while the warehouse was down), settling their window claims; each is removed once
     written. A PUBLISHED record whose run lost its claims meanwhile (taken for dead while it
     stood still: `lineage.ClaimsLost`) is written FAILED, with why. Raises `OUTAGES` when the
-    warehouse is still down (the records stay)."""
-    runs = [r for r in pending_lineage_runs(spool_root) if r not in skip]
+    warehouse is still down (the records stay). `settled` runs are not looked at."""
+    runs = [r for r in pending_lineage_runs(spool_root, skip=settled) if r not in skip]
     if not runs:
         return []
     out = []
@@ -281,11 +317,14 @@ def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
 def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, run_id: str,
                              logger: logging.Logger | logging.LoggerAdapter | None = None) -> list[Reconciled]:
     """The start of every refresh: archive the spool's pending and orphaned runs (not `run_id`,
-    the one starting). Never raises: a warehouse that is down leaves them for the next time."""
+    the one starting), but those settled for its warehouse (`ett.settled`), which it never reads:
+    its cost on the refresh's clock grows with the runs not yet settled, not with the spool.
+    Never raises: a warehouse that is down leaves them for the next time."""
     logger = logger or log
     try:
-        done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id})
-        done += reconcile(spool_root, warehouse_url, skip={run_id})
+        settled = settled_runs(spool_root, warehouse_key(warehouse_url))
+        done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id}, settled=settled)
+        done += reconcile(spool_root, warehouse_url, skip={run_id}, settled=settled)
     except OUTAGES as exc:
         logger.warning("reconciliation skipped: the warehouse is unavailable (%s); pending runs wait for the "
                        "next refresh or `ettflow archive --pending`", outage_reason(exc, warehouse_url))

@@ -23,7 +23,7 @@ from ettflow.ett.archive import archive_or_defer, pending_file, read_pending
 from ettflow.ett.heartbeat import RunHeartbeat, heartbeat_file, read_heartbeat
 from ettflow.ett.sample import write_sample_run
 from ettflow.ett.spool import read_spool, spool_file
-from ettflow.ett.warehouse import COMPONENT_COLUMNS, Warehouse
+from ettflow.ett.warehouse import COMPONENT_COLUMNS, RunInfo, Warehouse
 from ettflow.tasks import archive as archive_hooks
 from ettflow.tasks.reconcile import reconcile, reconcile_before_refresh
 
@@ -291,3 +291,58 @@ def test_a_run_that_spooled_only_work_off_the_clock_is_archived_as_no_row_not_an
     assert "spooled only work off the clock (publish_standalone): no ETT row" in caplog.text
     row, _events, _failures = row_of(warehouse_url, "reused")
     assert row is None
+
+
+def ended_an_hour_ago(spool, run_id: str) -> None:
+    """A finished run's record, its end moved an hour back (the settle rule's age)."""
+    path = heartbeat_file(spool, run_id)
+    data = json.loads(path.read_text())
+    data["ended_at"] -= 3600
+    path.write_text(json.dumps(data))
+
+
+def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(warehouse_url, tmp_path):
+    """Every refresh reconciles its spool on its clock: a run whose row was found right an age
+    after its end is settled for that warehouse and costs later refreshes no file read (before:
+    every run the spool ever held, read at every refresh). Whatever may change its row takes it
+    out again: a flow retry that reopens it (here killed inside its heartbeat), a late writer, a
+    pending mark; another warehouse still gets every run."""
+    from ettflow.ett.archive import write_pending
+    from ettflow.ett.settled import settled_runs
+    from ettflow.ett.spool import SpoolWriter
+    from ettflow.tasks.reconcile import warehouse_key
+
+    spool = tmp_path / "spool"
+    for run_id in ("old", "late", "marked", "recent"):
+        write_sample_run(spool, run_id, seed=6, fail_at_step=None, start=time.time() - 7200)
+        with RunHeartbeat(spool, run_id, every_s=0.2, labels={"model": "m", "mode": "optimized"}):
+            pass
+        if run_id != "recent":
+            ended_an_hour_ago(spool, run_id)
+
+    def refresh() -> dict[str, str]:
+        return {r.run_id: r.note for r in reconcile_before_refresh(spool, warehouse_url, "new-run")}
+
+    assert set(refresh()) == {"old", "late", "marked", "recent"}  # archived: their rows were missing
+    second = refresh()
+    assert {r for r, note in second.items() if note.endswith("(settled)")} == {"old", "late", "marked"}
+    assert second["recent"] == "its row is up to date"  # ended a moment ago: read again next time
+    assert set(refresh()) == {"recent"}  # the settled ones are not read
+    assert settled_runs(spool, warehouse_key(warehouse_url)) == {"old", "late", "marked"}
+
+    # another warehouse (a team's new one) gets every run's row, settled here or not
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    assert {r.run_id for r in reconcile_before_refresh(spool, other, "new-run") if r.action == "archived"} == \
+        {"old", "late", "marked", "recent"}
+
+    died_inside_its_heartbeat(spool, "old")  # a flow retry reopened it and was killed
+    with SpoolWriter(spool, "late", 0, 0) as w:  # a late rank's line
+        w.record("train_step", time.time() - 5, time.time() - 4, step=600, cursor_start=600, cursor_end=601)
+    write_pending(spool, RunInfo(run_id="marked", model="m", mode="optimized", status="completed"), "down")
+    assert settled_runs(spool, warehouse_key(warehouse_url)) == frozenset()
+    done = {r.run_id: r for r in reconcile(spool, warehouse_url, now=time.time() + 60,
+                                           settled=settled_runs(spool, warehouse_key(warehouse_url)))}
+    assert set(done) == {"old", "late", "marked", "recent"}  # all read again
+    assert done["late"].action == "archived" and done["marked"].action == "archived"
+    late, _events, _failures = row_of(warehouse_url, "late")
+    assert late["tags"]["spool_bytes"] == sum(p.stat().st_size for p in (spool / "late").glob("*.jsonl"))
