@@ -1,7 +1,9 @@
 """What reconciliation costs every refresh as a spool fills: a spool of N finished, archived tiny
 runs (each: a heartbeat that ended completed, a driver and two ranks' spool files, its row in a
 SQLite warehouse), then `reconcile_before_refresh` timed three times. Every refresh runs it before
-its claim, on its clock.
+its claim, on its clock. Then (where the settled index exists, `ett.settled`) what
+`ettflow archive --pending` does, settling every run, and three refreshes more. Runs ended a day
+ago, so all may be settled.
 
     .venv/bin/python scripts/reconcile_cost.py /tmp/spoolbench/n1000 1000
 """
@@ -15,8 +17,8 @@ from pathlib import Path
 
 from ettflow.ett.archive import archive_or_defer
 from ettflow.ett.spool import SpoolWriter
+from ettflow.tasks import reconcile as rc
 from ettflow.tasks.archive import run_info
-from ettflow.tasks.reconcile import reconcile_before_refresh
 
 
 def fill(spool: Path, url: str, n: int) -> None:
@@ -45,11 +47,22 @@ def main(root: Path, n: int) -> None:
     if not spool.exists():
         root.mkdir(parents=True, exist_ok=True)
         fill(spool, url, n)
+    refreshes(spool, url, n)
+    if hasattr(rc, "SETTLE_PER_REFRESH"):
+        t0 = time.perf_counter()
+        done = rc.reconcile(spool, url)
+        print(f"reconcile (ettflow archive --pending) over {n} runs: {time.perf_counter() - t0:.3f} s, "
+              f"{sum(getattr(r, 'settled', False) for r in done)} settled", flush=True)
+        refreshes(spool, url, n)
+
+
+def refreshes(spool: Path, url: str, n: int) -> None:
     for _ in range(3):
         t0 = time.perf_counter()
-        done = reconcile_before_refresh(spool, url, "new-run")
+        done = rc.reconcile_before_refresh(spool, url, "new-run")
         print(f"reconcile_before_refresh over {n} finished runs: {time.perf_counter() - t0:.3f} s "
-              f"({sum(r.action != 'skipped' for r in done)} of {len(done)} acted on)", flush=True)
+              f"({sum(r.action != 'skipped' for r in done)} of {len(done)} read and acted on, "
+              f"{sum(getattr(r, 'settled', False) for r in done)} settled)", flush=True)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ log = logging.getLogger("ettflow.tasks")
 FINAL_STATUSES = frozenset({"completed", "failed", "crashed", "cancelled"})  # Prefect's final state types
 SKIPPED = "skipped"  # a refresh that reserved, trained and claimed nothing (`tasks.skipped`)
 _IN_CHUNK = 500
+# runs a refresh settles at most (`ett.settled`): settling costs a file each (0.1-0.8 ms here), so a
+# spool that never had the index (an upgrade) is settled over a few refreshes, none of them paying
+# more than this on top of what it paid before; `ettflow archive --pending` settles them all
+SETTLE_PER_REFRESH = 100
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class Reconciled:
     note: str
     status: str | None = None
     result: ArchiveResult | None = None
+    settled: bool = False  # entered into the settled index (`ett.settled`) for the warehouse
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         if key is not None and _settles(beat, status, judged, now) and settle(spool_root, run_id, key, judged):
-            return Reconciled(run_id, "skipped", "its row is up to date (settled)", status)
+            return Reconciled(run_id, "skipped", "its row is up to date (settled)", status, settled=True)
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     if evs is None:
         evs = RunRecorder(spool_root, run_id).events()
@@ -261,11 +266,12 @@ def _settle_unspooled(url: str | None, spool_root: Path | str, run_id: str, mode
 
 def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_ids: Iterable[str] | None = None,
               skip: Collection[str] = (), now: float | None = None,
-              settled: Collection[str] = frozenset()) -> list[Reconciled]:
+              settled: Collection[str] = frozenset(), settle_limit: int | None = None) -> list[Reconciled]:
     """Reconcile the named runs (archived whatever their state), or every candidate run of the
     spool (`candidates`: live ones left alone, and `settled` ones never read); `skip` is never
-    touched. A run found right long after its end is settled for this warehouse. Raises
-    `OUTAGES` (e.g. `WarehouseError`) when the warehouse cannot be read to compare rows."""
+    touched. A run found right long after its end is settled for this warehouse, `settle_limit`
+    of them at most (None: no limit). Raises `OUTAGES` (e.g. `WarehouseError`) when the
+    warehouse cannot be read to compare rows."""
     now = time.time() if now is None else now
     named = run_ids is not None
     key = warehouse_key(warehouse_url)
@@ -273,12 +279,15 @@ def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_i
     if not runs:
         return []
     rows = _rows(warehouse_url, runs)
-    out = []
+    out: list[Reconciled] = []
+    room = settle_limit
     for run_id in runs:
         if not (Path(spool_root) / run_id).is_dir():
             out.append(Reconciled(run_id, "error", f"no spool for run {run_id!r} under {spool_root}"))
             continue
-        out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named, key=key))
+        out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named,
+                                 key=key if room is None or room > 0 else None))
+        room = room - out[-1].settled if room is not None else None
     return out
 
 
@@ -324,7 +333,7 @@ def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, 
     try:
         settled = settled_runs(spool_root, warehouse_key(warehouse_url))
         done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id}, settled=settled)
-        done += reconcile(spool_root, warehouse_url, skip={run_id}, settled=settled)
+        done += reconcile(spool_root, warehouse_url, skip={run_id}, settled=settled, settle_limit=SETTLE_PER_REFRESH)
     except OUTAGES as exc:
         logger.warning("reconciliation skipped: the warehouse is unavailable (%s); pending runs wait for the "
                        "next refresh or `ettflow archive --pending`", outage_reason(exc, warehouse_url))
