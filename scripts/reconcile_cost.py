@@ -61,7 +61,7 @@ def refreshes(spool: Path, url: str, n: int) -> None:
         t0 = time.perf_counter()
         done = rc.reconcile_before_refresh(spool, url, "new-run")
         print(f"reconcile_before_refresh over {n} finished runs: {time.perf_counter() - t0:.3f} s "
-              f"({sum(r.action != 'skipped' for r in done)} of {len(done)} read and acted on, "
+              f"({len(done)} read, {sum(r.action != 'skipped' for r in done)} acted on, "
               f"{sum(getattr(r, 'settled', False) for r in done)} settled)", flush=True)
 
 
