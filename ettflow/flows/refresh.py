@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from prefect import flow, get_run_logger
@@ -74,6 +74,9 @@ from ettflow.tasks.retention import prune_checkpoints, prune_snapshots
 from ettflow.tasks.run_labels import name_flow_run
 from ettflow.tasks.trainer import anchor_checkpoint, release_trainer, reserve_trainer, train
 from ettflow.tasks.warehouse_url import check_warehouse, refusal
+
+if TYPE_CHECKING:
+    from ettflow.tasks.lease import TrainerLease
 
 HOOKS = [archive_on_flow_state]
 DEFAULTS = RefreshParameters()  # the flow's defaults are the model's
@@ -226,6 +229,20 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
                    data=_published(plan, anchor, record))
 
 
+def _release(plan: RefreshPlan, lease: TrainerLease | None, *, published: bool) -> None:
+    """Free the trainer's devices. Once the snapshot is published (on the devices: the lineage
+    says PUBLISHED and `current` moved with it), a failed release (the spool's disk full as it
+    records the shutdown) is logged, not the run's end: recording FAILED over that record would
+    hand the published windows to the next refresh, or to this run's retry, to train again."""
+    try:
+        release_trainer(plan, lease)
+    except Exception as exc:
+        if not published:
+            raise
+        get_run_logger().warning("releasing the trainer failed after run %s published its snapshot (%s: %s); "
+                                 "the run stands published", plan.run_id, type(exc).__name__, exc)
+
+
 def _prune(plan: RefreshPlan) -> None:
     """Retention, once the lineage is recorded: the model's run checkpoint folders, then its snapshots."""
     prune_checkpoints(plan)
@@ -264,13 +281,14 @@ def _train_and_publish(plan: RefreshPlan, progress: RunProgress, fence: ClaimsFe
     """reserve -> train (stopped when `fence` finds the run taken for dead) -> anchor -> [publish
     on the devices] -> release -> publish on the CPU."""
     lease = reserve_trainer(plan)
+    held = None
     try:
         anchor = anchor_checkpoint(plan, train(plan, lease, fence))
         if plan.publish_in_trainer:
             progress.show("publishing the snapshot while the trainer holds its devices")
         held = publish(plan, anchor, on_devices=True) if plan.publish_in_trainer else None
     finally:
-        release_trainer(plan, lease)
+        _release(plan, lease, published=held is not None)
     if held is None:
         progress.show("publishing the snapshot on the CPU")
     return anchor, held or publish(plan, anchor)

@@ -595,3 +595,35 @@ def test_the_refresh_reconciles_before_it_asks_whether_there_is_new_data():
     assert body["reconcile_task"] < body["arrive_windows"] < body["_claim_and_refresh"], body
     assert "claim_windows" not in body and "claim_windows" in first_calls(refresh._claim_and_refresh,
                                                                           ("claim_windows",))
+
+
+@pytest.mark.parametrize("in_trainer", [True, False])
+def test_a_failed_release_after_a_publish_on_the_devices_leaves_the_run_published(monkeypatch, caplog, in_trainer):
+    """`publish_in_trainer` (the baseline's way) publishes before the devices are released: the
+    lineage says PUBLISHED and `current` moved. A release that fails then (the spool's disk full
+    as it records the shutdown) used to fail the run, recording FAILED over that record, so the
+    published windows were trained again. Without a publish, the release's failure is the run's."""
+    from ettflow.flows import refresh
+
+    published = []
+    monkeypatch.setattr(refresh, "reserve_trainer", lambda plan: "lease")
+    monkeypatch.setattr(refresh, "train", lambda plan, lease, fence: "trained")
+    monkeypatch.setattr(refresh, "anchor_checkpoint", lambda plan, trained: "/anchor")
+    monkeypatch.setattr(refresh, "publish", lambda plan, anchor, on_devices=False: published.append(on_devices) or
+                        "snapshot")
+
+    def release(plan, lease):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(refresh, "release_trainer", release)
+    monkeypatch.setattr(refresh, "get_run_logger", lambda: logging.getLogger("ettflow.test"))
+    plan = SimpleNamespace(publish_in_trainer=in_trainer, run_id="r1")
+    progress = SimpleNamespace(show=lambda text: None)
+    if in_trainer:
+        with caplog.at_level(logging.WARNING, logger="ettflow.test"):
+            assert refresh._train_and_publish(plan, progress, None) == ("/anchor", "snapshot")
+        assert published == [True] and "run r1 published its snapshot (OSError" in caplog.text
+    else:
+        with pytest.raises(OSError, match="No space left"):
+            refresh._train_and_publish(plan, progress, None)
+        assert published == []  # nothing published: the run fails as before
