@@ -11,6 +11,7 @@ ago, so all may be settled.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ def fill(spool: Path, url: str, n: int) -> None:
         (spool / run_id / "heartbeat.json").write_text(json.dumps({
             "run_id": run_id, "every_s": 2.0, "started_at": t, "ended_at": t + 9, "outcome": "completed",
             "labels": {"model": "m", "mode": "optimized"}}))
+        for path in (spool / run_id).iterdir():  # written when the run was, a day ago
+            os.utime(path, (t + 9, t + 9))
         archive_or_defer(url, spool, run_info(run_id, {"model": "m", "mode": "optimized"}, status="completed",
                                               flow_run_id=run_id))
 
@@ -52,7 +55,7 @@ def main(root: Path, n: int) -> None:
         t0 = time.perf_counter()
         done = rc.reconcile(spool, url)
         print(f"reconcile (ettflow archive --pending) over {n} runs: {time.perf_counter() - t0:.3f} s, "
-              f"{sum(getattr(r, 'settled', False) for r in done)} settled", flush=True)
+              f"{sum(getattr(r, 'indexed', False) for r in done)} settled", flush=True)
         refreshes(spool, url, n)
 
 
@@ -62,7 +65,7 @@ def refreshes(spool: Path, url: str, n: int) -> None:
         done = rc.reconcile_before_refresh(spool, url, "new-run")
         print(f"reconcile_before_refresh over {n} finished runs: {time.perf_counter() - t0:.3f} s "
               f"({len(done)} read, {sum(r.action != 'skipped' for r in done)} acted on, "
-              f"{sum(getattr(r, 'settled', False) for r in done)} settled)", flush=True)
+              f"{sum(getattr(r, 'indexed', False) for r in done)} settled)", flush=True)
 
 
 if __name__ == "__main__":

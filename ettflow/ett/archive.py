@@ -157,6 +157,7 @@ def archive_spooled_run(warehouse: Warehouse, spool_root: Path | str, info: RunI
     read = _read(spool_root, info.run_id)
     metrics = compute_run_metrics(read.events)
     warehouse.archive_run(_with_read_tags(info, read), read.events, metrics)
+    unsettle(spool_root, info.run_id)  # a row written from an older read may be the last: read it again
     return Archived(metrics, tuple(read.problems), len(read.events))
 
 
@@ -290,6 +291,7 @@ def archive_or_defer(warehouse_url: str | None | Callable[[], str | None], spool
         pending = write_pending(spool_root, info, outage_reason(exc, url), shown_url(url))
         return ArchiveResult(*common, pending=pending)
     clear_pending(spool_root, info.run_id)
+    unsettle(spool_root, info.run_id)  # a row written from an older read may be the last: read it again
     if settled is not None:
         log.warning("run %s ended %s before recording its refresh: lineage %s, windows %s released for the next "
                     "refresh of model %s", info.run_id, info.status, settled.outcome.value,

@@ -4,26 +4,32 @@ Every refresh reconciles its spool before it claims, on its clock (`tasks.reconc
 this index it read every run the spool ever held: about 0.2 s per 1,000 finished runs here,
 growing with every refresh for as long as the spool is kept. A run is **settled** for a
 warehouse when the reconciliation found that warehouse's row right, for a run that ended long
-enough ago (`SETTLE_AFTER_S`); a refresh's reconciliation then skips it without opening a file
-of its, so its cost grows with the runs not yet settled.
+enough ago (`SETTLE_AFTER_S`, and no file of it written for as long); a refresh's
+reconciliation then skips it without opening a file of its, so its cost grows with the runs not
+yet settled (and the few settled ones it re-checks: `tasks.reconcile.RECHECK_PER_REFRESH`).
 
 Layout: ``<spool>/.settled/<warehouse key>/<run_id>``, an empty file. The key names the
 warehouse (`tasks.reconcile` makes it from its URL, password masked), so a spool archived into
 another warehouse (a team's new PostgreSQL) still gets every run's row there.
 
-Invariant: whatever may change what a run's row should say removes the run's entries first
-(`unsettle`), under every key:
+Invariant: whatever may change what a run's row should say removes the run's entries, under
+every key (`unsettle`), after it made its change:
 
 - a spool writer of the run opening or closing a file (a flow retry's attempts, an
-  orchestrator failure recorded, a late rank);
+  orchestrator failure recorded, a late rank); a writer kept open since before the run was
+  settled (a rank's) is seen at its close;
 - the run's heartbeat starting (a flow retry), seeing a lapse (a process that stood still
   resumes) or recording its end;
-- a pending mark written for its row.
+- a pending mark or a pending lineage record written for it;
+- its row written to a warehouse (a reconciliation that read the spool earlier may write last).
 
-`settle` checks the run's files again after it wrote the entry (`fingerprint`) and removes it
-if they changed since the caller judged them: a writer that came between the judgement and the
-entry is never hidden. A row deleted from the warehouse by hand is not restored by a refresh;
-`ettflow archive --pending` reads every run, settled or not.
+The settler judges the run on its folder (`fingerprint`) and its row, read after it, and checks
+both again after it wrote the entry (`settle` the folder, `tasks.reconcile` the rows), taking it
+back if either changed: a change between the judgement and the entry is never hidden, because
+its `unsettle` comes after it. What the invariant cannot see (a writer killed between a line and
+its close, a shared file system's cached attributes) is found by the few settled runs each
+refresh re-checks. A row deleted from the warehouse by hand is restored by
+`ettflow archive --pending`, which reads every run, settled or not.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 SETTLED_DIR = ".settled"
-SETTLE_AFTER_S = 600.0  # a run settles this long after its end: a writer open at its end has long written
+SETTLE_AFTER_S = 600.0  # a run settles this long after its end and its last write
 
 log = logging.getLogger("ettflow.ett")
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -67,7 +68,7 @@ from ettflow.ett.lineage_pending import (
     read_pending_lineage,
 )
 from ettflow.ett.orphans import record_orchestrator_failure
-from ettflow.ett.settled import SETTLE_AFTER_S, Fingerprint, fingerprint, settle, settled_runs
+from ettflow.ett.settled import SETTLE_AFTER_S, Fingerprint, fingerprint, settle, settled_runs, unsettle
 from ettflow.ett.spool import spool_bytes, spooled_runs
 from ettflow.ett.warehouse import RunInfo, Warehouse, default_url
 from ettflow.ett.warehouse_models import Run
@@ -89,6 +90,10 @@ _IN_CHUNK = 500
 # spool that never had the index (an upgrade) is settled over a few refreshes, none of them paying
 # more than this on top of what it paid before; `ettflow archive --pending` settles them all
 SETTLE_PER_REFRESH = 100
+# settled runs a refresh reads again, drawn at random: what the settled index's invariant cannot see
+# (a writer killed between a line and its close, a shared file system's cached attributes) is
+# found within a few hundred refreshes instead of never (about 0.25 ms each here)
+RECHECK_PER_REFRESH = 20
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class Reconciled:
     note: str
     status: str | None = None
     result: ArchiveResult | None = None
-    settled: bool = False  # entered into the settled index (`ett.settled`) for the warehouse
+    indexed: bool = False  # entered into the settled index (`ett.settled`) for the warehouse
 
 
 @dataclass(frozen=True)
@@ -141,12 +146,14 @@ def warehouse_key(url: str | None) -> str:
 
 def _settles(beat: HeartbeatRecord | None, status: str, judged: Fingerprint, now: float) -> bool:
     """Whether a run whose row is right may be settled (`ett.settled`): it ended (or was found
-    dead) `SETTLE_AFTER_S` ago, as its final status, and nothing of it waits for the warehouse."""
-    if beat is None or status not in FINAL_STATUSES | {SKIPPED}:
+    dead) `SETTLE_AFTER_S` ago, as its final status, no file of it was written since, and nothing
+    of it waits for the warehouse."""
+    if beat is None or status not in FINAL_STATUSES | {SKIPPED} or not judged:
         return False
     ended = beat.ended_at if beat.ended else beat.detection_at
+    written = max(mtime_ns for _name, _size, mtime_ns in judged) / 1e9
     waiting = {PENDING_FILE, LINEAGE_PENDING_FILE} & {name for name, *_ in judged}
-    return ended is not None and now - ended >= SETTLE_AFTER_S and not waiting
+    return now - max(ended, written) >= SETTLE_AFTER_S and not waiting
 
 
 def _status(beat: HeartbeatRecord | None, mark: PendingRow | None, row: _Row | None, now: float) -> str:
@@ -220,7 +227,7 @@ def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Ro
     current = spool_bytes(spool_root, run_id)
     if not named and mark is None and row is not None and row.status == status and row.spool_bytes == current:
         if key is not None and _settles(beat, status, judged, now) and settle(spool_root, run_id, key, judged):
-            return Reconciled(run_id, "skipped", "its row is up to date (settled)", status, settled=True)
+            return Reconciled(run_id, "skipped", "its row is up to date (settled)", status, indexed=True)
         return Reconciled(run_id, "skipped", "its row is up to date", status)
     if evs is None:
         evs = RunRecorder(spool_root, run_id).events()
@@ -287,8 +294,27 @@ def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_i
             continue
         out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named,
                                  key=key if room is None or room > 0 else None))
-        room = room - out[-1].settled if room is not None else None
-    return out
+        room = room - out[-1].indexed if room is not None else None
+    return _rows_unchanged(spool_root, warehouse_url, rows, out)
+
+
+def _rows_unchanged(spool_root: Path | str, url: str | None, rows: Mapping[str, _Row],
+                    out: list[Reconciled]) -> list[Reconciled]:
+    """Take back the entries of runs whose row changed since it was judged (another process
+    archived them meanwhile, perhaps from an older read of the spool: `ett.settled`)."""
+    indexed = [r.run_id for r in out if r.indexed]
+    if not indexed:
+        return out
+    now_rows = _rows(url, indexed)
+
+    def same(run_id: str) -> bool:
+        a, b = rows.get(run_id), now_rows.get(run_id)
+        return a is not None and b is not None and (a.status, a.spool_bytes) == (b.status, b.spool_bytes)
+
+    changed = {r for r in indexed if not same(r)}
+    for run_id in changed:
+        unsettle(spool_root, run_id)
+    return [replace(r, indexed=False, note="its row changed meanwhile") if r.run_id in changed else r for r in out]
 
 
 def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
@@ -324,14 +350,18 @@ def settle_pending_lineage(spool_root: Path | str, warehouse_url: str | None, *,
 
 
 def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, run_id: str,
-                             logger: logging.Logger | logging.LoggerAdapter | None = None) -> list[Reconciled]:
+                             logger: logging.Logger | logging.LoggerAdapter | None = None, *,
+                             recheck: int = RECHECK_PER_REFRESH) -> list[Reconciled]:
     """The start of every refresh: archive the spool's pending and orphaned runs (not `run_id`,
     the one starting), but those settled for its warehouse (`ett.settled`), which it never reads:
-    its cost on the refresh's clock grows with the runs not yet settled, not with the spool.
-    Never raises: a warehouse that is down leaves them for the next time."""
+    its cost on the refresh's clock grows with the runs not yet settled, not with the spool;
+    `recheck` settled runs, drawn at random, are read again. Never raises: a warehouse that is
+    down leaves them for the next time."""
     logger = logger or log
     try:
         settled = settled_runs(spool_root, warehouse_key(warehouse_url))
+        if recheck > 0 and settled:
+            settled = settled - set(random.sample(sorted(settled), min(recheck, len(settled))))
         done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id}, settled=settled)
         done += reconcile(spool_root, warehouse_url, skip={run_id}, settled=settled, settle_limit=SETTLE_PER_REFRESH)
     except OUTAGES as exc:

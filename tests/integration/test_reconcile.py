@@ -294,11 +294,14 @@ def test_a_run_that_spooled_only_work_off_the_clock_is_archived_as_no_row_not_an
 
 
 def ended_an_hour_ago(spool, run_id: str) -> None:
-    """A finished run's record, its end moved an hour back (the settle rule's age)."""
+    """A finished run's record, its end and its files' last writes moved an hour back (the
+    settle rule's age)."""
     path = heartbeat_file(spool, run_id)
     data = json.loads(path.read_text())
     data["ended_at"] -= 3600
     path.write_text(json.dumps(data))
+    for f in (spool / run_id).iterdir():
+        os.utime(f, (data["ended_at"], data["ended_at"]))
 
 
 def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(warehouse_url, tmp_path):
@@ -306,7 +309,9 @@ def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(wareho
     after its end is settled for that warehouse and costs later refreshes no file read (before:
     every run the spool ever held, read at every refresh). Whatever may change its row takes it
     out again: a flow retry that reopens it (here killed inside its heartbeat), a late writer, a
-    pending mark; another warehouse still gets every run."""
+    pending mark; another warehouse still gets every run. What the invariant cannot see (a line
+    appended by a writer killed before its close) is found by the settled runs a refresh
+    re-checks."""
     from ettflow.ett.archive import write_pending
     from ettflow.ett.settled import settled_runs
     from ettflow.ett.spool import SpoolWriter
@@ -320,12 +325,12 @@ def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(wareho
         if run_id != "recent":
             ended_an_hour_ago(spool, run_id)
 
-    def refresh() -> dict[str, str]:
-        return {r.run_id: r.note for r in reconcile_before_refresh(spool, warehouse_url, "new-run")}
+    def refresh(recheck: int = 0) -> dict[str, str]:
+        return {r.run_id: r.note for r in reconcile_before_refresh(spool, warehouse_url, "new-run", recheck=recheck)}
 
     assert set(refresh()) == {"old", "late", "marked", "recent"}  # archived: their rows were missing
     # settling costs a file a run: a refresh settles SETTLE_PER_REFRESH at most (here 1 of 3)
-    assert [r.run_id for r in reconcile(spool, warehouse_url, settle_limit=1) if r.settled] == ["late"]
+    assert [r.run_id for r in reconcile(spool, warehouse_url, settle_limit=1) if r.indexed] == ["late"]
     second = refresh()
     assert {r for r, note in second.items() if note.endswith("(settled)")} == {"old", "marked"}
     assert second["recent"] == "its row is up to date"  # ended a moment ago: read again next time
@@ -348,3 +353,28 @@ def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(wareho
     assert done["late"].action == "archived" and done["marked"].action == "archived"
     late, _events, _failures = row_of(warehouse_url, "late")
     assert late["tags"]["spool_bytes"] == sum(p.stat().st_size for p in (spool / "late").glob("*.jsonl"))
+
+    # a line appended behind the index's back (its writer killed before its close): not seen by a
+    # refresh that re-checks none, found by one that re-checks the settled runs
+    ended_an_hour_ago(spool, "late")
+    refresh()
+    assert "late" in settled_runs(spool, warehouse_key(warehouse_url))
+    with open(spool / "late" / "attempt-000.rank-0.jsonl", "ab") as f:
+        f.write(b'{"torn": \n')
+    assert "late" not in refresh()
+    assert refresh(recheck=10)["late"] == "row missing or stale"
+    again, _events, _failures = row_of(warehouse_url, "late")
+    assert again["tags"]["spool_bytes"] == sum(p.stat().st_size for p in (spool / "late").glob("*.jsonl"))
+
+    # a row another process writes between the judgement and the entry (its unsettle came first)
+    from ettflow.ett.settled import fingerprint, settle
+    from ettflow.tasks import reconcile as rc
+
+    key = warehouse_key(warehouse_url)
+    judged_rows = rc._rows(warehouse_url, ["recent"])
+    archive_hooks.archive_run("recent", {"spool_root": str(spool), "warehouse_url": warehouse_url, "model": "m"},
+                              status="failed", flow_run_id="recent")
+    assert settle(spool, "recent", key, fingerprint(spool, "recent"))
+    judged = [rc.Reconciled("recent", "skipped", "its row is up to date (settled)", "completed", indexed=True)]
+    kept = rc._rows_unchanged(spool, warehouse_url, judged_rows, judged)
+    assert not kept[0].indexed and "recent" not in settled_runs(spool, key)
