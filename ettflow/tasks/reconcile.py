@@ -273,11 +273,13 @@ def _settle_unspooled(url: str | None, spool_root: Path | str, run_id: str, mode
 
 def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_ids: Iterable[str] | None = None,
               skip: Collection[str] = (), now: float | None = None,
-              settled: Collection[str] = frozenset(), settle_limit: int | None = None) -> list[Reconciled]:
+              settled: Collection[str] = frozenset(), settle_limit: int | None = None,
+              rechecked: Collection[str] = frozenset()) -> list[Reconciled]:
     """Reconcile the named runs (archived whatever their state), or every candidate run of the
     spool (`candidates`: live ones left alone, and `settled` ones never read); `skip` is never
     touched. A run found right long after its end is settled for this warehouse, `settle_limit`
-    of them at most (None: no limit). Raises `OUTAGES` (e.g. `WarehouseError`) when the
+    of them at most (None: no limit); `rechecked` ones are settled already (their entry stays
+    unless their row is written). Raises `OUTAGES` (e.g. `WarehouseError`) when the
     warehouse cannot be read to compare rows."""
     now = time.time() if now is None else now
     named = run_ids is not None
@@ -292,8 +294,9 @@ def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_i
         if not (Path(spool_root) / run_id).is_dir():
             out.append(Reconciled(run_id, "error", f"no spool for run {run_id!r} under {spool_root}"))
             continue
+        settles = (room is None or room > 0) and run_id not in rechecked
         out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named,
-                                 key=key if room is None or room > 0 else None))
+                                 key=key if settles else None))
         room = room - out[-1].indexed if room is not None else None
     return _rows_unchanged(spool_root, warehouse_url, rows, out)
 
@@ -360,10 +363,10 @@ def reconcile_before_refresh(spool_root: Path | str, warehouse_url: str | None, 
     logger = logger or log
     try:
         settled = settled_runs(spool_root, warehouse_key(warehouse_url))
-        if recheck > 0 and settled:
-            settled = settled - set(random.sample(sorted(settled), min(recheck, len(settled))))
-        done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id}, settled=settled)
-        done += reconcile(spool_root, warehouse_url, skip={run_id}, settled=settled, settle_limit=SETTLE_PER_REFRESH)
+        rechecked = frozenset(random.sample(sorted(settled), min(max(recheck, 0), len(settled))))
+        done = settle_pending_lineage(spool_root, warehouse_url, skip={run_id}, settled=settled - rechecked)
+        done += reconcile(spool_root, warehouse_url, skip={run_id}, settled=settled - rechecked,
+                          settle_limit=SETTLE_PER_REFRESH, rechecked=rechecked)
     except OUTAGES as exc:
         logger.warning("reconciliation skipped: the warehouse is unavailable (%s); pending runs wait for the "
                        "next refresh or `ettflow archive --pending`", outage_reason(exc, warehouse_url))
