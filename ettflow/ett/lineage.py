@@ -46,7 +46,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Table, delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError
 
+from . import warehouse_db
 from .redact import scrub_urls
 from .warehouse_db import WRITE, OpenWarehouse
 from .warehouse_models import RefreshLineage, WindowClaim
@@ -224,9 +226,22 @@ def _upsert(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
 
 
 def _lock_model(conn: Connection, model: str) -> None:
+    """The model's lock, for the transaction. PostgreSQL waits for it `BUSY_TIMEOUT_S` at most, as
+    SQLite waits for its write lock: a holder that stands still (a paused VM, a SIGSTOPped flow
+    process in its publish) fails the waiter with an `OperationalError` (an outage to its callers)
+    instead of hanging it, and its own connection, for as long."""
     if conn.dialect.name == "postgresql":
+        conn.execute(text(f"SET LOCAL lock_timeout = '{int(warehouse_db.BUSY_TIMEOUT_S * 1000)}ms'"))
         key = int.from_bytes(hashlib.sha256(f"lineage:{model}".encode()).digest()[:8], "big", signed=True)
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+
+
+def lock_timed_out(exc: BaseException) -> bool:
+    """Whether `exc` is a wait for the model's lock (PostgreSQL) or for SQLite's write lock that
+    ran past its timeout (`_lock_model`): another refresh held it all that time."""
+    orig = getattr(exc, "orig", None)
+    return isinstance(exc, OperationalError) and (
+        getattr(orig, "sqlstate", None) == "55P03" or "database is locked" in str(orig))
 
 
 def _claims_lost(conn: Connection, model: str, run_id: str) -> ClaimsLost | None:

@@ -5,7 +5,9 @@ Two refreshes of one model never train the same windows and never both advance t
 `ett.lineage.claim_windows` reads the watermark and the parent and claims the chosen windows in
 one transaction serialized per model, and refuses (`Busy`) while another refresh of the model
 holds live claims. This task asks again every `POLL_S` until it gets them or `claim_wait_s`
-passed; then the refresh is skipped, with the reason. A holder whose flow heartbeat (in this
+passed; then the refresh is skipped, with the reason. A question that waited past the
+warehouse's lock timeout (another refresh holds the model's lock: it stands still in its
+publish) counts as busy too. A holder whose flow heartbeat (in this
 refresh's spool) has stopped past its bound is dead: it is archived as crashed at once
 (`tasks.reconcile`), which releases its claims (`lineage.settle_ended_run`), and the claim is
 asked again; the 24-hour `STALE_AFTER_S` is only for a holder nobody can see. A refresh whose choice is empty (no window
@@ -26,6 +28,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from sqlalchemy.exc import OperationalError
 
 from ettflow.ett import lineage
 from ettflow.ett.failure_history_db import estimate_from_warehouse
@@ -56,6 +59,12 @@ def busy_reason(plan: RefreshPlan, busy: Busy, waited_s: float) -> str:
             f"{waited_s:.0f} s (claim_wait_s={plan.params.data.claim_wait_s:g}) and left those windows to it")
 
 
+def locked_reason(plan: RefreshPlan, waited_s: float) -> str:
+    return (f"another refresh of model {plan.model} held the model's lock past the warehouse's timeout each time "
+            f"it was asked (a refresh that stands still in its publish); waited {waited_s:.0f} s "
+            f"(claim_wait_s={plan.params.data.claim_wait_s:g}) and claimed nothing")
+
+
 def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log: Any = None,
                url: str | None = None) -> Claim:
     """Claim the plan's windows in the warehouse `wh` (at `url`, where a dead holder is
@@ -64,22 +73,27 @@ def take_claim(plan: RefreshPlan, wh: Warehouse, *, poll_s: float = POLL_S, log:
     announced = False
     archived: set[str] = set()  # holders archived as dead here: each at most once
     while True:
-        got = lineage.claim_windows(wh, plan.model, plan.run_id,
-                                    lambda mark, parent: _bound(plan, mark, parent))
-        if not isinstance(got, Busy):
+        try:
+            got = lineage.claim_windows(wh, plan.model, plan.run_id, lambda mark, parent: _bound(plan, mark, parent))
+        except OperationalError as exc:
+            if not lineage.lock_timed_out(exc):
+                raise
+            got = None  # another refresh held the model's lock past the timeout (it stands still in its publish)
+        if got is not None and not isinstance(got, Busy):
             bound: RefreshPlan = got.choice
             if bound.windows_choice.nothing_new:
                 return Claim(bound, f"nothing new to train for model {plan.model}: {bound.windows_choice.reason}")
             return Claim(bound)
-        if got.holder not in archived and _archive_if_dead(plan, got.holder, url, log):
+        if got is not None and got.holder not in archived and _archive_if_dead(plan, got.holder, url, log):
             archived.add(got.holder)
             continue  # its claims are released: ask again now
         waited = time.monotonic() - start
         if waited >= plan.params.data.claim_wait_s:
-            return Claim(plan, busy_reason(plan, got, waited))
+            return Claim(plan, busy_reason(plan, got, waited) if got is not None else locked_reason(plan, waited))
         if log is not None and not announced:
-            log.info("model %s: run %s holds its windows; waiting up to %g s", plan.model, got.holder,
-                     plan.params.data.claim_wait_s)
+            log.info("model %s: %s; waiting up to %g s", plan.model,
+                     f"run {got.holder} holds its windows" if got is not None else
+                     "another refresh holds the model's lock", plan.params.data.claim_wait_s)
             announced = True
         time.sleep(min(poll_s, max(plan.params.data.claim_wait_s - waited, 0.0)))
 

@@ -424,3 +424,26 @@ def test_a_training_run_that_stood_still_stops_once_its_claims_are_found_taken_a
         proc.wait()
     with Warehouse.open(url) as wh:  # the other refresh's claims are untouched
         assert lineage.release_claims(wh, "dlrm", "next") == len(stood.trainer.windows)
+
+
+def test_a_refresh_standing_still_in_its_publish_makes_the_other_skip_not_hang(warehouse_url, flow_data, tmp_path,
+                                                                              monkeypatch):
+    """A refresh holds the model's lock while it moves `current`; stopped there, the next refresh's
+    claim used to wait for as long on PostgreSQL (and fail on SQLite's busy timeout). Now each
+    question waits the lock timeout, counts as busy, and the refresh is skipped after
+    `claim_wait_s`, saying why, having claimed nothing."""
+    from ettflow.ett import lineage, warehouse_db
+    from ettflow.ett.lineage import LineageRecord, Outcome
+
+    monkeypatch.setattr(warehouse_db, "BUSY_TIMEOUT_S", 0.5)
+    with Warehouse.open(warehouse_url) as holder_wh, Warehouse.open(warehouse_url) as wh:
+        first = take_claim(plan(flow_data, tmp_path, "r1"), holder_wh)
+        assert first.skipped is None
+        windows = first.plan.trainer.windows
+        record = LineageRecord(model=first.plan.model, run_id="r1", windows=windows, outcome=Outcome.PUBLISHED,
+                               anchor="/a1")
+        with lineage.publishing(holder_wh, record):  # the holder stands still here
+            waiting = take_claim(plan(flow_data, tmp_path, "r2", claim_wait_s=0.8), wh, poll_s=0.05)
+        assert waiting.skipped is not None and "held the model's lock past the warehouse's timeout" in waiting.skipped
+        assert "claim_wait_s=0.8" in waiting.skipped
+        assert lineage.claims_lost(wh, first.plan.model, "r2") is not None  # it claimed nothing

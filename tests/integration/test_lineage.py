@@ -222,3 +222,38 @@ def test_an_earlier_trys_pending_record_never_undoes_a_later_try_that_published(
         assert lineage.claim_windows(w, "m", "next", choose_after(("w1", "w2", "w3")), now=300.0).windows == ("w3",)
         assert not lineage.finish_refresh(w, failed)  # the other order: the newer record stands
         assert w.lineage("m")[0].outcome is Outcome.PUBLISHED
+
+
+def test_a_model_lock_held_by_a_process_that_stands_still_fails_the_waiter_instead_of_hanging_it(
+        warehouse_url, monkeypatch):
+    """A refresh holds the model's lock while it moves `current` (`lineage.publishing`). Stopped
+    there (SIGSTOP, a paused VM), it used to hang every other refresh of the model on PostgreSQL,
+    each holding a connection, for as long as it stood still; SQLite's busy timeout already
+    failed them. Both now fail the waiter with an OperationalError after the timeout."""
+    import threading
+
+    from sqlalchemy.exc import OperationalError
+
+    from ettflow.ett import warehouse_db
+
+    monkeypatch.setattr(warehouse_db, "BUSY_TIMEOUT_S", 1.0)
+    known = ("w1", "w2")
+    with Warehouse.open(warehouse_url) as holder, Warehouse.open(warehouse_url) as waiter:
+        assert isinstance(lineage.claim_windows(holder, "m", "r1", choose_after(known), now=100.0), Claimed)
+        raised: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                lineage.claim_windows(waiter, "m", "r2", choose_after(known + ("w3",)), now=101.0)
+            except BaseException as exc:  # noqa: BLE001 - what the waiter got is the test's
+                raised.append(exc)
+
+        with lineage.publishing(holder, rec("r1", known, Outcome.PUBLISHED, 102.0, anchor="/a1")):
+            t = threading.Thread(target=wait, daemon=True)
+            t.start()
+            t.join(timeout=60)  # against a hang, not a timing: the holder stands still throughout
+            assert not t.is_alive(), "the waiter still waits on the model's lock"
+        assert len(raised) == 1 and isinstance(raised[0], OperationalError), raised
+        # once the holder is done, the waiter's next try claims what is new
+        after = lineage.claim_windows(waiter, "m", "r2", choose_after(known + ("w3",)), now=103.0)
+        assert isinstance(after, Claimed) and after.windows == ("w3",)
