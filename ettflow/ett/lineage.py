@@ -299,8 +299,11 @@ def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> bool:
     older than the one the run already has (`finished_at`) changes nothing and returns False:
     an earlier try's record that waited in the spool (`ett.lineage_pending`) while a later try
     of the same run (a flow retry) published must not undo it (its watermark, its done claims).
-    A PUBLISHED record of a run that no longer holds its claims raises `ClaimsLost` and writes
-    nothing (the module's fence)."""
+    Nor does any record that is not PUBLISHED over the run's PUBLISHED one: its snapshot became
+    the model's `current` with that record (`publishing`), and what fails after it (the release
+    of its devices, a cancellation, a retry of the run) does not unpublish it; only the run's
+    live claims (a later try's) are released. A PUBLISHED record of a run that no longer holds
+    its claims raises `ClaimsLost` and writes nothing (the module's fence)."""
     with _write(wh) as conn, conn.begin():
         _lock_model(conn, record.model)
         return _finish(conn, record)
@@ -308,16 +311,20 @@ def finish_refresh(wh: OpenWarehouse, record: LineageRecord) -> bool:
 
 def _finish(conn: Connection, record: LineageRecord) -> bool:
     """`finish_refresh` in the caller's transaction, the model locked."""
-    known = conn.execute(select(_LINEAGE.c.finished_at).where(_LINEAGE.c.run_id == record.run_id)).first()
+    known = conn.execute(select(_LINEAGE.c.finished_at, _LINEAGE.c.outcome)
+                         .where(_LINEAGE.c.run_id == record.run_id)).first()
     if known is not None and known.finished_at is not None and record.finished_at is not None \
             and known.finished_at > record.finished_at:  # a record without its time is written
+        return False
+    mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
+    if known is not None and known.outcome == Outcome.PUBLISHED.value and record.outcome is not Outcome.PUBLISHED:
+        conn.execute(delete(_CLAIMS).where(mine & (_CLAIMS.c.state == CLAIMED)))  # a later try's, if any
         return False
     if record.outcome is Outcome.PUBLISHED:
         lost = _claims_lost(conn, record.model, record.run_id)
         if lost is not None:
             raise lost
     _upsert(conn, _LINEAGE, [record.row()])
-    mine = (_CLAIMS.c.model == record.model) & (_CLAIMS.c.run_id == record.run_id)
     if record.outcome is Outcome.PUBLISHED:
         conn.execute(update(_CLAIMS).where(mine).values(state=DONE))
     else:

@@ -203,9 +203,9 @@ def settle_or_keep(plan: RefreshPlan, outcome: Outcome, log: Any, **fields: Any)
     try:
         with Warehouse.open(resolve_warehouse_url(plan.warehouse)) as wh:
             if not lineage.finish_refresh(wh, record):
-                log.warning("model %s: refresh %s's lineage (%s) was not written: the warehouse holds a later "
-                            "record of the run (another host settled it as ended); that record stands", plan.model,
-                            plan.run_id, outcome.value)
+                log.warning("model %s: refresh %s's lineage (%s) was not written: the warehouse holds a record of "
+                            "the run that stands (a later one, another host settled it as ended; or its PUBLISHED "
+                            "one: its snapshot is the model's current)", plan.model, plan.run_id, outcome.value)
         clear_pending_lineage(plan.spool_root, plan.run_id)  # an earlier try's, kept in an outage: superseded
         return record
     except OUTAGES as exc:

@@ -257,3 +257,23 @@ def test_a_model_lock_held_by_a_process_that_stands_still_fails_the_waiter_inste
         # once the holder is done, the waiter's next try claims what is new
         after = lineage.claim_windows(waiter, "m", "r2", choose_after(known + ("w3",)), now=103.0)
         assert isinstance(after, Claimed) and after.windows == ("w3",)
+
+
+def test_a_published_refresh_stays_published_whatever_fails_after_it(wh):
+    """Its snapshot became the model's `current` with its PUBLISHED record: a failure recorded
+    after it (the release of its devices, a cancellation during the teardown, a flow retry of the
+    run) used to write FAILED over it, taking the watermark back behind the served model and
+    releasing its windows to be trained again. Now the record stands; a later try's live claims
+    are released."""
+    known = ("w1", "w2")
+    assert isinstance(lineage.claim_windows(wh, "m", "r1", choose_after(known), now=9.0), Claimed)
+    assert lineage.finish_refresh(wh, rec("r1", known, Outcome.PUBLISHED, 10.0, anchor="/a1", snapshot="/s1"))
+    assert not lineage.finish_refresh(wh, rec("r1", known, Outcome.FAILED, 11.0, reason="OSError: release failed"))
+    assert [r.outcome for r in wh.lineage("m")] == [Outcome.PUBLISHED] and wh.watermark("m") == "w2"
+    # a later try of the same run claimed what came next, then failed: its claim goes, the record stays
+    retry = lineage.claim_windows(wh, "m", "r1", choose_after(known + ("w3",)), now=12.0)
+    assert isinstance(retry, Claimed) and retry.windows == ("w3",)
+    assert not lineage.finish_refresh(wh, rec("r1", ("w3",), Outcome.FAILED, 13.0))
+    assert [r.outcome for r in wh.lineage("m")] == [Outcome.PUBLISHED] and wh.watermark("m") == "w2"
+    nxt = lineage.claim_windows(wh, "m", "r2", choose_after(known + ("w3",)), now=14.0)
+    assert isinstance(nxt, Claimed) and nxt.windows == ("w3",)
