@@ -229,18 +229,19 @@ def _claim_and_refresh(plan: RefreshPlan, progress: RunProgress, beat: RunHeartb
                    data=_published(plan, anchor, record))
 
 
-def _release(plan: RefreshPlan, lease: TrainerLease | None, *, published: bool) -> None:
-    """Free the trainer's devices. Once the snapshot is published (on the devices: the lineage
-    says PUBLISHED and `current` moved with it), a failed release (the spool's disk full as it
-    records the shutdown) is logged, not the run's end: recording FAILED over that record would
-    hand the published windows to the next refresh, or to this run's retry, to train again."""
+def _release(plan: RefreshPlan, lease: TrainerLease | None, *, kept: str | None) -> None:
+    """Free the trainer's devices (the teardown's own errors are logged: what fails here is the
+    spool's disk as it records the shutdown). A failed release raises only while it is the run's
+    end; `kept` says why it is not: the run already failed of its own error, or its snapshot was
+    decided on the devices (published: `current` moved and the lineage says so; ending the run
+    failed would hand its windows to be trained again), and the release's failure is logged."""
     try:
         release_trainer(plan, lease)
     except Exception as exc:
-        if not published:
+        if kept is None:
             raise
-        get_run_logger().warning("releasing the trainer failed after run %s published its snapshot (%s: %s); "
-                                 "the run stands published", plan.run_id, type(exc).__name__, exc)
+        get_run_logger().warning("releasing run %s's trainer failed (%s: %s): %s", plan.run_id,
+                                 type(exc).__name__, exc, kept)
 
 
 def _prune(plan: RefreshPlan) -> None:
@@ -281,14 +282,16 @@ def _train_and_publish(plan: RefreshPlan, progress: RunProgress, fence: ClaimsFe
     """reserve -> train (stopped when `fence` finds the run taken for dead) -> anchor -> [publish
     on the devices] -> release -> publish on the CPU."""
     lease = reserve_trainer(plan)
-    held = None
     try:
         anchor = anchor_checkpoint(plan, train(plan, lease, fence))
         if plan.publish_in_trainer:
             progress.show("publishing the snapshot while the trainer holds its devices")
         held = publish(plan, anchor, on_devices=True) if plan.publish_in_trainer else None
-    finally:
-        _release(plan, lease, published=held is not None)
+    except BaseException:
+        _release(plan, lease, kept="the run's own error is the one raised")
+        raise
+    _release(plan, lease, kept=f"its snapshot was {held.outcome.value} on the devices, which stands"
+             if held is not None else None)
     if held is None:
         progress.show("publishing the snapshot on the CPU")
     return anchor, held or publish(plan, anchor)

@@ -609,8 +609,9 @@ def test_a_failed_release_after_a_publish_on_the_devices_leaves_the_run_publishe
     monkeypatch.setattr(refresh, "reserve_trainer", lambda plan: "lease")
     monkeypatch.setattr(refresh, "train", lambda plan, lease, fence: "trained")
     monkeypatch.setattr(refresh, "anchor_checkpoint", lambda plan, trained: "/anchor")
+    snapshot = SimpleNamespace(outcome=SimpleNamespace(value="published"))
     monkeypatch.setattr(refresh, "publish", lambda plan, anchor, on_devices=False: published.append(on_devices) or
-                        "snapshot")
+                        snapshot)
 
     def release(plan, lease):
         raise OSError(28, "No space left on device")
@@ -621,9 +622,32 @@ def test_a_failed_release_after_a_publish_on_the_devices_leaves_the_run_publishe
     progress = SimpleNamespace(show=lambda text: None)
     if in_trainer:
         with caplog.at_level(logging.WARNING, logger="ettflow.test"):
-            assert refresh._train_and_publish(plan, progress, None) == ("/anchor", "snapshot")
-        assert published == [True] and "run r1 published its snapshot (OSError" in caplog.text
+            assert refresh._train_and_publish(plan, progress, None) == ("/anchor", snapshot)
+        assert published == [True] and "run r1's trainer failed (OSError" in caplog.text
+        assert "its snapshot was published on the devices, which stands" in caplog.text
     else:
         with pytest.raises(OSError, match="No space left"):
             refresh._train_and_publish(plan, progress, None)
         assert published == []  # nothing published: the run fails as before
+
+
+def test_a_release_that_fails_after_the_training_failed_leaves_the_trainings_error_raised(monkeypatch, caplog):
+    """Before, the release's error (raised in a `finally`) replaced the training's: the run's
+    recorded reason, and what Prefect's retry decided on, were the release's."""
+    from ettflow.flows import refresh
+
+    monkeypatch.setattr(refresh, "reserve_trainer", lambda plan: "lease")
+
+    def train(plan, lease, fence):
+        raise RuntimeError("rank 1 died past the restart budget")
+
+    def release(plan, lease):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(refresh, "train", train)
+    monkeypatch.setattr(refresh, "release_trainer", release)
+    monkeypatch.setattr(refresh, "get_run_logger", lambda: logging.getLogger("ettflow.test"))
+    plan = SimpleNamespace(publish_in_trainer=False, run_id="r1")
+    with caplog.at_level(logging.WARNING, logger="ettflow.test"), pytest.raises(RuntimeError, match="restart budget"):
+        refresh._train_and_publish(plan, SimpleNamespace(show=lambda text: None), None)
+    assert "releasing run r1's trainer failed (OSError" in caplog.text and "own error is the one raised" in caplog.text
