@@ -23,13 +23,14 @@ every key (`unsettle`), after it made its change:
 - a pending mark or a pending lineage record written for it;
 - its row written to a warehouse (a reconciliation that read the spool earlier may write last).
 
-The settler judges the run on its folder (`fingerprint`) and its row, read after it, and checks
-both again after it wrote the entry (`settle` the folder, `tasks.reconcile` the rows), taking it
-back if either changed: a change between the judgement and the entry is never hidden, because
-its `unsettle` comes after it. What the invariant cannot see (a writer killed between a line and
-its close, a shared file system's cached attributes) is found by the few settled runs each
-refresh re-checks. A row deleted from the warehouse by hand is restored by
-`ettflow archive --pending`, which reads every run, settled or not.
+The settler judges the run on its row and then its folder (`fingerprint`), and checks both
+again after it wrote the entry (`settle` the folder, `tasks.reconcile` the rows, taking back
+every entry of the call if that read fails), taking it back if either changed: a change between
+the judgement and the entry is never hidden, because its `unsettle` comes after it. What the
+invariant cannot see (a writer killed between a line and its close, a shared file system's
+cached attributes) is found by the few settled runs each refresh re-checks. A row deleted from
+the warehouse by hand is restored by `ettflow archive --pending`, which reads every run, settled
+or not.
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ def settled_runs(spool_root: Path | str, key: str) -> frozenset[str]:
 
 
 def fingerprint(spool_root: Path | str, run_id: str) -> Fingerprint:
-    """What the run's folder holds: each file's name, size and mtime (ns)."""
+    """What the run's folder holds: each file's name, size and mtime (ns); empty (never settled)
+    when it cannot be read."""
     out = []
-    with contextlib.suppress(FileNotFoundError), os.scandir(Path(spool_root) / run_id) as entries:
-        for e in entries:
-            with contextlib.suppress(FileNotFoundError):
-                st = e.stat()
-                out.append((e.name, st.st_size, st.st_mtime_ns))
+    try:
+        with os.scandir(Path(spool_root) / run_id) as entries:
+            for e in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    st = e.stat()
+                    out.append((e.name, st.st_size, st.st_mtime_ns))
+    except OSError:
+        return ()
     return tuple(sorted(out))
 
 
@@ -83,8 +88,12 @@ def settle(spool_root: Path | str, run_id: str, key: str, judged: Fingerprint,
     except OSError as exc:
         log.debug("cannot settle run %s in %s: %s", run_id, path.parent, exc)
         return False
-    if (now_print or (lambda: fingerprint(spool_root, run_id)))() != judged:
-        path.unlink(missing_ok=True)
+    if not judged or (now_print or (lambda: fingerprint(spool_root, run_id)))() != judged:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot take run %s out of the settled index %s (%s): a refresh will not reconcile it; "
+                        "`ettflow archive --pending` does", run_id, path.parent, exc)
         return False
     return True
 

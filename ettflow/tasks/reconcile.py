@@ -29,7 +29,8 @@ For each run, from what its spool says:
 A run is archived when it has a pending mark, no row, a row with another status, or a row
 that read a different spool (`spool_bytes` differs: the spool grew). Archiving is idempotent,
 so reconciling twice, or from two refreshes at once, writes one row. A run whose row is found
-right, ended (or found dead) `SETTLE_AFTER_S` ago, is settled for that warehouse.
+right, ended (or found dead) `SETTLE_AFTER_S` ago with no file of it written since and nothing
+of it pending, is settled for that warehouse (`SETTLE_PER_REFRESH` at most per refresh).
 """
 
 from __future__ import annotations
@@ -197,7 +198,9 @@ def _info(run_id: str, beat: HeartbeatRecord | None, mark: PendingRow | None, ro
 def reconcile_run(spool_root: Path | str, url: str | None, run_id: str, row: _Row | None, *,
                   now: float, named: bool, key: str | None = None) -> Reconciled:
     """`key`: settle the run for that warehouse when its row is found right (`ett.settled`)."""
-    judged = fingerprint(spool_root, run_id) if key is not None else ()
+    # judged before anything the decision reads but its row (read before, and read again once settled)
+    may_settle = key is not None and not named and row is not None and row.status in FINAL_STATUSES | {SKIPPED}
+    judged = fingerprint(spool_root, run_id) if may_settle else ()
     beat = read_heartbeat(spool_root, run_id)
     mark = read_pending(spool_root, run_id)
     if beat is not None and beat.is_live(now) and not named:
@@ -285,20 +288,29 @@ def reconcile(spool_root: Path | str, warehouse_url: str | None = None, *, run_i
     named = run_ids is not None
     key = warehouse_key(warehouse_url)
     runs = [r for r in (list(run_ids) if named else candidates(spool_root, settled)) if r not in skip]
+    for gone in set(rechecked) - set(runs):  # an entry whose run folder was removed
+        if not (Path(spool_root) / gone).exists():
+            unsettle(spool_root, gone)
     if not runs:
         return []
     rows = _rows(warehouse_url, runs)
     out: list[Reconciled] = []
     room = settle_limit
-    for run_id in runs:
-        if not (Path(spool_root) / run_id).is_dir():
-            out.append(Reconciled(run_id, "error", f"no spool for run {run_id!r} under {spool_root}"))
-            continue
-        settles = (room is None or room > 0) and run_id not in rechecked
-        out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named,
-                                 key=key if settles else None))
-        room = room - out[-1].indexed if room is not None else None
-    return _rows_unchanged(spool_root, warehouse_url, rows, out)
+    try:
+        for run_id in runs:
+            if not (Path(spool_root) / run_id).is_dir():
+                out.append(Reconciled(run_id, "error", f"no spool for run {run_id!r} under {spool_root}"))
+                continue
+            settles = (room is None or room > 0) and run_id not in rechecked
+            out.append(reconcile_run(spool_root, warehouse_url, run_id, rows.get(run_id), now=now, named=named,
+                                     key=key if settles else None))
+            room = room - out[-1].indexed if room is not None else None
+        return _rows_unchanged(spool_root, warehouse_url, rows, out)
+    except BaseException:  # the rows of what this call settled were not read again: take the entries back
+        for r in out:
+            if r.indexed:
+                unsettle(spool_root, r.run_id)
+        raise
 
 
 def _rows_unchanged(spool_root: Path | str, url: str | None, rows: Mapping[str, _Row],

@@ -337,11 +337,6 @@ def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(wareho
     assert set(refresh()) == {"recent"}  # the settled ones are not read
     assert settled_runs(spool, warehouse_key(warehouse_url)) == {"old", "late", "marked"}
 
-    # another warehouse (a team's new one) gets every run's row, settled here or not
-    other = f"sqlite:///{tmp_path / 'other.db'}"
-    assert {r.run_id for r in reconcile_before_refresh(spool, other, "new-run") if r.action == "archived"} == \
-        {"old", "late", "marked", "recent"}
-
     died_inside_its_heartbeat(spool, "old")  # a flow retry reopened it and was killed
     with SpoolWriter(spool, "late", 0, 0) as w:  # a late rank's line
         w.record("train_step", time.time() - 5, time.time() - 4, step=600, cursor_start=600, cursor_end=601)
@@ -378,3 +373,45 @@ def test_a_refresh_never_reads_a_settled_run_until_something_writes_to_it(wareho
     judged = [rc.Reconciled("recent", "skipped", "its row is up to date (settled)", "completed", indexed=True)]
     kept = rc._rows_unchanged(spool, warehouse_url, judged_rows, judged)
     assert not kept[0].indexed and "recent" not in settled_runs(spool, key)
+
+    # another warehouse (a team's new one) gets every run's row, settled for the first or not
+    ended_an_hour_ago(spool, "late")
+    refresh()
+    assert "late" in settled_runs(spool, key)
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    archived = {r.run_id for r in reconcile_before_refresh(spool, other, "new-run") if r.action == "archived"}
+    assert {"late", "marked", "recent"} <= archived  # "old", reopened a moment ago, may still count as live
+
+
+def test_a_reconciliation_that_fails_midway_takes_back_what_it_settled(warehouse_url, tmp_path, monkeypatch):
+    """Its rows were not read again after settling (`_rows_unchanged`): the entries go. An entry
+    whose run folder was removed is dropped when a refresh draws it for a re-check."""
+    import shutil
+
+    from ettflow.ett.settled import settled_runs
+    from ettflow.tasks import reconcile as rc
+
+    spool = tmp_path / "spool"
+    for run_id in ("a", "b"):
+        write_sample_run(spool, run_id, seed=7, fail_at_step=None, start=time.time() - 7200)
+        with RunHeartbeat(spool, run_id, every_s=0.2, labels={"model": "m", "mode": "optimized"}):
+            pass
+        ended_an_hour_ago(spool, run_id)
+    assert {r.action for r in rc.reconcile(spool, warehouse_url)} == {"archived"}
+    key = rc.warehouse_key(warehouse_url)
+    real = rc.reconcile_run
+
+    def fails_on_b(spool_root, url, run_id, *args, **kwargs):
+        if run_id == "b":
+            raise RuntimeError("the spool's disk went away")
+        return real(spool_root, url, run_id, *args, **kwargs)
+
+    monkeypatch.setattr(rc, "reconcile_run", fails_on_b)
+    with pytest.raises(RuntimeError, match="went away"):
+        rc.reconcile(spool, warehouse_url)
+    assert settled_runs(spool, key) == frozenset()  # "a" was settled before "b" failed: taken back
+    monkeypatch.setattr(rc, "reconcile_run", real)
+    assert [r.run_id for r in rc.reconcile(spool, warehouse_url) if r.indexed] == ["a", "b"]
+    shutil.rmtree(spool / "a")
+    rc.reconcile_before_refresh(spool, warehouse_url, "new-run", recheck=10)
+    assert settled_runs(spool, key) == {"b"}
