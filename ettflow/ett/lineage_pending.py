@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Collection
 from pathlib import Path
 
 from .json_file import replace_json
 from .lineage import LineageRecord, Outcome
 from .settled import unsettle
+from .spool import run_folders
 
 log = logging.getLogger("ettflow.ett")
 
@@ -68,11 +68,7 @@ def pending_lineage_runs(spool_root: Path | str, skip: Collection[str] = frozens
     """The runs of the spool with a pending lineage record, oldest file first; those in `skip`
     (settled: `ett.settled`) are not looked at."""
     root = Path(spool_root)
-    if not root.is_dir():
-        return []
-    with os.scandir(root) as entries:
-        folders = [e.name for e in entries if e.name not in skip and not e.name.startswith(".") and e.is_dir()]
-    found = [p for name in folders if (p := root / name / LINEAGE_PENDING_FILE).is_file()]
+    found = [p for name in run_folders(root, skip) if (p := root / name / LINEAGE_PENDING_FILE).is_file()]
     return [p.parent.name for p in sorted(found, key=lambda p: (p.stat().st_mtime, p.parent.name))]
 
 

@@ -425,11 +425,15 @@ def spool_bytes(root: Path | str, run_id: str) -> int:
     return total
 
 
-def spooled_runs(root: Path | str, skip: Collection[str] = frozenset()) -> list[str]:
-    """The runs with a spool file under `root`, but those in `skip` (never opened)."""
-    root = Path(root)
-    if not root.is_dir():
+def run_folders(root: Path | str, skip: Collection[str] = frozenset()) -> list[str]:
+    """The names of the run folders under the spool `root` (one listing, no file of theirs
+    opened), but those in `skip` and the spool's own hidden ones (`ett.settled`'s index)."""
+    if not Path(root).is_dir():
         return []
     with os.scandir(root) as entries:
-        folders = [e.name for e in entries if e.name not in skip and not e.name.startswith(".") and e.is_dir()]
-    return sorted(name for name in folders if any((root / name).glob("*.jsonl")))
+        return [e.name for e in entries if e.name not in skip and not e.name.startswith(".") and e.is_dir()]
+
+
+def spooled_runs(root: Path | str, skip: Collection[str] = frozenset()) -> list[str]:
+    """The runs with a spool file under `root`, but those in `skip` (never opened)."""
+    return sorted(name for name in run_folders(root, skip) if any((Path(root) / name).glob("*.jsonl")))
